@@ -1,0 +1,2 @@
+//! `mur`: the command-line front end (thin: parse, then call the libraries).
+fn main() {}

@@ -1,0 +1,13 @@
+//! murmur's wire and file formats: capsule manifests, messages, trace events, task
+//! vocabulary and ids. Pure: no IO, no async, no clock reads (callers pass time in).
+
+pub mod ids;
+pub mod manifest;
+pub mod message;
+pub mod task;
+pub mod trace;
+
+pub use ids::{Id, IdKind};
+pub use manifest::Manifest;
+pub use message::{Block, Message, Role};
+pub use task::{ExitStatus, Lane, Origin};

@@ -1,0 +1,2 @@
+//! Manifest rules, one test per rule.
+use super::*;

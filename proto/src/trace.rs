@@ -1,0 +1,304 @@
+//! `trace.jsonl`: one JSON object per line, the session's record of what happened.
+//!
+//! The vocabulary and fields are those of `reference/murmur-runtime.md` §1 ([main+]
+//! generation): every line carries `event_type`, `session_id`, `timestamp` (Unix ms),
+//! `event_id` (`evt_…`) and `parent_id` (null only on `session_start`); the tree is
+//! session → task → turn (`inference`) → call events. Optional provider usage fields are
+//! absent, never 0, when the provider did not report them.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::task::{ExitStatus, Lane, Origin};
+
+/// One line of `trace.jsonl`: the common header plus the event.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Line {
+    /// The event and its fields; serialised flat, tagged by `event_type`.
+    #[serde(flatten)]
+    pub event: Event,
+    /// `ses_…`, the same on every line of a file.
+    pub session_id: String,
+    /// Unix time in milliseconds.
+    pub timestamp: u64,
+    /// `evt_…`, unique.
+    pub event_id: String,
+    /// The enclosing event (`session_start` for a task, `task_start` for a turn, the
+    /// `inference` line for its calls); null only on `session_start`.
+    pub parent_id: Option<String>,
+}
+
+/// Token usage as the provider reported it. Every field is optional: absent means the
+/// provider did not say, which is not the same as 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderUsage {
+    /// Input tokens the provider counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens_actual: Option<u64>,
+    /// Output tokens the provider counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens_actual: Option<u64>,
+    /// Input tokens served from the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+    /// Input tokens written to the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
+}
+
+/// What a model response decided, as the `inference` line records it:
+/// `tool_call` → `tool_call`, `end_turn` → `end_turn`, anything else (`max_tokens`
+/// included) → `text` (`reference/murmur-runtime.md` §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    /// The model asked for tools.
+    ToolCall,
+    /// The model ended its turn.
+    EndTurn,
+    /// Anything else.
+    Text,
+}
+
+impl Decision {
+    /// The wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Decision::ToolCall => "tool_call",
+            Decision::EndTurn => "end_turn",
+            Decision::Text => "text",
+        }
+    }
+}
+
+/// `ok` or `error`, for a tool call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallStatus {
+    /// The tool ran (a shell command's non-zero exit included).
+    Ok,
+    /// The tool could not run or reported an error.
+    Error,
+}
+
+/// Every event a trace may hold.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event_type", rename_all = "snake_case")]
+pub enum Event {
+    /// Once per launch, first.
+    SessionStart {
+        /// `name` of the manifest.
+        capsule_name: String,
+        /// `version` of the manifest.
+        capsule_version: String,
+        /// The model name, or the driver's label when it has none (`scripted`).
+        model: String,
+        /// `openai`, `anthropic`, `scripted` or `process`: a scripted run says so.
+        driver: String,
+        /// `inference.max_turns`.
+        max_turns: u32,
+        /// Capabilities granted (`shell` when any binary is allowed).
+        capabilities: Vec<String>,
+        /// Tool names offered to the model, in order.
+        tools_declared: Vec<String>,
+        /// `manifest`, `cli` or `none`.
+        system_prompt_source: String,
+        /// SHA-256 (hex) of the resolved system prompt, null when there is none.
+        system_prompt_sha256: Option<String>,
+        /// The session this one resumes (`mur run --resume`).
+        resumed_from: Option<String>,
+        /// The context the session resumes, if any.
+        context_id: Option<String>,
+    },
+    /// A task begins; resets the per-task counters.
+    TaskStart {
+        /// `tsk_…`.
+        task_id: String,
+        /// `ctx_…`.
+        context_id: String,
+        /// `cli`, `task_md`, `a2a`, `cluster`, `detached_shell`, `detached_lost`.
+        source: String,
+        /// Bytes of the task text.
+        message_parts_bytes: u64,
+        /// Where the task came from.
+        origin: Origin,
+        /// The lane it waited in.
+        lane: Lane,
+    },
+    /// One model call (a turn).
+    Inference {
+        /// 0-based turn number within the task.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// Runtime estimate of the request's tokens.
+        input_tokens: u64,
+        /// Runtime estimate of the response's tokens.
+        output_tokens: u64,
+        /// What the response decided.
+        decision: Decision,
+        /// The first tool called, if any.
+        tool_name: Option<String>,
+        /// Wall time of the model call, ms.
+        duration_ms: u64,
+        /// Provider-reported usage.
+        #[serde(flatten)]
+        usage: ProviderUsage,
+        /// `hook:<name>` for a hook's own model call.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        origin: Option<String>,
+    },
+    /// One tool call, written after the tool returned.
+    ToolCall {
+        /// Turn that asked for it.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// Tool name as the model gave it.
+        tool_name: String,
+        /// The provider's call id.
+        tool_call_id: Option<String>,
+        /// The call's input (omitted with `trace.capture: none`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        input: Option<Value>,
+        /// Bytes of the serialised input.
+        input_bytes: u64,
+        /// The result text (only with `trace.capture: content`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output: Option<String>,
+        /// Bytes of the result text.
+        output_bytes: u64,
+        /// Wall time, ms.
+        duration_ms: u64,
+        /// `ok` or `error`.
+        status: CallStatus,
+    },
+    /// A shell command, written right after its `tool_call` line.
+    Shell {
+        /// Turn that asked for it.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// Resolved absolute path of the binary (or its bare name when unresolved).
+        binary: String,
+        /// The command as the model gave it.
+        command: String,
+        /// Exit code; 128+signal when killed by a signal.
+        exit_code: i32,
+        /// Bytes written to stdout.
+        stdout_bytes: u64,
+        /// Bytes written to stderr.
+        stderr_bytes: u64,
+        /// Wall time, ms.
+        duration_ms: u64,
+    },
+    /// The task's single terminal record.
+    TaskEnd {
+        /// The task.
+        task_id: String,
+        /// How it ended.
+        exit_status: ExitStatus,
+        /// Wall time, ms.
+        duration_ms: u64,
+        /// Model calls made (all attempts).
+        turns: u32,
+        /// Sum of the inference lines' `input_tokens`.
+        input_tokens: u64,
+        /// Sum of the inference lines' `output_tokens`.
+        output_tokens: u64,
+        /// Tool calls made.
+        tool_calls: u32,
+        /// Shell commands run.
+        shell_calls: u32,
+        /// Reopens granted; 0 for a task that ran once.
+        #[serde(default)]
+        reopen_count: u32,
+    },
+    /// Once per launch, last; totals are sums over the task records.
+    SessionEnd {
+        /// Sum of `task_end.turns`.
+        total_turns: u32,
+        /// Sum of `task_end.input_tokens`.
+        total_input_tokens: u64,
+        /// Sum of `task_end.output_tokens`.
+        total_output_tokens: u64,
+        /// Sum of `task_end.tool_calls`.
+        total_tool_calls: u32,
+        /// Sum of `task_end.shell_calls`.
+        total_shell_calls: u32,
+        /// Wall time of the session, ms.
+        duration_ms: u64,
+        /// The last task's exit status (`ok` for a session that ran none).
+        exit_status: ExitStatus,
+    },
+}
+
+impl Event {
+    /// The `event_type` string.
+    pub fn event_type(&self) -> &'static str {
+        match self {
+            Event::SessionStart { .. } => "session_start",
+            Event::TaskStart { .. } => "task_start",
+            Event::Inference { .. } => "inference",
+            Event::ToolCall { .. } => "tool_call",
+            Event::Shell { .. } => "shell",
+            Event::TaskEnd { .. } => "task_end",
+            Event::SessionEnd { .. } => "session_end",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_serialise_flat_with_the_header() {
+        let line = Line {
+            event: Event::TaskEnd {
+                task_id: "tsk_1".into(),
+                exit_status: ExitStatus::MaxTurnsReached,
+                duration_ms: 5,
+                turns: 3,
+                input_tokens: 10,
+                output_tokens: 2,
+                tool_calls: 3,
+                shell_calls: 3,
+                reopen_count: 0,
+            },
+            session_id: "ses_1".into(),
+            timestamp: 1700000000000,
+            event_id: "evt_1".into(),
+            parent_id: Some("evt_0".into()),
+        };
+        let json = serde_json::to_string(&line).unwrap();
+        assert_eq!(
+            json,
+            r#"{"event_type":"task_end","task_id":"tsk_1","exit_status":"max_turns_reached","duration_ms":5,"turns":3,"input_tokens":10,"output_tokens":2,"tool_calls":3,"shell_calls":3,"reopen_count":0,"session_id":"ses_1","timestamp":1700000000000,"event_id":"evt_1","parent_id":"evt_0"}"#
+        );
+        assert_eq!(serde_json::from_str::<Line>(&json).unwrap(), line);
+    }
+
+    #[test]
+    fn unreported_usage_is_absent_not_zero() {
+        let e = Event::Inference {
+            turn: 0,
+            task_id: "t".into(),
+            input_tokens: 1,
+            output_tokens: 1,
+            decision: Decision::Text,
+            tool_name: None,
+            duration_ms: 0,
+            usage: ProviderUsage {
+                output_tokens_actual: Some(7),
+                ..Default::default()
+            },
+            origin: None,
+        };
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["output_tokens_actual"], 7);
+        assert!(v.get("input_tokens_actual").is_none());
+        assert!(v.get("cached_tokens").is_none());
+        assert_eq!(v["decision"], "text");
+    }
+}

@@ -1,0 +1,1 @@
+//! A fake OpenAI chat-completions server (issue #2).

@@ -1,0 +1,1 @@
+//! Running the built `mur` binary.

@@ -1,0 +1,107 @@
+//! Model drivers: one request/response exchange with a model, in the runtime's
+//! driver-neutral message model (`mur_proto::message`).
+//!
+//! Stop reasons follow `reference/murmur-runtime.md` §4: `tool_call`, `end_turn`,
+//! `max_tokens`, `error`; anything else is carried as [`StopReason::Other`] and fails the
+//! task with `error: unsupported stop_reason '<x>'`.
+
+pub mod http;
+pub mod openai;
+pub mod scripted;
+
+use async_trait::async_trait;
+use mur_proto::message::{Block, Message};
+use mur_proto::trace::ProviderUsage;
+use serde_json::Value;
+
+/// A tool as offered to the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolSpec {
+    /// Name the model calls it by.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// JSON schema of its input object.
+    pub parameters: Value,
+}
+
+/// Everything one model call sends.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelRequest<'a> {
+    /// Provider model name (empty for the scripted driver).
+    pub model: &'a str,
+    /// The system prompt.
+    pub system: &'a str,
+    /// The conversation, oldest first.
+    pub messages: &'a [Message],
+    /// Tools the model may call.
+    pub tools: &'a [ToolSpec],
+    /// Output cap for this call (`inference.max_tokens`).
+    pub max_tokens: u32,
+    /// The task's text (the scripted driver substitutes it for `{{task}}`).
+    pub task_text: &'a str,
+}
+
+/// Why the model stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model asked for tools.
+    ToolCall,
+    /// The model finished.
+    EndTurn,
+    /// The output cap cut the reply short; the task still ends `ok` with the partial text.
+    MaxTokens,
+    /// The provider reported an error in-band.
+    Error(String),
+    /// A stop reason the runtime does not know.
+    Other(String),
+}
+
+/// One model reply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelResponse {
+    /// Text and tool-call blocks, in order.
+    pub content: Vec<Block>,
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// Usage as the provider reported it (fields absent when unreported).
+    pub usage: ProviderUsage,
+}
+
+/// Why a model call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The provider answered with an HTTP error status.
+    #[error("provider returned HTTP {status}: {body}")]
+    Status {
+        /// HTTP status code.
+        status: u16,
+        /// Response body (truncated to 2 KiB).
+        body: String,
+    },
+    /// The connection failed or broke.
+    #[error("connection to the provider failed: {0}")]
+    Transport(String),
+    /// No answer within `inference.timeout_secs`.
+    #[error("model call timed out after {0} s")]
+    Timeout(u64),
+    /// The provider's answer did not follow its wire format.
+    #[error("malformed provider response: {0}")]
+    Protocol(String),
+    /// The scripted driver could not answer.
+    #[error("scripted driver: {0}")]
+    Script(String),
+}
+
+/// A model driver. Implementations hold their configuration and HTTP client.
+#[async_trait]
+pub trait Driver: Send + Sync {
+    /// `openai`, `anthropic`, `scripted`: recorded on `session_start`.
+    fn kind(&self) -> &'static str;
+
+    /// One model call.
+    ///
+    /// # Errors
+    /// [`Error`] when no usable reply was obtained.
+    async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error>;
+}

@@ -1,0 +1,282 @@
+//! The `scripted` driver: model replies read, in order, from a YAML file named by
+//! `inference.script`. For tests and demos; the trace says the run was scripted
+//! (`session_start.driver = "scripted"`).
+//!
+//! ```yaml
+//! replies:                     # one entry per model call, in order
+//!   - tool_calls:
+//!       - name: sh
+//!         input: { command: "echo hello" }
+//!   - text: "all done"         # no tool calls: ends the task (end_turn)
+//!   - text: "cut short"
+//!     stop_reason: max_tokens  # optional; end_turn by default (tool_call with tool calls)
+//!     usage: { input_tokens: 12, output_tokens: 3 }   # optional
+//! ```
+//!
+//! `{{task}}` anywhere in a reply's text or in a tool call's input strings is replaced by
+//! the task's text, verbatim. Running out of replies is an error that ends the task
+//! `failed`.
+
+use super::{Driver, Error, ModelRequest, ModelResponse, StopReason};
+use async_trait::async_trait;
+use mur_proto::message::Block;
+use mur_proto::trace::ProviderUsage;
+use serde::Deserialize;
+use serde_json::Value;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// The replies file.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Script {
+    /// One entry per model call.
+    pub replies: Vec<Reply>,
+}
+
+/// One scripted model reply.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Reply {
+    /// Text of the reply.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// Tool calls, in order.
+    #[serde(default)]
+    pub tool_calls: Vec<ScriptedCall>,
+    /// `end_turn`, `max_tokens`, `tool_call`, `error` or any other string (which the loop
+    /// refuses as unsupported). Default: `tool_call` when there are tool calls, else
+    /// `end_turn`.
+    #[serde(default)]
+    pub stop_reason: Option<String>,
+    /// The in-band error message for `stop_reason: error`.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Usage to report as the provider's.
+    #[serde(default)]
+    pub usage: Option<ScriptedUsage>,
+    /// Milliseconds to wait before answering (a slow model).
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+}
+
+/// A scripted tool call.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptedCall {
+    /// Tool name.
+    pub name: String,
+    /// Input object.
+    #[serde(default = "empty_object")]
+    pub input: Value,
+    /// Call id; default `call_<reply>_<index>`.
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+/// Scripted provider usage.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptedUsage {
+    /// Reported input tokens.
+    pub input_tokens: Option<u64>,
+    /// Reported output tokens.
+    pub output_tokens: Option<u64>,
+    /// Reported cached input tokens.
+    pub cached_tokens: Option<u64>,
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+impl Script {
+    /// Parses a replies file.
+    ///
+    /// # Errors
+    /// The YAML error, with the field path.
+    pub fn parse(text: &str) -> Result<Script, String> {
+        let de = serde_yaml_ng::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            format!("{path}: {}", e.into_inner())
+        })
+    }
+}
+
+/// The driver: answers call N with reply N.
+pub struct Scripted {
+    script: Script,
+    next: AtomicUsize,
+}
+
+impl Scripted {
+    /// A driver over `script`, starting at its first reply.
+    pub fn new(script: Script) -> Self {
+        Scripted {
+            script,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// A driver that resumes at reply `index` (a task taken over after `index` calls).
+    pub fn starting_at(script: Script, index: usize) -> Self {
+        Scripted {
+            script,
+            next: AtomicUsize::new(index),
+        }
+    }
+}
+
+fn substitute(value: &Value, task: &str) -> Value {
+    match value {
+        Value::String(s) => Value::String(s.replace("{{task}}", task)),
+        Value::Array(items) => Value::Array(items.iter().map(|v| substitute(v, task)).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), substitute(v, task)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Builds the response for reply `index` of `script` (pure).
+pub fn respond(reply: &Reply, index: usize, task: &str) -> ModelResponse {
+    let mut content = Vec::new();
+    if let Some(text) = &reply.text {
+        content.push(Block::Text {
+            text: text.replace("{{task}}", task),
+        });
+    }
+    for (i, call) in reply.tool_calls.iter().enumerate() {
+        content.push(Block::ToolCall {
+            id: call
+                .id
+                .clone()
+                .unwrap_or_else(|| format!("call_{index}_{i}")),
+            name: call.name.clone(),
+            input: substitute(&call.input, task),
+        });
+    }
+    let stop = match reply.stop_reason.as_deref() {
+        None if reply.tool_calls.is_empty() => StopReason::EndTurn,
+        None | Some("tool_call") => StopReason::ToolCall,
+        Some("end_turn") => StopReason::EndTurn,
+        Some("max_tokens") => StopReason::MaxTokens,
+        Some("error") => StopReason::Error(
+            reply
+                .error
+                .clone()
+                .unwrap_or_else(|| "scripted error".into()),
+        ),
+        Some(other) => StopReason::Other(other.to_string()),
+    };
+    let usage = reply
+        .usage
+        .as_ref()
+        .map_or_else(ProviderUsage::default, |u| ProviderUsage {
+            input_tokens_actual: u.input_tokens,
+            output_tokens_actual: u.output_tokens,
+            cached_tokens: u.cached_tokens,
+            cache_write_tokens: None,
+        });
+    ModelResponse {
+        content,
+        stop,
+        usage,
+    }
+}
+
+#[async_trait]
+impl Driver for Scripted {
+    fn kind(&self) -> &'static str {
+        "scripted"
+    }
+
+    async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
+        let index = self.next.fetch_add(1, Ordering::SeqCst);
+        let Some(reply) = self.script.replies.get(index) else {
+            return Err(Error::Script(format!(
+                "no reply left for model call {} (the script has {} replies)",
+                index + 1,
+                self.script.replies.len()
+            )));
+        };
+        if let Some(ms) = reply.delay_ms {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        Ok(respond(reply, index, request.task_text))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req<'a>(task: &'a str) -> ModelRequest<'a> {
+        ModelRequest {
+            model: "",
+            system: "",
+            messages: &[],
+            tools: &[],
+            max_tokens: 1,
+            task_text: task,
+        }
+    }
+
+    #[tokio::test]
+    async fn replies_come_in_order_then_run_out() {
+        let script = Script::parse(
+            "replies:\n  - tool_calls:\n      - name: sh\n        input: { command: \"echo {{task}}\" }\n  - text: \"done: {{task}}\"\n",
+        )
+        .unwrap();
+        let d = Scripted::new(script);
+        let first = d.call(&req("hi there")).await.unwrap();
+        assert_eq!(first.stop, StopReason::ToolCall);
+        assert_eq!(
+            first.content,
+            vec![Block::ToolCall {
+                id: "call_0_0".into(),
+                name: "sh".into(),
+                input: serde_json::json!({"command": "echo hi there"})
+            }]
+        );
+        let second = d.call(&req("hi there")).await.unwrap();
+        assert_eq!(second.stop, StopReason::EndTurn);
+        assert_eq!(
+            second.content,
+            vec![Block::Text {
+                text: "done: hi there".into()
+            }]
+        );
+        let err = d.call(&req("x")).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "scripted driver: no reply left for model call 3 (the script has 2 replies)"
+        );
+    }
+
+    #[test]
+    fn stop_reason_and_usage_are_taken_from_the_reply() {
+        let script = Script::parse(
+            "replies:\n  - text: cut short\n    stop_reason: max_tokens\n    usage: { input_tokens: 12, output_tokens: 3 }\n  - text: x\n    stop_reason: weird\n",
+        )
+        .unwrap();
+        let r = respond(&script.replies[0], 0, "");
+        assert_eq!(r.stop, StopReason::MaxTokens);
+        assert_eq!(r.usage.input_tokens_actual, Some(12));
+        assert_eq!(r.usage.output_tokens_actual, Some(3));
+        assert_eq!(r.usage.cached_tokens, None);
+        assert_eq!(
+            respond(&script.replies[1], 1, "").stop,
+            StopReason::Other("weird".into())
+        );
+    }
+
+    #[test]
+    fn unknown_reply_keys_are_refused_with_their_path() {
+        let err = Script::parse("replies:\n  - txt: hello\n").unwrap_err();
+        assert!(err.starts_with("replies[0]: unknown field `txt`"), "{err}");
+    }
+}

@@ -1,0 +1,385 @@
+//! One task's inference loop as a pure state machine: it takes model replies and tool
+//! results and answers with the next [`Action`] and the trace events to write. No IO, no
+//! clock: durations are passed in.
+//!
+//! Rules (`seeds/session-loop.md` §Session Loop and §Turn limit;
+//! `reference/murmur-runtime.md` §4 and checklist I1–I16):
+//! - one turn is one model call; at most `inference.max_turns` calls per task; when the
+//!   limit is used up with the model still asking for tools, the task ends
+//!   `max_turns_reached` with `error: inference loop exceeded N turns`;
+//! - a reply carrying tool calls continues the loop whatever its stop reason says; its
+//!   calls run in the order given, each answered by one `tool` message; an unknown tool is
+//!   answered with an error result and the loop goes on;
+//! - `tool_call` with no tool calls fails the task; `end_turn` and `max_tokens` end it `ok`
+//!   with the text blocks joined by `\n`; an in-band `error` fails with `error: <msg>`;
+//!   any other stop reason fails with `error: unsupported stop_reason '<x>'`;
+//! - a driver error fails the task with `error: <text>`;
+//! - token estimates: `input_tokens` counts the whole request (system, tools, every
+//!   message), `output_tokens` the reply; `session_tokens` is this turn's input + output
+//!   (occupancy, not a running sum). Each message is counted once, when appended.
+
+use crate::driver::{ModelResponse, StopReason};
+use crate::tokens::Estimator;
+use crate::tools::Outcome as ToolOutcome;
+use mur_proto::manifest::Capture;
+use mur_proto::message::{Block, Message, join_text};
+use mur_proto::task::{ExitStatus, Lane, Origin};
+use mur_proto::trace::{CallStatus, Decision, Event};
+use serde_json::Value;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// A task as the loop receives it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TaskSpec {
+    /// `tsk_…`.
+    pub task_id: String,
+    /// `ctx_…`.
+    pub context_id: String,
+    /// The task's text: the first user message.
+    pub text: String,
+    /// Where it came from.
+    pub origin: Origin,
+    /// `cli`, `task_md`, `a2a`, …
+    pub source: String,
+}
+
+impl TaskSpec {
+    /// The lane the task waited in.
+    pub fn lane(&self) -> Lane {
+        self.origin.lane()
+    }
+}
+
+/// How a task ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// The exit status.
+    pub exit_status: ExitStatus,
+    /// What `out/result.txt` holds: the final text, or `error: …`.
+    pub result: String,
+}
+
+/// What the runner must do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Call the model with [`TaskMachine::messages`].
+    CallModel,
+    /// Run one tool call, then report with [`TaskMachine::on_tool_result`].
+    RunTool {
+        /// The provider's call id.
+        call_id: String,
+        /// Tool name as the model gave it.
+        name: String,
+        /// Its input.
+        input: Value,
+    },
+    /// The task is over.
+    Finish(Outcome),
+}
+
+/// Per-task counters, as `task_end` reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Model calls made.
+    pub turns: u32,
+    /// Sum of `inference.input_tokens`.
+    pub input_tokens: u64,
+    /// Sum of `inference.output_tokens`.
+    pub output_tokens: u64,
+    /// Tool calls made.
+    pub tool_calls: u32,
+    /// Shell commands run.
+    pub shell_calls: u32,
+}
+
+/// The conversation, append-only, with each message's token estimate kept beside it.
+#[derive(Clone, Default)]
+pub struct History {
+    messages: Vec<Message>,
+    tokens: Vec<u64>,
+    total: u64,
+}
+
+impl History {
+    /// Appends `message`, counting its tokens once.
+    pub fn push(&mut self, message: Message, estimator: &dyn Estimator) {
+        let json = serde_json::to_string(&message).unwrap_or_default();
+        let t = estimator.count(&json);
+        self.total += t;
+        self.tokens.push(t);
+        self.messages.push(message);
+    }
+
+    /// The messages, oldest first.
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// Sum of the messages' estimates.
+    pub fn tokens(&self) -> u64 {
+        self.total
+    }
+}
+
+/// The loop of one task.
+pub struct TaskMachine {
+    task: TaskSpec,
+    history: History,
+    max_turns: u32,
+    fixed_tokens: u64,
+    capture: Capture,
+    estimator: Arc<dyn Estimator>,
+    counters: Counters,
+    turn: u32,
+    session_tokens: u64,
+    pending: VecDeque<(String, String, Value)>,
+    finished: Option<Outcome>,
+}
+
+impl TaskMachine {
+    /// A machine for `task`. `prior` is history loaded ahead of the task (a threaded
+    /// conversation); `fixed_tokens` is the estimate of the system prompt and tool list,
+    /// which every request carries.
+    pub fn new(
+        task: TaskSpec,
+        prior: Vec<Message>,
+        max_turns: u32,
+        fixed_tokens: u64,
+        capture: Capture,
+        estimator: Arc<dyn Estimator>,
+    ) -> Self {
+        let mut history = History::default();
+        for m in prior {
+            history.push(m, estimator.as_ref());
+        }
+        history.push(Message::user(task.text.clone()), estimator.as_ref());
+        TaskMachine {
+            task,
+            history,
+            max_turns,
+            fixed_tokens,
+            capture,
+            estimator,
+            counters: Counters::default(),
+            turn: 0,
+            session_tokens: 0,
+            pending: VecDeque::new(),
+            finished: None,
+        }
+    }
+
+    /// The first action.
+    pub fn start(&mut self) -> Action {
+        if self.counters.turns >= self.max_turns {
+            return self.finish(ExitStatus::MaxTurnsReached, self.turn_limit_message());
+        }
+        Action::CallModel
+    }
+
+    /// The task.
+    pub fn task(&self) -> &TaskSpec {
+        &self.task
+    }
+
+    /// The conversation to send.
+    pub fn messages(&self) -> &[Message] {
+        self.history.messages()
+    }
+
+    /// The counters so far.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// This turn's occupancy: input + output tokens of the last model call.
+    pub fn session_tokens(&self) -> u64 {
+        self.session_tokens
+    }
+
+    /// The outcome, once finished.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.finished.as_ref()
+    }
+
+    fn turn_limit_message(&self) -> String {
+        format!("error: inference loop exceeded {} turns", self.max_turns)
+    }
+
+    fn finish(&mut self, exit_status: ExitStatus, result: String) -> Action {
+        let outcome = Outcome {
+            exit_status,
+            result,
+        };
+        self.finished = Some(outcome.clone());
+        Action::Finish(outcome)
+    }
+
+    /// Ends the task from outside the loop (a trace failure, a cancellation).
+    pub fn abort(&mut self, exit_status: ExitStatus, result: String) -> Outcome {
+        self.pending.clear();
+        self.finish(exit_status, result);
+        self.finished.clone().expect("just set")
+    }
+
+    /// Feeds the model's reply (or the driver's error) for the call just made.
+    pub fn on_model_reply(
+        &mut self,
+        reply: Result<ModelResponse, String>,
+        duration_ms: u64,
+    ) -> (Vec<Event>, Action) {
+        let response = match reply {
+            Ok(r) => r,
+            Err(e) => {
+                return (
+                    Vec::new(),
+                    self.finish(ExitStatus::Failed, format!("error: {e}")),
+                );
+            }
+        };
+        self.turn = self.counters.turns;
+        self.counters.turns += 1;
+        let input_tokens = self.fixed_tokens + self.history.tokens();
+        let assistant = Message::assistant(response.content);
+        let output_tokens = self
+            .estimator
+            .count(&serde_json::to_string(&assistant).unwrap_or_default());
+        self.counters.input_tokens += input_tokens;
+        self.counters.output_tokens += output_tokens;
+        self.session_tokens = input_tokens + output_tokens;
+
+        let calls: Vec<(String, String, Value)> = assistant
+            .tool_calls()
+            .map(|(id, name, input)| (id.to_string(), name.to_string(), input.clone()))
+            .collect();
+        let decision = if !calls.is_empty() {
+            Decision::ToolCall
+        } else {
+            match response.stop {
+                StopReason::ToolCall => Decision::ToolCall,
+                StopReason::EndTurn => Decision::EndTurn,
+                _ => Decision::Text,
+            }
+        };
+        let event = Event::Inference {
+            turn: self.turn,
+            task_id: self.task.task_id.clone(),
+            input_tokens,
+            output_tokens,
+            decision,
+            tool_name: calls.first().map(|(_, n, _)| n.clone()),
+            duration_ms,
+            usage: response.usage,
+            origin: None,
+        };
+        let final_text = join_text(&assistant.content);
+        self.history.push(assistant, self.estimator.as_ref());
+
+        let action = match response.stop {
+            StopReason::Error(msg) => self.finish(ExitStatus::Failed, format!("error: {msg}")),
+            _ if !calls.is_empty() => {
+                self.pending.extend(calls);
+                self.next_call()
+            }
+            StopReason::ToolCall => self.finish(
+                ExitStatus::Failed,
+                "error: stop_reason tool_call but the reply carries no tool calls".into(),
+            ),
+            StopReason::EndTurn | StopReason::MaxTokens => self.finish(ExitStatus::Ok, final_text),
+            StopReason::Other(x) => self.finish(
+                ExitStatus::Failed,
+                format!("error: unsupported stop_reason '{x}'"),
+            ),
+        };
+        (vec![event], action)
+    }
+
+    fn next_call(&mut self) -> Action {
+        match self.pending.front() {
+            Some((id, name, input)) => Action::RunTool {
+                call_id: id.clone(),
+                name: name.clone(),
+                input: input.clone(),
+            },
+            None if self.counters.turns >= self.max_turns => {
+                let msg = self.turn_limit_message();
+                self.finish(ExitStatus::MaxTurnsReached, msg)
+            }
+            None => Action::CallModel,
+        }
+    }
+
+    /// Feeds the result of the tool call last asked for.
+    pub fn on_tool_result(
+        &mut self,
+        outcome: ToolOutcome,
+        duration_ms: u64,
+    ) -> (Vec<Event>, Action) {
+        let Some((call_id, name, input)) = self.pending.pop_front() else {
+            return (Vec::new(), self.next_call());
+        };
+        self.counters.tool_calls += 1;
+        let input_bytes = serde_json::to_string(&input).map_or(0, |s| s.len() as u64);
+        let mut events = vec![Event::ToolCall {
+            turn: self.turn,
+            task_id: self.task.task_id.clone(),
+            tool_name: name,
+            tool_call_id: Some(call_id.clone()),
+            input: (self.capture != Capture::None).then_some(input),
+            input_bytes,
+            output: (self.capture == Capture::Content).then(|| outcome.text.clone()),
+            output_bytes: outcome.text.len() as u64,
+            duration_ms,
+            status: if outcome.is_error {
+                CallStatus::Error
+            } else {
+                CallStatus::Ok
+            },
+        }];
+        if let Some(shell) = outcome.shell {
+            self.counters.shell_calls += 1;
+            events.push(Event::Shell {
+                turn: self.turn,
+                task_id: self.task.task_id.clone(),
+                binary: shell.binary,
+                command: shell.command,
+                exit_code: shell.exit_code,
+                stdout_bytes: shell.stdout_bytes,
+                stderr_bytes: shell.stderr_bytes,
+                duration_ms,
+            });
+        }
+        self.history.push(
+            Message::tool_result(call_id, outcome.text, outcome.is_error),
+            self.estimator.as_ref(),
+        );
+        (events, self.next_call())
+    }
+
+    /// The `task_end` event for the finished task.
+    pub fn task_end(&self, duration_ms: u64, reopen_count: u32) -> Event {
+        let c = self.counters;
+        Event::TaskEnd {
+            task_id: self.task.task_id.clone(),
+            exit_status: self
+                .finished
+                .as_ref()
+                .map_or(ExitStatus::Failed, |o| o.exit_status),
+            duration_ms,
+            turns: c.turns,
+            input_tokens: c.input_tokens,
+            output_tokens: c.output_tokens,
+            tool_calls: c.tool_calls,
+            shell_calls: c.shell_calls,
+            reopen_count,
+        }
+    }
+}
+
+/// The blocks of a message (helper for callers that build replies).
+pub fn text_block(text: impl Into<String>) -> Block {
+    Block::Text { text: text.into() }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,2 @@
+//! The loop rules, driven without IO.
+use super::*;

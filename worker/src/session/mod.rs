@@ -1,0 +1,8 @@
+//! The session loop: [`machine`] decides (pure), [`runner`] performs (async IO through the
+//! driver, tools and trace sink traits).
+
+pub mod machine;
+pub mod runner;
+
+pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
+pub use runner::{Session, SessionConfig, TaskReport};
