@@ -1,2 +1,47 @@
-//! `mur`: the command-line front end (thin: parse, then call the libraries).
-fn main() {}
+//! `mur`: the command-line front end. Thin: parse the command line, call the libraries,
+//! print data on stdout and errors and progress on stderr.
+
+mod run;
+mod trace;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// murmur runs LLM agent capsules and fleets of them, on one machine or a cluster.
+#[derive(Parser, Debug)]
+#[command(name = "mur", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a capsule on this machine: one session, one task.
+    Run(run::Args),
+    /// Read a session's trace.jsonl.
+    #[command(subcommand)]
+    Trace(trace::Command),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MUR_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Trace(cmd) => trace::run(cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("mur: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -40,18 +40,14 @@ pub struct Id;
 
 impl Id {
     /// A fresh id of `kind`: prefix + 32 lowercase hex digits of a UUIDv7.
-    pub fn new(kind: IdKind) -> String {
+    pub fn generate(kind: IdKind) -> String {
         format!("{}{}", kind.prefix(), uuid::Uuid::now_v7().simple())
     }
 
     /// Whether `s` is a well-formed id of `kind` (prefix + exactly 32 lowercase hex digits).
     pub fn is_valid(kind: IdKind, s: &str) -> bool {
-        s.strip_prefix(kind.prefix()).is_some_and(|hex| {
-            hex.len() == 32
-                && hex
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        })
+        s.strip_prefix(kind.prefix())
+            .is_some_and(|hex| hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
     }
 }
 
@@ -67,15 +63,8 @@ mod tests {
 
     #[test]
     fn ids_have_prefix_and_32_hex_digits() {
-        for kind in [
-            IdKind::Session,
-            IdKind::Task,
-            IdKind::Context,
-            IdKind::Work,
-            IdKind::Message,
-            IdKind::Event,
-        ] {
-            let id = Id::new(kind);
+        for kind in [IdKind::Session, IdKind::Task, IdKind::Context, IdKind::Work, IdKind::Message, IdKind::Event] {
+            let id = Id::generate(kind);
             assert!(id.starts_with(kind.prefix()), "{id}");
             assert_eq!(id.len(), kind.prefix().len() + 32, "{id}");
             assert!(Id::is_valid(kind, &id), "{id}");
@@ -84,21 +73,15 @@ mod tests {
 
     #[test]
     fn ids_sort_by_creation() {
-        let a = Id::new(IdKind::Session);
-        let b = Id::new(IdKind::Session);
+        let a = Id::generate(IdKind::Session);
+        let b = Id::generate(IdKind::Session);
         assert!(a < b);
     }
 
     #[test]
     fn malformed_ids_are_invalid() {
         assert!(!Id::is_valid(IdKind::Session, "ses_123"));
-        assert!(!Id::is_valid(
-            IdKind::Session,
-            "tsk_0123456789abcdef0123456789abcdef"
-        ));
-        assert!(!Id::is_valid(
-            IdKind::Session,
-            "ses_0123456789ABCDEF0123456789abcdef"
-        ));
+        assert!(!Id::is_valid(IdKind::Session, "tsk_0123456789abcdef0123456789abcdef"));
+        assert!(!Id::is_valid(IdKind::Session, "ses_0123456789ABCDEF0123456789abcdef"));
     }
 }

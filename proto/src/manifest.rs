@@ -145,8 +145,7 @@ impl Context {
     /// The seed ceiling: floor(`max_tokens` × `seed_budget`), 0 without `max_tokens`
     /// (`seeds/session-loop.md` §Context seeding, first table).
     pub fn seed_budget_tokens(&self) -> u64 {
-        self.max_tokens
-            .map_or(0, |m| (m as f64 * self.seed_budget).floor() as u64)
+        self.max_tokens.map_or(0, |m| (m as f64 * self.seed_budget).floor() as u64)
     }
 }
 
@@ -350,14 +349,10 @@ pub struct TraceConfig {
 /// Why a manifest was refused.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum Error {
-    /// The text is not YAML of the manifest's shape (unknown key, wrong type, bad enum value).
-    #[error("{path}: {message}")]
-    Parse {
-        /// Dotted field path (`inference.max_turns`), or `.` for the document.
-        path: String,
-        /// What the parser said.
-        message: String,
-    },
+    /// The text is not YAML of the manifest's shape (an unknown key, a wrong type, an enum
+    /// value outside its set); the message names the field path and the line.
+    #[error("{0}")]
+    Parse(String),
     /// The shape is right but values break rules; one line per broken rule.
     #[error("{}", .0.join("\n"))]
     Invalid(Vec<String>),
@@ -547,13 +542,10 @@ pub fn is_valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-const NAME_RULE: &str =
-    "must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit";
+const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit";
 
 /// Replaces every `${VAR}` in `value` with `env(VAR)`; an unset variable is an error
 /// naming it. Text without `${` is returned unchanged.
@@ -583,8 +575,7 @@ pub fn resolve_env(value: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<
 /// Whether an endpoint URL is acceptable: `https` to any host, `http` only to a loopback
 /// host (`localhost`, `127.0.0.0/8`, `::1`). Returns the rule broken otherwise.
 pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
-    let url =
-        url::Url::parse(endpoint).map_err(|e| format!("not a valid URL ({e}): {endpoint:?}"))?;
+    let url = url::Url::parse(endpoint).map_err(|e| format!("not a valid URL ({e}): {endpoint:?}"))?;
     match url.scheme() {
         "https" => Ok(()),
         "http" => {
@@ -597,14 +588,10 @@ pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
             if loopback {
                 Ok(())
             } else {
-                Err(format!(
-                    "plain http is allowed only for loopback hosts, use https: {endpoint:?}"
-                ))
+                Err(format!("plain http is allowed only for loopback hosts, use https: {endpoint:?}"))
             }
         }
-        other => Err(format!(
-            "scheme must be https (or http to a loopback host), got {other:?}"
-        )),
+        other => Err(format!("scheme must be https (or http to a loopback host), got {other:?}")),
     }
 }
 
@@ -617,14 +604,7 @@ impl Manifest {
     /// type, an enum value outside its set), naming the field path; [`Error::Invalid`]
     /// listing every broken rule, one `path: rule` line each.
     pub fn from_yaml(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, Error> {
-        let de = serde_yaml_ng::Deserializer::from_str(text);
-        let raw: Raw = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            Error::Parse {
-                path,
-                message: e.into_inner().to_string(),
-            }
-        })?;
+        let raw: Raw = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
         validate(raw, env)
     }
 }
@@ -660,22 +640,11 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         Some(i) => Some(validate_inference(i, env, &mut r)),
     };
 
-    let rc = raw.context.unwrap_or(RawContext {
-        max_tokens: None,
-        seed_budget: None,
-        seed_overflow_margin: None,
-    });
+    let rc = raw.context.unwrap_or(RawContext { max_tokens: None, seed_budget: None, seed_overflow_margin: None });
     let context = Context {
-        max_tokens: rc
-            .max_tokens
-            .map(|v| r.int("context.max_tokens", Some(v), 1, 1) as u64),
+        max_tokens: rc.max_tokens.map(|v| r.int("context.max_tokens", Some(v), 1, 1) as u64),
         seed_budget: r.fraction("context.seed_budget", rc.seed_budget, 0.10, false),
-        seed_overflow_margin: r.fraction(
-            "context.seed_overflow_margin",
-            rc.seed_overflow_margin,
-            0.10,
-            true,
-        ),
+        seed_overflow_margin: r.fraction("context.seed_overflow_margin", rc.seed_overflow_margin, 0.10, true),
     };
 
     let rl = raw.lifecycle.unwrap_or(RawLifecycle {
@@ -694,28 +663,16 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         queue_depth: r.int("lifecycle.queue_depth", rl.queue_depth, 1, 1) as u32,
         conversation: rl.conversation.unwrap_or(Conversation::Stateless),
     };
-    if lifecycle.after_task == AfterTask::Sleep
-        && lifecycle.task_acceptance != TaskAcceptance::Queue
-    {
-        r.fail(
-            "lifecycle.after_task",
-            "sleep requires task_acceptance: queue",
-        );
+    if lifecycle.after_task == AfterTask::Sleep && lifecycle.task_acceptance != TaskAcceptance::Queue {
+        r.fail("lifecycle.after_task", "sleep requires task_acceptance: queue");
     }
 
-    let shell_allow = raw
-        .capabilities
-        .and_then(|c| c.shell)
-        .and_then(|s| s.allow)
-        .unwrap_or_default();
+    let shell_allow = raw.capabilities.and_then(|c| c.shell).and_then(|s| s.allow).unwrap_or_default();
     let mut seen = BTreeSet::new();
     for (i, bin) in shell_allow.iter().enumerate() {
         let path = format!("capabilities.shell.allow[{i}]");
         if bin.is_empty() || bin.contains('/') || bin.chars().any(char::is_whitespace) {
-            r.fail(
-                &path,
-                format_args!("must be a binary name without '/' or spaces, got {bin:?}"),
-            );
+            r.fail(&path, format_args!("must be a binary name without '/' or spaces, got {bin:?}"));
         } else if !seen.insert(bin.clone()) {
             r.fail(&path, format_args!("duplicate binary {bin:?}"));
         }
@@ -731,10 +688,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
     let mut hook_names = BTreeSet::new();
     for (i, h) in hooks.iter().enumerate() {
         if !h.name.is_empty() && !hook_names.insert(h.name.clone()) {
-            r.fail(
-                &format!("hooks[{i}].name"),
-                format_args!("duplicate hook name {:?}", h.name),
-            );
+            r.fail(&format!("hooks[{i}].name"), format_args!("duplicate hook name {:?}", h.name));
         }
     }
 
@@ -750,17 +704,12 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         if !t.name.is_empty() && !tool_names.insert(t.name.clone()) {
             r.fail(
                 &format!("tools[{i}].name"),
-                format_args!(
-                    "duplicate tool name {:?} (shell tools are named after their binary)",
-                    t.name
-                ),
+                format_args!("duplicate tool name {:?} (shell tools are named after their binary)", t.name),
             );
         }
     }
 
-    let trace = TraceConfig {
-        capture: raw.trace.and_then(|t| t.capture).unwrap_or_default(),
-    };
+    let trace = TraceConfig { capture: raw.trace.and_then(|t| t.capture).unwrap_or_default() };
 
     if !r.0.is_empty() {
         return Err(Error::Invalid(r.0));
@@ -779,11 +728,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
     })
 }
 
-fn validate_inference(
-    i: RawInference,
-    env: &dyn Fn(&str) -> Option<String>,
-    r: &mut Rules,
-) -> Inference {
+fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: &mut Rules) -> Inference {
     let transport = i.transport.unwrap_or(Transport::Http);
     let process = transport == Transport::Process;
     if process {
@@ -805,16 +750,10 @@ fn validate_inference(
         }
     } else {
         if i.command.is_some() {
-            r.fail(
-                "inference.command",
-                "allowed only when transport is process",
-            );
+            r.fail("inference.command", "allowed only when transport is process");
         }
         match i.driver {
-            None => r.fail(
-                "inference.driver",
-                "required when transport is http (openai, anthropic or scripted)",
-            ),
+            None => r.fail("inference.driver", "required when transport is http (openai, anthropic or scripted)"),
             Some(DriverKind::Scripted) => {
                 if i.script.is_none() {
                     r.fail("inference.script", "required when driver is scripted");
@@ -822,16 +761,10 @@ fn validate_inference(
             }
             Some(kind) => {
                 if i.endpoint.is_none() {
-                    r.fail(
-                        "inference.endpoint",
-                        format_args!("required when driver is {}", kind.as_str()),
-                    );
+                    r.fail("inference.endpoint", format_args!("required when driver is {}", kind.as_str()));
                 }
                 if i.model.is_none() {
-                    r.fail(
-                        "inference.model",
-                        format_args!("required when driver is {}", kind.as_str()),
-                    );
+                    r.fail("inference.model", format_args!("required when driver is {}", kind.as_str()));
                 }
             }
         }
@@ -863,10 +796,7 @@ fn validate_inference(
     }
     let system_prompt = match (i.system_prompt, i.system_prompt_file) {
         (Some(_), Some(_)) => {
-            r.fail(
-                "inference.system_prompt",
-                "system_prompt and system_prompt_file are mutually exclusive, give one",
-            );
+            r.fail("inference.system_prompt", "system_prompt and system_prompt_file are mutually exclusive, give one");
             SystemPrompt::None
         }
         (Some(p), None) => SystemPrompt::Inline(p.trim().to_string()),
@@ -900,9 +830,7 @@ fn validate_inference(
         command,
         timeout_secs: r.int("inference.timeout_secs", i.timeout_secs, 1, 300) as u64,
         max_retries: r.int("inference.max_retries", i.max_retries, 0, 3) as u32,
-        max_session_tokens: i
-            .max_session_tokens
-            .map(|v| r.int("inference.max_session_tokens", Some(v), 1, 1) as u64),
+        max_session_tokens: i.max_session_tokens.map(|v| r.int("inference.max_session_tokens", Some(v), 1, 1) as u64),
     }
 }
 
@@ -935,10 +863,7 @@ fn validate_hook(i: usize, h: RawHook, r: &mut Rules) -> Hook {
             {
                 r.fail(
                     &path("command"),
-                    format_args!(
-                        "unknown built-in hook {:?} (builtin:compact, builtin:memory)",
-                        c[0]
-                    ),
+                    format_args!("unknown built-in hook {:?} (builtin:compact, builtin:memory)", c[0]),
                 );
             }
             c
@@ -955,28 +880,18 @@ fn validate_hook(i: usize, h: RawHook, r: &mut Rules) -> Hook {
     if execution_mode == ExecutionMode::Async && commit_policy != CommitPolicy::None {
         r.fail(
             &path("execution_mode"),
-            format_args!(
-                "{who}: an async hook's answer is discarded, so its commit_policy must be none"
-            ),
+            format_args!("{who}: an async hook's answer is discarded, so its commit_policy must be none"),
         );
     }
     if h.binding == Some(Binding::OnStage) && execution_mode != ExecutionMode::Blocking {
-        r.fail(
-            &path("execution_mode"),
-            format_args!("{who}: on-stage hooks must be blocking"),
-        );
+        r.fail(&path("execution_mode"), format_args!("{who}: on-stage hooks must be blocking"));
     }
     if let Some(b) = h.binding
         && commit_policy != CommitPolicy::None
         && b.honoured_policy() != Some(commit_policy)
     {
-        let honoured = b
-            .honoured_policy()
-            .map_or("none".to_string(), |p| format!("none or {}", p.as_str()));
-        r.fail(
-            &path("commit_policy"),
-            format_args!("{who}: binding {} can only honour {honoured}", b.as_str()),
-        );
+        let honoured = b.honoured_policy().map_or("none".to_string(), |p| format!("none or {}", p.as_str()));
+        r.fail(&path("commit_policy"), format_args!("{who}: binding {} can only honour {honoured}", b.as_str()));
     }
     Hook {
         name,

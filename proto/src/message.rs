@@ -68,20 +68,11 @@ impl Message {
 
     /// An assistant message with the given blocks.
     pub fn assistant(content: Vec<Block>) -> Self {
-        Message {
-            role: Role::Assistant,
-            content,
-            tool_call_id: None,
-            is_error: false,
-        }
+        Message { role: Role::Assistant, content, tool_call_id: None, is_error: false }
     }
 
     /// The result of the tool call `call_id`.
-    pub fn tool_result(
-        call_id: impl Into<String>,
-        text: impl Into<String>,
-        is_error: bool,
-    ) -> Self {
+    pub fn tool_result(call_id: impl Into<String>, text: impl Into<String>, is_error: bool) -> Self {
         Message {
             role: Role::Tool,
             content: vec![Block::Text { text: text.into() }],
@@ -156,11 +147,7 @@ mod tests {
     fn text_joins_text_blocks_with_newline() {
         let m = Message::assistant(vec![
             Block::Text { text: "a".into() },
-            Block::ToolCall {
-                id: "1".into(),
-                name: "sh".into(),
-                input: Value::Null,
-            },
+            Block::ToolCall { id: "1".into(), name: "sh".into(), input: Value::Null },
             Block::Text { text: "b".into() },
         ]);
         assert_eq!(m.text(), "a\nb");

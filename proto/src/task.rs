@@ -26,14 +26,8 @@ pub enum Origin {
 
 impl Origin {
     /// Every origin, in the seed's order.
-    pub const ALL: [Origin; 6] = [
-        Origin::User,
-        Origin::Peer,
-        Origin::Schedule,
-        Origin::Event,
-        Origin::Completion,
-        Origin::System,
-    ];
+    pub const ALL: [Origin; 6] =
+        [Origin::User, Origin::Peer, Origin::Schedule, Origin::Event, Origin::Completion, Origin::System];
 
     /// The lane a task of this origin waits in: `user`←user, `peer`←peer, `bg`←the rest.
     pub const fn lane(self) -> Lane {
@@ -82,10 +76,7 @@ pub struct UnknownOrigin(pub String);
 impl FromStr for Origin {
     type Err = UnknownOrigin;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Origin::ALL
-            .into_iter()
-            .find(|o| o.as_str() == s)
-            .ok_or_else(|| UnknownOrigin(s.to_string()))
+        Origin::ALL.into_iter().find(|o| o.as_str() == s).ok_or_else(|| UnknownOrigin(s.to_string()))
     }
 }
 
@@ -212,10 +203,7 @@ mod tests {
 
     #[test]
     fn origins_map_to_the_seed_lanes() {
-        let lanes: Vec<_> = Origin::ALL
-            .iter()
-            .map(|o| (o.as_str(), o.lane().as_str()))
-            .collect();
+        let lanes: Vec<_> = Origin::ALL.iter().map(|o| (o.as_str(), o.lane().as_str())).collect();
         assert_eq!(
             lanes,
             [
@@ -232,10 +220,7 @@ mod tests {
     #[test]
     fn http_header_believes_only_peer_and_completion() {
         assert_eq!(Origin::from_http_header(Some("peer")), Origin::Peer);
-        assert_eq!(
-            Origin::from_http_header(Some("completion")),
-            Origin::Completion
-        );
+        assert_eq!(Origin::from_http_header(Some("completion")), Origin::Completion);
         assert_eq!(Origin::from_http_header(Some("user")), Origin::Event);
         assert_eq!(Origin::from_http_header(Some("system")), Origin::Event);
         assert_eq!(Origin::from_http_header(None), Origin::Event);
@@ -252,10 +237,7 @@ mod tests {
             ExitStatus::SpendCeilingReached,
         ])
         .unwrap();
-        assert_eq!(
-            json,
-            r#"["ok","failed","max_turns_reached","reopen_budget_exhausted","spend_ceiling_reached"]"#
-        );
+        assert_eq!(json, r#"["ok","failed","max_turns_reached","reopen_budget_exhausted","spend_ceiling_reached"]"#);
         assert_eq!(ExitStatus::MaxTurnsReached.task_state(), TaskState::Failed);
         assert_eq!(ExitStatus::Ok.task_state(), TaskState::Completed);
     }

@@ -289,10 +289,7 @@ mod tests {
             decision: Decision::Text,
             tool_name: None,
             duration_ms: 0,
-            usage: ProviderUsage {
-                output_tokens_actual: Some(7),
-                ..Default::default()
-            },
+            usage: ProviderUsage { output_tokens_actual: Some(7), ..Default::default() },
             origin: None,
         };
         let v = serde_json::to_value(&e).unwrap();

@@ -43,10 +43,7 @@ impl FileSink {
             .append(true)
             .open(path)
             .map_err(|e| Error(format!("{}: {e}", path.display())))?;
-        Ok(FileSink {
-            file,
-            buf: Vec::with_capacity(512),
-        })
+        Ok(FileSink { file, buf: Vec::with_capacity(512) })
     }
 }
 
@@ -55,9 +52,7 @@ impl Sink for FileSink {
         self.buf.clear();
         serde_json::to_writer(&mut self.buf, line).map_err(|e| Error(e.to_string()))?;
         self.buf.push(b'\n');
-        self.file
-            .write_all(&self.buf)
-            .map_err(|e| Error(e.to_string()))
+        self.file.write_all(&self.buf).map_err(|e| Error(e.to_string()))
     }
 }
 
@@ -74,10 +69,7 @@ impl MemorySink {
 
 impl Sink for MemorySink {
     fn write(&mut self, line: &Line) -> Result<(), Error> {
-        self.0
-            .lock()
-            .expect("trace memory sink poisoned")
-            .push(line.clone());
+        self.0.lock().expect("trace memory sink poisoned").push(line.clone());
         Ok(())
     }
 }
@@ -107,14 +99,7 @@ pub struct Tracer {
 impl Tracer {
     /// A tracer for `session_id` writing to `sink`.
     pub fn new(session_id: String, sink: Box<dyn Sink>, clock: Arc<dyn Clock>) -> Self {
-        Tracer {
-            sink,
-            clock,
-            session_id,
-            session_event: None,
-            task_event: None,
-            turn_event: None,
-        }
+        Tracer { sink, clock, session_id, session_event: None, task_event: None, turn_event: None }
     }
 
     /// The session id stamped on every line.
@@ -127,19 +112,16 @@ impl Tracer {
     /// # Errors
     /// [`Error`] from the sink.
     pub fn emit(&mut self, event: Event) -> Result<String, Error> {
-        let event_id = Id::new(IdKind::Event);
+        let event_id = Id::generate(IdKind::Event);
         let parent_id = match &event {
             Event::SessionStart { .. } => None,
             Event::TaskStart { .. } | Event::SessionEnd { .. } => self.session_event.clone(),
-            Event::Inference { .. } | Event::TaskEnd { .. } => self
-                .task_event
-                .clone()
-                .or_else(|| self.session_event.clone()),
-            Event::ToolCall { .. } | Event::Shell { .. } => self
-                .turn_event
-                .clone()
-                .or_else(|| self.task_event.clone())
-                .or_else(|| self.session_event.clone()),
+            Event::Inference { .. } | Event::TaskEnd { .. } => {
+                self.task_event.clone().or_else(|| self.session_event.clone())
+            }
+            Event::ToolCall { .. } | Event::Shell { .. } => {
+                self.turn_event.clone().or_else(|| self.task_event.clone()).or_else(|| self.session_event.clone())
+            }
         };
         match &event {
             Event::SessionStart { .. } => self.session_event = Some(event_id.clone()),

@@ -18,16 +18,10 @@ impl Layout {
     /// The layout of `session_id` for a capsule in `capsule_dir`.
     pub fn new(capsule_dir: &Path, workdir: Option<&Path>, session_id: &str) -> Self {
         match workdir {
-            Some(dir) => Layout {
-                workdir: dir.to_path_buf(),
-                session_dir: dir.join(".murmur").join(session_id),
-            },
+            Some(dir) => Layout { workdir: dir.to_path_buf(), session_dir: dir.join(".murmur").join(session_id) },
             None => {
                 let dir = capsule_dir.join("workdir").join(session_id);
-                Layout {
-                    workdir: dir.clone(),
-                    session_dir: dir,
-                }
+                Layout { workdir: dir.clone(), session_dir: dir }
             }
         }
     }
@@ -37,15 +31,8 @@ impl Layout {
     /// # Errors
     /// The IO error, with the path.
     pub fn create(&self) -> std::io::Result<()> {
-        for d in [
-            &self.workdir,
-            &self.session_dir,
-            &self.out_dir(),
-            &self.logs_dir(),
-            &self.workdir_logs(),
-        ] {
-            std::fs::create_dir_all(d)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", d.display())))?;
+        for d in [&self.workdir, &self.session_dir, &self.out_dir(), &self.logs_dir(), &self.workdir_logs()] {
+            std::fs::create_dir_all(d).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", d.display())))?;
         }
         Ok(())
     }
@@ -93,11 +80,7 @@ pub fn find_session(workdir: &Path, session: Option<&str>) -> Result<PathBuf, St
         && (s.contains('/') || s.ends_with(".jsonl"))
     {
         let p = PathBuf::from(s);
-        let dir = if p.is_dir() {
-            p
-        } else {
-            p.parent().map(Path::to_path_buf).unwrap_or_default()
-        };
+        let dir = if p.is_dir() { p } else { p.parent().map(Path::to_path_buf).unwrap_or_default() };
         if dir.join("trace.jsonl").is_file() {
             return Ok(dir);
         }
@@ -117,28 +100,16 @@ pub fn find_session(workdir: &Path, session: Option<&str>) -> Result<PathBuf, St
     }
     sessions.sort();
     match session {
-        None => sessions
-            .pop()
-            .map(|(_, p)| p)
-            .ok_or_else(|| format!("no sessions under {}", workdir.display())),
+        None => sessions.pop().map(|(_, p)| p).ok_or_else(|| format!("no sessions under {}", workdir.display())),
         Some(s) => {
-            let matches: Vec<_> = sessions
-                .iter()
-                .filter(|(id, _)| id == s || id.ends_with(s))
-                .collect();
+            let matches: Vec<_> = sessions.iter().filter(|(id, _)| id == s || id.ends_with(s)).collect();
             match matches.as_slice() {
-                [] => Err(format!(
-                    "no session matching {s:?} under {}",
-                    workdir.display()
-                )),
+                [] => Err(format!("no session matching {s:?} under {}", workdir.display())),
                 [(_, p)] => Ok(p.clone()),
                 many => Err(format!(
                     "{s:?} matches {} sessions ({}); give more characters",
                     many.len(),
-                    many.iter()
-                        .map(|(id, _)| id.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    many.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>().join(", ")
                 )),
             }
         }

@@ -1,2 +1,373 @@
-//! Manifest rules, one test per rule.
+//! Manifest rules, one test per rule, each checking the exact message.
 use super::*;
+
+const MINIMAL: &str = "name: demo\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n";
+
+fn env(k: &str) -> Option<String> {
+    (k == "TEST_KEY").then(|| "sk-test".to_string())
+}
+
+fn load(yaml: &str) -> Result<Manifest, Error> {
+    Manifest::from_yaml(yaml, &env)
+}
+
+/// The rule lines of an invalid manifest.
+fn rules(yaml: &str) -> Vec<String> {
+    match load(yaml) {
+        Err(Error::Invalid(lines)) => lines,
+        other => panic!("expected rule violations, got {other:?}"),
+    }
+}
+
+fn with_inference(lines: &str) -> String {
+    format!("name: demo\nversion: 1.0.0\ninference:\n{lines}")
+}
+
+#[test]
+fn defaults_follow_the_seeds() {
+    let m = load(MINIMAL).unwrap();
+    assert_eq!(m.inference.transport, Transport::Http);
+    assert_eq!(m.inference.max_turns, 10);
+    assert_eq!(m.inference.max_tokens, 8192);
+    assert!(!m.inference.stream);
+    assert_eq!(m.inference.compaction.threshold, 0.98);
+    assert_eq!(m.inference.timeout_secs, 300);
+    assert_eq!(m.inference.max_retries, 3);
+    assert_eq!(m.inference.max_session_tokens, None);
+    assert_eq!(m.context.max_tokens, None);
+    assert_eq!(m.context.seed_budget, 0.10);
+    assert_eq!(m.context.seed_overflow_margin, 0.10);
+    assert_eq!(m.lifecycle.task_acceptance, TaskAcceptance::Single);
+    assert_eq!(m.lifecycle.after_task, AfterTask::Exit);
+    assert_eq!(m.lifecycle.max_task_reopens, 1);
+    assert_eq!(m.lifecycle.shell_grace_secs, 10);
+    assert_eq!(m.lifecycle.queue_depth, 1);
+    assert_eq!(m.lifecycle.conversation, Conversation::Stateless);
+    assert_eq!(m.trace.capture, Capture::Meta);
+    assert_eq!(m.inference.system_prompt, SystemPrompt::None);
+    assert!(m.hooks.is_empty() && m.tools.is_empty() && m.capabilities.shell_allow.is_empty());
+}
+
+#[test]
+fn scripted_driver_needs_neither_endpoint_nor_model() {
+    let m = load(MINIMAL).unwrap();
+    assert_eq!(m.inference.driver, Some(DriverKind::Scripted));
+    assert_eq!(m.inference.endpoint, None);
+    assert_eq!(m.inference.model, None);
+    assert_eq!(m.inference.script.as_deref(), Some("replies.yaml"));
+}
+
+#[test]
+fn max_turns_zero_is_rejected() {
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 0\n");
+    assert_eq!(rules(&y), ["inference.max_turns: must be at least 1, got 0"]);
+}
+
+#[test]
+fn max_tokens_zero_is_rejected_and_large_values_are_kept() {
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_tokens: 0\n");
+    assert_eq!(rules(&y), ["inference.max_tokens: must be at least 1, got 0"]);
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_tokens: 1000000\n");
+    assert_eq!(load(&y).unwrap().inference.max_tokens, 1_000_000);
+}
+
+#[test]
+fn max_task_reopens_zero_is_accepted() {
+    let y = format!("{MINIMAL}lifecycle:\n  max_task_reopens: 0\n");
+    assert_eq!(load(&y).unwrap().lifecycle.max_task_reopens, 0);
+    let y = format!("{MINIMAL}lifecycle:\n  max_task_reopens: -1\n");
+    assert_eq!(rules(&y), ["lifecycle.max_task_reopens: must be at least 0, got -1"]);
+}
+
+#[test]
+fn compaction_threshold_must_be_in_zero_one() {
+    for (v, ok) in [("0", false), ("-0.5", false), ("1.5", false), ("1", true), ("0.5", true)] {
+        let y = with_inference(&format!("  driver: scripted\n  script: r.yaml\n  compaction:\n    threshold: {v}\n"));
+        if ok {
+            assert!(load(&y).is_ok(), "{v}");
+        } else {
+            let got = rules(&y);
+            assert_eq!(got.len(), 1, "{v}");
+            assert!(got[0].starts_with("inference.compaction.threshold: must be a number in (0, 1], got"), "{got:?}");
+        }
+    }
+}
+
+#[test]
+fn context_max_tokens_zero_is_rejected() {
+    let y = format!("{MINIMAL}context:\n  max_tokens: 0\n");
+    assert_eq!(rules(&y), ["context.max_tokens: must be at least 1, got 0"]);
+    let y = format!("{MINIMAL}context:\n  max_tokens: 1000\n  seed_budget: 0.25\n");
+    let m = load(&y).unwrap();
+    assert_eq!(m.context.max_tokens, Some(1000));
+    assert_eq!(m.context.seed_budget_tokens(), 250);
+}
+
+#[test]
+fn seed_budget_is_floored() {
+    let y = format!("{MINIMAL}context:\n  max_tokens: 999\n");
+    assert_eq!(load(&y).unwrap().context.seed_budget_tokens(), 99);
+    assert_eq!(load(MINIMAL).unwrap().context.seed_budget_tokens(), 0);
+}
+
+#[test]
+fn seed_budget_and_margin_ranges() {
+    let y = format!("{MINIMAL}context:\n  seed_budget: 0\n  seed_overflow_margin: -0.1\n");
+    assert_eq!(
+        rules(&y),
+        [
+            "context.seed_budget: must be a number in (0, 1], got 0",
+            "context.seed_overflow_margin: must be a number in [0, 1], got -0.1"
+        ]
+    );
+}
+
+#[test]
+fn unknown_keys_are_errors_naming_the_field() {
+    let err = load(&format!("{MINIMAL}colour: blue\n")).unwrap_err().to_string();
+    assert!(err.starts_with("unknown field `colour`, expected one of"), "{err}");
+    let err = load(&with_inference("  driver: scripted\n  script: r.yaml\n  max_turn: 3\n")).unwrap_err().to_string();
+    assert!(err.starts_with("inference: unknown field `max_turn`"), "{err}");
+    let err = load(&format!("{MINIMAL}lifecycle:\n  task_acceptence: queue\n")).unwrap_err().to_string();
+    assert!(err.starts_with("lifecycle: unknown field `task_acceptence`"), "{err}");
+}
+
+#[test]
+fn bad_enum_values_name_the_field_and_the_allowed_values() {
+    let err = load(&with_inference("  transport: grpc\n")).unwrap_err().to_string();
+    assert!(err.starts_with("inference.transport: unknown variant `grpc`, expected `http` or `process`"), "{err}");
+    let err = load(&with_inference("  driver: gemini\n")).unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "inference.driver: unknown variant `gemini`, expected one of `openai`, `anthropic`, `scripted`"
+        ),
+        "{err}"
+    );
+    let err = load(&format!("{MINIMAL}lifecycle:\n  task_acceptance: many\n")).unwrap_err().to_string();
+    assert!(err.starts_with("lifecycle.task_acceptance: unknown variant `many`"), "{err}");
+}
+
+#[test]
+fn wrong_types_name_the_field() {
+    let err =
+        load(&with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: lots\n")).unwrap_err().to_string();
+    assert!(err.starts_with("inference.max_turns: invalid type: string \"lots\""), "{err}");
+}
+
+#[test]
+fn name_and_version_are_required() {
+    let y = "inference:\n  driver: scripted\n  script: r.yaml\n";
+    assert_eq!(rules(y), ["name: required", "version: required"]);
+    let y = "name: Demo App\nversion: 1\ninference:\n  driver: scripted\n  script: r.yaml\n";
+    assert_eq!(
+        rules(y),
+        ["name: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"Demo App\""]
+    );
+    let y = "name: demo\nversion: 1.0\ninference:\n  driver: scripted\n  script: r.yaml\n";
+    assert_eq!(load(y).unwrap().version, "1");
+}
+
+#[test]
+fn inference_block_is_required() {
+    assert_eq!(rules("name: demo\nversion: 1.0.0\n"), ["inference: required"]);
+}
+
+#[test]
+fn http_drivers_need_endpoint_and_model() {
+    assert_eq!(
+        rules(&with_inference("  driver: openai\n")),
+        ["inference.endpoint: required when driver is openai", "inference.model: required when driver is openai"]
+    );
+    assert_eq!(
+        rules(&with_inference("  model: x\n")),
+        ["inference.driver: required when transport is http (openai, anthropic or scripted)"]
+    );
+    assert_eq!(rules(&with_inference("  driver: scripted\n")), ["inference.script: required when driver is scripted"]);
+    assert_eq!(
+        rules(&with_inference(
+            "  driver: openai\n  endpoint: https://api.example.com/v1\n  model: m\n  script: r.yaml\n"
+        )),
+        ["inference.script: allowed only when driver is scripted"]
+    );
+}
+
+#[test]
+fn endpoint_https_anywhere_http_only_on_loopback() {
+    let base = |ep: &str| with_inference(&format!("  driver: openai\n  model: m\n  endpoint: {ep}\n"));
+    for ok in [
+        "https://api.openai.com/v1",
+        "http://localhost:8000/v1",
+        "http://127.0.0.1:11434/v1",
+        "http://127.1.2.3/v1",
+        "http://[::1]:8000/v1",
+    ] {
+        assert!(load(&base(ok)).is_ok(), "{ok}");
+    }
+    assert_eq!(
+        rules(&base("http://10.0.0.5:8000/v1")),
+        ["inference.endpoint: plain http is allowed only for loopback hosts, use https: \"http://10.0.0.5:8000/v1\""]
+    );
+    assert_eq!(
+        rules(&base("ftp://example.com/v1")),
+        ["inference.endpoint: scheme must be https (or http to a loopback host), got \"ftp\""]
+    );
+    let got = rules(&base("not a url"));
+    assert!(got[0].starts_with("inference.endpoint: not a valid URL"), "{got:?}");
+}
+
+#[test]
+fn api_key_env_var_is_resolved_at_load() {
+    let y = with_inference("  driver: openai\n  model: m\n  endpoint: https://x.example/v1\n  api_key: ${TEST_KEY}\n");
+    assert_eq!(load(&y).unwrap().inference.api_key.as_deref(), Some("sk-test"));
+    let y =
+        with_inference("  driver: openai\n  model: m\n  endpoint: https://x.example/v1\n  api_key: ${MISSING_KEY}\n");
+    assert_eq!(rules(&y), ["inference.api_key: environment variable MISSING_KEY is not set"]);
+    let y = with_inference("  driver: openai\n  model: m\n  endpoint: https://x.example/v1\n  api_key: literal\n");
+    assert_eq!(load(&y).unwrap().inference.api_key.as_deref(), Some("literal"));
+}
+
+#[test]
+fn system_prompt_sources_are_exclusive() {
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  system_prompt: a\n  system_prompt_file: p.md\n");
+    assert_eq!(
+        rules(&y),
+        ["inference.system_prompt: system_prompt and system_prompt_file are mutually exclusive, give one"]
+    );
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  system_prompt: \"  be brief \\n\"\n");
+    assert_eq!(load(&y).unwrap().inference.system_prompt, SystemPrompt::Inline("be brief".into()));
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  system_prompt_file: prompt.md\n");
+    assert_eq!(load(&y).unwrap().inference.system_prompt, SystemPrompt::File("prompt.md".into()));
+}
+
+#[test]
+fn process_transport_refuses_http_fields() {
+    let y = with_inference(
+        "  transport: process\n  command: [./agent.sh]\n  endpoint: https://x.example\n  api_key: k\n  driver: openai\n  max_tokens: 5\n",
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "inference.endpoint: not allowed when transport is process (the program owns its own model calls)",
+            "inference.api_key: not allowed when transport is process (the program owns its own model calls)",
+            "inference.driver: not allowed when transport is process (the program owns its own model calls)",
+            "inference.max_tokens: not allowed when transport is process (the program owns its own model calls)",
+        ]
+    );
+    assert_eq!(
+        rules(&with_inference("  transport: process\n")),
+        ["inference.command: required when transport is process"]
+    );
+    let m = load(&with_inference("  transport: process\n  command: [./agent.sh, --quiet]\n")).unwrap();
+    assert_eq!(m.inference.command, Some(vec!["./agent.sh".to_string(), "--quiet".to_string()]));
+    assert_eq!(m.inference.driver, None);
+}
+
+#[test]
+fn lifecycle_values_and_combinations() {
+    let y = format!(
+        "{MINIMAL}lifecycle:\n  task_acceptance: queue\n  after_task: sleep\n  queue_depth: 4\n  shell_grace_secs: 0\n"
+    );
+    let m = load(&y).unwrap();
+    assert_eq!(m.lifecycle.task_acceptance, TaskAcceptance::Queue);
+    assert_eq!(m.lifecycle.after_task, AfterTask::Sleep);
+    assert_eq!(m.lifecycle.queue_depth, 4);
+    assert_eq!(m.lifecycle.shell_grace_secs, 0);
+    let y = format!("{MINIMAL}lifecycle:\n  after_task: sleep\n");
+    assert_eq!(rules(&y), ["lifecycle.after_task: sleep requires task_acceptance: queue"]);
+    let y = format!("{MINIMAL}lifecycle:\n  task_acceptance: queue\n  queue_depth: 0\n");
+    assert_eq!(rules(&y), ["lifecycle.queue_depth: must be at least 1, got 0"]);
+}
+
+#[test]
+fn shell_allow_lists_binary_names() {
+    let y = format!("{MINIMAL}capabilities:\n  shell:\n    allow: [sh, git, cargo]\n");
+    assert_eq!(load(&y).unwrap().capabilities.shell_allow, ["sh", "git", "cargo"]);
+    let y = format!("{MINIMAL}capabilities:\n  shell:\n    allow: [/bin/sh, sh, sh]\n");
+    assert_eq!(
+        rules(&y),
+        [
+            "capabilities.shell.allow[0]: must be a binary name without '/' or spaces, got \"/bin/sh\"",
+            "capabilities.shell.allow[2]: duplicate binary \"sh\""
+        ]
+    );
+}
+
+#[test]
+fn hooks_get_defaults_and_staging_checks() {
+    let y = format!(
+        "{MINIMAL}hooks:\n  - name: gate\n    binding: on-task-end\n    commit_policy: reopen-task\n    command: [./gate.sh]\n"
+    );
+    let h = &load(&y).unwrap().hooks[0];
+    assert_eq!(h.execution_mode, ExecutionMode::Blocking);
+    assert_eq!(h.timeout_secs, 30);
+    assert!(!h.persistent);
+    assert_eq!(h.command, ["./gate.sh"]);
+
+    let y = format!(
+        "{MINIMAL}hooks:\n  - name: a\n    binding: on-task-end\n    execution_mode: async\n    commit_policy: reopen-task\n    command: x\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "hooks[0].execution_mode: hook \"a\" (binding on-task-end, commit_policy reopen-task): an async hook's answer is discarded, so its commit_policy must be none"
+        ]
+    );
+    let y = format!("{MINIMAL}hooks:\n  - name: s\n    binding: on-stage\n    execution_mode: async\n    command: x\n");
+    assert_eq!(
+        rules(&y),
+        ["hooks[0].execution_mode: hook \"s\" (binding on-stage, commit_policy none): on-stage hooks must be blocking"]
+    );
+    let y = format!(
+        "{MINIMAL}hooks:\n  - name: m\n    binding: on-inference\n    commit_policy: reopen-task\n    command: x\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "hooks[0].commit_policy: hook \"m\" (binding on-inference, commit_policy reopen-task): binding on-inference can only honour none"
+        ]
+    );
+    let y = format!(
+        "{MINIMAL}hooks:\n  - name: m\n    binding: on-task-start\n    commit_policy: replace-context\n    command: x\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "hooks[0].commit_policy: hook \"m\" (binding on-task-start, commit_policy replace-context): binding on-task-start can only honour none or seed-context"
+        ]
+    );
+    let y = format!("{MINIMAL}hooks:\n  - name: m\n    command: builtin:nope\n");
+    assert_eq!(
+        rules(&y),
+        ["hooks[0].command: unknown built-in hook \"builtin:nope\" (builtin:compact, builtin:memory)"]
+    );
+    let y = format!("{MINIMAL}hooks:\n  - name: m\n    command: x\n  - name: m\n    command: y\n");
+    assert_eq!(rules(&y), ["hooks[1].name: duplicate hook name \"m\""]);
+    let err = load(&format!("{MINIMAL}hooks:\n  - name: m\n    binding: on-everything\n    command: x\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("hooks[0].binding: unknown variant `on-everything`"), "{err}");
+}
+
+#[test]
+fn declared_tools_need_a_command_and_unique_names() {
+    let y = format!(
+        "{MINIMAL}capabilities:\n  shell:\n    allow: [sh]\ntools:\n  - name: lookup\n    command: [./lookup.sh]\n  - name: sh\n    command: x\n  - name: bad\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "tools[2].command: required",
+            "tools[1].name: duplicate tool name \"sh\" (shell tools are named after their binary)"
+        ]
+    );
+    let y = format!("{MINIMAL}tools:\n  - name: lookup\n    command: [./lookup.sh]\n");
+    let t = &load(&y).unwrap().tools[0];
+    assert_eq!(t.parameters, serde_json::json!({"type": "object", "properties": {}}));
+    assert_eq!(t.timeout_secs, 300);
+}
+
+#[test]
+fn every_broken_rule_is_reported_at_once() {
+    let y = "name: demo\nversion: 1\ninference:\n  driver: scripted\n  script: r.yaml\n  max_turns: 0\n  max_tokens: 0\nlifecycle:\n  queue_depth: 0\n";
+    assert_eq!(rules(y).len(), 3);
+}

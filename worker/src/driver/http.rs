@@ -18,18 +18,12 @@ pub async fn post_json(
     for (k, v) in headers {
         req = req.header(*k, v);
     }
-    let resp = req
-        .send()
-        .await
-        .map_err(|e| Error::Transport(e.to_string()))?;
+    let resp = req.send().await.map_err(|e| Error::Transport(e.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
         let body = resp.text().await.unwrap_or_default();
         let body: String = body.chars().take(2048).collect();
-        return Err(Error::Status {
-            status: status.as_u16(),
-            body,
-        });
+        return Err(Error::Status { status: status.as_u16(), body });
     }
     Ok(resp)
 }

@@ -23,10 +23,7 @@ pub struct OpenAi {
 impl OpenAi {
     /// A driver for `config`.
     pub fn new(config: Config) -> Self {
-        OpenAi {
-            config,
-            client: reqwest::Client::new(),
-        }
+        OpenAi { config, client: reqwest::Client::new() }
     }
 }
 

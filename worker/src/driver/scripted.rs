@@ -14,12 +14,13 @@
 //! ```
 //!
 //! `{{task}}` anywhere in a reply's text or in a tool call's input strings is replaced by
-//! the task's text, verbatim. Running out of replies is an error that ends the task
-//! `failed`.
+//! the task's text, verbatim; `{{tool_result}}` by the text of the latest tool result in
+//! the conversation (empty when there is none), so a scripted capsule can report what its
+//! command printed. Running out of replies is an error that ends the task `failed`.
 
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason};
 use async_trait::async_trait;
-use mur_proto::message::Block;
+use mur_proto::message::{Block, Message, Role};
 use mur_proto::trace::ProviderUsage;
 use serde::Deserialize;
 use serde_json::Value;
@@ -96,11 +97,7 @@ impl Script {
     /// # Errors
     /// The YAML error, with the field path.
     pub fn parse(text: &str) -> Result<Script, String> {
-        let de = serde_yaml_ng::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            format!("{path}: {}", e.into_inner())
-        })
+        serde_yaml_ng::from_str(text).map_err(|e| e.to_string())
     }
 }
 
@@ -113,50 +110,53 @@ pub struct Scripted {
 impl Scripted {
     /// A driver over `script`, starting at its first reply.
     pub fn new(script: Script) -> Self {
-        Scripted {
-            script,
-            next: AtomicUsize::new(0),
-        }
+        Scripted { script, next: AtomicUsize::new(0) }
     }
 
     /// A driver that resumes at reply `index` (a task taken over after `index` calls).
     pub fn starting_at(script: Script, index: usize) -> Self {
-        Scripted {
-            script,
-            next: AtomicUsize::new(index),
-        }
+        Scripted { script, next: AtomicUsize::new(index) }
     }
 }
 
-fn substitute(value: &Value, task: &str) -> Value {
+/// The values substituted into replies.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Vars<'a> {
+    /// `{{task}}`: the task's text.
+    pub task: &'a str,
+    /// `{{tool_result}}`: the latest tool result's text.
+    pub tool_result: &'a str,
+}
+
+impl Vars<'_> {
+    fn apply(&self, s: &str) -> String {
+        if !s.contains("{{") {
+            return s.to_string();
+        }
+        s.replace("{{task}}", self.task).replace("{{tool_result}}", self.tool_result)
+    }
+}
+
+fn substitute(value: &Value, vars: &Vars<'_>) -> Value {
     match value {
-        Value::String(s) => Value::String(s.replace("{{task}}", task)),
-        Value::Array(items) => Value::Array(items.iter().map(|v| substitute(v, task)).collect()),
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| (k.clone(), substitute(v, task)))
-                .collect(),
-        ),
+        Value::String(s) => Value::String(vars.apply(s)),
+        Value::Array(items) => Value::Array(items.iter().map(|v| substitute(v, vars)).collect()),
+        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (k.clone(), substitute(v, vars))).collect()),
         other => other.clone(),
     }
 }
 
-/// Builds the response for reply `index` of `script` (pure).
-pub fn respond(reply: &Reply, index: usize, task: &str) -> ModelResponse {
+/// Builds the response for reply `index` (pure).
+pub fn respond(reply: &Reply, index: usize, vars: &Vars<'_>) -> ModelResponse {
     let mut content = Vec::new();
     if let Some(text) = &reply.text {
-        content.push(Block::Text {
-            text: text.replace("{{task}}", task),
-        });
+        content.push(Block::Text { text: vars.apply(text) });
     }
     for (i, call) in reply.tool_calls.iter().enumerate() {
         content.push(Block::ToolCall {
-            id: call
-                .id
-                .clone()
-                .unwrap_or_else(|| format!("call_{index}_{i}")),
+            id: call.id.clone().unwrap_or_else(|| format!("call_{index}_{i}")),
             name: call.name.clone(),
-            input: substitute(&call.input, task),
+            input: substitute(&call.input, vars),
         });
     }
     let stop = match reply.stop_reason.as_deref() {
@@ -164,28 +164,16 @@ pub fn respond(reply: &Reply, index: usize, task: &str) -> ModelResponse {
         None | Some("tool_call") => StopReason::ToolCall,
         Some("end_turn") => StopReason::EndTurn,
         Some("max_tokens") => StopReason::MaxTokens,
-        Some("error") => StopReason::Error(
-            reply
-                .error
-                .clone()
-                .unwrap_or_else(|| "scripted error".into()),
-        ),
+        Some("error") => StopReason::Error(reply.error.clone().unwrap_or_else(|| "scripted error".into())),
         Some(other) => StopReason::Other(other.to_string()),
     };
-    let usage = reply
-        .usage
-        .as_ref()
-        .map_or_else(ProviderUsage::default, |u| ProviderUsage {
-            input_tokens_actual: u.input_tokens,
-            output_tokens_actual: u.output_tokens,
-            cached_tokens: u.cached_tokens,
-            cache_write_tokens: None,
-        });
-    ModelResponse {
-        content,
-        stop,
-        usage,
-    }
+    let usage = reply.usage.as_ref().map_or_else(ProviderUsage::default, |u| ProviderUsage {
+        input_tokens_actual: u.input_tokens,
+        output_tokens_actual: u.output_tokens,
+        cached_tokens: u.cached_tokens,
+        cache_write_tokens: None,
+    });
+    ModelResponse { content, stop, usage }
 }
 
 #[async_trait]
@@ -206,7 +194,9 @@ impl Driver for Scripted {
         if let Some(ms) = reply.delay_ms {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        Ok(respond(reply, index, request.task_text))
+        let tool_result =
+            request.messages.iter().rev().find(|m| m.role == Role::Tool).map(Message::text).unwrap_or_default();
+        Ok(respond(reply, index, &Vars { task: request.task_text, tool_result: &tool_result }))
     }
 }
 
@@ -215,14 +205,7 @@ mod tests {
     use super::*;
 
     fn req<'a>(task: &'a str) -> ModelRequest<'a> {
-        ModelRequest {
-            model: "",
-            system: "",
-            messages: &[],
-            tools: &[],
-            max_tokens: 1,
-            task_text: task,
-        }
+        ModelRequest { model: "", system: "", messages: &[], tools: &[], max_tokens: 1, task_text: task }
     }
 
     #[tokio::test]
@@ -244,17 +227,9 @@ mod tests {
         );
         let second = d.call(&req("hi there")).await.unwrap();
         assert_eq!(second.stop, StopReason::EndTurn);
-        assert_eq!(
-            second.content,
-            vec![Block::Text {
-                text: "done: hi there".into()
-            }]
-        );
+        assert_eq!(second.content, vec![Block::Text { text: "done: hi there".into() }]);
         let err = d.call(&req("x")).await.unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "scripted driver: no reply left for model call 3 (the script has 2 replies)"
-        );
+        assert_eq!(err.to_string(), "scripted driver: no reply left for model call 3 (the script has 2 replies)");
     }
 
     #[test]
@@ -263,15 +238,32 @@ mod tests {
             "replies:\n  - text: cut short\n    stop_reason: max_tokens\n    usage: { input_tokens: 12, output_tokens: 3 }\n  - text: x\n    stop_reason: weird\n",
         )
         .unwrap();
-        let r = respond(&script.replies[0], 0, "");
+        let r = respond(&script.replies[0], 0, &Vars::default());
         assert_eq!(r.stop, StopReason::MaxTokens);
         assert_eq!(r.usage.input_tokens_actual, Some(12));
         assert_eq!(r.usage.output_tokens_actual, Some(3));
         assert_eq!(r.usage.cached_tokens, None);
-        assert_eq!(
-            respond(&script.replies[1], 1, "").stop,
-            StopReason::Other("weird".into())
-        );
+        assert_eq!(respond(&script.replies[1], 1, &Vars::default()).stop, StopReason::Other("weird".into()));
+    }
+
+    #[tokio::test]
+    async fn tool_result_placeholder_takes_the_latest_tool_result() {
+        let script = Script::parse("replies:\n  - text: \"saw: {{tool_result}}\"\n").unwrap();
+        let d = Scripted::new(script);
+        let messages =
+            [Message::user("t"), Message::tool_result("a", "first", false), Message::tool_result("b", "second", false)];
+        let r = d
+            .call(&ModelRequest {
+                model: "",
+                system: "",
+                messages: &messages,
+                tools: &[],
+                max_tokens: 1,
+                task_text: "t",
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.content, vec![Block::Text { text: "saw: second".into() }]);
     }
 
     #[test]

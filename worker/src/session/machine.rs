@@ -207,10 +207,7 @@ impl TaskMachine {
     }
 
     fn finish(&mut self, exit_status: ExitStatus, result: String) -> Action {
-        let outcome = Outcome {
-            exit_status,
-            result,
-        };
+        let outcome = Outcome { exit_status, result };
         self.finished = Some(outcome.clone());
         Action::Finish(outcome)
     }
@@ -223,35 +220,24 @@ impl TaskMachine {
     }
 
     /// Feeds the model's reply (or the driver's error) for the call just made.
-    pub fn on_model_reply(
-        &mut self,
-        reply: Result<ModelResponse, String>,
-        duration_ms: u64,
-    ) -> (Vec<Event>, Action) {
+    pub fn on_model_reply(&mut self, reply: Result<ModelResponse, String>, duration_ms: u64) -> (Vec<Event>, Action) {
         let response = match reply {
             Ok(r) => r,
             Err(e) => {
-                return (
-                    Vec::new(),
-                    self.finish(ExitStatus::Failed, format!("error: {e}")),
-                );
+                return (Vec::new(), self.finish(ExitStatus::Failed, format!("error: {e}")));
             }
         };
         self.turn = self.counters.turns;
         self.counters.turns += 1;
         let input_tokens = self.fixed_tokens + self.history.tokens();
         let assistant = Message::assistant(response.content);
-        let output_tokens = self
-            .estimator
-            .count(&serde_json::to_string(&assistant).unwrap_or_default());
+        let output_tokens = self.estimator.count(&serde_json::to_string(&assistant).unwrap_or_default());
         self.counters.input_tokens += input_tokens;
         self.counters.output_tokens += output_tokens;
         self.session_tokens = input_tokens + output_tokens;
 
-        let calls: Vec<(String, String, Value)> = assistant
-            .tool_calls()
-            .map(|(id, name, input)| (id.to_string(), name.to_string(), input.clone()))
-            .collect();
+        let calls: Vec<(String, String, Value)> =
+            assistant.tool_calls().map(|(id, name, input)| (id.to_string(), name.to_string(), input.clone())).collect();
         let decision = if !calls.is_empty() {
             Decision::ToolCall
         } else {
@@ -281,26 +267,19 @@ impl TaskMachine {
                 self.pending.extend(calls);
                 self.next_call()
             }
-            StopReason::ToolCall => self.finish(
-                ExitStatus::Failed,
-                "error: stop_reason tool_call but the reply carries no tool calls".into(),
-            ),
+            StopReason::ToolCall => self
+                .finish(ExitStatus::Failed, "error: stop_reason tool_call but the reply carries no tool calls".into()),
             StopReason::EndTurn | StopReason::MaxTokens => self.finish(ExitStatus::Ok, final_text),
-            StopReason::Other(x) => self.finish(
-                ExitStatus::Failed,
-                format!("error: unsupported stop_reason '{x}'"),
-            ),
+            StopReason::Other(x) => self.finish(ExitStatus::Failed, format!("error: unsupported stop_reason '{x}'")),
         };
         (vec![event], action)
     }
 
     fn next_call(&mut self) -> Action {
         match self.pending.front() {
-            Some((id, name, input)) => Action::RunTool {
-                call_id: id.clone(),
-                name: name.clone(),
-                input: input.clone(),
-            },
+            Some((id, name, input)) => {
+                Action::RunTool { call_id: id.clone(), name: name.clone(), input: input.clone() }
+            }
             None if self.counters.turns >= self.max_turns => {
                 let msg = self.turn_limit_message();
                 self.finish(ExitStatus::MaxTurnsReached, msg)
@@ -310,11 +289,7 @@ impl TaskMachine {
     }
 
     /// Feeds the result of the tool call last asked for.
-    pub fn on_tool_result(
-        &mut self,
-        outcome: ToolOutcome,
-        duration_ms: u64,
-    ) -> (Vec<Event>, Action) {
+    pub fn on_tool_result(&mut self, outcome: ToolOutcome, duration_ms: u64) -> (Vec<Event>, Action) {
         let Some((call_id, name, input)) = self.pending.pop_front() else {
             return (Vec::new(), self.next_call());
         };
@@ -330,11 +305,7 @@ impl TaskMachine {
             output: (self.capture == Capture::Content).then(|| outcome.text.clone()),
             output_bytes: outcome.text.len() as u64,
             duration_ms,
-            status: if outcome.is_error {
-                CallStatus::Error
-            } else {
-                CallStatus::Ok
-            },
+            status: if outcome.is_error { CallStatus::Error } else { CallStatus::Ok },
         }];
         if let Some(shell) = outcome.shell {
             self.counters.shell_calls += 1;
@@ -349,10 +320,7 @@ impl TaskMachine {
                 duration_ms,
             });
         }
-        self.history.push(
-            Message::tool_result(call_id, outcome.text, outcome.is_error),
-            self.estimator.as_ref(),
-        );
+        self.history.push(Message::tool_result(call_id, outcome.text, outcome.is_error), self.estimator.as_ref());
         (events, self.next_call())
     }
 
@@ -361,10 +329,7 @@ impl TaskMachine {
         let c = self.counters;
         Event::TaskEnd {
             task_id: self.task.task_id.clone(),
-            exit_status: self
-                .finished
-                .as_ref()
-                .map_or(ExitStatus::Failed, |o| o.exit_status),
+            exit_status: self.finished.as_ref().map_or(ExitStatus::Failed, |o| o.exit_status),
             duration_ms,
             turns: c.turns,
             input_tokens: c.input_tokens,

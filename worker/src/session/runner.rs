@@ -102,19 +102,14 @@ impl Session {
         estimator: Arc<dyn Estimator>,
     ) -> Result<Session, trace::Error> {
         let m = &cfg.manifest;
-        let fixed_tokens =
-            estimator.count(&cfg.system_prompt) + estimator.count(&tools_json(tools.specs()));
+        let fixed_tokens = estimator.count(&cfg.system_prompt) + estimator.count(&tools_json(tools.specs()));
         tracer.emit(Event::SessionStart {
             capsule_name: m.name.clone(),
             capsule_version: m.version.clone(),
             model: cfg.model_label.clone(),
             driver: driver.kind().to_string(),
             max_turns: m.inference.max_turns,
-            capabilities: if m.capabilities.shell_allow.is_empty() {
-                vec![]
-            } else {
-                vec!["shell".into()]
-            },
+            capabilities: if m.capabilities.shell_allow.is_empty() { vec![] } else { vec!["shell".into()] },
             tools_declared: tools.specs().iter().map(|s| s.name.clone()).collect(),
             system_prompt_source: cfg.system_prompt_source.to_string(),
             system_prompt_sha256: cfg.system_prompt_sha256.clone(),
@@ -146,11 +141,7 @@ impl Session {
     ///
     /// # Errors
     /// [`trace::Error`]: a trace write failed, and the session must end.
-    pub async fn run_task(
-        &mut self,
-        task: TaskSpec,
-        prior: Vec<Message>,
-    ) -> Result<TaskReport, trace::Error> {
+    pub async fn run_task(&mut self, task: TaskSpec, prior: Vec<Message>) -> Result<TaskReport, trace::Error> {
         let span = tracing::info_span!(
             "invoke_agent",
             otel.name = %format!("invoke_agent {}", self.cfg.manifest.name),
@@ -164,11 +155,7 @@ impl Session {
         self.run_task_inner(task, prior).instrument(span).await
     }
 
-    async fn run_task_inner(
-        &mut self,
-        task: TaskSpec,
-        prior: Vec<Message>,
-    ) -> Result<TaskReport, trace::Error> {
+    async fn run_task_inner(&mut self, task: TaskSpec, prior: Vec<Message>) -> Result<TaskReport, trace::Error> {
         let started = Instant::now();
         self.tracer.emit(Event::TaskStart {
             task_id: task.task_id.clone(),
@@ -209,22 +196,12 @@ impl Session {
                         gen_ai.request.model = %self.cfg.model_label,
                     );
                     let t0 = Instant::now();
-                    let reply = self
-                        .driver
-                        .call(&request)
-                        .instrument(span)
-                        .await
-                        .map_err(|e| e.to_string());
-                    let (events, next) =
-                        machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
+                    let reply = self.driver.call(&request).instrument(span).await.map_err(|e| e.to_string());
+                    let (events, next) = machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
                     self.emit_all(events)?;
                     next
                 }
-                Action::RunTool {
-                    call_id,
-                    name,
-                    input,
-                } => {
+                Action::RunTool { call_id, name, input } => {
                     let span = tracing::info_span!(
                         "execute_tool",
                         otel.name = %format!("execute_tool {name}"),
@@ -233,25 +210,19 @@ impl Session {
                         gen_ai.tool.call.id = %call_id,
                     );
                     let t0 = Instant::now();
-                    let outcome = self
-                        .tools
-                        .call(&name, &input, &self.cfg.call_context)
-                        .instrument(span)
-                        .await;
-                    let (events, next) =
-                        machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
+                    let outcome = self.tools.call(&name, &input, &self.cfg.call_context).instrument(span).await;
+                    let (events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
                     self.emit_all(events)?;
                     next
                 }
             };
         };
-        if let Some(path) = &self.cfg.result_path {
-            if let Err(e) = std::fs::write(path, &outcome.result) {
-                tracing::warn!(error = %e, path = %path.display(), "could not write the result file");
-            }
+        if let Some(path) = &self.cfg.result_path
+            && let Err(e) = std::fs::write(path, &outcome.result)
+        {
+            tracing::warn!(error = %e, path = %path.display(), "could not write the result file");
         }
-        self.tracer
-            .emit(machine.task_end(started.elapsed().as_millis() as u64, 0))?;
+        self.tracer.emit(machine.task_end(started.elapsed().as_millis() as u64, 0))?;
         let c = machine.counters();
         self.totals.turns += c.turns;
         self.totals.input_tokens += c.input_tokens;
@@ -259,12 +230,7 @@ impl Session {
         self.totals.tool_calls += c.tool_calls;
         self.totals.shell_calls += c.shell_calls;
         self.last_exit = outcome.exit_status;
-        Ok(TaskReport {
-            task: machine.task().clone(),
-            outcome,
-            counters: c,
-            history: machine.messages().to_vec(),
-        })
+        Ok(TaskReport { task: machine.task().clone(), outcome, counters: c, history: machine.messages().to_vec() })
     }
 
     fn emit_all(&mut self, events: Vec<Event>) -> Result<(), trace::Error> {

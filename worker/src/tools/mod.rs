@@ -50,11 +50,7 @@ pub struct Outcome {
 impl Outcome {
     /// A failed call with `text` as its message.
     pub fn error(text: impl Into<String>) -> Self {
-        Outcome {
-            text: text.into(),
-            is_error: true,
-            shell: None,
-        }
+        Outcome { text: text.into(), is_error: true, shell: None }
     }
 }
 
@@ -81,19 +77,10 @@ impl Toolbox {
     /// The toolbox of `manifest`.
     pub fn from_manifest(manifest: &Manifest) -> Self {
         let shell = shell::Shell::new(manifest.capabilities.shell_allow.clone());
-        let commands: Vec<_> = manifest
-            .tools
-            .iter()
-            .cloned()
-            .map(command::CommandTool::new)
-            .collect();
+        let commands: Vec<_> = manifest.tools.iter().cloned().map(command::CommandTool::new).collect();
         let mut specs = shell.specs();
         specs.extend(commands.iter().map(command::CommandTool::spec));
-        Toolbox {
-            specs,
-            shell,
-            commands,
-        }
+        Toolbox { specs, shell, commands }
     }
 
     /// Whether `name` is one of the shell tools.
@@ -116,23 +103,17 @@ impl Tools for Toolbox {
             return tool.run(input, ctx).await;
         }
         let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
-        Outcome::error(format!(
-            "unknown tool {name:?}; available tools: {}",
-            known.join(", ")
-        ))
+        Outcome::error(format!("unknown tool {name:?}; available tools: {}", known.join(", ")))
     }
 }
 
 /// Resolves `binary` on `PATH` to an absolute path, if it can be found.
 pub fn which(binary: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(binary))
-        .find(|p| is_executable(p))
+    std::env::split_paths(&path).map(|dir| dir.join(binary)).find(|p| is_executable(p))
 }
 
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    p.metadata()
-        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }

@@ -1,2 +1,308 @@
-//! The loop rules, driven without IO.
+//! The loop rules, driven without IO: a list of model replies and a tool function stand in
+//! for the driver and the tools.
 use super::*;
+use crate::tools::ShellRun;
+use mur_proto::message::Role;
+use mur_proto::trace::ProviderUsage;
+use serde_json::json;
+
+/// Counts one token per byte, so expected values are exact.
+struct PerByte;
+impl Estimator for PerByte {
+    fn count(&self, text: &str) -> u64 {
+        text.len() as u64
+    }
+}
+
+fn task(text: &str) -> TaskSpec {
+    TaskSpec {
+        task_id: "tsk_1".into(),
+        context_id: "ctx_1".into(),
+        text: text.into(),
+        origin: Origin::User,
+        source: "cli".into(),
+    }
+}
+
+fn machine(max_turns: u32) -> TaskMachine {
+    TaskMachine::new(task("do it"), Vec::new(), max_turns, 100, Capture::Meta, Arc::new(PerByte))
+}
+
+fn text(t: &str, stop: StopReason) -> ModelResponse {
+    ModelResponse { content: vec![Block::Text { text: t.into() }], stop, usage: ProviderUsage::default() }
+}
+
+fn call(id: &str, name: &str) -> Block {
+    Block::ToolCall { id: id.into(), name: name.into(), input: json!({"command": "echo hi"}) }
+}
+
+fn calls(blocks: Vec<Block>, stop: StopReason) -> ModelResponse {
+    ModelResponse { content: blocks, stop, usage: ProviderUsage::default() }
+}
+
+fn ok_tool(text: &str) -> ToolOutcome {
+    ToolOutcome { text: text.into(), is_error: false, shell: None }
+}
+
+/// Runs the machine against `replies` (repeating the last one forever) and `tool`;
+/// returns the outcome, the events and the number of model calls.
+fn drive(
+    m: &mut TaskMachine,
+    replies: Vec<Result<ModelResponse, String>>,
+    mut tool: impl FnMut(&str) -> ToolOutcome,
+) -> (Outcome, Vec<Event>, usize) {
+    let mut events = Vec::new();
+    let mut model_calls = 0;
+    let mut action = m.start();
+    loop {
+        action = match action {
+            Action::Finish(o) => return (o, events, model_calls),
+            Action::CallModel => {
+                let reply = replies[model_calls.min(replies.len() - 1)].clone();
+                model_calls += 1;
+                let (ev, next) = m.on_model_reply(reply, 7);
+                events.extend(ev);
+                next
+            }
+            Action::RunTool { name, .. } => {
+                let (ev, next) = m.on_tool_result(tool(&name), 3);
+                events.extend(ev);
+                next
+            }
+        };
+    }
+}
+
+fn types(events: &[Event]) -> Vec<&'static str> {
+    events.iter().map(Event::event_type).collect()
+}
+
+#[test]
+fn end_turn_ends_ok_with_the_text_blocks_joined() {
+    let mut m = machine(10);
+    let reply = ModelResponse {
+        content: vec![Block::Text { text: "line one".into() }, Block::Text { text: "line two".into() }],
+        stop: StopReason::EndTurn,
+        usage: ProviderUsage::default(),
+    };
+    let (o, events, n) = drive(&mut m, vec![Ok(reply)], ok_tool);
+    assert_eq!(o, Outcome { exit_status: ExitStatus::Ok, result: "line one\nline two".into() });
+    assert_eq!(n, 1);
+    let Event::Inference { turn, decision, tool_name, .. } = &events[0] else { panic!() };
+    assert_eq!((*turn, *decision, tool_name.as_deref()), (0, Decision::EndTurn, None));
+}
+
+#[test]
+fn max_tokens_ends_ok_with_the_partial_text_and_decision_text() {
+    let mut m = machine(10);
+    let (o, events, _) = drive(&mut m, vec![Ok(text("cut sh", StopReason::MaxTokens))], ok_tool);
+    assert_eq!(o, Outcome { exit_status: ExitStatus::Ok, result: "cut sh".into() });
+    let Event::Inference { decision, .. } = &events[0] else { panic!() };
+    assert_eq!(*decision, Decision::Text);
+}
+
+#[test]
+fn tool_calls_run_in_order_then_the_model_is_called_again() {
+    let mut m = machine(10);
+    let mut ran = Vec::new();
+    let (o, events, n) = drive(
+        &mut m,
+        vec![
+            Ok(calls(vec![call("a", "sh"), call("b", "ls")], StopReason::ToolCall)),
+            Ok(text("done", StopReason::EndTurn)),
+        ],
+        |name| {
+            ran.push(name.to_string());
+            ok_tool(&format!("out of {name}"))
+        },
+    );
+    assert_eq!(ran, ["sh", "ls"]);
+    assert_eq!(n, 2);
+    assert_eq!(o.exit_status, ExitStatus::Ok);
+    assert_eq!(types(&events), ["inference", "tool_call", "tool_call", "inference"]);
+    let roles: Vec<_> = m.messages().iter().map(|msg| msg.role).collect();
+    assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::Tool, Role::Assistant]);
+    assert_eq!(m.messages()[2].tool_call_id.as_deref(), Some("a"));
+    assert_eq!(m.messages()[3].tool_call_id.as_deref(), Some("b"));
+    assert_eq!(m.messages()[3].text(), "out of ls");
+    assert_eq!(m.counters().tool_calls, 2);
+}
+
+#[test]
+fn a_reply_with_tool_calls_continues_whatever_its_stop_reason() {
+    let mut m = machine(10);
+    let (o, _, n) = drive(
+        &mut m,
+        vec![Ok(calls(vec![call("a", "sh")], StopReason::EndTurn)), Ok(text("done", StopReason::EndTurn))],
+        ok_tool,
+    );
+    assert_eq!((o.exit_status, n), (ExitStatus::Ok, 2));
+}
+
+#[test]
+fn tool_call_stop_without_tool_calls_fails() {
+    let mut m = machine(10);
+    let (o, events, n) = drive(&mut m, vec![Ok(text("", StopReason::ToolCall))], ok_tool);
+    assert_eq!(o.exit_status, ExitStatus::Failed);
+    assert_eq!(o.result, "error: stop_reason tool_call but the reply carries no tool calls");
+    assert_eq!(n, 1);
+    assert_eq!(types(&events), ["inference"]);
+}
+
+#[test]
+fn unsupported_stop_reason_fails_with_its_name() {
+    let mut m = machine(10);
+    let (o, _, _) = drive(&mut m, vec![Ok(text("x", StopReason::Other("content_filter".into())))], ok_tool);
+    assert_eq!(
+        o,
+        Outcome { exit_status: ExitStatus::Failed, result: "error: unsupported stop_reason 'content_filter'".into() }
+    );
+}
+
+#[test]
+fn in_band_error_fails_with_its_message() {
+    let mut m = machine(10);
+    let (o, _, _) = drive(&mut m, vec![Ok(text("", StopReason::Error("overloaded".into())))], ok_tool);
+    assert_eq!(o, Outcome { exit_status: ExitStatus::Failed, result: "error: overloaded".into() });
+}
+
+#[test]
+fn driver_error_fails_without_counting_a_turn() {
+    let mut m = machine(10);
+    let (o, events, _) = drive(&mut m, vec![Err("provider returned HTTP 401: bad key".into())], ok_tool);
+    assert_eq!(
+        o,
+        Outcome { exit_status: ExitStatus::Failed, result: "error: provider returned HTTP 401: bad key".into() }
+    );
+    assert!(events.is_empty());
+    assert_eq!(m.counters().turns, 0);
+}
+
+#[test]
+fn turn_limit_allows_exactly_n_model_calls() {
+    for limit in [1u32, 3] {
+        let mut m = machine(limit);
+        let (o, events, n) = drive(&mut m, vec![Ok(calls(vec![call("a", "sh")], StopReason::ToolCall))], ok_tool);
+        assert_eq!(n, limit as usize, "limit {limit}");
+        assert_eq!(o.exit_status, ExitStatus::MaxTurnsReached);
+        assert_eq!(o.result, format!("error: inference loop exceeded {limit} turns"));
+        assert_eq!(m.counters().turns, limit);
+        let turns: Vec<u32> = events
+            .iter()
+            .filter_map(|e| if let Event::Inference { turn, .. } = e { Some(*turn) } else { None })
+            .collect();
+        assert_eq!(turns, (0..limit).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn one_failing_call_among_several_fails_alone() {
+    let mut m = machine(10);
+    let (o, events, _) = drive(
+        &mut m,
+        vec![
+            Ok(calls(vec![call("a", "sh"), call("b", "nope"), call("c", "sh")], StopReason::ToolCall)),
+            Ok(text("done", StopReason::EndTurn)),
+        ],
+        |name| {
+            if name == "nope" { ToolOutcome::error("unknown tool \"nope\"") } else { ok_tool("fine") }
+        },
+    );
+    assert_eq!(o.exit_status, ExitStatus::Ok);
+    let statuses: Vec<_> = events
+        .iter()
+        .filter_map(|e| if let Event::ToolCall { status, .. } = e { Some(*status) } else { None })
+        .collect();
+    assert_eq!(statuses, [CallStatus::Ok, CallStatus::Error, CallStatus::Ok]);
+    let tool_msgs: Vec<_> = m.messages().iter().filter(|msg| msg.role == Role::Tool).collect();
+    assert_eq!(tool_msgs.len(), 3);
+    assert!(!tool_msgs[0].is_error && tool_msgs[1].is_error && !tool_msgs[2].is_error);
+}
+
+#[test]
+fn shell_results_write_a_shell_line_after_the_tool_call_line() {
+    let mut m = machine(10);
+    let (_, events, _) = drive(
+        &mut m,
+        vec![Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), Ok(text("done", StopReason::EndTurn))],
+        |_| ToolOutcome {
+            text: "$ echo hi\nExit code: 0".into(),
+            is_error: false,
+            shell: Some(ShellRun {
+                binary: "/bin/sh".into(),
+                command: "echo hi".into(),
+                exit_code: 0,
+                stdout_bytes: 3,
+                stderr_bytes: 0,
+            }),
+        },
+    );
+    assert_eq!(types(&events), ["inference", "tool_call", "shell", "inference"]);
+    let Event::Shell { turn, binary, exit_code, stdout_bytes, duration_ms, .. } = &events[2] else { panic!() };
+    assert_eq!((*turn, binary.as_str(), *exit_code, *stdout_bytes, *duration_ms), (0, "/bin/sh", 0, 3, 3));
+    assert_eq!(m.counters().shell_calls, 1);
+}
+
+#[test]
+fn tokens_count_the_whole_request_and_session_tokens_is_this_turns_occupancy() {
+    let mut m = machine(10);
+    let user_json = serde_json::to_string(&Message::user("do it")).unwrap().len() as u64;
+    let reply = calls(vec![call("a", "sh")], StopReason::ToolCall);
+    let assistant_json = serde_json::to_string(&Message::assistant(reply.content.clone())).unwrap().len() as u64;
+    let (events, _) = {
+        m.start();
+        m.on_model_reply(Ok(reply), 1)
+    };
+    let Event::Inference { input_tokens, output_tokens, .. } = &events[0] else { panic!() };
+    assert_eq!(*input_tokens, 100 + user_json);
+    assert_eq!(*output_tokens, assistant_json);
+    assert_eq!(m.session_tokens(), 100 + user_json + assistant_json);
+    let tool_json = serde_json::to_string(&Message::tool_result("a", "ok", false)).unwrap().len() as u64;
+    m.on_tool_result(ok_tool("ok"), 1);
+    let (events, _) = m.on_model_reply(Ok(text("end", StopReason::EndTurn)), 1);
+    let Event::Inference { input_tokens, .. } = &events[0] else { panic!() };
+    assert_eq!(*input_tokens, 100 + user_json + assistant_json + tool_json);
+    assert_eq!(m.counters().input_tokens, 100 + user_json + 100 + user_json + assistant_json + tool_json);
+}
+
+#[test]
+fn capture_decides_what_tool_call_lines_keep() {
+    for (capture, has_input, has_output) in
+        [(Capture::None, false, false), (Capture::Meta, true, false), (Capture::Content, true, true)]
+    {
+        let mut m = TaskMachine::new(task("t"), Vec::new(), 5, 0, capture, Arc::new(PerByte));
+        m.start();
+        m.on_model_reply(Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), 1);
+        let (events, _) = m.on_tool_result(ok_tool("secret output"), 1);
+        let Event::ToolCall { input, output, input_bytes, output_bytes, .. } = &events[0] else { panic!() };
+        assert_eq!((input.is_some(), output.is_some()), (has_input, has_output), "{capture:?}");
+        assert_eq!(*input_bytes, r#"{"command":"echo hi"}"#.len() as u64);
+        assert_eq!(*output_bytes, "secret output".len() as u64);
+    }
+}
+
+#[test]
+fn task_end_reports_the_counters() {
+    let mut m = machine(10);
+    drive(
+        &mut m,
+        vec![Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), Ok(text("done", StopReason::EndTurn))],
+        ok_tool,
+    );
+    let Event::TaskEnd { exit_status, turns, tool_calls, shell_calls, reopen_count, duration_ms, .. } =
+        m.task_end(42, 0)
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (exit_status, turns, tool_calls, shell_calls, reopen_count, duration_ms),
+        (ExitStatus::Ok, 2, 1, 0, 0, 42)
+    );
+}
+
+#[test]
+fn prior_history_comes_before_the_task_message() {
+    let m = TaskMachine::new(task("now"), vec![Message::user("earlier")], 5, 0, Capture::Meta, Arc::new(PerByte));
+    let texts: Vec<_> = m.messages().iter().map(Message::text).collect();
+    assert_eq!(texts, ["earlier", "now"]);
+}

@@ -1,0 +1,211 @@
+//! `mur trace steps|show`: reads a session's `trace.jsonl` (`reference/murmur-runtime.md`
+//! §6). SESSION may be omitted (the latest), a full id, a unique suffix, or a path to a
+//! session folder or its `trace.jsonl`.
+
+use anyhow::{Context, Result};
+use comfy_table::{Table, presets::NOTHING};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// `mur trace …`
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// One row per turn (decision, tool, duration), with a row per task.
+    Steps(Args),
+    /// A summary of the session, with a Tasks section when it ran more than one task.
+    Show(Args),
+}
+
+/// Which session to read.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Session: omitted = latest; a full id; a unique suffix; or a path.
+    session: Option<String>,
+    /// Where sessions live.
+    #[arg(long, value_name = "DIR", default_value = "workdir")]
+    workdir: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
+    let dir = mur_worker::workdir::find_session(&args.workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
+    let path = dir.join("trace.jsonl");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let lines = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{}: line {} is not JSON", path.display(), i + 1))
+        })
+        .collect::<Result<Vec<Value>>>()?;
+    Ok((path, lines))
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+fn n(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// The rows of `mur trace steps`: a `task` row at each `task_start`, a `turn` row per
+/// `inference` line with its decision, first tool and the duration of that turn's first
+/// tool call (the model call's when it called none).
+pub fn steps(lines: &[Value]) -> Vec<Value> {
+    let mut rows: Vec<Value> = Vec::new();
+    for line in lines {
+        match s(line, "event_type") {
+            "task_start" => rows.push(json!({
+                "kind": "task",
+                "task_id": s(line, "task_id"),
+                "lane": s(line, "lane"),
+                "origin": s(line, "origin"),
+                "source": s(line, "source"),
+            })),
+            "inference" => rows.push(json!({
+                "kind": "turn",
+                "task_id": s(line, "task_id"),
+                "turn": n(line, "turn"),
+                "decision": s(line, "decision"),
+                "tool": line.get("tool_name").cloned().unwrap_or(Value::Null),
+                "model_ms": n(line, "duration_ms"),
+                "tool_ms": Value::Null,
+                "origin": line.get("origin").cloned().unwrap_or(Value::Null),
+            })),
+            "tool_call" => {
+                if let Some(last) = rows.last_mut()
+                    && last["kind"] == "turn"
+                    && last["tool_ms"].is_null()
+                {
+                    last["tool_ms"] = json!(n(line, "duration_ms"));
+                }
+            }
+            _ => {}
+        }
+    }
+    rows
+}
+
+pub fn run(cmd: Command) -> Result<ExitCode> {
+    match cmd {
+        Command::Steps(args) => {
+            let (_, lines) = load(&args)?;
+            let session = lines.first().map(|l| s(l, "session_id").to_string()).unwrap_or_default();
+            let rows = steps(&lines);
+            let turns = rows.iter().filter(|r| r["kind"] == "turn").count();
+            if args.json {
+                println!("{}", json!({"session_id": session, "turns": turns, "rows": rows}));
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("Session {session}  ({turns} turns)");
+            let mut table = Table::new();
+            table.load_preset(NOTHING);
+            for r in &rows {
+                if r["kind"] == "task" {
+                    table.add_row(vec![
+                        "task".to_string(),
+                        r["task_id"].as_str().unwrap_or("").to_string(),
+                        format!("lane {}", r["lane"].as_str().unwrap_or("")),
+                        format!("origin {}", r["origin"].as_str().unwrap_or("")),
+                    ]);
+                } else {
+                    let ms = r["tool_ms"].as_u64().unwrap_or_else(|| r["model_ms"].as_u64().unwrap_or(0));
+                    table.add_row(vec![
+                        format!("{:>4}", r["turn"]),
+                        r["decision"].as_str().unwrap_or("").to_string(),
+                        r["tool"].as_str().unwrap_or("—").to_string(),
+                        format!("{ms} ms"),
+                    ]);
+                }
+            }
+            println!("{table}");
+        }
+        Command::Show(args) => {
+            let (path, lines) = load(&args)?;
+            let summary = show(&lines);
+            if args.json {
+                println!("{summary}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("Session {}", summary["session_id"].as_str().unwrap_or(""));
+            println!("  trace       {}", path.display());
+            println!(
+                "  capsule     {} {}",
+                summary["capsule"].as_str().unwrap_or(""),
+                summary["version"].as_str().unwrap_or("")
+            );
+            println!(
+                "  model       {} ({})",
+                summary["model"].as_str().unwrap_or(""),
+                summary["driver"].as_str().unwrap_or("")
+            );
+            println!("  exit        {}", summary["exit_status"].as_str().unwrap_or("(running or killed)"));
+            println!("  duration    {} ms", summary["duration_ms"]);
+            println!("  turns       {}", summary["turns"]);
+            println!("  tokens      {} in / {} out (estimated)", summary["input_tokens"], summary["output_tokens"]);
+            println!("  tool calls  {} ({} shell)", summary["tool_calls"], summary["shell_calls"]);
+            let tasks = summary["tasks"].as_array().cloned().unwrap_or_default();
+            if tasks.len() > 1 {
+                println!("\nTasks");
+                let mut table = Table::new();
+                table.load_preset(NOTHING);
+                for t in tasks {
+                    let id = t["task_id"].as_str().unwrap_or("");
+                    table.add_row(vec![
+                        id.chars().take(16).collect::<String>(),
+                        t["lane"].as_str().unwrap_or("").to_string(),
+                        t["exit_status"].as_str().unwrap_or("").to_string(),
+                        format!("{} turns", t["turns"]),
+                        format!("{} reopens", t["reopen_count"]),
+                    ]);
+                }
+                println!("{table}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The summary `mur trace show` prints.
+pub fn show(lines: &[Value]) -> Value {
+    let mut out = json!({"tasks": []});
+    let mut tasks: Vec<Value> = Vec::new();
+    for line in lines {
+        match s(line, "event_type") {
+            "session_start" => {
+                out["session_id"] = json!(s(line, "session_id"));
+                out["capsule"] = json!(s(line, "capsule_name"));
+                out["version"] = json!(s(line, "capsule_version"));
+                out["model"] = json!(s(line, "model"));
+                out["driver"] = json!(s(line, "driver"));
+            }
+            "task_start" => {
+                tasks.push(json!({"task_id": s(line, "task_id"), "lane": s(line, "lane"), "origin": s(line, "origin")}))
+            }
+            "task_end" => {
+                if let Some(t) = tasks.iter_mut().rev().find(|t| t["task_id"] == line["task_id"]) {
+                    for k in ["exit_status", "turns", "reopen_count", "duration_ms"] {
+                        t[k] = line.get(k).cloned().unwrap_or(json!(0));
+                    }
+                }
+            }
+            "session_end" => {
+                out["exit_status"] = line["exit_status"].clone();
+                out["duration_ms"] = line["duration_ms"].clone();
+                out["turns"] = line["total_turns"].clone();
+                out["input_tokens"] = line["total_input_tokens"].clone();
+                out["output_tokens"] = line["total_output_tokens"].clone();
+                out["tool_calls"] = line["total_tool_calls"].clone();
+                out["shell_calls"] = line["total_shell_calls"].clone();
+            }
+            _ => {}
+        }
+    }
+    out["tasks"] = json!(tasks);
+    out
+}
