@@ -16,7 +16,7 @@ use crate::driver::ToolSpec;
 use serde_json::{Value, json};
 use std::collections::hash_map::RandomState;
 use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -189,9 +189,9 @@ fn log_stem() -> String {
     let ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
-    let mut h = RandomState::new().build_hasher();
-    (std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)).hash(&mut h);
-    format!("shell-{ms}-{:06x}", h.finish() & 0xff_ffff)
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let h = RandomState::new().hash_one((std::process::id(), n));
+    format!("shell-{ms}-{:06x}", h & 0xff_ffff)
 }
 
 /// Writes the whole run to `path` (a new file): the command, its exit code, then each
