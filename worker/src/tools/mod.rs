@@ -2,6 +2,7 @@
 //! declared in the manifest as commands. The loop sees them through [`Tools`].
 
 pub mod command;
+mod process;
 pub mod shell;
 
 use crate::driver::ToolSpec;
@@ -116,4 +117,89 @@ pub fn which(binary: &str) -> Option<PathBuf> {
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const MANIFEST: &str = r#"
+name: toolbox
+version: 1.0.0
+inference:
+  driver: scripted
+  script: replies.yaml
+capabilities:
+  shell:
+    allow: [sh, printf]
+tools:
+  - name: lookup
+    description: Look a word up.
+    command: [tools/lookup.sh]
+    parameters:
+      type: object
+      properties:
+        word: {type: string}
+  - name: stamp
+    command: date
+"#;
+
+    fn toolbox() -> Toolbox {
+        Toolbox::from_manifest(&Manifest::from_yaml(MANIFEST, &|_| None).unwrap())
+    }
+
+    fn context(dir: &Path) -> CallContext {
+        let workdir = dir.join("workdir");
+        std::fs::create_dir_all(&workdir).unwrap();
+        CallContext {
+            capsule_dir: dir.join("capsule"),
+            logs_dir: workdir.join("logs"),
+            workdir,
+        }
+    }
+
+    #[test]
+    fn specs_list_shell_tools_in_allow_list_order_then_declared_tools() {
+        let tools = toolbox();
+        let names: Vec<&str> = tools.specs().iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["sh", "printf", "lookup", "stamp"]);
+        let lookup = &tools.specs()[2];
+        assert_eq!(lookup.description, "Look a word up.");
+        assert_eq!(lookup.parameters["properties"]["word"]["type"], "string");
+        assert_eq!(tools.specs()[0].parameters["required"], json!(["command"]));
+        assert!(tools.is_shell("sh") && tools.is_shell("printf"));
+        assert!(!tools.is_shell("lookup") && !tools.is_shell("rm"));
+    }
+
+    #[tokio::test]
+    async fn a_binary_outside_the_allow_list_is_refused_and_nothing_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = context(dir.path());
+        let victim = ctx.workdir.join("keep.txt");
+        std::fs::write(&victim, "precious").unwrap();
+        let out = toolbox()
+            .call("rm", &json!({"command": "-f keep.txt"}), &ctx)
+            .await;
+        assert!(out.is_error);
+        assert_eq!(
+            out.text,
+            "unknown tool \"rm\"; available tools: sh, printf, lookup, stamp"
+        );
+        assert_eq!(out.shell, None);
+        assert!(victim.exists());
+        assert!(!ctx.workdir.join(shell::HOME_DIR).exists(), "nothing ran");
+    }
+
+    #[tokio::test]
+    async fn an_allowed_binary_is_called_as_a_shell_tool() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = context(dir.path());
+        let out = toolbox()
+            .call("printf", &json!({"command": "'%s' hi"}), &ctx)
+            .await;
+        assert!(!out.is_error, "{}", out.text);
+        assert_eq!(out.text, "$ '%s' hi\nExit code: 0\nStdout:\nhi\nStderr:\n");
+        assert!(out.shell.is_some());
+    }
 }

@@ -1,0 +1,304 @@
+//! What the shell tools and command tools share about their child processes: reading an
+//! output stream while keeping only its head (and spilling the rest to a file when asked),
+//! cutting that head on a UTF-8 character boundary, exit codes, and killing a whole process
+//! group. Children run in their own process group (`process_group(0)`), so the group id is
+//! the child's pid.
+
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+/// One output stream, read to its end.
+#[derive(Debug)]
+pub(crate) struct Captured {
+    /// The first bytes of the stream: all of it when it fits in the limit, else the limit
+    /// plus one byte (the extra byte tells whether the cut splits a character).
+    head: Vec<u8>,
+    /// Bytes the stream carried in all.
+    pub total: u64,
+    /// The limit the head was kept for.
+    limit: usize,
+    /// Where the whole stream went once it outgrew the limit, if spilling was asked for.
+    pub spill: Spill,
+}
+
+/// The fate of a stream's bytes beyond the kept head.
+#[derive(Debug)]
+pub(crate) enum Spill {
+    /// Nothing spilled: the stream fit, or no spill file was asked for.
+    None,
+    /// The whole stream is in this file.
+    File(PathBuf),
+    /// The spill file could not be written; the message says why.
+    Failed(String),
+}
+
+impl Captured {
+    /// Whether the stream was longer than the limit.
+    pub fn truncated(&self) -> bool {
+        self.total > self.limit as u64
+    }
+
+    /// The kept text, decoded lossily as UTF-8: the whole stream when it fits, else the
+    /// longest prefix of at most `limit` bytes that does not end inside a character.
+    pub fn kept_text(&self) -> String {
+        if !self.truncated() {
+            return String::from_utf8_lossy(&self.head).into_owned();
+        }
+        let cut = char_boundary_cut(&self.head, self.limit);
+        String::from_utf8_lossy(&self.head[..cut]).into_owned()
+    }
+
+    /// The head bytes, which are the whole stream when it was not truncated.
+    pub fn head(&self) -> &[u8] {
+        &self.head
+    }
+}
+
+/// Where `bytes` (at least `limit + 1` long, or shorter when it all fits) may be cut so that
+/// the kept prefix is at most `limit` bytes and no UTF-8 character is split. When the byte at
+/// the cut continues a character whose lead byte sits before the cut, the cut moves back to
+/// that lead byte; stray bytes that start no character are cut like any other byte.
+pub(crate) fn char_boundary_cut(bytes: &[u8], limit: usize) -> usize {
+    if bytes.len() <= limit {
+        return bytes.len();
+    }
+    let mut start = limit;
+    while start > 0 && limit - start < 3 && is_continuation(bytes[start]) {
+        start -= 1;
+    }
+    if start == limit {
+        return limit;
+    }
+    match utf8_width(bytes[start]) {
+        Some(width) if start + width > limit => start,
+        _ => limit,
+    }
+}
+
+fn is_continuation(b: u8) -> bool {
+    b & 0b1100_0000 == 0b1000_0000
+}
+
+/// The length of the UTF-8 sequence `lead` starts, `None` when it starts none.
+fn utf8_width(lead: u8) -> Option<usize> {
+    match lead {
+        0x00..=0x7f => Some(1),
+        0xc0..=0xdf => Some(2),
+        0xe0..=0xef => Some(3),
+        0xf0..=0xf7 => Some(4),
+        _ => None,
+    }
+}
+
+/// Reads `reader` to its end, keeping the first `limit + 1` bytes. When `spill_to` is given
+/// and the stream outgrows `limit`, the whole stream (head included) is also written to that
+/// file, created new (its directory too). The stream is always drained, even when the spill
+/// fails, so the child never blocks on a full pipe. A read error ends the stream early.
+pub(crate) async fn capture<R: AsyncRead + Unpin>(
+    mut reader: R,
+    limit: usize,
+    spill_to: Option<PathBuf>,
+) -> Captured {
+    let keep = limit + 1;
+    let mut head = Vec::with_capacity(keep.min(8 * 1024));
+    let mut total: u64 = 0;
+    let mut spill = Spill::None;
+    let mut file: Option<tokio::fs::File> = None;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match reader.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading a tool's output failed; treating it as ended");
+                break;
+            }
+        };
+        let chunk = &buf[..n];
+        let room = keep - head.len();
+        head.extend_from_slice(&chunk[..n.min(room)]);
+        total += n as u64;
+
+        if total > limit as u64
+            && matches!(spill, Spill::None)
+            && let Some(path) = &spill_to
+        {
+            // First overflow: open the spill file and write what came before this chunk.
+            match create_new(path).await {
+                Ok(mut f) => {
+                    let before = &head[..head.len() - n.min(room)];
+                    match f.write_all(before).await {
+                        Ok(()) => {
+                            file = Some(f);
+                            spill = Spill::File(path.clone());
+                        }
+                        Err(e) => spill = Spill::Failed(format!("{}: {e}", path.display())),
+                    }
+                }
+                Err(e) => spill = Spill::Failed(format!("{}: {e}", path.display())),
+            }
+        }
+        if let Some(f) = &mut file
+            && let Err(e) = f.write_all(chunk).await
+        {
+            spill = Spill::Failed(format!("{}: {e}", spill_path_display(&spill_to)));
+            file = None;
+        }
+    }
+    if let Some(mut f) = file
+        && let Err(e) = f.flush().await
+    {
+        spill = Spill::Failed(format!("{}: {e}", spill_path_display(&spill_to)));
+    }
+    Captured {
+        head,
+        total,
+        limit,
+        spill,
+    }
+}
+
+fn spill_path_display(p: &Option<PathBuf>) -> String {
+    p.as_deref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// Creates `path` (which must not exist yet), creating its directory first.
+pub(crate) async fn create_new(path: &Path) -> io::Result<tokio::fs::File> {
+    if let Some(dir) = path.parent() {
+        tokio::fs::create_dir_all(dir).await?;
+    }
+    tokio::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .await
+}
+
+/// The exit code of `status`: its code, or 128 + the signal number when a signal ended it
+/// (the shell convention), or -1 when neither is known.
+pub(crate) fn exit_code(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(-1)
+}
+
+/// Sends SIGKILL to every process in process group `pgid`.
+///
+/// # Errors
+/// The OS error of `kill(2)`; `ESRCH` when the group is already gone.
+pub(crate) fn kill_group(pgid: u32) -> io::Result<()> {
+    let pgid = libc::pid_t::try_from(pgid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+    if pgid <= 1 {
+        // kill(0) and kill(-1) would hit our own group or everything we may signal.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("refusing to signal process group {pgid}"),
+        ));
+    }
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    let rc = unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Kills a child's process group when dropped, unless disarmed first: a run whose future is
+/// dropped (its caller gave up on it) leaves no process behind.
+pub(crate) struct GroupGuard {
+    pgid: Option<u32>,
+}
+
+impl GroupGuard {
+    /// Guards group `pgid` (the child's pid; `None` when the child has no pid any more).
+    pub fn new(pgid: Option<u32>) -> Self {
+        GroupGuard { pgid }
+    }
+
+    /// Leaves the group alone on drop.
+    pub fn disarm(&mut self) {
+        self.pgid = None;
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.pgid {
+            let _ = kill_group(pgid);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cut_steps_back_to_the_start_of_a_split_character() {
+        // "é" is two bytes; with a limit of 3, "aaé" would end inside the é.
+        let bytes = "aaébb".as_bytes();
+        assert_eq!(char_boundary_cut(bytes, 3), 2);
+        // "€" is three bytes: limits 2 and 3 inside it both cut before it.
+        let bytes = "a€b".as_bytes();
+        assert_eq!(char_boundary_cut(bytes, 2), 1);
+        assert_eq!(char_boundary_cut(bytes, 3), 1);
+        assert_eq!(char_boundary_cut(bytes, 4), 4);
+    }
+
+    #[test]
+    fn cut_keeps_everything_that_fits() {
+        assert_eq!(char_boundary_cut(b"abc", 3), 3);
+        assert_eq!(char_boundary_cut(b"ab", 3), 2);
+    }
+
+    #[test]
+    fn cut_keeps_the_limit_in_a_run_of_stray_continuation_bytes() {
+        let bytes = [b'a', 0x80, 0x80, 0x80, 0x80, 0x80, 0x80];
+        assert_eq!(char_boundary_cut(&bytes, 5), 5);
+    }
+
+    #[test]
+    fn signal_exit_is_128_plus_the_signal() {
+        assert_eq!(exit_code(ExitStatus::from_raw(9)), 137);
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+    }
+
+    #[test]
+    fn kill_group_refuses_our_own_group_and_everyone() {
+        assert!(kill_group(0).is_err());
+        assert!(kill_group(1).is_err());
+    }
+
+    #[tokio::test]
+    async fn capture_spills_the_whole_stream_once_it_outgrows_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/spill");
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let c = capture(&data[..], 10, Some(path.clone())).await;
+        assert!(c.truncated());
+        assert_eq!(c.total, data.len() as u64);
+        assert_eq!(c.head(), &data[..11]);
+        assert!(matches!(&c.spill, Spill::File(p) if *p == path));
+        assert_eq!(std::fs::read(&path).unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn capture_writes_no_file_when_the_stream_fits() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spill");
+        let c = capture(&b"0123456789"[..], 10, Some(path.clone())).await;
+        assert!(!c.truncated());
+        assert_eq!(c.kept_text(), "0123456789");
+        assert!(matches!(c.spill, Spill::None));
+        assert!(!path.exists());
+    }
+}
