@@ -58,7 +58,10 @@ fn hello_example_runs_a_command_and_reports_its_output() {
     let result = std::fs::read_to_string(dir.join("out/result.txt")).unwrap();
     assert_eq!(result, json["result"].as_str().unwrap());
     assert!(result.contains("hello from murmur"), "{result}");
-    assert!(result.starts_with("$ echo \"hello from murmur\"\nExit code: 0\n"), "{result}");
+    assert!(
+        result.starts_with("$ echo \"hello from murmur\"\n\nExit code: 0\nStdout:\nhello from murmur\n"),
+        "{result}"
+    );
     assert!(dir.starts_with(capsule.workdir()), "{dir:?}");
     assert!(dir.join("MURMUR.md").is_file());
 

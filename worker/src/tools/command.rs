@@ -71,10 +71,7 @@ impl CommandTool {
         {
             Ok(child) => child,
             Err(e) => {
-                return Outcome::error(format!(
-                    "tool {name:?}: cannot start {}: {e}",
-                    program.display()
-                ));
+                return Outcome::error(format!("tool {name:?}: cannot start {}: {e}", program.display()));
             }
         };
         let pgid = child.id();
@@ -90,16 +87,8 @@ impl CommandTool {
             }
             drop(stdin);
         };
-        let stdout = process::capture(
-            child.stdout.take().expect("stdout is piped"),
-            STREAM_LIMIT,
-            None,
-        );
-        let stderr = process::capture(
-            child.stderr.take().expect("stderr is piped"),
-            STREAM_LIMIT,
-            None,
-        );
+        let stdout = process::capture(child.stdout.take().expect("stdout is piped"), STREAM_LIMIT, None);
+        let stderr = process::capture(child.stderr.take().expect("stderr is piped"), STREAM_LIMIT, None);
         let timeout = Duration::from_secs(self.decl.timeout_secs);
         let finished = tokio::time::timeout(timeout, async {
             let ((), status, out, err) = tokio::join!(feed, child.wait(), stdout, stderr);
@@ -126,18 +115,10 @@ impl CommandTool {
             Err(e) => return Outcome::error(format!("tool {name:?}: waiting failed: {e}")),
         };
         if status.success() {
-            Outcome {
-                text: capped(&out),
-                is_error: false,
-                shell: None,
-            }
+            Outcome { text: capped(&out), is_error: false, shell: None }
         } else {
             let stderr = capped(&err);
-            Outcome::error(format!(
-                "exit code {}: {}",
-                process::exit_code(status),
-                stderr.trim_end()
-            ))
+            Outcome::error(format!("exit code {}: {}", process::exit_code(status), stderr.trim_end()))
         }
     }
 }
@@ -296,10 +277,7 @@ mod tests {
         std::fs::write(ctx.workdir.join("big.txt"), &big).unwrap();
         let out = run(&tool(&["cat", "big.txt"], 30), &json!({}), &ctx).await;
         assert!(!out.is_error);
-        assert_eq!(
-            out.text,
-            format!("ab{}\n[truncated: {} bytes]", "€".repeat(5460), big.len())
-        );
+        assert_eq!(out.text, format!("ab{}\n[truncated: {} bytes]", "€".repeat(5460), big.len()));
     }
 
     #[tokio::test]
@@ -311,24 +289,14 @@ mod tests {
         let out = run(&tool(&[&slow], 1), &json!({}), &ctx).await;
         let took = started.elapsed();
         assert!(out.is_error);
-        assert_eq!(
-            out.text,
-            "tool \"probe\" timed out after 1 s and was killed"
-        );
+        assert_eq!(out.text, "tool \"probe\" timed out after 1 s and was killed");
         assert!(took < Duration::from_secs(5), "took {took:?}");
 
         // The script led its own group; it and its `sleep` die (zombies aside) shortly after.
-        let pgid: i32 = std::fs::read_to_string(ctx.workdir.join("pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let pgid: i32 = std::fs::read_to_string(ctx.workdir.join("pid")).unwrap().trim().parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
         while group_has_live_members(pgid) {
-            assert!(
-                Instant::now() < deadline,
-                "process group {pgid} still alive"
-            );
+            assert!(Instant::now() < deadline, "process group {pgid} still alive");
             tokio::task::yield_now().await;
         }
     }

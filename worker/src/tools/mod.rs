@@ -152,11 +152,7 @@ tools:
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext {
-            capsule_dir: dir.join("capsule"),
-            logs_dir: workdir.join("logs"),
-            workdir,
-        }
+        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir }
     }
 
     #[test]
@@ -178,14 +174,9 @@ tools:
         let ctx = context(dir.path());
         let victim = ctx.workdir.join("keep.txt");
         std::fs::write(&victim, "precious").unwrap();
-        let out = toolbox()
-            .call("rm", &json!({"command": "-f keep.txt"}), &ctx)
-            .await;
+        let out = toolbox().call("rm", &json!({"command": "-f keep.txt"}), &ctx).await;
         assert!(out.is_error);
-        assert_eq!(
-            out.text,
-            "unknown tool \"rm\"; available tools: sh, printf, lookup, stamp"
-        );
+        assert_eq!(out.text, "unknown tool \"rm\"; available tools: sh, printf, lookup, stamp");
         assert_eq!(out.shell, None);
         assert!(victim.exists());
         assert!(!ctx.workdir.join(shell::HOME_DIR).exists(), "nothing ran");
@@ -195,9 +186,7 @@ tools:
     async fn an_allowed_binary_is_called_as_a_shell_tool() {
         let dir = tempfile::tempdir().unwrap();
         let ctx = context(dir.path());
-        let out = toolbox()
-            .call("printf", &json!({"command": "'%s' hi"}), &ctx)
-            .await;
+        let out = toolbox().call("printf", &json!({"command": "'%s' hi"}), &ctx).await;
         assert!(!out.is_error, "{}", out.text);
         assert_eq!(out.text, "$ '%s' hi\nExit code: 0\nStdout:\nhi\nStderr:\n");
         assert!(out.shell.is_some());

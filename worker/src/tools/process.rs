@@ -97,11 +97,7 @@ fn utf8_width(lead: u8) -> Option<usize> {
 /// and the stream outgrows `limit`, the whole stream (head included) is also written to that
 /// file, created new (its directory too). The stream is always drained, even when the spill
 /// fails, so the child never blocks on a full pipe. A read error ends the stream early.
-pub(crate) async fn capture<R: AsyncRead + Unpin>(
-    mut reader: R,
-    limit: usize,
-    spill_to: Option<PathBuf>,
-) -> Captured {
+pub(crate) async fn capture<R: AsyncRead + Unpin>(mut reader: R, limit: usize, spill_to: Option<PathBuf>) -> Captured {
     let keep = limit + 1;
     let mut head = Vec::with_capacity(keep.min(8 * 1024));
     let mut total: u64 = 0;
@@ -154,18 +150,11 @@ pub(crate) async fn capture<R: AsyncRead + Unpin>(
     {
         spill = Spill::Failed(format!("{}: {e}", spill_path_display(&spill_to)));
     }
-    Captured {
-        head,
-        total,
-        limit,
-        spill,
-    }
+    Captured { head, total, limit, spill }
 }
 
 fn spill_path_display(p: &Option<PathBuf>) -> String {
-    p.as_deref()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default()
+    p.as_deref().map(|p| p.display().to_string()).unwrap_or_default()
 }
 
 /// Creates `path` (which must not exist yet), creating its directory first.
@@ -173,20 +162,13 @@ pub(crate) async fn create_new(path: &Path) -> io::Result<tokio::fs::File> {
     if let Some(dir) = path.parent() {
         tokio::fs::create_dir_all(dir).await?;
     }
-    tokio::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .await
+    tokio::fs::OpenOptions::new().write(true).create_new(true).open(path).await
 }
 
 /// The exit code of `status`: its code, or 128 + the signal number when a signal ended it
 /// (the shell convention), or -1 when neither is known.
 pub(crate) fn exit_code(status: ExitStatus) -> i32 {
-    status
-        .code()
-        .or_else(|| status.signal().map(|s| 128 + s))
-        .unwrap_or(-1)
+    status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(-1)
 }
 
 /// Sends SIGKILL to every process in process group `pgid`.
@@ -194,22 +176,15 @@ pub(crate) fn exit_code(status: ExitStatus) -> i32 {
 /// # Errors
 /// The OS error of `kill(2)`; `ESRCH` when the group is already gone.
 pub(crate) fn kill_group(pgid: u32) -> io::Result<()> {
-    let pgid = libc::pid_t::try_from(pgid)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+    let pgid =
+        libc::pid_t::try_from(pgid).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
     if pgid <= 1 {
         // kill(0) and kill(-1) would hit our own group or everything we may signal.
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("refusing to signal process group {pgid}"),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("refusing to signal process group {pgid}")));
     }
     // SAFETY: kill(2) takes plain integers and touches no memory of ours.
     let rc = unsafe { libc::kill(-pgid, libc::SIGKILL) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Kills a child's process group when dropped, unless disarmed first: a run whose future is

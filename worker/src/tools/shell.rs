@@ -78,18 +78,14 @@ impl Shell {
         let command = match input.get("command") {
             Some(Value::String(c)) => c.clone(),
             Some(other) => {
-                return Outcome::error(format!(
-                    "input field \"command\" must be a string, got {other}"
-                ));
+                return Outcome::error(format!("input field \"command\" must be a string, got {other}"));
             }
             None => return Outcome::error("missing input field \"command\" (a string)"),
         };
         let args = match arguments(binary, &command) {
             Ok(args) => args,
             Err(e) => {
-                return Outcome::error(format!(
-                    "cannot split the command into arguments for {binary}: {e}"
-                ));
+                return Outcome::error(format!("cannot split the command into arguments for {binary}: {e}"));
             }
         };
         let resolved = super::which(binary);
@@ -186,9 +182,7 @@ async fn wait(
 /// per-process counter and a random seed.
 fn log_stem() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let h = RandomState::new().hash_one((std::process::id(), n));
     format!("shell-{ms}-{:06x}", h & 0xff_ffff)
@@ -210,22 +204,14 @@ async fn write_log(
     let fail = |p: &Path, e: io::Error| format!("{}: {e}", p.display());
     let mut file = process::create_new(path).await.map_err(|e| fail(path, e))?;
     let header = format!("$ {command}\nExit code: {exit_code}\n");
-    file.write_all(header.as_bytes())
-        .await
-        .map_err(|e| fail(path, e))?;
+    file.write_all(header.as_bytes()).await.map_err(|e| fail(path, e))?;
     for (name, c) in [("stdout", out), ("stderr", err)] {
         let label = format!("--- {name} ({} bytes) ---\n", c.total);
-        file.write_all(label.as_bytes())
-            .await
-            .map_err(|e| fail(path, e))?;
+        file.write_all(label.as_bytes()).await.map_err(|e| fail(path, e))?;
         let ends_with_newline = match &c.spill {
             Spill::File(part) => {
-                let mut src = tokio::fs::File::open(part)
-                    .await
-                    .map_err(|e| fail(part, e))?;
-                tokio::io::copy(&mut src, &mut file)
-                    .await
-                    .map_err(|e| fail(path, e))?;
+                let mut src = tokio::fs::File::open(part).await.map_err(|e| fail(part, e))?;
+                tokio::io::copy(&mut src, &mut file).await.map_err(|e| fail(path, e))?;
                 last_byte(part).await == Some(b'\n')
             }
             Spill::Failed(message) => return Err(message.clone()),
@@ -273,15 +259,8 @@ fn push_stream(text: &mut String, c: &Captured, log: Option<&Result<PathBuf, Str
         text.push('\n');
     }
     match log {
-        Some(Ok(path)) => text.push_str(&format!(
-            "[truncated: {} bytes; full output in {}]",
-            c.total,
-            path.display()
-        )),
-        Some(Err(e)) => text.push_str(&format!(
-            "[truncated: {} bytes; full output not saved: {e}]",
-            c.total
-        )),
+        Some(Ok(path)) => text.push_str(&format!("[truncated: {} bytes; full output in {}]", c.total, path.display())),
+        Some(Err(e)) => text.push_str(&format!("[truncated: {} bytes; full output not saved: {e}]", c.total)),
         None => text.push_str(&format!("[truncated: {} bytes]", c.total)),
     }
 }
@@ -294,17 +273,11 @@ mod tests {
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext {
-            capsule_dir: dir.join("capsule"),
-            logs_dir: workdir.join("logs"),
-            workdir,
-        }
+        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir }
     }
 
     async fn run(binary: &str, command: &str, ctx: &CallContext) -> Outcome {
-        Shell::new(vec![binary.to_string()])
-            .run(binary, &json!({ "command": command }), ctx)
-            .await
+        Shell::new(vec![binary.to_string()]).run(binary, &json!({ "command": command }), ctx).await
     }
 
     /// The path in a `[truncated: …; full output in <path>]` line.
@@ -320,10 +293,7 @@ mod tests {
         let ctx = context(dir.path());
         let out = run("sh", "echo hello", &ctx).await;
         assert!(!out.is_error, "{}", out.text);
-        assert_eq!(
-            out.text,
-            "$ echo hello\nExit code: 0\nStdout:\nhello\n\nStderr:\n"
-        );
+        assert_eq!(out.text, "$ echo hello\nExit code: 0\nStdout:\nhello\n\nStderr:\n");
         let shell = out.shell.unwrap();
         assert!(Path::new(&shell.binary).is_absolute(), "{}", shell.binary);
         assert!(shell.binary.ends_with("/sh"), "{}", shell.binary);
@@ -338,10 +308,7 @@ mod tests {
         let ctx = context(dir.path());
         let out = run("sh", "echo partial; exit 3", &ctx).await;
         assert!(!out.is_error);
-        assert_eq!(
-            out.text,
-            "$ echo partial; exit 3\nExit code: 3\nStdout:\npartial\n\nStderr:\n"
-        );
+        assert_eq!(out.text, "$ echo partial; exit 3\nExit code: 3\nStdout:\npartial\n\nStderr:\n");
         assert_eq!(out.shell.unwrap().exit_code, 3);
     }
 
@@ -360,10 +327,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ctx = context(dir.path());
         let out = run("sh", "echo out; echo oops >&2", &ctx).await;
-        assert_eq!(
-            out.text,
-            "$ echo out; echo oops >&2\nExit code: 0\nStdout:\nout\n\nStderr:\noops\n"
-        );
+        assert_eq!(out.text, "$ echo out; echo oops >&2\nExit code: 0\nStdout:\nout\n\nStderr:\noops\n");
         assert_eq!(out.shell.unwrap().stderr_bytes, 5);
     }
 
@@ -374,11 +338,7 @@ mod tests {
         let out = run("printf", r#"'%s|' 'a b' "c d" e\ f $HOME"#, &ctx).await;
         assert!(!out.is_error, "{}", out.text);
         // Quotes group words; nothing is expanded (no shell in between).
-        assert!(
-            out.text.contains("Stdout:\na b|c d|e f|$HOME|\nStderr:\n"),
-            "{}",
-            out.text
-        );
+        assert!(out.text.contains("Stdout:\na b|c d|e f|$HOME|\nStderr:\n"), "{}", out.text);
         assert!(out.shell.unwrap().binary.ends_with("/printf"));
     }
 
@@ -411,11 +371,7 @@ mod tests {
         let ctx = context(dir.path());
         let out = run("no-such-binary-murmur", "--help", &ctx).await;
         assert!(out.is_error);
-        assert!(
-            out.text.starts_with("cannot start no-such-binary-murmur: "),
-            "{}",
-            out.text
-        );
+        assert!(out.text.starts_with("cannot start no-such-binary-murmur: "), "{}", out.text);
         assert!(out.text.contains("No such file"), "{}", out.text);
         assert_eq!(out.shell, None);
     }
@@ -424,22 +380,14 @@ mod tests {
     async fn commands_run_in_the_workdir_with_the_capsule_home_in_their_own_group() {
         let dir = tempfile::tempdir().unwrap();
         let ctx = context(dir.path());
-        let out = run(
-            "sh",
-            r#"pwd -P; echo "$HOME"; echo $$; cut -d' ' -f5 /proc/$$/stat"#,
-            &ctx,
-        )
-        .await;
+        let out = run("sh", r#"pwd -P; echo "$HOME"; echo $$; cut -d' ' -f5 /proc/$$/stat"#, &ctx).await;
         let stdout = out.text.split("Stdout:\n").nth(1).unwrap();
         let lines: Vec<&str> = stdout.lines().collect();
         let workdir = ctx.workdir.canonicalize().unwrap();
         assert_eq!(lines[0], workdir.to_str().unwrap());
         assert_eq!(lines[1], ctx.workdir.join(HOME_DIR).to_str().unwrap());
         assert!(ctx.workdir.join(HOME_DIR).is_dir());
-        assert_eq!(
-            lines[2], lines[3],
-            "the command leads its own process group"
-        );
+        assert_eq!(lines[2], lines[3], "the command leads its own process group");
     }
 
     #[tokio::test]
@@ -475,10 +423,7 @@ mod tests {
         );
         assert!(path.starts_with(&ctx.logs_dir));
         let name = path.file_name().unwrap().to_str().unwrap();
-        assert!(
-            name.starts_with("shell-") && name.ends_with(".log"),
-            "{name}"
-        );
+        assert!(name.starts_with("shell-") && name.ends_with(".log"), "{name}");
         let log = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             log,
@@ -511,20 +456,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ctx = context(dir.path());
         // stderr first: a reader that drained stdout to its end first would wait forever.
-        let command =
-            "head -c 1048576 /dev/zero | tr '\\0' e >&2; head -c 1048576 /dev/zero | tr '\\0' o";
+        let command = "head -c 1048576 /dev/zero | tr '\\0' e >&2; head -c 1048576 /dev/zero | tr '\\0' o";
         let out = tokio::time::timeout(Duration::from_secs(60), run("sh", command, &ctx))
             .await
             .expect("the command finishes");
         assert!(!out.is_error, "{}", out.text);
         let shell = out.shell.unwrap();
         assert_eq!((shell.stdout_bytes, shell.stderr_bytes), (1 << 20, 1 << 20));
-        assert_eq!(
-            out.text
-                .matches("[truncated: 1048576 bytes; full output in ")
-                .count(),
-            2
-        );
+        assert_eq!(out.text.matches("[truncated: 1048576 bytes; full output in ").count(), 2);
         let log = std::fs::read_to_string(log_path(&out.text)).unwrap();
         let o = "o".repeat(1 << 20);
         let e = "e".repeat(1 << 20);
