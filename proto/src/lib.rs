@@ -1,6 +1,7 @@
 //! murmur's wire and file formats: capsule manifests, messages, trace events, task
 //! vocabulary and ids. Pure: no IO, no async, no clock reads (callers pass time in).
 
+pub mod hook;
 pub mod ids;
 pub mod manifest;
 pub mod message;

@@ -8,6 +8,7 @@
 pub mod capsule;
 pub mod clock;
 pub mod driver;
+pub mod hooks;
 pub mod session;
 pub mod tokens;
 pub mod tools;
