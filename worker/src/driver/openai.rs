@@ -471,7 +471,7 @@ where
     B: AsRef<[u8]>,
     E: Display,
 {
-    let events = bytes.eventsource();
+    let events = without_bom(bytes).eventsource();
     let mut events = std::pin::pin!(events);
     let mut assembler = StreamAssembler::new();
     while let Some(event) = events.next().await {
@@ -485,6 +485,36 @@ where
         }
     }
     assembler.finish()
+}
+
+/// The UTF-8 byte-order mark.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// `bytes` without a leading byte-order mark, which SSE allows but eventsource-stream 0.2.3
+/// cannot take: it slices the mark off as if it were one byte and panics. The head of the
+/// stream is held back until it is known not to be (part of) a mark.
+fn without_bom<S, B, E>(bytes: S) -> impl Stream<Item = Result<Vec<u8>, E>>
+where
+    S: Stream<Item = Result<B, E>>,
+    B: AsRef<[u8]>,
+{
+    let mut head = Some(Vec::new());
+    bytes.map(move |piece| {
+        piece.map(|piece| {
+            let Some(held) = head.as_mut() else {
+                return piece.as_ref().to_vec();
+            };
+            held.extend_from_slice(piece.as_ref());
+            if held.len() < BOM.len() && BOM.starts_with(held) {
+                return Vec::new();
+            }
+            let mut held = head.take().unwrap_or_default();
+            if held.starts_with(BOM) {
+                held.drain(..BOM.len());
+            }
+            held
+        })
+    })
 }
 
 #[cfg(test)]
@@ -856,6 +886,19 @@ mod tests {
             inside_a_character >= 10,
             "splits inside characters were tried"
         );
+        let bytewise = read_pieces(body.iter().map(|b| vec![*b]).collect()).await;
+        assert_eq!(bytewise, want, "one byte per piece");
+    }
+
+    #[tokio::test]
+    async fn sse_leading_byte_order_mark_is_skipped_even_when_split() {
+        let mut body = BOM.to_vec();
+        body.extend_from_slice(&sse_body());
+        let want = read_pieces(vec![sse_body()]).await;
+        for i in 0..=4 {
+            let got = read_pieces(vec![body[..i].to_vec(), body[i..].to_vec()]).await;
+            assert_eq!(got, want, "split at byte {i}");
+        }
         let bytewise = read_pieces(body.iter().map(|b| vec![*b]).collect()).await;
         assert_eq!(bytewise, want, "one byte per piece");
     }
