@@ -1,1 +1,182 @@
-//! A fake OpenAI chat-completions server (issue #2).
+//! A fake OpenAI chat-completions server (issue #2) over a real socket on
+//! `127.0.0.1`, for driving the `openai` driver in tests.
+//!
+//! It answers `POST /v1/chat/completions` with the replies it was given, in order: a
+//! JSON completion, a streamed completion (real `data:` framing, closed by
+//! `data: [DONE]`), or an HTTP error. It records every request so a test can check what
+//! the driver sent. Other paths get 404; running out of replies gets 500.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
+//! use mur_worker::driver::openai::{Config, OpenAi};
+//!
+//! let fake = FakeOpenAi::start(vec![FakeReply::text("hi")]);
+//! let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false });
+//! // … drive it, then check what it sent:
+//! let sent = fake.requests();
+//! # }
+//! ```
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
+
+/// One reply of the fake server.
+#[derive(Clone, Debug)]
+pub enum FakeReply {
+    /// A `chat.completion` object, sent as `200 application/json`.
+    Json(Value),
+    /// A streamed completion: each `chat.completion.chunk` object is sent as
+    /// `data: <json>\n\n` in two body frames split inside the event (inside a multi-byte
+    /// character when the event has one), then `data: [DONE]\n\n`; `text/event-stream`.
+    Stream(Vec<Value>),
+    /// An HTTP error status with this body.
+    Status(u16, String),
+}
+
+impl FakeReply {
+    /// A JSON completion holding `text`, `finish_reason: "stop"`, and no usage.
+    pub fn text(text: &str) -> Self {
+        FakeReply::Json(json!({
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }],
+        }))
+    }
+}
+
+/// One request the fake received.
+#[derive(Clone, Debug)]
+pub struct Received {
+    /// The `Authorization` header, if any.
+    pub authorization: Option<String>,
+    /// The JSON body (a JSON string holding the raw text when it was not JSON).
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct Shared {
+    replies: Mutex<VecDeque<FakeReply>>,
+    given: usize,
+    received: Mutex<Vec<Received>>,
+}
+
+/// A running fake server; dropping it shuts the server down.
+pub struct FakeOpenAi {
+    url: String,
+    shared: Arc<Shared>,
+    shutdown: Option<oneshot::Sender<()>>,
+}
+
+impl FakeOpenAi {
+    /// Binds `127.0.0.1:0` and serves `replies`, one per request, in order. Must be called
+    /// from within a Tokio runtime.
+    ///
+    /// # Panics
+    /// When no port can be bound, or outside a Tokio runtime.
+    pub fn start(replies: Vec<FakeReply>) -> FakeOpenAi {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("fake openai: bind 127.0.0.1:0");
+        listener.set_nonblocking(true).expect("fake openai: set the listener non-blocking");
+        let addr = listener.local_addr().expect("fake openai: local address");
+        let listener =
+            tokio::net::TcpListener::from_std(listener).expect("fake openai: must be started inside a tokio runtime");
+        let shared =
+            Arc::new(Shared { given: replies.len(), replies: Mutex::new(replies.into()), received: Mutex::default() });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(complete))
+            .fallback(not_found)
+            .with_state(Arc::clone(&shared));
+        let (shutdown, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        FakeOpenAi { url: format!("http://{addr}/v1"), shared, shutdown: Some(shutdown) }
+    }
+
+    /// The base URL, up to and including `/v1` (what `inference.endpoint` holds).
+    pub fn url(&self) -> String {
+        self.url.clone()
+    }
+
+    /// The JSON bodies received so far, oldest first.
+    pub fn requests(&self) -> Vec<Value> {
+        self.received().into_iter().map(|r| r.body).collect()
+    }
+
+    /// Everything received so far (`Authorization`, body), oldest first.
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.received.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FakeOpenAi {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+    }
+}
+
+async fn complete(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let body =
+        serde_json::from_slice(&body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let number = {
+        let mut received = shared.received.lock().unwrap();
+        received.push(Received { authorization, body });
+        received.len()
+    };
+    let reply = shared.replies.lock().unwrap().pop_front();
+    match reply {
+        Some(FakeReply::Json(value)) => axum::Json(value).into_response(),
+        Some(FakeReply::Stream(chunks)) => stream_response(&chunks),
+        Some(FakeReply::Status(status, body)) => {
+            (StatusCode::from_u16(status).expect("fake openai: a valid HTTP status"), body).into_response()
+        }
+        None => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("fake openai: no reply left for request {number} (it was given {} replies)", shared.given),
+        )
+            .into_response(),
+    }
+}
+
+fn stream_response(chunks: &[Value]) -> Response {
+    let mut frames: Vec<Vec<u8>> = Vec::new();
+    for chunk in chunks {
+        let event = format!("data: {chunk}\n\n").into_bytes();
+        let half = event.len() / 2;
+        // Prefer a cut inside a multi-byte character (a UTF-8 continuation byte).
+        let cut = (half..event.len()).find(|&i| event[i] & 0xC0 == 0x80).unwrap_or(half);
+        frames.push(event[..cut].to_vec());
+        frames.push(event[cut..].to_vec());
+    }
+    frames.push(b"data: [DONE]\n\n".to_vec());
+    let body = futures::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("fake openai: a valid streaming response")
+}
+
+async fn not_found(uri: Uri) -> Response {
+    (StatusCode::NOT_FOUND, format!("fake openai: no route for {}", uri.path())).into_response()
+}

@@ -1,4 +1,6 @@
 //! murmur's integration tests: one binary, one module per scenario.
 
+/// The `openai` driver against a fake OpenAI server over a real socket.
+mod openai;
 /// `mur run` end to end with the scripted driver and real shell commands.
 mod run;

@@ -1,14 +1,33 @@
-//! The `openai` driver: chat completions against any OpenAI-compatible server.
+//! The `openai` driver: chat completions against any OpenAI-compatible server, as one JSON
+//! reply or as a stream of server-sent events.
+//!
+//! The wire format is OpenAI's Chat Completions API: `POST {endpoint}/chat/completions`
+//! with `model`, `max_tokens`, `messages`, `tools` (and `stream`, `stream_options` when
+//! streaming); the reply is a `chat.completion` object, or `chat.completion.chunk` objects
+//! sent as `data:` events and closed by `data: [DONE]`.
+//!
+//! Everything but the HTTP exchange is pure and tested without IO: [`request_body`] builds
+//! the body, [`parse_completion`] reads a JSON reply, [`StreamAssembler`] puts streamed
+//! chunks back together, and [`read_stream`] runs the SSE parser over any byte stream into
+//! the assembler.
 
-use super::{Driver, Error, ModelRequest, ModelResponse};
+use super::http::post_json;
+use super::{Driver, Error, ModelRequest, ModelResponse, StopReason, ToolSpec};
 use async_trait::async_trait;
+use eventsource_stream::{EventStreamError, Eventsource};
+use futures::{Stream, StreamExt};
+use mur_proto::message::{Block, Message, Role};
+use mur_proto::trace::ProviderUsage;
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::fmt::Display;
 
 /// Settings of the `openai` driver, from the manifest's `inference:` block.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// Base URL up to and including `/v1`.
+    /// Base URL up to and including `/v1` (a trailing slash is tolerated).
     pub endpoint: String,
-    /// Bearer token.
+    /// Bearer token; no `Authorization` header when absent or empty.
     pub api_key: Option<String>,
     /// Use SSE streaming.
     pub stream: bool,
@@ -33,8 +52,740 @@ impl Driver for OpenAi {
         "openai"
     }
 
-    async fn call(&self, _request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
-        let _ = (&self.config, &self.client);
-        Err(Error::Protocol("openai driver not implemented yet".into()))
+    /// One chat completion.
+    ///
+    /// # Errors
+    /// [`Error::Status`] on an HTTP error status, [`Error::Transport`] when the connection
+    /// fails or breaks mid-stream, [`Error::Protocol`] for a reply that is not a chat
+    /// completion or carries an in-band `error` object.
+    async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
+        let stream = self.config.stream;
+        let body = request_body(request, stream);
+        let mut headers = Vec::new();
+        if let Some(key) = self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
+            headers.push(("authorization", format!("Bearer {key}")));
+        }
+        if stream {
+            headers.push(("accept", "text/event-stream".to_string()));
+        }
+        let url = chat_completions_url(&self.config.endpoint);
+        let response = post_json(&self.client, &url, &headers, &body).await?;
+        // A server that ignores `stream: true` (or reports an error) answers plain JSON.
+        if stream && !is_json(&response) {
+            return read_stream(response.bytes_stream()).await;
+        }
+        let bytes = response.bytes().await.map_err(|e| Error::Transport(e.to_string()))?;
+        let value: Value =
+            serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(format!("the completion is not JSON ({e})")))?;
+        parse_completion(&value)
+    }
+}
+
+/// `{endpoint}/chat/completions`, with at most one slash between the two.
+pub fn chat_completions_url(endpoint: &str) -> String {
+    format!("{}/chat/completions", endpoint.trim_end_matches('/'))
+}
+
+fn is_json(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"))
+}
+
+/// The request body for `request`; `stream` adds `stream: true` and asks for the usage
+/// chunk (`stream_options.include_usage`).
+///
+/// Messages: the system prompt first (when non-empty); user and tool messages carry their
+/// text blocks joined with `\n`; an assistant message carries its joined text (`null` when
+/// it has none but has tool calls, so the call is always replayed) and its tool calls with
+/// `arguments` as the JSON text of the call's input.
+pub fn request_body(request: &ModelRequest<'_>, stream: bool) -> Value {
+    let mut messages = Vec::with_capacity(request.messages.len() + 1);
+    if !request.system.is_empty() {
+        messages.push(json!({"role": "system", "content": request.system}));
+    }
+    messages.extend(request.messages.iter().map(wire_message));
+    let mut body = Map::new();
+    body.insert("model".into(), json!(request.model));
+    body.insert("max_tokens".into(), json!(request.max_tokens));
+    body.insert("messages".into(), Value::Array(messages));
+    if !request.tools.is_empty() {
+        body.insert("tools".into(), request.tools.iter().map(wire_tool).collect::<Value>());
+    }
+    if stream {
+        body.insert("stream".into(), json!(true));
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    Value::Object(body)
+}
+
+fn wire_message(message: &Message) -> Value {
+    let text = message.text();
+    match message.role {
+        Role::User => json!({"role": "user", "content": text}),
+        Role::Tool => json!({
+            "role": "tool",
+            "tool_call_id": message.tool_call_id.as_deref().unwrap_or_default(),
+            "content": text,
+        }),
+        Role::Assistant => {
+            let calls: Vec<Value> = message
+                .tool_calls()
+                .map(|(id, name, input)| {
+                    json!({
+                        "id": id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": input.to_string()},
+                    })
+                })
+                .collect();
+            // OpenAI accepts a null content only beside tool calls.
+            let content = if text.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(text) };
+            let mut out = json!({"role": "assistant", "content": content});
+            if !calls.is_empty() {
+                out["tool_calls"] = Value::Array(calls);
+            }
+            out
+        }
+    }
+}
+
+fn wire_tool(tool: &ToolSpec) -> Value {
+    json!({
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters,
+        },
+    })
+}
+
+/// Maps a non-streamed `chat.completion` object: `choices[0].message.content` becomes a
+/// text block (none when empty or null), its `tool_calls` become tool-call blocks, and
+/// `finish_reason` and `usage` are mapped as described on [`stop_reason`] and
+/// [`provider_usage`].
+///
+/// # Errors
+/// [`Error::Protocol`] for an in-band `{"error": …}` object (with its message) or a body
+/// without `choices[0].message`.
+pub fn parse_completion(body: &Value) -> Result<ModelResponse, Error> {
+    in_band_error(body)?;
+    let choice = body
+        .get("choices")
+        .and_then(Value::as_array)
+        .and_then(|c| c.first())
+        .ok_or_else(|| Error::Protocol("the completion has no choices[0]".into()))?;
+    let message = choice
+        .get("message")
+        .filter(|m| m.is_object())
+        .ok_or_else(|| Error::Protocol("choices[0] has no message".into()))?;
+    let mut content = Vec::new();
+    if let Some(text) = message.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+        content.push(Block::Text { text: text.to_string() });
+    }
+    let calls = message.get("tool_calls").and_then(Value::as_array);
+    for (position, call) in calls.into_iter().flatten().enumerate() {
+        let function = call.get("function");
+        content.push(tool_call_block(
+            position,
+            str_field(call, "id"),
+            function.and_then(|f| str_field(f, "name")).unwrap_or_default(),
+            function.and_then(|f| f.get("arguments")),
+        ));
+    }
+    let has_calls = content.iter().any(|b| matches!(b, Block::ToolCall { .. }));
+    Ok(ModelResponse {
+        stop: stop_reason(choice.get("finish_reason").and_then(Value::as_str), has_calls),
+        content,
+        usage: provider_usage(body.get("usage")),
+    })
+}
+
+/// Maps OpenAI's `finish_reason`: `stop` → end turn, `length` → max tokens, `tool_calls`
+/// and the legacy `function_call` → tool call, anything else (`content_filter`, …) →
+/// [`StopReason::Other`]. A missing or null reason means tool call when the reply has tool
+/// calls and end turn otherwise.
+pub fn stop_reason(finish_reason: Option<&str>, has_tool_calls: bool) -> StopReason {
+    match finish_reason {
+        Some("stop") => StopReason::EndTurn,
+        Some("length") => StopReason::MaxTokens,
+        Some("tool_calls" | "function_call") => StopReason::ToolCall,
+        Some(other) => StopReason::Other(other.to_string()),
+        None if has_tool_calls => StopReason::ToolCall,
+        None => StopReason::EndTurn,
+    }
+}
+
+/// Maps a `usage` object: `prompt_tokens` → input, `completion_tokens` → output,
+/// `prompt_tokens_details.cached_tokens` → cached. Anything unreported stays `None`
+/// (unknown, not 0).
+pub fn provider_usage(usage: Option<&Value>) -> ProviderUsage {
+    let Some(usage) = usage.filter(|u| u.is_object()) else {
+        return ProviderUsage::default();
+    };
+    ProviderUsage {
+        input_tokens_actual: usage.get("prompt_tokens").and_then(Value::as_u64),
+        output_tokens_actual: usage.get("completion_tokens").and_then(Value::as_u64),
+        cached_tokens: usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64),
+        cache_write_tokens: None,
+    }
+}
+
+/// Builds the tool-call block of the call at `position`. The id defaults to
+/// `call_<position>` for servers that send none; `arguments` is normally a JSON string:
+/// empty means `{}`, and text that is not JSON is passed as `{"_raw": "<text>"}` so the
+/// tool refuses it and the model sees why. A non-string value is taken as the input itself.
+fn tool_call_block(position: usize, id: Option<&str>, name: &str, arguments: Option<&Value>) -> Block {
+    let input = match arguments {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Map::new()),
+        Some(Value::String(text)) => serde_json::from_str(text).unwrap_or_else(|_| json!({"_raw": text})),
+        Some(other) => other.clone(),
+    };
+    Block::ToolCall {
+        id: id.filter(|i| !i.is_empty()).map_or_else(|| format!("call_{position}"), str::to_string),
+        name: name.to_string(),
+        input,
+    }
+}
+
+fn str_field<'v>(value: &'v Value, key: &str) -> Option<&'v str> {
+    value.get(key).and_then(Value::as_str)
+}
+
+/// An in-band `{"error": {"message": …}}` object (a 200 reply or a streamed chunk) as
+/// [`Error::Protocol`].
+fn in_band_error(value: &Value) -> Result<(), Error> {
+    match value.get("error") {
+        None | Some(Value::Null) => Ok(()),
+        Some(error) => {
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .or_else(|| error.as_str())
+                .map_or_else(|| error.to_string(), str::to_string);
+            Err(Error::Protocol(format!("the provider reported an error: {message}")))
+        }
+    }
+}
+
+/// One tool call as it arrives in pieces.
+#[derive(Clone, Debug, Default)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// Puts a streamed completion back together from its `chat.completion.chunk` objects
+/// (pure: feed it parsed chunks, then [`finish`](Self::finish)).
+///
+/// Text is `delta.content` concatenated; tool calls are keyed by their `index` (several
+/// indices: parallel calls), `id` and `function.name` are taken when present (normally in
+/// the first piece) and `function.arguments` fragments are concatenated, as the official
+/// SDKs accumulate them. `finish_reason` comes from the chunk that carries it, usage from
+/// the final usage chunk (whose `choices` may be empty). Only choice 0 is read.
+#[derive(Clone, Debug, Default)]
+pub struct StreamAssembler {
+    text: String,
+    calls: BTreeMap<u64, PartialCall>,
+    finish_reason: Option<String>,
+    usage: ProviderUsage,
+    done: bool,
+}
+
+impl StreamAssembler {
+    /// An empty assembler.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes the `data` of one SSE event: `[DONE]` marks the end, anything else must be a
+    /// chunk object.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the data is not JSON or is an in-band error.
+    pub fn feed_data(&mut self, data: &str) -> Result<(), Error> {
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Ok(());
+        }
+        let chunk: Value =
+            serde_json::from_str(data).map_err(|e| Error::Protocol(format!("a streamed chunk is not JSON ({e})")))?;
+        self.feed(&chunk)
+    }
+
+    /// Takes one parsed chunk object.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for an in-band `{"error": …}` chunk.
+    pub fn feed(&mut self, chunk: &Value) -> Result<(), Error> {
+        in_band_error(chunk)?;
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            self.usage = provider_usage(Some(usage));
+        }
+        let choices = chunk.get("choices").and_then(Value::as_array);
+        for choice in choices.into_iter().flatten() {
+            if choice.get("index").and_then(Value::as_u64).unwrap_or(0) != 0 {
+                continue;
+            }
+            if let Some(delta) = choice.get("delta") {
+                if let Some(text) = delta.get("content").and_then(Value::as_str) {
+                    self.text.push_str(text);
+                }
+                let pieces = delta.get("tool_calls").and_then(Value::as_array);
+                for piece in pieces.into_iter().flatten() {
+                    self.feed_call_piece(piece);
+                }
+            }
+            if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+                self.finish_reason = Some(reason.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    fn feed_call_piece(&mut self, piece: &Value) {
+        let id = str_field(piece, "id").filter(|i| !i.is_empty());
+        let index = piece.get("index").and_then(Value::as_u64).unwrap_or_else(|| {
+            // No index (some compatible servers): a new id starts a new call, anything
+            // else continues the last one.
+            let last = self.calls.iter().next_back();
+            match (last, id) {
+                (Some((&i, call)), Some(id)) if call.id == id => i,
+                (Some((&i, _)), None) => i,
+                (Some((&i, _)), Some(_)) => i + 1,
+                (None, _) => 0,
+            }
+        });
+        let call = self.calls.entry(index).or_default();
+        if let Some(id) = id {
+            call.id = id.to_string();
+        }
+        let function = piece.get("function");
+        if let Some(name) = function.and_then(|f| str_field(f, "name")).filter(|n| !n.is_empty()) {
+            call.name = name.to_string();
+        }
+        match function.and_then(|f| f.get("arguments")) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(fragment)) => call.arguments.push_str(fragment),
+            Some(other) => call.arguments.push_str(&other.to_string()),
+        }
+    }
+
+    /// Whether `data: [DONE]` was seen (nothing more is to be read).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The assembled reply: the text block (none when empty), then the tool calls in index
+    /// order, mapped as [`parse_completion`] maps a whole completion.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the stream ended with neither `[DONE]` nor a
+    /// `finish_reason` (it was cut short).
+    pub fn finish(self) -> Result<ModelResponse, Error> {
+        if !self.done && self.finish_reason.is_none() {
+            return Err(Error::Protocol("the stream ended before data: [DONE] and without a finish_reason".into()));
+        }
+        let has_calls = !self.calls.is_empty();
+        let mut content = Vec::with_capacity(self.calls.len() + 1);
+        if !self.text.is_empty() {
+            content.push(Block::Text { text: self.text });
+        }
+        for (position, call) in self.calls.into_values().enumerate() {
+            content.push(tool_call_block(position, Some(&call.id), &call.name, Some(&Value::String(call.arguments))));
+        }
+        Ok(ModelResponse { stop: stop_reason(self.finish_reason.as_deref(), has_calls), content, usage: self.usage })
+    }
+}
+
+/// Reads an SSE byte stream (the body of a streamed completion) to the end or to
+/// `data: [DONE]`, and assembles the reply. Bytes are decoded to text by the SSE parser,
+/// which keeps a multi-byte character split across network chunks until it is whole.
+///
+/// # Errors
+/// [`Error::Transport`] when the byte stream fails, [`Error::Protocol`] for a malformed
+/// event stream or chunk, an in-band error, or a stream cut short (see
+/// [`StreamAssembler::finish`]).
+pub async fn read_stream<S, B, E>(bytes: S) -> Result<ModelResponse, Error>
+where
+    S: Stream<Item = Result<B, E>>,
+    B: AsRef<[u8]>,
+    E: Display,
+{
+    let events = without_bom(bytes).eventsource();
+    let mut events = std::pin::pin!(events);
+    let mut assembler = StreamAssembler::new();
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| match e {
+            EventStreamError::Transport(e) => Error::Transport(e.to_string()),
+            other => Error::Protocol(format!("malformed event stream ({other})")),
+        })?;
+        assembler.feed_data(&event.data)?;
+        if assembler.is_done() {
+            break;
+        }
+    }
+    assembler.finish()
+}
+
+/// The UTF-8 byte-order mark.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// `bytes` without a leading byte-order mark, which SSE allows but eventsource-stream 0.2.3
+/// cannot take: it slices the mark off as if it were one byte and panics. The head of the
+/// stream is held back until it is known not to be (part of) a mark.
+fn without_bom<S, B, E>(bytes: S) -> impl Stream<Item = Result<Vec<u8>, E>>
+where
+    S: Stream<Item = Result<B, E>>,
+    B: AsRef<[u8]>,
+{
+    let mut head = Some(Vec::new());
+    bytes.map(move |piece| {
+        piece.map(|piece| {
+            let Some(held) = head.as_mut() else {
+                return piece.as_ref().to_vec();
+            };
+            held.extend_from_slice(piece.as_ref());
+            if held.len() < BOM.len() && BOM.starts_with(held) {
+                return Vec::new();
+            }
+            let mut held = head.take().unwrap_or_default();
+            if held.starts_with(BOM) {
+                held.drain(..BOM.len());
+            }
+            held
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+
+    fn request<'a>(system: &'a str, messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
+        ModelRequest { model: "gpt-test", system, messages, tools, max_tokens: 256, task_text: "" }
+    }
+
+    fn call(id: &str, name: &str, input: Value) -> Block {
+        Block::ToolCall { id: id.into(), name: name.into(), input }
+    }
+
+    #[test]
+    fn url_tolerates_a_trailing_slash() {
+        let want = "http://127.0.0.1:8080/v1/chat/completions";
+        assert_eq!(chat_completions_url("http://127.0.0.1:8080/v1"), want);
+        assert_eq!(chat_completions_url("http://127.0.0.1:8080/v1/"), want);
+    }
+
+    #[test]
+    fn request_body_translates_every_role() {
+        let messages = vec![
+            Message::user("do it"),
+            Message::assistant(vec![
+                Block::Text { text: "first".into() },
+                Block::Text { text: "second".into() },
+                call("call_1", "sh", json!({"command": "ls"})),
+            ]),
+            Message::tool_result("call_1", "a.txt", false),
+            Message::assistant(vec![Block::Text { text: "done".into() }]),
+        ];
+        let tools = vec![ToolSpec {
+            name: "sh".into(),
+            description: "runs a command".into(),
+            parameters: json!({"type": "object"}),
+        }];
+        let body = request_body(&request("be brief", &messages, &tools), false);
+        assert_eq!(
+            body,
+            json!({
+                "model": "gpt-test",
+                "max_tokens": 256,
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "do it"},
+                    {"role": "assistant", "content": "first\nsecond", "tool_calls": [
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "sh", "arguments": "{\"command\":\"ls\"}"}},
+                    ]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+                    {"role": "assistant", "content": "done"},
+                ],
+                "tools": [{"type": "function", "function": {
+                    "name": "sh", "description": "runs a command",
+                    "parameters": {"type": "object"}}}],
+            })
+        );
+    }
+
+    #[test]
+    fn tool_call_message_without_text_is_replayed_with_null_content() {
+        let messages = vec![
+            Message::user("go"),
+            Message::assistant(vec![call("call_a", "sh", json!({})), call("call_b", "read", json!({"path": "x"}))]),
+            Message::tool_result("call_a", "", true),
+            Message::tool_result("call_b", "x", false),
+        ];
+        let body = request_body(&request("", &messages, &[]), false);
+        let wire = body["messages"].as_array().unwrap();
+        assert_eq!(wire.len(), 4, "no system message when the prompt is empty");
+        assert_eq!(wire[1]["content"], Value::Null);
+        assert_eq!(wire[1]["tool_calls"][0]["id"], "call_a");
+        assert_eq!(wire[1]["tool_calls"][0]["function"]["arguments"], "{}");
+        assert_eq!(wire[1]["tool_calls"][1]["id"], "call_b");
+        assert_eq!(wire[2], json!({"role": "tool", "tool_call_id": "call_a", "content": ""}));
+    }
+
+    #[test]
+    fn streaming_asks_for_usage_and_no_tools_key_without_tools() {
+        let messages = vec![Message::user("hi")];
+        let body = request_body(&request("", &messages, &[]), true);
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        assert!(body.get("tools").is_none());
+        let plain = request_body(&request("", &messages, &[]), false);
+        assert!(plain.get("stream").is_none());
+        assert!(plain.get("stream_options").is_none());
+    }
+
+    #[test]
+    fn completion_maps_text_tool_calls_and_usage() {
+        let body = json!({
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant",
+                "content": "looking",
+                "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "sh", "arguments": "{\"command\":\"ls\"}"}},
+                    {"id": "c2", "type": "function",
+                     "function": {"name": "sh", "arguments": "not json"}},
+                    {"id": "", "type": "function",
+                     "function": {"name": "noargs", "arguments": ""}},
+                ]}}],
+            "usage": {"prompt_tokens": 11, "completion_tokens": 7,
+                      "prompt_tokens_details": {"cached_tokens": 4}},
+        });
+        let r = parse_completion(&body).unwrap();
+        assert_eq!(
+            r.content,
+            vec![
+                Block::Text { text: "looking".into() },
+                call("c1", "sh", json!({"command": "ls"})),
+                call("c2", "sh", json!({"_raw": "not json"})),
+                call("call_2", "noargs", json!({})),
+            ]
+        );
+        assert_eq!(r.stop, StopReason::ToolCall);
+        assert_eq!(
+            r.usage,
+            ProviderUsage {
+                input_tokens_actual: Some(11),
+                output_tokens_actual: Some(7),
+                cached_tokens: Some(4),
+                cache_write_tokens: None,
+            }
+        );
+    }
+
+    #[test]
+    fn null_content_and_absent_usage_stay_absent() {
+        let body = json!({"choices": [{"message": {"content": null}, "finish_reason": "stop"}]});
+        let r = parse_completion(&body).unwrap();
+        assert!(r.content.is_empty());
+        assert_eq!(r.stop, StopReason::EndTurn);
+        assert_eq!(r.usage, ProviderUsage::default());
+        let partial = provider_usage(Some(&json!({"prompt_tokens": 3})));
+        assert_eq!(partial.input_tokens_actual, Some(3));
+        assert_eq!(partial.output_tokens_actual, None);
+        assert_eq!(partial.cached_tokens, None);
+    }
+
+    #[test]
+    fn finish_reason_maps_to_stop_reason() {
+        let table = [
+            (Some("stop"), false, StopReason::EndTurn),
+            (Some("stop"), true, StopReason::EndTurn),
+            (Some("length"), false, StopReason::MaxTokens),
+            (Some("tool_calls"), true, StopReason::ToolCall),
+            (Some("function_call"), true, StopReason::ToolCall),
+            (Some("content_filter"), false, StopReason::Other("content_filter".into())),
+            (None, false, StopReason::EndTurn),
+            (None, true, StopReason::ToolCall),
+        ];
+        for (reason, calls, want) in table {
+            assert_eq!(stop_reason(reason, calls), want, "{reason:?} {calls}");
+        }
+    }
+
+    #[test]
+    fn in_band_error_is_a_protocol_error_with_its_message() {
+        let body = json!({"error": {"message": "model overloaded", "type": "server_error"}});
+        let err = parse_completion(&body).unwrap_err();
+        assert!(matches!(&err, Error::Protocol(m) if m.contains("model overloaded")), "{err}");
+        let mut asm = StreamAssembler::new();
+        let err = asm.feed_data(r#"{"error":{"message":"boom"}}"#).unwrap_err();
+        assert!(matches!(&err, Error::Protocol(m) if m.contains("boom")), "{err}");
+        assert!(matches!(parse_completion(&json!({"choices": []})), Err(Error::Protocol(_))));
+    }
+
+    fn chunk(delta: Value, finish_reason: Option<&str>) -> Value {
+        json!({"object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
+    }
+
+    #[test]
+    fn assembler_joins_text_and_parallel_tool_call_pieces() {
+        let mut asm = StreamAssembler::new();
+        let chunks = [
+            chunk(json!({"role": "assistant", "content": ""}), None),
+            chunk(json!({"content": "let me "}), None),
+            chunk(json!({"content": "check"}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                "function": {"name": "sh", "arguments": ""}}]}),
+                None,
+            ),
+            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"comm"}}]}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 1, "id": "c2", "type": "function",
+                "function": {"name": "read", "arguments": "{\"path\""}}]}),
+                None,
+            ),
+            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "and\":\"ls\"}"}}]}), None),
+            chunk(json!({"tool_calls": [{"index": 1, "function": {"arguments": ":\"a\"}"}}]}), None),
+            chunk(json!({}), Some("tool_calls")),
+            json!({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 9}}),
+        ];
+        for c in &chunks {
+            asm.feed(c).unwrap();
+        }
+        asm.feed_data("[DONE]").unwrap();
+        assert!(asm.is_done());
+        let r = asm.finish().unwrap();
+        assert_eq!(
+            r.content,
+            vec![
+                Block::Text { text: "let me check".into() },
+                call("c1", "sh", json!({"command": "ls"})),
+                call("c2", "read", json!({"path": "a"})),
+            ]
+        );
+        assert_eq!(r.stop, StopReason::ToolCall);
+        assert_eq!(r.usage.input_tokens_actual, Some(20));
+        assert_eq!(r.usage.output_tokens_actual, Some(9));
+        assert_eq!(r.usage.cached_tokens, None);
+    }
+
+    #[test]
+    fn assembler_without_usage_chunk_reports_no_usage() {
+        let mut asm = StreamAssembler::new();
+        asm.feed(&chunk(json!({"content": "hi"}), Some("length"))).unwrap();
+        asm.feed(&json!({"choices": [], "usage": null})).unwrap();
+        let r = asm.finish().unwrap();
+        assert_eq!(r.stop, StopReason::MaxTokens);
+        assert_eq!(r.usage, ProviderUsage::default());
+    }
+
+    #[test]
+    fn stream_cut_short_is_an_error() {
+        let mut asm = StreamAssembler::new();
+        asm.feed(&chunk(json!({"content": "half"}), None)).unwrap();
+        assert!(matches!(asm.finish(), Err(Error::Protocol(_))));
+    }
+
+    /// A streamed reply with multi-byte characters in the text and in the tool arguments,
+    /// a comment line, a CRLF-framed event, parallel tool calls and a usage chunk.
+    fn sse_body() -> Vec<u8> {
+        let chunks = [
+            chunk(json!({"role": "assistant", "content": ""}), None),
+            chunk(json!({"content": "héllo "}), None),
+            chunk(json!({"content": "wörld ✓"}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_é", "type": "function",
+                "function": {"name": "sh", "arguments": ""}}]}),
+                None,
+            ),
+            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"command\":\"echo hé"}}]}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 1, "id": "call_2", "type": "function",
+                "function": {"name": "write", "arguments": "{\"text\":\"wö"}}]}),
+                None,
+            ),
+            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "llo ✓\"}"}}]}), None),
+            chunk(json!({"tool_calls": [{"index": 1, "function": {"arguments": "rld ✓\"}"}}]}), None),
+            chunk(json!({}), Some("tool_calls")),
+            json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5,
+                   "prompt_tokens_details": {"cached_tokens": 3}}}),
+        ];
+        let mut body = String::from(": keep-alive\n\n");
+        for (i, c) in chunks.iter().enumerate() {
+            let end = if i == 2 { "\r\n\r\n" } else { "\n\n" };
+            body.push_str(&format!("data: {c}{end}"));
+        }
+        body.push_str("data: [DONE]\n\n");
+        body.into_bytes()
+    }
+
+    async fn read_pieces(pieces: Vec<Vec<u8>>) -> ModelResponse {
+        let bytes = futures::stream::iter(pieces.into_iter().map(Ok::<_, Infallible>));
+        read_stream(bytes).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn sse_split_at_every_byte_offset_gives_the_same_reply() {
+        let body = sse_body();
+        let want = ModelResponse {
+            content: vec![
+                Block::Text { text: "héllo wörld ✓".into() },
+                call("call_é", "sh", json!({"command": "echo héllo ✓"})),
+                call("call_2", "write", json!({"text": "wörld ✓"})),
+            ],
+            stop: StopReason::ToolCall,
+            usage: ProviderUsage {
+                input_tokens_actual: Some(10),
+                output_tokens_actual: Some(5),
+                cached_tokens: Some(3),
+                cache_write_tokens: None,
+            },
+        };
+        let mut inside_a_character = 0;
+        for i in 0..=body.len() {
+            if i < body.len() && (body[i] & 0xC0) == 0x80 {
+                inside_a_character += 1;
+            }
+            let got = read_pieces(vec![body[..i].to_vec(), body[i..].to_vec()]).await;
+            assert_eq!(got, want, "split at byte {i}");
+        }
+        assert!(inside_a_character >= 10, "splits inside characters were tried");
+        let bytewise = read_pieces(body.iter().map(|b| vec![*b]).collect()).await;
+        assert_eq!(bytewise, want, "one byte per piece");
+    }
+
+    #[tokio::test]
+    async fn sse_leading_byte_order_mark_is_skipped_even_when_split() {
+        let mut body = BOM.to_vec();
+        body.extend_from_slice(&sse_body());
+        let want = read_pieces(vec![sse_body()]).await;
+        for i in 0..=4 {
+            let got = read_pieces(vec![body[..i].to_vec(), body[i..].to_vec()]).await;
+            assert_eq!(got, want, "split at byte {i}");
+        }
+        let bytewise = read_pieces(body.iter().map(|b| vec![*b]).collect()).await;
+        assert_eq!(bytewise, want, "one byte per piece");
+    }
+
+    #[tokio::test]
+    async fn sse_reading_stops_at_done() {
+        let mut body =
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"}}]}\n\ndata: [DONE]\n\n".to_vec();
+        body.extend_from_slice(b"data: not json\n\n");
+        let r = read_pieces(vec![body]).await;
+        assert_eq!(r.content, vec![Block::Text { text: "ok".into() }]);
+        assert_eq!(r.stop, StopReason::EndTurn);
     }
 }
