@@ -5,6 +5,7 @@
 //! `max_tokens`, `error`; anything else is carried as [`StopReason::Other`] and fails the
 //! task with `error: unsupported stop_reason '<x>'`.
 
+pub mod anthropic;
 pub mod http;
 pub mod openai;
 pub mod scripted;
