@@ -148,6 +148,25 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         origin: Option<String>,
     },
+    /// One HTTP attempt of a model call that was retried or failed (issue #3: every
+    /// attempt is visible). Written before the call's `inference` line; a call that
+    /// succeeded on its first attempt writes none.
+    ModelAttempt {
+        /// The task.
+        task_id: String,
+        /// The turn the call belongs to (0-based).
+        turn: u32,
+        /// 1-based attempt number.
+        attempt: u32,
+        /// HTTP status, when one came back.
+        status: Option<u16>,
+        /// What went wrong, when something did.
+        error: Option<String>,
+        /// Time waited before this attempt, ms.
+        waited_ms: u64,
+        /// Duration of this attempt, ms.
+        duration_ms: u64,
+    },
     /// One tool call, written after the tool returned.
     ToolCall {
         /// Turn that asked for it.
@@ -240,6 +259,7 @@ impl Event {
             Event::SessionStart { .. } => "session_start",
             Event::TaskStart { .. } => "task_start",
             Event::Inference { .. } => "inference",
+            Event::ModelAttempt { .. } => "model_attempt",
             Event::ToolCall { .. } => "tool_call",
             Event::Shell { .. } => "shell",
             Event::TaskEnd { .. } => "task_end",

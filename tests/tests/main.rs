@@ -4,3 +4,6 @@
 mod openai;
 /// `mur run` end to end with the scripted driver and real shell commands.
 mod run;
+
+/// `mur run` against fake providers: retries in the trace, provider errors in the result.
+mod drivers;

@@ -10,7 +10,7 @@ use mur_worker::driver::{Driver, Error, ModelRequest, ModelResponse, StopReason,
 use serde_json::{Value, json};
 
 fn driver(fake: &FakeOpenAi, stream: bool) -> OpenAi {
-    OpenAi::new(Config { endpoint: fake.url(), api_key: Some("sk-test".into()), stream })
+    OpenAi::new(Config { endpoint: fake.url(), api_key: Some("sk-test".into()), stream, policy: Default::default() })
 }
 
 fn sh_tool() -> Vec<ToolSpec> {
@@ -62,8 +62,12 @@ fn call(id: &str, name: &str, input: Value) -> Block {
 async fn non_streaming_text_reply_is_mapped_and_the_request_is_well_formed() -> Result<()> {
     let fake = FakeOpenAi::start(vec![FakeReply::text("hello there")]);
     // A trailing slash on the endpoint is tolerated.
-    let driver =
-        OpenAi::new(Config { endpoint: format!("{}/", fake.url()), api_key: Some("sk-test".into()), stream: false });
+    let driver = OpenAi::new(Config {
+        endpoint: format!("{}/", fake.url()),
+        api_key: Some("sk-test".into()),
+        stream: false,
+        policy: Default::default(),
+    });
     let r = ask(&driver, &[Message::user("say hi")], &[]).await?;
     assert_eq!(r.content, vec![Block::Text { text: "hello there".into() }]);
     assert_eq!(r.stop, StopReason::EndTurn);
@@ -88,7 +92,7 @@ async fn non_streaming_text_reply_is_mapped_and_the_request_is_well_formed() -> 
 #[tokio::test]
 async fn no_authorization_header_without_an_api_key() -> Result<()> {
     let fake = FakeOpenAi::start(vec![FakeReply::text("ok")]);
-    let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false });
+    let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false, policy: Default::default() });
     ask(&driver, &[Message::user("x")], &[]).await?;
     assert_eq!(fake.received()[0].authorization, None);
     Ok(())

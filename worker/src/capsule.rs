@@ -106,11 +106,27 @@ impl Capsule {
                 endpoint: inf.endpoint.clone().unwrap_or_default(),
                 api_key: inf.api_key.clone(),
                 stream: inf.stream,
+                policy: self.http_policy(),
             }))),
-            Some(DriverKind::Anthropic) => {
-                Err(Error::Unsupported("inference.driver: anthropic is not supported yet".into()))
-            }
+            Some(DriverKind::Anthropic) => Ok(Arc::new(driver::anthropic::Anthropic::new(driver::anthropic::Config {
+                endpoint: inf.endpoint.clone().unwrap_or_default(),
+                api_key: inf.api_key.clone(),
+                model: inf.model.clone(),
+                stream: inf.stream,
+                policy: self.http_policy(),
+            }))),
             None => Err(Error::Unsupported("inference.driver: required".into())),
+        }
+    }
+
+    /// Retries and timeout of the HTTP drivers: `inference.max_retries` and
+    /// `inference.timeout_secs` (issue #3).
+    pub fn http_policy(&self) -> driver::http::Policy {
+        let inf = &self.manifest.inference;
+        driver::http::Policy {
+            max_retries: inf.max_retries,
+            timeout: std::time::Duration::from_secs(inf.timeout_secs),
+            ..Default::default()
         }
     }
 

@@ -116,7 +116,7 @@ impl Tracer {
         let parent_id = match &event {
             Event::SessionStart { .. } => None,
             Event::TaskStart { .. } | Event::SessionEnd { .. } => self.session_event.clone(),
-            Event::Inference { .. } | Event::TaskEnd { .. } => {
+            Event::Inference { .. } | Event::TaskEnd { .. } | Event::ModelAttempt { .. } => {
                 self.task_event.clone().or_else(|| self.session_event.clone())
             }
             Event::ToolCall { .. } | Event::Shell { .. } => {

@@ -5,6 +5,7 @@
 //! `max_tokens`, `error`; anything else is carried as [`StopReason::Other`] and fails the
 //! task with `error: unsupported stop_reason '<x>'`.
 
+pub mod anthropic;
 pub mod http;
 pub mod openai;
 pub mod scripted;
@@ -104,4 +105,10 @@ pub trait Driver: Send + Sync {
     /// # Errors
     /// [`Error`] when no usable reply was obtained.
     async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error>;
+
+    /// One model call with the log of its HTTP attempts (retries included), so every
+    /// attempt can be traced. Drivers without retries keep the default: no log.
+    async fn call_logged(&self, request: &ModelRequest<'_>) -> (Result<ModelResponse, Error>, Vec<http::Attempt>) {
+        (self.call(request).await, Vec::new())
+    }
 }

@@ -11,7 +11,7 @@
 //! chunks back together, and [`read_stream`] runs the SSE parser over any byte stream into
 //! the assembler.
 
-use super::http::post_json;
+use super::http::{self, Attempt, Exchange, Failure};
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason, ToolSpec};
 use async_trait::async_trait;
 use eventsource_stream::{EventStreamError, Eventsource};
@@ -31,6 +31,8 @@ pub struct Config {
     pub api_key: Option<String>,
     /// Use SSE streaming.
     pub stream: bool,
+    /// Retries and per-attempt timeout (`inference.max_retries`, `inference.timeout_secs`).
+    pub policy: http::Policy,
 }
 
 /// The driver.
@@ -59,25 +61,60 @@ impl Driver for OpenAi {
     /// fails or breaks mid-stream, [`Error::Protocol`] for a reply that is not a chat
     /// completion or carries an in-band `error` object.
     async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
+        self.call_logged(request).await.0
+    }
+
+    async fn call_logged(&self, request: &ModelRequest<'_>) -> (Result<ModelResponse, Error>, Vec<Attempt>) {
+        match self.exchange(request).await {
+            Ok(ex) => (Ok(ex.value), ex.attempts),
+            Err(f) => (Err(f.error), f.attempts),
+        }
+    }
+}
+
+impl OpenAi {
+    /// One chat completion with the log of its attempts.
+    ///
+    /// # Errors
+    /// [`Failure`] carrying [`Error::Status`] on an HTTP error status (after retries for
+    /// 429 and 5xx), [`Error::Transport`] when the connection fails or breaks mid-stream,
+    /// [`Error::Timeout`], [`Error::Protocol`] for a reply that is not a chat completion or
+    /// carries an in-band `error` object.
+    pub async fn exchange(&self, request: &ModelRequest<'_>) -> Result<Exchange<ModelResponse>, Failure> {
         let stream = self.config.stream;
         let body = request_body(request, stream);
         let mut headers = Vec::new();
         if let Some(key) = self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        if stream {
-            headers.push(("accept", "text/event-stream".to_string()));
-        }
         let url = chat_completions_url(&self.config.endpoint);
-        let response = post_json(&self.client, &url, &headers, &body).await?;
-        // A server that ignores `stream: true` (or reports an error) answers plain JSON.
-        if stream && !is_json(&response) {
-            return read_stream(response.bytes_stream()).await;
+        let policy = &self.config.policy;
+        if !stream {
+            let ex = http::post_json(&self.client, &url, &headers, &body, policy).await?;
+            return match parse_completion(&ex.value) {
+                Ok(value) => Ok(Exchange { value, attempts: ex.attempts }),
+                Err(error) => Err(Failure { error, attempts: ex.attempts }),
+            };
         }
-        let bytes = response.bytes().await.map_err(|e| Error::Transport(e.to_string()))?;
-        let value: Value =
-            serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(format!("the completion is not JSON ({e})")))?;
-        parse_completion(&value)
+        headers.push(("accept", "text/event-stream".to_string()));
+        let ex = http::post_stream(&self.client, &url, &headers, &body, policy).await?;
+        let attempts = ex.attempts;
+        let response = ex.value;
+        // A server that ignores `stream: true` (or reports an error) answers plain JSON.
+        let result = if is_json(&response) {
+            match response.bytes().await {
+                Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
+                    .map_err(|e| Error::Protocol(format!("the completion is not JSON ({e})")))
+                    .and_then(|v| parse_completion(&v)),
+                Err(e) => Err(Error::Transport(e.to_string())),
+            }
+        } else {
+            read_stream(response.bytes_stream()).await
+        };
+        match result {
+            Ok(value) => Ok(Exchange { value, attempts }),
+            Err(error) => Err(Failure { error, attempts }),
+        }
     }
 }
 

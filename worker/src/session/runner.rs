@@ -196,7 +196,22 @@ impl Session {
                         gen_ai.request.model = %self.cfg.model_label,
                     );
                     let t0 = Instant::now();
-                    let reply = self.driver.call(&request).instrument(span).await.map_err(|e| e.to_string());
+                    let (reply, attempts) = self.driver.call_logged(&request).instrument(span).await;
+                    if attempts.len() > 1 || (reply.is_err() && !attempts.is_empty()) {
+                        let turn = machine.counters().turns;
+                        for a in attempts {
+                            self.tracer.emit(Event::ModelAttempt {
+                                task_id: machine.task().task_id.clone(),
+                                turn,
+                                attempt: a.number,
+                                status: a.status,
+                                error: a.error,
+                                waited_ms: a.waited_ms,
+                                duration_ms: a.duration_ms,
+                            })?;
+                        }
+                    }
+                    let reply = reply.map_err(|e| e.to_string());
                     let (events, next) = machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
                     self.emit_all(events)?;
                     next
