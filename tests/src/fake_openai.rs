@@ -12,7 +12,7 @@
 //! use mur_worker::driver::openai::{Config, OpenAi};
 //!
 //! let fake = FakeOpenAi::start(vec![FakeReply::text("hi")]);
-//! let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false });
+//! let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false, policy: Default::default() });
 //! // … drive it, then check what it sent:
 //! let sent = fake.requests();
 //! # }
