@@ -68,7 +68,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.manifest.clone().unwrap_or_else(|| args.dir.clone());
     let env = |k: &str| std::env::var(k).ok();
     let capsule = Capsule::load(&path, &env)?;
-    let driver = capsule.driver()?;
     let tools: Arc<Toolbox> = Arc::new(Toolbox::from_manifest(&capsule.manifest));
     let workdir = match &args.workdir {
         Some(w) => {
@@ -80,6 +79,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let capsule_dir = std::path::absolute(&capsule.dir)?;
     let session_id = Id::generate(IdKind::Session);
     let layout = Layout::new(&capsule_dir, workdir.as_deref(), &session_id);
+    let driver = capsule.driver(&layout.workdir)?;
     layout.create()?;
     let model_label = capsule.model_label();
     std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, tools.specs()))?;

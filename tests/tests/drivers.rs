@@ -70,3 +70,38 @@ async fn spent_retries_fail_the_task_with_the_providers_error() {
     assert_eq!(lines[4]["exit_status"], "failed");
     assert_eq!(lines[4]["turns"], 0);
 }
+
+#[test]
+fn process_transport_passes_the_task_on_stdin_and_takes_stdout_as_the_result() {
+    let capsule = TestCapsule::example("process-agent");
+    let run = Run::of(mur().arg("run").arg(capsule.dir()).args(["--task", "fix the build", "--json"]));
+    assert_eq!(run.code, 0, "{run:?}");
+    let json = run.last_json();
+    assert_eq!(json["result"], "TASK RECEIVED: FIX THE BUILD\n");
+    let lines = trace_lines(std::path::Path::new(json["session_dir"].as_str().unwrap()));
+    assert_eq!(event_types(&lines), ["session_start", "task_start", "inference", "task_end", "session_end"]);
+    assert_eq!(lines[0]["driver"], "process");
+    assert_eq!(lines[2]["decision"], "end_turn");
+    assert_eq!(lines[3]["turns"], 1);
+}
+
+#[test]
+fn process_transport_failure_and_timeout_fail_the_task() {
+    let failing = TestCapsule::new(
+        "name: p\nversion: 1\ninference:\n  transport: process\n  command: [./agent.sh]\n",
+        &[("agent.sh", "#!/bin/sh\ncat >/dev/null\necho 'model quota exhausted' >&2\nexit 3\n")],
+    );
+    let run = Run::of(mur().arg("run").arg(failing.dir()).args(["--task", "x", "--json"]));
+    assert_eq!(run.code, 1, "{run:?}");
+    assert_eq!(run.last_json()["result"], "error: agent program exited with code 3: model quota exhausted");
+
+    let slow = TestCapsule::new(
+        "name: p\nversion: 1\ninference:\n  transport: process\n  command: [./agent.sh]\n  timeout_secs: 1\n",
+        &[("agent.sh", "#!/bin/sh\nsleep 30 &\nwait\n")],
+    );
+    let started = std::time::Instant::now();
+    let run = Run::of(mur().arg("run").arg(slow.dir()).args(["--task", "x", "--json"]));
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "the group was killed at the timeout");
+    assert_eq!(run.code, 1, "{run:?}");
+    assert_eq!(run.last_json()["result"], "error: agent program timed out after 1 s and was killed");
+}

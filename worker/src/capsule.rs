@@ -84,15 +84,20 @@ impl Capsule {
         Ok(Capsule { dir, manifest: Arc::new(manifest), prompt })
     }
 
-    /// Builds the capsule's driver.
+    /// Builds the capsule's driver; `workdir` is where a process-transport program runs.
     ///
     /// # Errors
     /// [`Error::Script`] for a malformed replies file; [`Error::Unsupported`] for a driver
     /// this build does not have.
-    pub fn driver(&self) -> Result<Arc<dyn Driver>, Error> {
+    pub fn driver(&self, workdir: &Path) -> Result<Arc<dyn Driver>, Error> {
         let inf = &self.manifest.inference;
         if inf.transport == Transport::Process {
-            return Err(Error::Unsupported("inference.transport: process is not supported yet".into()));
+            return Ok(Arc::new(driver::process::ProcessAgent::new(driver::process::Config {
+                command: inf.command.clone().unwrap_or_default(),
+                capsule_dir: self.dir.clone(),
+                workdir: workdir.to_path_buf(),
+                timeout: std::time::Duration::from_secs(inf.timeout_secs),
+            })));
         }
         match inf.driver {
             Some(DriverKind::Scripted) => {

@@ -8,6 +8,7 @@
 pub mod anthropic;
 pub mod http;
 pub mod openai;
+pub mod process;
 pub mod scripted;
 
 use async_trait::async_trait;
@@ -89,6 +90,9 @@ pub enum Error {
     /// The provider's answer did not follow its wire format.
     #[error("malformed provider response: {0}")]
     Protocol(String),
+    /// The process transport's program failed.
+    #[error("{0}")]
+    Process(String),
     /// The scripted driver could not answer.
     #[error("scripted driver: {0}")]
     Script(String),

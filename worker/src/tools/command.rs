@@ -129,7 +129,7 @@ impl CommandTool {
 ///
 /// # Errors
 /// The current directory cannot be read while making a relative capsule folder absolute.
-fn resolve_program(program: &str, capsule_dir: &Path) -> std::io::Result<PathBuf> {
+pub(crate) fn resolve_program(program: &str, capsule_dir: &Path) -> std::io::Result<PathBuf> {
     let p = Path::new(program);
     if p.is_absolute() || !program.contains('/') {
         Ok(p.to_path_buf())
