@@ -6,6 +6,9 @@ use mur_proto::ids::{Id, IdKind};
 use mur_proto::task::{ExitStatus, Origin};
 use mur_worker::capsule::{self, Capsule};
 use mur_worker::clock::SystemClock;
+use mur_worker::hooks::{self, InferenceGate, process::ProcessHooks};
+use mur_worker::session::runner::Parts;
+use mur_worker::session::spend::{Gate, Position, Spend};
 use mur_worker::session::{Session, SessionConfig, TaskSpec};
 use mur_worker::tokens::BytesOver4;
 use mur_worker::tools::{CallContext, Toolbox, Tools};
@@ -13,7 +16,7 @@ use mur_worker::trace::{FileSink, Tracer};
 use mur_worker::workdir::Layout;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// `mur run [DIR | --manifest FILE] [--task TEXT|FILE] [--workdir DIR] [--json]`
 #[derive(clap::Args, Debug)]
@@ -89,10 +92,38 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
         let clock = Arc::new(SystemClock);
-        let tracer = Tracer::new(session_id.clone(), Box::new(FileSink::open(&layout.trace())?), clock.clone());
+        let estimator: Arc<dyn mur_worker::tokens::Estimator> = Arc::new(BytesOver4);
+        let tracer = Arc::new(Mutex::new(Tracer::new(
+            session_id.clone(),
+            Box::new(FileSink::open(&layout.trace())?),
+            clock.clone(),
+        )));
+        let inf = &capsule.manifest.inference;
+        let spend = Arc::new(Spend::new(inf.max_session_tokens));
+        let position = Arc::new(Position::default());
+        let model = inf.model.clone().unwrap_or_default();
+        let gate: Arc<dyn InferenceGate> = Arc::new(Gate {
+            driver: driver.clone(),
+            tracer: tracer.clone(),
+            spend: spend.clone(),
+            estimator: estimator.clone(),
+            model: model.clone(),
+            system_prompt: inf.compaction.system_prompt.clone(),
+            max_tokens: inf.max_tokens,
+            position: position.clone(),
+        });
+        let hooks = Arc::new(ProcessHooks::new(
+            capsule.manifest.hooks.clone(),
+            hooks::process::Config {
+                capsule_dir: capsule_dir.clone(),
+                logs_dir: layout.logs_dir(),
+                builtins: hooks::builtin::registry(gate.clone(), layout.workdir.clone()),
+                gate: Some(gate),
+            },
+        ));
         let cfg = SessionConfig {
             manifest: capsule.manifest.clone(),
-            model: capsule.manifest.inference.model.clone().unwrap_or_default(),
+            model,
             model_label,
             system_prompt: prompt.text,
             system_prompt_source: prompt.source,
@@ -103,9 +134,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 logs_dir: layout.workdir_logs(),
             },
             result_path: Some(layout.result()),
+            logs_dir: Some(layout.logs_dir()),
             resumed_from: None,
         };
-        let mut session = Session::start(cfg, driver, tools, tracer, clock, Arc::new(BytesOver4))?;
+        let parts = Parts { driver, tools, hooks, tracer, clock, estimator, spend, position };
+        let mut session = Session::start(cfg, parts).await?;
         let task = TaskSpec {
             task_id: Id::generate(IdKind::Task),
             context_id: Id::generate(IdKind::Context),
@@ -115,7 +148,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         };
         let report = session.run_task(task, Vec::new()).await?;
         let totals = session.totals();
-        session.end(None)?;
+        session.end(None).await?;
         anyhow::Ok((report, totals))
     })?;
     let (report, totals) = report;

@@ -211,6 +211,85 @@ pub enum Event {
         /// Wall time, ms.
         duration_ms: u64,
     },
+    /// A hook vetoed the task's outcome and the task runs again (`seeds/session-loop.md`
+    /// §Task reopening). Between `task_start` and `task_end`.
+    TaskReopened {
+        /// The task.
+        task_id: String,
+        /// The hook that asked.
+        hook_name: String,
+        /// Its feedback.
+        reason: String,
+        /// 1-based ordinal of this reopen.
+        reopen_number: u32,
+    },
+    /// A seed proposal's fate (`seeds/session-loop.md` §Context seeding).
+    ContextSeed {
+        /// The task.
+        task_id: String,
+        /// The hook whose proposal it was.
+        hook_name: String,
+        /// Tokens committed (0 when rejected).
+        tokens: u64,
+        /// Tokens proposed.
+        proposed_tokens: u64,
+        /// The ceiling: floor(`context.max_tokens` × `context.seed_budget`).
+        budget_tokens: u64,
+        /// `seeded`, `trimmed`, `compacted` or `rejected`.
+        outcome: String,
+        /// For `rejected`: `unsupported_transport`, `no_budget`, `message_over_budget`,
+        /// `overflow_over_limit`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        /// Messages committed.
+        messages: u32,
+    },
+    /// A compaction replaced the history (`seeds/context.md`).
+    Compaction {
+        /// The turn after which it ran.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// Occupancy before.
+        tokens_before: u64,
+        /// Occupancy after, recounted on the new history.
+        tokens_after: u64,
+    },
+    /// The threshold was crossed but the history was not replaced; the session goes on.
+    CompactionDeclined {
+        /// The turn after which it was checked.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// Occupancy at the time.
+        tokens: u64,
+        /// `no_hook_replacement` or `unresolved_tool_call`.
+        reason: String,
+    },
+    /// A spend ceiling refused a model call before it was sent.
+    SpendCeilingReached {
+        /// The task, if one was running.
+        task_id: Option<String>,
+        /// `loop` for the session loop's own call, `hook:<name>` for a hook's.
+        origin: String,
+        /// Tokens spent so far in the session (runtime estimates).
+        used_tokens: u64,
+        /// Tokens the refused call would have added.
+        requested_tokens: u64,
+        /// `inference.max_session_tokens`.
+        ceiling_tokens: u64,
+    },
+    /// A hook failed, or answered something its binding or policy does not honour.
+    HookDispatchError {
+        /// The hook.
+        hook_name: String,
+        /// The binding of the event (`on-task-end`), or `drain`.
+        event: String,
+        /// `error`, `timeout`, `queue-overflow`, or the action that was not honoured.
+        arm: String,
+        /// What happened.
+        message: String,
+    },
     /// The task's single terminal record.
     TaskEnd {
         /// The task.
@@ -263,6 +342,12 @@ impl Event {
             Event::ToolCall { .. } => "tool_call",
             Event::Shell { .. } => "shell",
             Event::TaskEnd { .. } => "task_end",
+            Event::TaskReopened { .. } => "task_reopened",
+            Event::ContextSeed { .. } => "context_seed",
+            Event::Compaction { .. } => "compaction",
+            Event::CompactionDeclined { .. } => "compaction_declined",
+            Event::SpendCeilingReached { .. } => "spend_ceiling_reached",
+            Event::HookDispatchError { .. } => "hook_dispatch_error",
             Event::SessionEnd { .. } => "session_end",
         }
     }

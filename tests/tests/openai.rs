@@ -30,6 +30,7 @@ async fn ask(driver: &OpenAi, messages: &[Message], tools: &[ToolSpec]) -> Resul
             tools,
             max_tokens: 64,
             task_text: "",
+            history_epoch: 0,
         })
         .await
 }

@@ -116,9 +116,15 @@ impl Tracer {
         let parent_id = match &event {
             Event::SessionStart { .. } => None,
             Event::TaskStart { .. } | Event::SessionEnd { .. } => self.session_event.clone(),
-            Event::Inference { .. } | Event::TaskEnd { .. } | Event::ModelAttempt { .. } => {
-                self.task_event.clone().or_else(|| self.session_event.clone())
-            }
+            Event::Inference { .. }
+            | Event::TaskEnd { .. }
+            | Event::ModelAttempt { .. }
+            | Event::TaskReopened { .. }
+            | Event::ContextSeed { .. }
+            | Event::Compaction { .. }
+            | Event::CompactionDeclined { .. }
+            | Event::SpendCeilingReached { .. }
+            | Event::HookDispatchError { .. } => self.task_event.clone().or_else(|| self.session_event.clone()),
             Event::ToolCall { .. } | Event::Shell { .. } => {
                 self.turn_event.clone().or_else(|| self.task_event.clone()).or_else(|| self.session_event.clone())
             }

@@ -42,6 +42,9 @@ pub struct ModelRequest<'a> {
     pub max_tokens: u32,
     /// The task's text (the scripted driver substitutes it for `{{task}}`).
     pub task_text: &'a str,
+    /// Bumped whenever the history is replaced rather than appended to (compaction, a
+    /// reopened attempt): a driver caching per-message wire JSON rebuilds when it changes.
+    pub history_epoch: u64,
 }
 
 /// Why the model stopped.

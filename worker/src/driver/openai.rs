@@ -506,7 +506,7 @@ mod tests {
     use std::convert::Infallible;
 
     fn request<'a>(system: &'a str, messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
-        ModelRequest { model: "gpt-test", system, messages, tools, max_tokens: 256, task_text: "" }
+        ModelRequest { model: "gpt-test", system, messages, tools, max_tokens: 256, task_text: "", history_epoch: 0 }
     }
 
     fn call(id: &str, name: &str, input: Value) -> Block {

@@ -205,7 +205,15 @@ mod tests {
     use super::*;
 
     fn req<'a>(task: &'a str) -> ModelRequest<'a> {
-        ModelRequest { model: "", system: "", messages: &[], tools: &[], max_tokens: 1, task_text: task }
+        ModelRequest {
+            model: "",
+            system: "",
+            messages: &[],
+            tools: &[],
+            max_tokens: 1,
+            task_text: task,
+            history_epoch: 0,
+        }
     }
 
     #[tokio::test]
@@ -260,6 +268,7 @@ mod tests {
                 tools: &[],
                 max_tokens: 1,
                 task_text: "t",
+                history_epoch: 0,
             })
             .await
             .unwrap();

@@ -11,6 +11,7 @@
 //! exit, an answer outside the schema, a timeout) is one line in `logs/hook-<name>.log` and
 //! a fault; the caller decides what a fault means for the session.
 
+pub mod builtin;
 pub mod process;
 
 use async_trait::async_trait;

@@ -74,8 +74,45 @@ pub enum Action {
         /// Its input.
         input: Value,
     },
+    /// The context crossed the compaction threshold: fire `on-compaction` with
+    /// [`TaskMachine::messages`], then report with [`TaskMachine::on_compaction`]. Never
+    /// consumes a turn (`seeds/context.md`).
+    Compact {
+        /// The turn whose reply crossed the threshold.
+        turn: u32,
+        /// That turn's occupancy.
+        session_tokens: u64,
+    },
     /// The task is over.
     Finish(Outcome),
+}
+
+/// `context.max_tokens` and `inference.compaction.threshold`, when compaction is on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CompactionRule {
+    /// The context window.
+    pub max_tokens: u64,
+    /// Fraction of it that triggers compaction.
+    pub threshold: f64,
+}
+
+/// What the `on-compaction` hooks produced.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CompactionReply {
+    /// The first `replace-context` answer.
+    Replaced(Vec<Message>),
+    /// No hook bound, or none answered with a replacement.
+    NoReplacement,
+}
+
+/// The answer to a hook's request to reopen the task.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reopen {
+    /// Granted: write the event and run the next action.
+    Granted(Box<Event>, Action),
+    /// The reopen limit or the turn limit is used up: the task ends
+    /// `reopen_budget_exhausted`.
+    Exhausted(Outcome),
 }
 
 /// Per-task counters, as `task_end` reports them.
@@ -99,6 +136,7 @@ pub struct History {
     messages: Vec<Message>,
     tokens: Vec<u64>,
     total: u64,
+    epoch: u64,
 }
 
 impl History {
@@ -120,11 +158,32 @@ impl History {
     pub fn tokens(&self) -> u64 {
         self.total
     }
+
+    /// Bumped whenever the history is replaced rather than appended to, so a driver's
+    /// per-message wire cache knows when to rebuild.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Replaces every message (compaction, a reopened attempt).
+    pub fn replace(&mut self, messages: Vec<Message>, estimator: &dyn Estimator) {
+        let epoch = self.epoch + 1;
+        *self = History { epoch, ..History::default() };
+        for m in messages {
+            self.push(m, estimator);
+        }
+    }
 }
 
 /// The loop of one task.
 pub struct TaskMachine {
     task: TaskSpec,
+    original_text: String,
+    head: Vec<Message>,
+    reopens: Vec<(String, String)>,
+    max_reopens: u32,
+    compaction: Option<CompactionRule>,
+    resume: Option<Action>,
     history: History,
     max_turns: u32,
     fixed_tokens: u64,
@@ -138,24 +197,30 @@ pub struct TaskMachine {
 }
 
 impl TaskMachine {
-    /// A machine for `task`. `prior` is history loaded ahead of the task (a threaded
-    /// conversation); `fixed_tokens` is the estimate of the system prompt and tool list,
-    /// which every request carries.
+    /// A machine for `task`. `head` is what goes ahead of the task message: the seed, then
+    /// history loaded for a threaded conversation. `fixed_tokens` is the estimate of the
+    /// system prompt and tool list, which every request carries.
     pub fn new(
         task: TaskSpec,
-        prior: Vec<Message>,
+        head: Vec<Message>,
         max_turns: u32,
         fixed_tokens: u64,
         capture: Capture,
         estimator: Arc<dyn Estimator>,
     ) -> Self {
         let mut history = History::default();
-        for m in prior {
-            history.push(m, estimator.as_ref());
+        for m in &head {
+            history.push(m.clone(), estimator.as_ref());
         }
         history.push(Message::user(task.text.clone()), estimator.as_ref());
         TaskMachine {
+            original_text: task.text.clone(),
             task,
+            head,
+            reopens: Vec::new(),
+            max_reopens: 0,
+            compaction: None,
+            resume: None,
             history,
             max_turns,
             fixed_tokens,
@@ -167,6 +232,33 @@ impl TaskMachine {
             pending: VecDeque::new(),
             finished: None,
         }
+    }
+
+    /// Turns compaction on (`context.max_tokens` and `inference.compaction.threshold`).
+    pub fn with_compaction(mut self, rule: Option<CompactionRule>) -> Self {
+        self.compaction = rule;
+        self
+    }
+
+    /// Allows up to `max` reopens (`lifecycle.max_task_reopens`).
+    pub fn with_reopens(mut self, max: u32) -> Self {
+        self.max_reopens = max;
+        self
+    }
+
+    /// The history's epoch (see [`History::epoch`]).
+    pub fn history_epoch(&self) -> u64 {
+        self.history.epoch()
+    }
+
+    /// Reopens granted so far.
+    pub fn reopen_count(&self) -> u32 {
+        self.reopens.len() as u32
+    }
+
+    /// Tokens the next request will carry (system, tools and the whole history).
+    pub fn next_input_tokens(&self) -> u64 {
+        self.fixed_tokens + self.history.tokens()
     }
 
     /// The first action.
@@ -272,7 +364,82 @@ impl TaskMachine {
             StopReason::EndTurn | StopReason::MaxTokens => self.finish(ExitStatus::Ok, final_text),
             StopReason::Other(x) => self.finish(ExitStatus::Failed, format!("error: unsupported stop_reason '{x}'")),
         };
+        // Compaction is checked after the response and before its tools run
+        // (`seeds/context.md` step 2; `reference/murmur-runtime.md` §1 ordering), and only
+        // when the loop goes on.
+        if let (Action::RunTool { .. }, Some(rule)) = (&action, self.compaction)
+            && self.session_tokens as f64 / rule.max_tokens as f64 >= rule.threshold
+        {
+            self.resume = Some(action);
+            return (vec![event], Action::Compact { turn: self.turn, session_tokens: self.session_tokens });
+        }
         (vec![event], action)
+    }
+
+    /// Feeds what the `on-compaction` hooks produced. A replacement is checked (tool
+    /// results keep their calls, see [`super::compaction::accept`]); committed, it replaces
+    /// the history and the token count is taken again on it, so the next check does not
+    /// fire at once; otherwise a `compaction_declined` line is written and the loop goes on
+    /// uncompacted. Either way no turn is consumed.
+    pub fn on_compaction(&mut self, reply: CompactionReply) -> (Vec<Event>, Action) {
+        let resume = self.resume.take().unwrap_or(Action::CallModel);
+        let pending = self.history.messages().last().filter(|_| !self.pending.is_empty()).cloned();
+        let decided = match reply {
+            CompactionReply::NoReplacement => Err(super::compaction::Decline::NoHookReplacement),
+            CompactionReply::Replaced(messages) => {
+                super::compaction::accept(self.history.messages(), messages, pending.as_ref())
+            }
+        };
+        let event = match decided {
+            Ok(messages) => {
+                let before = self.session_tokens;
+                self.history.replace(messages, self.estimator.as_ref());
+                self.session_tokens = self.next_input_tokens();
+                Event::Compaction {
+                    turn: self.turn,
+                    task_id: self.task.task_id.clone(),
+                    tokens_before: before,
+                    tokens_after: self.session_tokens,
+                }
+            }
+            Err(decline) => Event::CompactionDeclined {
+                turn: self.turn,
+                task_id: self.task.task_id.clone(),
+                tokens: self.session_tokens,
+                reason: decline.as_str().to_string(),
+            },
+        };
+        (vec![event], resume)
+    }
+
+    /// A hook bound to `on-task-end` with `commit_policy: reopen-task` asked to reopen the
+    /// finished attempt (`seeds/session-loop.md` §Task reopening). Granted while reopens
+    /// used < `lifecycle.max_task_reopens` and turns used < `inference.max_turns` (every
+    /// attempt shares one cumulative turn count): the task's text gets a feedback section,
+    /// the history restarts from the head, and the next attempt runs. Otherwise the task
+    /// ends `reopen_budget_exhausted`, keeping the attempt's result text.
+    pub fn on_reopen_request(&mut self, hook: &str, reason: &str) -> Reopen {
+        let result = self.finished.as_ref().map(|o| o.result.clone()).unwrap_or_default();
+        if self.reopen_count() >= self.max_reopens || self.counters.turns >= self.max_turns {
+            let outcome = Outcome { exit_status: ExitStatus::ReopenBudgetExhausted, result };
+            self.finished = Some(outcome.clone());
+            return Reopen::Exhausted(outcome);
+        }
+        self.reopens.push((hook.to_string(), reason.to_string()));
+        let text = feedback_text(&self.original_text, &self.reopens);
+        self.task.text = text.clone();
+        let mut messages = self.head.clone();
+        messages.push(Message::user(text));
+        self.history.replace(messages, self.estimator.as_ref());
+        self.pending.clear();
+        self.finished = None;
+        let event = Event::TaskReopened {
+            task_id: self.task.task_id.clone(),
+            hook_name: hook.to_string(),
+            reason: reason.to_string(),
+            reopen_number: self.reopen_count(),
+        };
+        Reopen::Granted(Box::new(event), Action::CallModel)
     }
 
     fn next_call(&mut self) -> Action {
@@ -325,7 +492,8 @@ impl TaskMachine {
     }
 
     /// The `task_end` event for the finished task.
-    pub fn task_end(&self, duration_ms: u64, reopen_count: u32) -> Event {
+    pub fn task_end(&self, duration_ms: u64) -> Event {
+        let reopen_count = self.reopen_count();
         let c = self.counters;
         Event::TaskEnd {
             task_id: self.task.task_id.clone(),
@@ -339,6 +507,18 @@ impl TaskMachine {
             reopen_count,
         }
     }
+}
+
+/// The task text of a reopened attempt: the original (trailing whitespace trimmed), then a
+/// "Reopen feedback" section with one numbered entry per reopen so far, naming its hook
+/// (`reference/murmur-runtime.md` §5, "Reopen").
+pub fn feedback_text(original: &str, reopens: &[(String, String)]) -> String {
+    let mut text = original.trim_end().to_string();
+    text.push_str("\n\n---\n## Reopen feedback\n");
+    for (i, (hook, reason)) in reopens.iter().enumerate() {
+        text.push_str(&format!("\n### {} (from hook {hook})\n{}\n", i + 1, reason.trim_end()));
+    }
+    text
 }
 
 /// The blocks of a message (helper for callers that build replies).

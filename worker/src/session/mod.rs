@@ -1,8 +1,11 @@
 //! The session loop: [`machine`] decides (pure), [`runner`] performs (async IO through the
 //! driver, tools and trace sink traits).
 
+pub mod compaction;
 pub mod machine;
 pub mod runner;
+pub mod seed;
+pub mod spend;
 
 pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
 pub use runner::{Session, SessionConfig, TaskReport};

@@ -1,26 +1,47 @@
 //! The async side of the session loop: performs the [`TaskMachine`]'s actions through the
-//! driver, the tools and the tracer, and frames tasks with `session_start`, `task_start`,
-//! `task_end` and `session_end` (`reference/murmur-runtime.md` §1: one session_start /
-//! session_end pair per launch, one task_start / task_end pair per task).
+//! driver, the tools, the hooks and the tracer, and frames tasks with `session_start`,
+//! `task_start`, `task_end` and `session_end` (`reference/murmur-runtime.md` §1: one
+//! session_start / session_end pair per launch, one task_start / task_end pair per task,
+//! whatever the reopens).
+//!
+//! Hook firing order (`seeds/session-loop.md` diagram; `reference/murmur-runtime.md` §3):
+//! `on-session-start` once after `session_start`; per task `task_start` → `on-task-start`
+//! (seeding) → attempts, `on-task-end` after each (reopening) → `task_end`; after each
+//! model reply `on-inference` (and `on-compaction` when the threshold is crossed, before
+//! the reply's tools run); after each tool call `on-tool-call`, and `on-shell` for shell
+//! commands; `on-session-end` once, then async hooks are drained (15 s shared), their
+//! faults written, and `session_end`.
 //!
 //! Spans follow the OpenTelemetry GenAI conventions (`reference/jetstream-patterns.md`
 //! §5.1): `invoke_agent {capsule}` around a task, `chat {model}` around a model call,
 //! `execute_tool {tool}` around a tool call.
 
-use super::machine::{Action, Counters, Outcome, TaskMachine, TaskSpec};
+use super::machine::{Action, CompactionReply, CompactionRule, Counters, Outcome, Reopen, TaskMachine, TaskSpec};
+use super::seed::{self, Plan};
+use super::spend::{Position, Spend};
 use crate::clock::Clock;
 use crate::driver::{Driver, ModelRequest, ToolSpec};
+use crate::hooks::{Hooks, Reply};
 use crate::tokens::Estimator;
 use crate::tools::{CallContext, Tools};
 use crate::trace::{self, Tracer};
 use mur_proto::Manifest;
+use mur_proto::hook::{Answer, Event as HookEvent};
+use mur_proto::manifest::{Binding, CommitPolicy, Transport};
 use mur_proto::message::Message;
 use mur_proto::task::ExitStatus;
 use mur_proto::trace::Event;
+use std::collections::HashMap;
+use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tracing::Instrument;
+
+/// How long async hooks may take to drain at session end, all together
+/// (`reference/murmur-runtime.md` §3, "Async").
+pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
 
 /// What a session needs besides its collaborators.
 #[derive(Clone)]
@@ -41,21 +62,48 @@ pub struct SessionConfig {
     pub call_context: CallContext,
     /// Where each task's result text is written (`out/result.txt`), if anywhere.
     pub result_path: Option<PathBuf>,
+    /// The session folder's `logs/` (`bootstrap.log`), if any.
+    pub logs_dir: Option<PathBuf>,
     /// The session this one resumes.
     pub resumed_from: Option<String>,
+}
+
+/// The collaborators of a session.
+pub struct Parts {
+    /// The model.
+    pub driver: Arc<dyn Driver>,
+    /// The tools.
+    pub tools: Arc<dyn Tools>,
+    /// The hooks.
+    pub hooks: Arc<dyn Hooks>,
+    /// The trace, shared with the hooks' inference gate.
+    pub tracer: Arc<Mutex<Tracer>>,
+    /// Wall-clock time.
+    pub clock: Arc<dyn Clock>,
+    /// Token estimates.
+    pub estimator: Arc<dyn Estimator>,
+    /// The session's spend, shared with the hooks' inference gate.
+    pub spend: Arc<Spend>,
+    /// Where the session is, shared with the hooks' inference gate.
+    pub position: Arc<Position>,
 }
 
 /// A finished task.
 #[derive(Clone, Debug)]
 pub struct TaskReport {
-    /// The task.
+    /// The task (its text with any reopen feedback).
     pub task: TaskSpec,
     /// How it ended.
     pub outcome: Outcome,
-    /// Its counters.
+    /// Its counters (all attempts).
     pub counters: Counters,
+    /// Reopens granted.
+    pub reopen_count: u32,
     /// The conversation at the end (for threaded contexts).
     pub history: Vec<Message>,
+    /// The session cannot go on (a compaction hook's error, a spend ceiling hit by one):
+    /// no further task may run (`seeds/context.md`).
+    pub fatal: bool,
 }
 
 /// Session totals, as `session_end` reports them.
@@ -76,11 +124,8 @@ pub struct Totals {
 /// One launch of a capsule.
 pub struct Session {
     cfg: SessionConfig,
-    driver: Arc<dyn Driver>,
-    tools: Arc<dyn Tools>,
-    tracer: Tracer,
-    clock: Arc<dyn Clock>,
-    estimator: Arc<dyn Estimator>,
+    parts: Parts,
+    policies: HashMap<String, CommitPolicy>,
     fixed_tokens: u64,
     totals: Totals,
     last_exit: ExitStatus,
@@ -88,56 +133,176 @@ pub struct Session {
     ended: bool,
 }
 
+/// Why a compaction ended the session.
+enum Fatal {
+    Spend(String),
+    Failed(String),
+}
+
 impl Session {
-    /// Starts a session: writes `session_start`.
+    /// Starts a session: fires `on-stage` (its errors only logged: no trace exists yet),
+    /// writes `session_start`, fires `on-session-start`.
     ///
     /// # Errors
     /// [`trace::Error`] when the trace cannot be written.
-    pub fn start(
-        cfg: SessionConfig,
-        driver: Arc<dyn Driver>,
-        tools: Arc<dyn Tools>,
-        mut tracer: Tracer,
-        clock: Arc<dyn Clock>,
-        estimator: Arc<dyn Estimator>,
-    ) -> Result<Session, trace::Error> {
-        let m = &cfg.manifest;
-        let fixed_tokens = estimator.count(&cfg.system_prompt) + estimator.count(&tools_json(tools.specs()));
-        tracer.emit(Event::SessionStart {
-            capsule_name: m.name.clone(),
-            capsule_version: m.version.clone(),
-            model: cfg.model_label.clone(),
-            driver: driver.kind().to_string(),
-            max_turns: m.inference.max_turns,
-            capabilities: if m.capabilities.shell_allow.is_empty() { vec![] } else { vec!["shell".into()] },
-            tools_declared: tools.specs().iter().map(|s| s.name.clone()).collect(),
-            system_prompt_source: cfg.system_prompt_source.to_string(),
-            system_prompt_sha256: cfg.system_prompt_sha256.clone(),
-            resumed_from: cfg.resumed_from.clone(),
-            context_id: None,
-        })?;
-        Ok(Session {
+    pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, trace::Error> {
+        let m = cfg.manifest.clone();
+        let fixed_tokens =
+            parts.estimator.count(&cfg.system_prompt) + parts.estimator.count(&tools_json(parts.tools.specs()));
+        let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
+        let session = Session {
             cfg,
-            driver,
-            tools,
-            tracer,
-            clock,
-            estimator,
+            parts,
+            policies,
             fixed_tokens,
             totals: Totals::default(),
             last_exit: ExitStatus::Ok,
             started: Instant::now(),
             ended: false,
-        })
+        };
+        if session.wants(Binding::OnStage) {
+            let sid = session.session_id();
+            for r in session
+                .parts
+                .hooks
+                .dispatch(&sid, &HookEvent::OnStage { shell_allow: m.capabilities.shell_allow.clone() })
+                .await
+            {
+                if let Err(e) = r.answer {
+                    tracing::warn!(hook = %r.hook, error = %e, "on-stage hook failed");
+                }
+            }
+        }
+        session.emit(Event::SessionStart {
+            capsule_name: m.name.clone(),
+            capsule_version: m.version.clone(),
+            model: session.cfg.model_label.clone(),
+            driver: session.parts.driver.kind().to_string(),
+            max_turns: m.inference.max_turns,
+            capabilities: if m.capabilities.shell_allow.is_empty() { vec![] } else { vec!["shell".into()] },
+            tools_declared: session.parts.tools.specs().iter().map(|s| s.name.clone()).collect(),
+            system_prompt_source: session.cfg.system_prompt_source.to_string(),
+            system_prompt_sha256: session.cfg.system_prompt_sha256.clone(),
+            resumed_from: session.cfg.resumed_from.clone(),
+            context_id: None,
+        })?;
+        if session.wants(Binding::OnSessionStart) {
+            session
+                .dispatch(HookEvent::OnSessionStart {
+                    capsule_name: m.name.clone(),
+                    capsule_version: m.version.clone(),
+                    model: session.cfg.model_label.clone(),
+                    capabilities: if m.capabilities.shell_allow.is_empty() { vec![] } else { vec!["shell".into()] },
+                })
+                .await?;
+        }
+        Ok(session)
     }
 
     /// The session id.
-    pub fn session_id(&self) -> &str {
-        self.tracer.session_id()
+    pub fn session_id(&self) -> String {
+        self.parts.tracer.lock().expect("tracer lock").session_id().to_string()
     }
 
-    /// Runs one task to its end: `task_start`, the loop, `task_end`; writes the result
-    /// text to `out/result.txt`. `prior` is history loaded ahead of the task.
+    fn emit(&self, event: Event) -> Result<String, trace::Error> {
+        self.parts.tracer.lock().expect("tracer lock").emit(event)
+    }
+
+    fn emit_all(&self, events: Vec<Event>) -> Result<(), trace::Error> {
+        for e in events {
+            self.emit(e)?;
+        }
+        Ok(())
+    }
+
+    /// Whether any hook receives events of `binding` (a hook without a binding receives
+    /// all but `on-stage`).
+    fn wants(&self, binding: Binding) -> bool {
+        self.cfg
+            .manifest
+            .hooks
+            .iter()
+            .any(|h| h.binding == Some(binding) || (h.binding.is_none() && binding != Binding::OnStage))
+    }
+
+    /// Delivers `event`, writes a `hook_dispatch_error` for each failed hook and for each
+    /// async fault collected so far, and returns the replies.
+    async fn dispatch(&self, event: HookEvent) -> Result<Vec<Reply>, trace::Error> {
+        let binding = event.binding();
+        let replies = self.parts.hooks.dispatch(&self.session_id(), &event).await;
+        for r in &replies {
+            if let Err(e) = &r.answer {
+                self.emit(Event::HookDispatchError {
+                    hook_name: r.hook.clone(),
+                    event: binding.as_str().to_string(),
+                    arm: e.arm().to_string(),
+                    message: e.to_string(),
+                })?;
+            }
+        }
+        self.flush_faults(self.parts.hooks.take_faults())?;
+        Ok(replies)
+    }
+
+    fn flush_faults(&self, faults: Vec<crate::hooks::Fault>) -> Result<(), trace::Error> {
+        for f in faults {
+            self.emit(Event::HookDispatchError { hook_name: f.hook, event: f.event, arm: f.arm, message: f.message })?;
+        }
+        Ok(())
+    }
+
+    /// The first answer of the kind `binding` honours, from a hook whose `commit_policy`
+    /// allows it; every other non-`none` answer is reported and ignored.
+    fn honoured(&self, binding: Binding, replies: Vec<Reply>) -> Result<Option<(String, Answer)>, trace::Error> {
+        let mut chosen = None;
+        for r in replies {
+            let Ok(answer) = r.answer else { continue };
+            if answer == Answer::None {
+                continue;
+            }
+            let policy = self.policies.get(&r.hook).copied().unwrap_or(CommitPolicy::None);
+            let wanted = binding.honoured_policy();
+            let kind_ok = match (&answer, wanted) {
+                (Answer::ReopenTask { .. }, Some(CommitPolicy::ReopenTask))
+                | (Answer::SeedContext { .. }, Some(CommitPolicy::SeedContext))
+                | (Answer::ReplaceContext { .. }, Some(CommitPolicy::ReplaceContext)) => Some(policy) == wanted,
+                _ => false,
+            };
+            if !kind_ok {
+                self.emit(Event::HookDispatchError {
+                    hook_name: r.hook.clone(),
+                    event: binding.as_str().to_string(),
+                    arm: answer.action().to_string(),
+                    message: format!(
+                        "answer {} is not honoured for {} with commit_policy {}",
+                        answer.action(),
+                        binding.as_str(),
+                        policy.as_str()
+                    ),
+                })?;
+                continue;
+            }
+            if chosen.is_none() {
+                chosen = Some((r.hook, answer));
+            }
+        }
+        Ok(chosen)
+    }
+
+    fn bootstrap_log(&self, line: &str) {
+        let Some(dir) = &self.cfg.logs_dir else { return };
+        let write = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("bootstrap.log"))
+            .and_then(|mut f| writeln!(f, "{} {line}", self.parts.clock.now_ms()));
+        if let Err(e) = write {
+            tracing::warn!(error = %e, "could not write bootstrap.log");
+        }
+    }
+
+    /// Runs one task to its end: `task_start`, seeding, the attempts, `task_end`; writes
+    /// the result text to `out/result.txt`. `prior` is history loaded ahead of the task.
     ///
     /// # Errors
     /// [`trace::Error`]: a trace write failed, and the session must end.
@@ -157,7 +322,10 @@ impl Session {
 
     async fn run_task_inner(&mut self, task: TaskSpec, prior: Vec<Message>) -> Result<TaskReport, trace::Error> {
         let started = Instant::now();
-        self.tracer.emit(Event::TaskStart {
+        let m = self.cfg.manifest.clone();
+        *self.parts.position.task_id.lock().expect("position lock") = Some(task.task_id.clone());
+        self.parts.position.turn.store(0, Ordering::SeqCst);
+        self.emit(Event::TaskStart {
             task_id: task.task_id.clone(),
             context_id: task.context_id.clone(),
             source: task.source.clone(),
@@ -165,79 +333,114 @@ impl Session {
             origin: task.origin,
             lane: task.lane(),
         })?;
-        let m = self.cfg.manifest.clone();
+
+        let mut head = Vec::new();
+        if self.wants(Binding::OnTaskStart) {
+            let prior_tokens = prior.iter().map(|p| self.count(p)).sum();
+            let replies = self
+                .dispatch(HookEvent::OnTaskStart {
+                    task_id: task.task_id.clone(),
+                    context_id: task.context_id.clone(),
+                    source: task.source.clone(),
+                    input_bytes: task.text.len() as u64,
+                    budget_tokens: m.context.seed_budget_tokens(),
+                    context_window: m.context.max_tokens.unwrap_or(0),
+                    prior_tokens,
+                })
+                .await?;
+            if let Some((hook, Answer::SeedContext { messages })) = self.honoured(Binding::OnTaskStart, replies)? {
+                head = self.commit_seed(&task.task_id, &hook, messages).await?;
+            }
+        }
+        head.extend(prior);
+
+        let rule = m
+            .context
+            .max_tokens
+            .map(|max_tokens| CompactionRule { max_tokens, threshold: m.inference.compaction.threshold });
         let mut machine = TaskMachine::new(
             task,
-            prior,
+            head,
             m.inference.max_turns,
             self.fixed_tokens,
             m.trace.capture,
-            self.estimator.clone(),
-        );
+            self.parts.estimator.clone(),
+        )
+        .with_compaction(rule)
+        .with_reopens(m.lifecycle.max_task_reopens);
+        let mut fatal = false;
         let mut action = machine.start();
         let outcome = loop {
             action = match action {
-                Action::Finish(outcome) => break outcome,
+                Action::Finish(outcome) => {
+                    if fatal || !self.wants(Binding::OnTaskEnd) {
+                        break outcome;
+                    }
+                    self.write_result(&outcome.result);
+                    let replies = self
+                        .dispatch(HookEvent::OnTaskEnd {
+                            task_id: machine.task().task_id.clone(),
+                            exit_status: outcome.exit_status,
+                            result: outcome.result.clone(),
+                            reopen_count: machine.reopen_count(),
+                            attempt: machine.reopen_count() + 1,
+                        })
+                        .await?;
+                    match self.honoured(Binding::OnTaskEnd, replies)? {
+                        Some((hook, Answer::ReopenTask { reason })) => {
+                            match machine.on_reopen_request(&hook, &reason) {
+                                Reopen::Granted(event, next) => {
+                                    self.emit(*event)?;
+                                    next
+                                }
+                                Reopen::Exhausted(outcome) => break outcome,
+                            }
+                        }
+                        _ => break outcome,
+                    }
+                }
                 Action::CallModel => {
-                    let request = ModelRequest {
-                        model: &self.cfg.model,
-                        system: &self.cfg.system_prompt,
-                        messages: machine.messages(),
-                        tools: self.tools.specs(),
-                        max_tokens: m.inference.max_tokens,
-                        task_text: &machine.task().text,
-                    };
-                    let span = tracing::info_span!(
-                        "chat",
-                        otel.name = %format!("chat {}", self.cfg.model_label),
-                        otel.kind = "client",
-                        gen_ai.operation.name = "chat",
-                        gen_ai.provider.name = self.driver.kind(),
-                        gen_ai.request.model = %self.cfg.model_label,
-                    );
-                    let t0 = Instant::now();
-                    let (reply, attempts) = self.driver.call_logged(&request).instrument(span).await;
-                    if attempts.len() > 1 || (reply.is_err() && !attempts.is_empty()) {
-                        let turn = machine.counters().turns;
-                        for a in attempts {
-                            self.tracer.emit(Event::ModelAttempt {
-                                task_id: machine.task().task_id.clone(),
-                                turn,
-                                attempt: a.number,
-                                status: a.status,
-                                error: a.error,
-                                waited_ms: a.waited_ms,
-                                duration_ms: a.duration_ms,
-                            })?;
+                    if let Err(refusal) = self.parts.spend.check(machine.next_input_tokens()) {
+                        self.emit(Event::SpendCeilingReached {
+                            task_id: Some(machine.task().task_id.clone()),
+                            origin: "loop".into(),
+                            used_tokens: refusal.used,
+                            requested_tokens: refusal.requested,
+                            ceiling_tokens: refusal.ceiling,
+                        })?;
+                        fatal = true;
+                        Action::Finish(machine.abort(
+                            ExitStatus::SpendCeilingReached,
+                            format!("stopped: spend ceiling reached: {refusal}"),
+                        ))
+                    } else {
+                        self.parts.position.turn.store(machine.counters().turns, Ordering::SeqCst);
+                        self.call_model(&mut machine).await?
+                    }
+                }
+                Action::RunTool { call_id, name, input } => self.run_tool(&mut machine, call_id, name, input).await?,
+                Action::Compact { turn, session_tokens } => {
+                    match self.compact(&mut machine, turn, session_tokens).await? {
+                        Ok(next) => next,
+                        Err(Fatal::Spend(msg)) => {
+                            fatal = true;
+                            Action::Finish(machine.abort(
+                                ExitStatus::SpendCeilingReached,
+                                format!("stopped: spend ceiling reached: {msg}"),
+                            ))
+                        }
+                        Err(Fatal::Failed(msg)) => {
+                            fatal = true;
+                            Action::Finish(
+                                machine.abort(ExitStatus::Failed, format!("error: compaction hook failed: {msg}")),
+                            )
                         }
                     }
-                    let reply = reply.map_err(|e| e.to_string());
-                    let (events, next) = machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
-                    self.emit_all(events)?;
-                    next
-                }
-                Action::RunTool { call_id, name, input } => {
-                    let span = tracing::info_span!(
-                        "execute_tool",
-                        otel.name = %format!("execute_tool {name}"),
-                        gen_ai.operation.name = "execute_tool",
-                        gen_ai.tool.name = %name,
-                        gen_ai.tool.call.id = %call_id,
-                    );
-                    let t0 = Instant::now();
-                    let outcome = self.tools.call(&name, &input, &self.cfg.call_context).instrument(span).await;
-                    let (events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
-                    self.emit_all(events)?;
-                    next
                 }
             };
         };
-        if let Some(path) = &self.cfg.result_path
-            && let Err(e) = std::fs::write(path, &outcome.result)
-        {
-            tracing::warn!(error = %e, path = %path.display(), "could not write the result file");
-        }
-        self.tracer.emit(machine.task_end(started.elapsed().as_millis() as u64, 0))?;
+        self.write_result(&outcome.result);
+        self.emit(machine.task_end(started.elapsed().as_millis() as u64))?;
         let c = machine.counters();
         self.totals.turns += c.turns;
         self.totals.input_tokens += c.input_tokens;
@@ -245,14 +448,312 @@ impl Session {
         self.totals.tool_calls += c.tool_calls;
         self.totals.shell_calls += c.shell_calls;
         self.last_exit = outcome.exit_status;
-        Ok(TaskReport { task: machine.task().clone(), outcome, counters: c, history: machine.messages().to_vec() })
+        *self.parts.position.task_id.lock().expect("position lock") = None;
+        Ok(TaskReport {
+            task: machine.task().clone(),
+            outcome,
+            counters: c,
+            reopen_count: machine.reopen_count(),
+            history: machine.messages().to_vec(),
+            fatal,
+        })
     }
 
-    fn emit_all(&mut self, events: Vec<Event>) -> Result<(), trace::Error> {
-        for e in events {
-            self.tracer.emit(e)?;
+    fn count(&self, m: &Message) -> u64 {
+        self.parts.estimator.count(&serde_json::to_string(m).unwrap_or_default())
+    }
+
+    fn write_result(&self, text: &str) {
+        if let Some(path) = &self.cfg.result_path
+            && let Err(e) = std::fs::write(path, text)
+        {
+            tracing::warn!(error = %e, path = %path.display(), "could not write the result file");
         }
-        Ok(())
+    }
+
+    async fn call_model(&self, machine: &mut TaskMachine) -> Result<Action, trace::Error> {
+        let m = &self.cfg.manifest;
+        let request = ModelRequest {
+            model: &self.cfg.model,
+            system: &self.cfg.system_prompt,
+            messages: machine.messages(),
+            tools: self.parts.tools.specs(),
+            max_tokens: m.inference.max_tokens,
+            task_text: &machine.task().text,
+            history_epoch: machine.history_epoch(),
+        };
+        let span = tracing::info_span!(
+            "chat",
+            otel.name = %format!("chat {}", self.cfg.model_label),
+            otel.kind = "client",
+            gen_ai.operation.name = "chat",
+            gen_ai.provider.name = self.parts.driver.kind(),
+            gen_ai.request.model = %self.cfg.model_label,
+        );
+        let t0 = Instant::now();
+        let (reply, attempts) = self.parts.driver.call_logged(&request).instrument(span).await;
+        if attempts.len() > 1 || (reply.is_err() && !attempts.is_empty()) {
+            let turn = machine.counters().turns;
+            for a in attempts {
+                self.emit(Event::ModelAttempt {
+                    task_id: machine.task().task_id.clone(),
+                    turn,
+                    attempt: a.number,
+                    status: a.status,
+                    error: a.error,
+                    waited_ms: a.waited_ms,
+                    duration_ms: a.duration_ms,
+                })?;
+            }
+        }
+        let reply = reply.map_err(|e| e.to_string());
+        let succeeded = reply.is_ok();
+        let (events, next) = machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
+        if succeeded {
+            self.parts.spend.add(machine.session_tokens());
+        }
+        let observed = events.iter().find_map(|e| match e {
+            Event::Inference { turn, input_tokens, output_tokens, decision, tool_name, .. } => {
+                Some(HookEvent::OnInference {
+                    task_id: machine.task().task_id.clone(),
+                    turn: *turn,
+                    input_tokens: *input_tokens,
+                    output_tokens: *output_tokens,
+                    decision: decision.as_str().to_string(),
+                    tool_name: tool_name.clone(),
+                })
+            }
+            _ => None,
+        });
+        self.emit_all(events)?;
+        if let Some(ev) = observed
+            && self.wants(Binding::OnInference)
+        {
+            self.dispatch(ev).await?;
+        }
+        Ok(next)
+    }
+
+    async fn run_tool(
+        &self,
+        machine: &mut TaskMachine,
+        call_id: String,
+        name: String,
+        input: serde_json::Value,
+    ) -> Result<Action, trace::Error> {
+        let span = tracing::info_span!(
+            "execute_tool",
+            otel.name = %format!("execute_tool {name}"),
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %name,
+            gen_ai.tool.call.id = %call_id,
+        );
+        let t0 = Instant::now();
+        let outcome = self.parts.tools.call(&name, &input, &self.cfg.call_context).instrument(span).await;
+        let (events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
+        let mut observed = Vec::new();
+        for e in &events {
+            match e {
+                Event::ToolCall { turn, tool_name, output_bytes, duration_ms, status, .. }
+                    if self.wants(Binding::OnToolCall) =>
+                {
+                    observed.push(HookEvent::OnToolCall {
+                        task_id: machine.task().task_id.clone(),
+                        turn: *turn,
+                        tool_name: tool_name.clone(),
+                        input: input.clone(),
+                        output_bytes: *output_bytes,
+                        duration_ms: *duration_ms,
+                        status: if *status == mur_proto::trace::CallStatus::Ok { "ok" } else { "error" }.into(),
+                    })
+                }
+                Event::Shell { turn, binary, command, exit_code, stdout_bytes, stderr_bytes, duration_ms, .. }
+                    if self.wants(Binding::OnShell) =>
+                {
+                    observed.push(HookEvent::OnShell {
+                        task_id: machine.task().task_id.clone(),
+                        turn: *turn,
+                        binary: binary.clone(),
+                        command: command.chars().take(200).collect(),
+                        exit_code: *exit_code,
+                        stdout_bytes: *stdout_bytes,
+                        stderr_bytes: *stderr_bytes,
+                        duration_ms: *duration_ms,
+                    })
+                }
+                _ => {}
+            }
+        }
+        self.emit_all(events)?;
+        for ev in observed {
+            self.dispatch(ev).await?;
+        }
+        Ok(next)
+    }
+
+    /// Fires `on-compaction` (`seeds/context.md`): a bound hook's error ends the session —
+    /// `spend_ceiling_reached` when a spend ceiling refused its model call, `failed`
+    /// otherwise; no hook, or no acceptable replacement, is declined and the loop goes on.
+    async fn compact(
+        &self,
+        machine: &mut TaskMachine,
+        turn: u32,
+        session_tokens: u64,
+    ) -> Result<Result<Action, Fatal>, trace::Error> {
+        let m = &self.cfg.manifest;
+        let reply = if self.wants(Binding::OnCompaction) {
+            let replies = self
+                .dispatch(HookEvent::OnCompaction {
+                    task_id: machine.task().task_id.clone(),
+                    turn,
+                    messages: machine.messages().to_vec(),
+                    session_tokens,
+                    threshold: m.inference.compaction.threshold,
+                    context_window: m.context.max_tokens.unwrap_or(0),
+                    model: m.inference.compaction.model.clone(),
+                    system_prompt: m.inference.compaction.system_prompt.clone(),
+                    seed_budget_tokens: None,
+                })
+                .await?;
+            if let Some(r) = replies.iter().find(|r| r.answer.is_err()) {
+                let msg = r.answer.as_ref().err().map(ToString::to_string).unwrap_or_default();
+                return Ok(Err(if r.spend_refused { Fatal::Spend(msg) } else { Fatal::Failed(msg) }));
+            }
+            match self.honoured(Binding::OnCompaction, replies)? {
+                Some((_, Answer::ReplaceContext { messages })) => CompactionReply::Replaced(messages),
+                _ => CompactionReply::NoReplacement,
+            }
+        } else {
+            CompactionReply::NoReplacement
+        };
+        let replaced = match &reply {
+            CompactionReply::Replaced(messages) => Some(messages.clone()),
+            CompactionReply::NoReplacement => None,
+        };
+        let (events, next) = machine.on_compaction(reply);
+        for e in &events {
+            match e {
+                Event::Compaction { tokens_before, tokens_after, .. } if m.inference.compaction.dump_summaries => {
+                    self.dump_summary(turn, *tokens_before, *tokens_after, replaced.as_deref().unwrap_or_default());
+                }
+                Event::CompactionDeclined { reason, .. } => {
+                    self.bootstrap_log(&format!("compaction declined at turn {turn}: {reason}"));
+                }
+                _ => {}
+            }
+        }
+        self.emit_all(events)?;
+        Ok(Ok(next))
+    }
+
+    fn dump_summary(&self, turn: u32, before: u64, after: u64, messages: &[Message]) {
+        let Some(out) = self.cfg.result_path.as_ref().and_then(|p| p.parent()) else { return };
+        let summary: Vec<String> =
+            messages.iter().filter(|m| m.role != mur_proto::message::Role::Tool).map(Message::text).collect();
+        let line = serde_json::json!({"turn": turn, "tokens_before": before, "tokens_after": after, "summary": summary.join("\n")});
+        let write = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out.join("compaction-summaries.jsonl"))
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = write {
+            tracing::warn!(error = %e, "could not write compaction-summaries.jsonl");
+        }
+    }
+
+    /// Applies the seed table to a proposal (see [`seed`]); never fails the task.
+    async fn commit_seed(
+        &self,
+        task_id: &str,
+        hook: &str,
+        messages: Vec<Message>,
+    ) -> Result<Vec<Message>, trace::Error> {
+        let m = &self.cfg.manifest;
+        let budget = m.context.seed_budget_tokens();
+        let tokens: Vec<u64> = messages.iter().map(|msg| self.count(msg)).collect();
+        let proposed: u64 = tokens.iter().sum();
+        let plan = seed::plan(seed::Inputs {
+            process_transport: m.inference.transport == Transport::Process,
+            budget,
+            margin: m.context.seed_overflow_margin,
+            compaction_hook: self.wants(Binding::OnCompaction),
+            tokens: &tokens,
+        });
+        let (outcome, committed, reason): (&str, Vec<Message>, Option<&str>) = match plan {
+            Plan::Reject(r) => ("rejected", Vec::new(), Some(r.as_str())),
+            Plan::SeedAll => ("seeded", messages, None),
+            Plan::Trim { keep_from } => ("trimmed", messages[keep_from..].to_vec(), None),
+            Plan::Summarise { keep_from } => {
+                let rest = messages[keep_from..].to_vec();
+                let rest_tokens: u64 = tokens[keep_from..].iter().sum();
+                match self.summarise_seed(task_id, &messages[..keep_from], budget.saturating_sub(rest_tokens)).await? {
+                    Some(summary) => {
+                        let summary_tokens: Vec<u64> = summary.iter().map(|s| self.count(s)).collect();
+                        if summary_tokens.iter().sum::<u64>() > budget {
+                            ("rejected", Vec::new(), Some(seed::Rejection::MessageOverBudget.as_str()))
+                        } else {
+                            let mut all = summary;
+                            all.extend(rest);
+                            let all_tokens: Vec<u64> = all.iter().map(|s| self.count(s)).collect();
+                            let from = seed::trim_point(&all_tokens, budget);
+                            ("compacted", all[from..].to_vec(), None)
+                        }
+                    }
+                    None => ("trimmed", rest, None),
+                }
+            }
+        };
+        let committed_tokens: u64 = committed.iter().map(|c| self.count(c)).sum();
+        self.emit(Event::ContextSeed {
+            task_id: task_id.to_string(),
+            hook_name: hook.to_string(),
+            tokens: committed_tokens,
+            proposed_tokens: proposed,
+            budget_tokens: budget,
+            outcome: outcome.to_string(),
+            reason: reason.map(str::to_string),
+            messages: committed.len() as u32,
+        })?;
+        if let Some(r) = reason {
+            self.emit(Event::HookDispatchError {
+                hook_name: hook.to_string(),
+                event: Binding::OnTaskStart.as_str().to_string(),
+                arm: "seed-rejected".into(),
+                message: format!("seed of {proposed} tokens not committed: {r} (ceiling {budget})"),
+            })?;
+        }
+        self.bootstrap_log(&format!(
+            "context seed from hook {hook}: {outcome}{} ({committed_tokens} of {proposed} proposed tokens, ceiling {budget})",
+            reason.map(|r| format!(" ({r})")).unwrap_or_default()
+        ));
+        Ok(committed)
+    }
+
+    /// Asks the `on-compaction` hooks to summarise an overflowing seed front.
+    async fn summarise_seed(
+        &self,
+        task_id: &str,
+        front: &[Message],
+        room: u64,
+    ) -> Result<Option<Vec<Message>>, trace::Error> {
+        let m = &self.cfg.manifest;
+        let replies = self
+            .dispatch(HookEvent::OnCompaction {
+                task_id: task_id.to_string(),
+                turn: 0,
+                messages: front.to_vec(),
+                session_tokens: front.iter().map(|f| self.count(f)).sum(),
+                threshold: m.inference.compaction.threshold,
+                context_window: m.context.max_tokens.unwrap_or(0),
+                model: m.inference.compaction.model.clone(),
+                system_prompt: m.inference.compaction.system_prompt.clone(),
+                seed_budget_tokens: Some(room),
+            })
+            .await?;
+        Ok(match self.honoured(Binding::OnCompaction, replies)? {
+            Some((_, Answer::ReplaceContext { messages })) if !messages.is_empty() => Some(messages),
+            _ => None,
+        })
     }
 
     /// The totals so far.
@@ -260,20 +761,37 @@ impl Session {
         self.totals
     }
 
-    /// Ends the session: writes `session_end` with the totals and the last task's exit
-    /// status (or `exit_override`, for a session that died on the way).
+    /// Ends the session: fires `on-session-end`, drains async hooks, writes their faults
+    /// and `session_end` with the totals and the last task's exit status (or
+    /// `exit_override`, for a session that died on the way).
     ///
     /// # Errors
-    /// [`trace::Error`] when the line cannot be written.
-    pub fn end(mut self, exit_override: Option<ExitStatus>) -> Result<ExitStatus, trace::Error> {
-        self.finish(exit_override)
+    /// [`trace::Error`] when the trace cannot be written.
+    pub async fn end(mut self, exit_override: Option<ExitStatus>) -> Result<ExitStatus, trace::Error> {
+        let exit_status = exit_override.unwrap_or(self.last_exit);
+        if self.wants(Binding::OnSessionEnd) {
+            let t = self.totals;
+            self.dispatch(HookEvent::OnSessionEnd {
+                total_turns: t.turns,
+                total_input_tokens: t.input_tokens,
+                total_output_tokens: t.output_tokens,
+                total_tool_calls: t.tool_calls,
+                total_shell_calls: t.shell_calls,
+                duration_ms: self.started.elapsed().as_millis() as u64,
+                exit_status,
+            })
+            .await?;
+        }
+        let faults = self.parts.hooks.drain(DRAIN_DEADLINE).await;
+        self.flush_faults(faults)?;
+        self.finish(Some(exit_status))
     }
 
     fn finish(&mut self, exit_override: Option<ExitStatus>) -> Result<ExitStatus, trace::Error> {
         self.ended = true;
         let exit_status = exit_override.unwrap_or(self.last_exit);
         let t = self.totals;
-        self.tracer.emit(Event::SessionEnd {
+        self.emit(Event::SessionEnd {
             total_turns: t.turns,
             total_input_tokens: t.input_tokens,
             total_output_tokens: t.output_tokens,
@@ -282,7 +800,6 @@ impl Session {
             duration_ms: self.started.elapsed().as_millis() as u64,
             exit_status,
         })?;
-        let _ = &self.clock;
         Ok(exit_status)
     }
 }

@@ -69,6 +69,11 @@ fn drive(
                 events.extend(ev);
                 next
             }
+            Action::Compact { .. } => {
+                let (ev, next) = m.on_compaction(CompactionReply::NoReplacement);
+                events.extend(ev);
+                next
+            }
         };
     }
 }
@@ -289,8 +294,7 @@ fn task_end_reports_the_counters() {
         vec![Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), Ok(text("done", StopReason::EndTurn))],
         ok_tool,
     );
-    let Event::TaskEnd { exit_status, turns, tool_calls, shell_calls, reopen_count, duration_ms, .. } =
-        m.task_end(42, 0)
+    let Event::TaskEnd { exit_status, turns, tool_calls, shell_calls, reopen_count, duration_ms, .. } = m.task_end(42)
     else {
         panic!()
     };
@@ -305,4 +309,124 @@ fn prior_history_comes_before_the_task_message() {
     let m = TaskMachine::new(task("now"), vec![Message::user("earlier")], 5, 0, Capture::Meta, Arc::new(PerByte));
     let texts: Vec<_> = m.messages().iter().map(Message::text).collect();
     assert_eq!(texts, ["earlier", "now"]);
+}
+
+fn compacting(max_tokens: u64, threshold: f64) -> TaskMachine {
+    machine(10).with_compaction(Some(CompactionRule { max_tokens, threshold }))
+}
+
+#[test]
+fn crossing_the_threshold_compacts_before_the_tools_run() {
+    let mut m = compacting(100, 0.5);
+    m.start();
+    let (events, action) = m.on_model_reply(Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), 1);
+    assert_eq!(types(&events), ["inference"]);
+    let Action::Compact { turn, session_tokens } = action else { panic!("{action:?}") };
+    assert_eq!((turn, session_tokens), (0, m.session_tokens()));
+    // No replacement: declined, and the tool still runs next; no turn consumed.
+    let (events, action) = m.on_compaction(CompactionReply::NoReplacement);
+    let Event::CompactionDeclined { reason, tokens, turn, .. } = &events[0] else { panic!() };
+    assert_eq!((reason.as_str(), *tokens, *turn), ("no_hook_replacement", session_tokens, 0));
+    assert!(matches!(action, Action::RunTool { .. }));
+    assert_eq!(m.counters().turns, 1);
+}
+
+#[test]
+fn a_final_reply_does_not_compact() {
+    let mut m = compacting(10, 0.1);
+    let (o, events, _) = drive(&mut m, vec![Ok(text("done", StopReason::EndTurn))], ok_tool);
+    assert_eq!(o.exit_status, ExitStatus::Ok);
+    assert_eq!(types(&events), ["inference"]);
+}
+
+#[test]
+fn a_committed_replacement_recounts_tokens_on_the_new_history() {
+    let mut m = compacting(1000, 0.1);
+    m.start();
+    let reply = calls(vec![call("a", "sh")], StopReason::ToolCall);
+    let pending = Message::assistant(reply.content.clone());
+    m.on_model_reply(Ok(reply), 1);
+    let before = m.session_tokens();
+    let epoch = m.history_epoch();
+    let summary = Message::user("summary");
+    let (events, action) = m.on_compaction(CompactionReply::Replaced(vec![summary.clone(), pending.clone()]));
+    let after = 100
+        + serde_json::to_string(&summary).unwrap().len() as u64
+        + serde_json::to_string(&pending).unwrap().len() as u64;
+    let Event::Compaction { tokens_before, tokens_after, .. } = &events[0] else { panic!("{events:?}") };
+    assert_eq!((*tokens_before, *tokens_after), (before, after));
+    assert_eq!(m.session_tokens(), after);
+    assert_eq!(m.history_epoch(), epoch + 1);
+    assert_eq!(m.messages().len(), 2);
+    assert!(matches!(action, Action::RunTool { .. }), "the pending call still runs");
+}
+
+#[test]
+fn a_replacement_dropping_the_pending_call_is_declined() {
+    let mut m = compacting(1000, 0.1);
+    m.start();
+    m.on_model_reply(Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), 1);
+    let (events, _) = m.on_compaction(CompactionReply::Replaced(vec![Message::user("summary")]));
+    let Event::CompactionDeclined { reason, .. } = &events[0] else { panic!() };
+    assert_eq!(reason, "unresolved_tool_call");
+    assert_eq!(m.messages().len(), 2, "history unchanged");
+}
+
+fn finish_once(m: &mut TaskMachine) {
+    let (o, _, _) = drive(m, vec![Ok(text("attempt", StopReason::EndTurn))], ok_tool);
+    assert_eq!(o.exit_status, ExitStatus::Ok);
+}
+
+#[test]
+fn a_granted_reopen_reruns_with_feedback_and_shares_the_turn_count() {
+    let mut m = machine(10).with_reopens(1);
+    finish_once(&mut m);
+    let Reopen::Granted(event, action) = m.on_reopen_request("gate", "tests fail") else { panic!() };
+    assert_eq!(
+        *event,
+        Event::TaskReopened {
+            task_id: "tsk_1".into(),
+            hook_name: "gate".into(),
+            reason: "tests fail".into(),
+            reopen_number: 1
+        }
+    );
+    assert_eq!(action, Action::CallModel);
+    assert_eq!(m.messages().len(), 1);
+    assert_eq!(m.messages()[0].text(), "do it\n\n---\n## Reopen feedback\n\n### 1 (from hook gate)\ntests fail\n");
+    let (events, _) = m.on_model_reply(Ok(text("again", StopReason::EndTurn)), 1);
+    let Event::Inference { turn, .. } = &events[0] else { panic!() };
+    assert_eq!(*turn, 1, "turns count across attempts");
+    assert_eq!(m.counters().turns, 2);
+    // The limit (1) is used up now.
+    let Reopen::Exhausted(o) = m.on_reopen_request("gate", "still failing") else { panic!() };
+    assert_eq!(o, Outcome { exit_status: ExitStatus::ReopenBudgetExhausted, result: "again".into() });
+    let Event::TaskEnd { reopen_count, exit_status, .. } = m.task_end(1) else { panic!() };
+    assert_eq!((reopen_count, exit_status), (1, ExitStatus::ReopenBudgetExhausted));
+}
+
+#[test]
+fn reopen_limit_zero_exhausts_at_once() {
+    let mut m = machine(10).with_reopens(0);
+    finish_once(&mut m);
+    assert!(matches!(m.on_reopen_request("gate", "no"), Reopen::Exhausted(_)));
+    assert_eq!(m.reopen_count(), 0);
+}
+
+#[test]
+fn a_used_up_turn_limit_exhausts_a_reopen() {
+    let mut m = machine(1).with_reopens(3);
+    finish_once(&mut m);
+    let Reopen::Exhausted(o) = m.on_reopen_request("gate", "more") else { panic!() };
+    assert_eq!(o.exit_status, ExitStatus::ReopenBudgetExhausted);
+}
+
+#[test]
+fn a_reopened_attempt_keeps_the_head() {
+    let mut m = TaskMachine::new(task("now"), vec![Message::user("seed")], 5, 0, Capture::Meta, Arc::new(PerByte))
+        .with_reopens(1);
+    finish_once(&mut m);
+    m.on_reopen_request("gate", "again");
+    assert_eq!(m.messages()[0].text(), "seed");
+    assert_eq!(m.messages().len(), 2);
 }
