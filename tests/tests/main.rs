@@ -7,3 +7,6 @@ mod run;
 
 /// `mur run` against fake providers: retries in the trace, provider errors in the result.
 mod drivers;
+
+/// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
+mod hooks;
