@@ -11,6 +11,9 @@
 //! exit, an answer outside the schema, a timeout) is one line in `logs/hook-<name>.log` and
 //! a fault; the caller decides what a fault means for the session.
 
+mod child;
+mod gate;
+mod log;
 pub mod process;
 
 use async_trait::async_trait;

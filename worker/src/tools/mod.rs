@@ -2,7 +2,7 @@
 //! declared in the manifest as commands. The loop sees them through [`Tools`].
 
 pub mod command;
-mod process;
+pub(crate) mod process;
 pub mod shell;
 
 use crate::driver::ToolSpec;
