@@ -15,6 +15,8 @@ mod child;
 mod gate;
 mod log;
 pub mod process;
+#[cfg(test)]
+mod tests;
 
 use async_trait::async_trait;
 use mur_proto::hook::{Answer, Envelope, Event};
