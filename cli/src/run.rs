@@ -119,6 +119,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 logs_dir: layout.logs_dir(),
                 builtins: hooks::builtin::registry(gate.clone(), layout.workdir.clone()),
                 gate: Some(gate),
+                workdir: Some(layout.workdir.clone()),
             },
         ));
         let cfg = SessionConfig {

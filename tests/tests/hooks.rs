@@ -192,6 +192,14 @@ fn x(n: usize) -> String {
     "x".repeat(n)
 }
 
+/// A text whose message is estimated at exactly `tokens` tokens.
+fn sized(tokens: u64) -> String {
+    let base = serde_json::to_string(&mur_proto::message::Message::user("")).unwrap().len();
+    let s = x(tokens as usize * 4 - base);
+    assert_eq!(tokens_of(&s), tokens);
+    s
+}
+
 #[test]
 fn seed_under_the_process_transport_is_rejected() {
     let (s, _, _) = seed_case("context:\n  max_tokens: 1000\n", &[x(10)], false, true);
@@ -251,8 +259,7 @@ fn seed_that_fits_is_seeded_whole_ahead_of_the_task() {
 #[test]
 fn seed_over_by_no_more_than_the_margin_is_trimmed() {
     // ceiling 100; two messages of 55 tokens = 110: over by 10 = margin 10% of 100
-    let a = x(55 * 4 - 52);
-    assert_eq!(tokens_of(&a), 55);
+    let a = sized(55);
     let (s, _, _) = seed_case("context:\n  max_tokens: 1000\n", &[a.clone(), a], true, false);
     assert_eq!(
         (s["outcome"].as_str(), s["messages"].as_u64(), s["tokens"].as_u64()),
@@ -262,8 +269,7 @@ fn seed_over_by_no_more_than_the_margin_is_trimmed() {
 
 #[test]
 fn seed_over_by_more_with_a_compaction_hook_is_summarised_first() {
-    let a = x(40 * 4 - 52);
-    assert_eq!(tokens_of(&a), 40);
+    let a = sized(40);
     // three of 40 = 120: over by 20 > margin 10 → the front is summarised
     let (s, _, c) = seed_case("context:\n  max_tokens: 1000\n", &[a.clone(), a.clone(), a], true, false);
     assert_eq!(s["outcome"], "compacted");
@@ -280,7 +286,7 @@ fn seed_over_by_more_with_a_compaction_hook_is_summarised_first() {
 
 #[test]
 fn seed_over_by_more_without_a_compaction_hook_is_trimmed() {
-    let a = x(40 * 4 - 52);
+    let a = sized(40);
     let (s, _, _) = seed_case("context:\n  max_tokens: 1000\n", &[a.clone(), a.clone(), a], false, false);
     assert_eq!(
         (s["outcome"].as_str(), s["messages"].as_u64(), s["tokens"].as_u64()),

@@ -12,7 +12,12 @@
 //! a fault; the caller decides what a fault means for the session.
 
 pub mod builtin;
+mod child;
+mod gate;
+mod log;
 pub mod process;
+#[cfg(test)]
+mod tests;
 
 use async_trait::async_trait;
 use mur_proto::hook::{Answer, Envelope, Event};

@@ -241,6 +241,10 @@ impl Session {
             }
         }
         self.flush_faults(self.parts.hooks.take_faults())?;
+        if binding.honoured_policy().is_none() {
+            // An observe-only event: any answer but `none` is reported and ignored.
+            self.honoured(binding, replies.clone())?;
+        }
         Ok(replies)
     }
 

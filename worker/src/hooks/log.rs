@@ -1,0 +1,113 @@
+//! `logs/hook-<name>.log`: one line per hook error, per fault, per restart of a persistent
+//! hook and per line a hook wrote to its stderr (`reference/murmur-runtime.md` §3 "Errors",
+//! checklist H4).
+//!
+//! Every line is `<time> <event> <kind>: <text>`, with `<time>` in RFC 3339 UTC with
+//! milliseconds, `<event>` the binding being handled (`on-task-end`) or `drain`, and
+//! `<kind>` one of `error`, `queue-overflow`, `timeout`, `restart`, `stderr`. Newlines
+//! inside `<text>` are written as `\n`, so one entry is one line.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The log file of one hook. Writing never fails the caller: a file that cannot be written
+/// is reported through `tracing` and the line is lost.
+#[derive(Clone, Debug)]
+pub(crate) struct HookLog {
+    path: PathBuf,
+}
+
+impl HookLog {
+    /// The log of hook `hook` in `logs_dir` (created on the first write).
+    pub fn new(logs_dir: &Path, hook: &str) -> Self {
+        HookLog { path: logs_dir.join(format!("hook-{hook}.log")) }
+    }
+
+    /// Appends one `<time> <event> <kind>: <text>` line.
+    pub fn write(&self, event: &str, kind: &str, text: &str) {
+        self.write_all(event, kind, std::iter::once(text));
+    }
+
+    /// Appends one line per item of `texts`, all with the same time, event and kind, in a
+    /// single write.
+    pub fn write_all<'a>(&self, event: &str, kind: &str, texts: impl IntoIterator<Item = &'a str>) {
+        let time = rfc3339_ms(now_ms());
+        let mut out = String::new();
+        for text in texts {
+            out.push_str(&format!("{time} {event} {kind}: {}\n", one_line(text)));
+        }
+        if out.is_empty() {
+            return;
+        }
+        if let Err(e) = self.append(out.as_bytes()) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot write a hook log");
+        }
+    }
+
+    fn append(&self, bytes: &[u8]) -> std::io::Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
+        f.write_all(bytes)
+    }
+}
+
+/// `text` with line breaks written as `\n` (and a carriage return dropped).
+fn one_line(text: &str) -> String {
+    text.trim_end_matches(['\n', '\r']).replace('\r', "").replace('\n', "\\n")
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `ms` Unix milliseconds as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
+pub(crate) fn rfc3339_ms(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem / 60 % 60, rem % 60, ms % 1000)
+}
+
+/// The proleptic Gregorian date of `days` since 1970-01-01 (H. Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m as u32, d as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339_utc_with_milliseconds() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(1_000_000_000_123), "2001-09-09T01:46:40.123Z");
+        assert_eq!(rfc3339_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(1_798_761_599_999), "2026-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn a_multi_line_text_is_one_log_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = HookLog::new(&dir.path().join("logs"), "gate");
+        log.write("on-task-end", "error", "first\nsecond\n");
+        log.write_all("on-task-end", "stderr", ["a", "b"]);
+        let text = std::fs::read_to_string(dir.path().join("logs/hook-gate.log")).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].ends_with(" on-task-end error: first\\nsecond"), "{}", lines[0]);
+        assert!(lines[1].ends_with(" on-task-end stderr: a"), "{}", lines[1]);
+        assert!(lines[2].ends_with(" on-task-end stderr: b"), "{}", lines[2]);
+    }
+}
