@@ -9,6 +9,7 @@ pub mod capsule;
 pub mod clock;
 pub mod driver;
 pub mod hooks;
+pub mod intake;
 pub mod session;
 pub mod tokens;
 pub mod tools;
