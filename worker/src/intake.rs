@@ -250,32 +250,29 @@ pub enum Next {
 pub struct Subscription {
     /// The task as it was when the subscription began.
     pub snapshot: TaskRecord,
-    updates: Option<broadcast::Receiver<TaskUpdate>>,
+    /// The updates after [`Subscription::snapshot`], ending after the final status (at
+    /// once when the snapshot is already terminal).
+    pub updates: BoxStream<'static, TaskUpdate>,
 }
 
-impl Subscription {
-    /// The updates after [`Subscription::snapshot`], ending after the final status (at once
-    /// when the snapshot is already terminal). A subscriber that falls more than 64 updates
-    /// behind skips the ones it missed.
-    pub fn into_stream(self) -> BoxStream<'static, TaskUpdate> {
-        let Some(rx) = self.updates else {
-            return stream::empty().boxed();
-        };
-        stream::unfold(Some(rx), |rx| async move {
-            let mut rx = rx?;
-            loop {
-                match rx.recv().await {
-                    Ok(update) => {
-                        let next = if update.is_final() { None } else { Some(rx) };
-                        return Some((update, next));
-                    }
-                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(broadcast::error::RecvError::Closed) => return None,
+/// The updates a broadcast receiver yields, up to and including the final status. A
+/// subscriber that falls more than [`UPDATE_BUFFER`] updates behind skips the ones it
+/// missed.
+fn updates_stream(rx: Option<broadcast::Receiver<TaskUpdate>>) -> BoxStream<'static, TaskUpdate> {
+    stream::unfold(rx, |rx| async move {
+        let mut rx = rx?;
+        loop {
+            match rx.recv().await {
+                Ok(update) => {
+                    let next = if update.is_final() { None } else { Some(rx) };
+                    return Some((update, next));
                 }
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return None,
             }
-        })
-        .boxed()
-    }
+        }
+    })
+    .boxed()
 }
 
 struct Entry {
@@ -573,7 +570,8 @@ impl Intake {
     pub fn subscribe(&self, id: &str) -> Option<Subscription> {
         let st = self.lock();
         let entry = st.entries.get(id)?;
-        Some(Subscription { snapshot: entry.record.clone(), updates: entry.updates.as_ref().map(|tx| tx.subscribe()) })
+        let updates = updates_stream(entry.updates.as_ref().map(|tx| tx.subscribe()));
+        Some(Subscription { snapshot: entry.record.clone(), updates })
     }
 
     /// How many tasks wait (not yet started).
@@ -810,7 +808,7 @@ mod tests {
         intake.next().await.unwrap();
         intake.mark_working(&id).unwrap();
         intake.finish(&id, ExitStatus::Ok, "hello").unwrap();
-        let updates: Vec<TaskUpdate> = sub.into_stream().collect().await;
+        let updates: Vec<TaskUpdate> = sub.updates.collect().await;
         let ctx = intake.get(&id).unwrap().context_id;
         assert_eq!(
             updates,
@@ -834,7 +832,7 @@ mod tests {
         // Subscribing to a finished task gives its snapshot and no updates.
         let late = intake.subscribe(&id).unwrap();
         assert_eq!(late.snapshot.state, TaskState::Completed);
-        assert!(late.into_stream().collect::<Vec<_>>().await.is_empty());
+        assert!(late.updates.collect::<Vec<_>>().await.is_empty());
         assert!(intake.subscribe("tsk_unknown").is_none());
     }
 

@@ -5,6 +5,7 @@
 //! ([`clock::Clock`]) sit behind traits, so `mur run` (local files) and the cluster worker
 //! (NATS) share one loop, and the loop is tested without sockets.
 
+pub mod a2a;
 pub mod capsule;
 pub mod clock;
 pub mod driver;
