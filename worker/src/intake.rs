@@ -442,9 +442,12 @@ impl Intake {
             notified.as_mut().enable();
             {
                 let mut st = self.lock();
-                if let Some(id) = st.waiting.pop() {
-                    st.running.insert(id.clone());
-                    return st.entries.get(&id).map(|e| e.record.clone());
+                while let Some(id) = st.waiting.pop() {
+                    // Every waiting id has an entry; skip one that somehow lost it.
+                    if let Some(record) = st.entries.get(&id).map(|e| e.record.clone()) {
+                        st.running.insert(id);
+                        return Some(record);
+                    }
                 }
                 if st.closed {
                     return None;

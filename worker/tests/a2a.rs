@@ -228,6 +228,8 @@ async fn send_message_returning_immediately_then_get_task_follows_it_to_completi
     assert!(f.intake.wait_idle(DEADLINE).await);
     let done = f.rpc(Some("1.0"), "GetTask", json!({ "id": id })).await;
     assert_eq!(done["result"]["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(done["result"]["metadata"]["murmur"]["states"], json!(["submitted", "working", "completed"]));
+    assert_eq!(done["result"]["metadata"]["murmur"]["exitStatus"], "ok");
     assert_eq!(done["result"]["artifacts"][0]["parts"][0]["text"], "done: later");
 }
 
@@ -367,6 +369,12 @@ async fn a_claimed_user_origin_waits_in_bg_and_peers_go_first() {
     assert_eq!(origin_of(&peer), Origin::Peer);
     assert_eq!(origin_of(&completion), Origin::Completion);
     assert_eq!(f.intake.waiting_ids(), [peer.clone(), claimed_user.clone(), none.clone(), completion.clone()]);
+    // Over the wire too: the task's metadata names its origin and lane.
+    let seen = f.rpc(Some("1.0"), "GetTask", json!({ "id": claimed_user })).await;
+    assert_eq!(seen["result"]["metadata"]["murmur"]["origin"], "event", "{seen}");
+    assert_eq!(seen["result"]["metadata"]["murmur"]["lane"], "bg");
+    let seen = f.rpc(None, "tasks/get", json!({ "id": peer })).await;
+    assert_eq!(seen["result"]["metadata"]["murmur"]["lane"], "peer", "{seen}");
 
     runner.release(5);
     let mut order = Vec::new();
@@ -524,4 +532,19 @@ async fn the_client_sends_waits_gets_cancels_and_streams() {
     assert_eq!(waited.artifact_text(), "done: all at once");
     assert_eq!(f.intake.get(&waited.id).unwrap().state, TaskState::Completed);
     f.server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_client_reports_json_rpc_errors_before_a_stream() {
+    let f = start(TaskAcceptance::None, 1).await;
+    let client = Client::new(f.url());
+    match client.send_streaming("x", &SendOptions::default()).await {
+        Err(client::Error::Rpc(e)) => assert_eq!(e.code, -32601),
+        Err(other) => panic!("expected method not found, got {other:?}"),
+        Ok(_) => panic!("expected method not found, got a stream"),
+    }
+    match client.send("x", &SendOptions::default()).await {
+        Err(client::Error::Rpc(e)) => assert_eq!(e.code, -32601),
+        other => panic!("expected method not found, got {other:?}"),
+    }
 }

@@ -438,8 +438,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// Serves `backend` on `listener` (bind it to [`DEFAULT_BIND`] unless told otherwise).
-    /// The card advertises `info.url`, or `http://<bound address>/`.
+    /// Serves `backend` on `listener` (bind it to [`DEFAULT_BIND`] unless told otherwise)
+    /// from a task spawned on the current tokio runtime (call it inside one). The card
+    /// advertises `info.url`, or `http://<bound address>/`.
     pub fn start(listener: TcpListener, backend: Arc<dyn Backend>, info: AgentInfo) -> io::Result<Server> {
         let addr = listener.local_addr()?;
         let url = info.url.clone().unwrap_or_else(|| format!("http://{addr}/"));

@@ -93,6 +93,9 @@ pub struct Task {
     /// Messages of the task.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<Message>,
+    /// Task metadata (`murmur`: origin, lane, source, states, exit status).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
 }
 
 /// `TaskStatusUpdateEvent`, `kind: "status-update"`.
@@ -240,6 +243,7 @@ pub fn task(record: &TaskRecord, history_length: Option<i32>) -> Task {
         },
         artifacts,
         history,
+        metadata: Some(super::v1::murmur_metadata(record)),
     }
 }
 

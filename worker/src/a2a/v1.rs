@@ -370,8 +370,24 @@ pub fn task(record: &TaskRecord, history_length: Option<i32>) -> Task {
         status: status_of(record),
         artifacts,
         history: history_of(record, history_length),
-        metadata: None,
+        metadata: Some(murmur_metadata(record)),
     }
+}
+
+/// The murmur-specific facts a task shows under `metadata.murmur`: origin, lane, source,
+/// every state so far (checklist L8–L9) and the exit status once it ended.
+pub fn murmur_metadata(record: &TaskRecord) -> Value {
+    let states: Vec<&str> = record.states.iter().map(|s| s.as_str()).collect();
+    let mut murmur = serde_json::json!({
+        "origin": record.origin.as_str(),
+        "lane": record.lane().as_str(),
+        "source": record.source,
+        "states": states,
+    });
+    if let Some(exit) = record.exit_status {
+        murmur["exitStatus"] = Value::from(exit.as_str());
+    }
+    serde_json::json!({ "murmur": murmur })
 }
 
 /// An intake update as a 1.0 stream event.
