@@ -548,3 +548,24 @@ async fn the_client_reports_json_rpc_errors_before_a_stream() {
         other => panic!("expected method not found, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn subscribe_to_task_streams_a_running_task_and_refuses_an_ended_one() {
+    let f = start(TaskAcceptance::Queue, 4).await;
+    let mut runner = Runner::spawn(f.intake.clone(), true);
+    let id = f.rpc(Some("1.0"), "SendMessage", send_v1("watch me", true)).await["result"]["task"]["id"].clone();
+    runner.taken().await;
+    // §9.4.6's request.
+    let body = json!({ "jsonrpc": "2.0", "id": 5, "method": "SubscribeToTask", "params": { "id": id } });
+    let response = f.post(Some("1.0"), None, &body).send().await.unwrap();
+    runner.release(1);
+    let events = sse_events(&tokio::time::timeout(DEADLINE, response.text()).await.unwrap().unwrap());
+    let first = &events.first().expect("a first event")["result"];
+    assert_eq!(first["task"]["id"], id, "the stream starts with the task: {events:?}");
+    let last = &events.last().unwrap()["result"];
+    assert_eq!(last["statusUpdate"]["status"]["state"], "TASK_STATE_COMPLETED", "{events:?}");
+
+    let ended = f.rpc(Some("1.0"), "SubscribeToTask", json!({ "id": id })).await;
+    assert_eq!(error_code(&ended), -32004);
+    assert_eq!(error_code(&f.rpc(None, "tasks/resubscribe", json!({ "id": id })).await), -32004);
+}
