@@ -3,6 +3,7 @@
 
 pub mod hook;
 pub mod ids;
+pub mod lanes;
 pub mod manifest;
 pub mod message;
 pub mod task;

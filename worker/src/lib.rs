@@ -5,10 +5,12 @@
 //! ([`clock::Clock`]) sit behind traits, so `mur run` (local files) and the cluster worker
 //! (NATS) share one loop, and the loop is tested without sockets.
 
+pub mod a2a;
 pub mod capsule;
 pub mod clock;
 pub mod driver;
 pub mod hooks;
+pub mod intake;
 pub mod session;
 pub mod tokens;
 pub mod tools;

@@ -1,0 +1,33 @@
+//! The capsule's A2A surface: the HTTP endpoint ([`server`]) that feeds the task intake,
+//! and a small client ([`client`]) for `mur task send`.
+//!
+//! Protocol: A2A 1.0 over JSON-RPC 2.0 (the specification at a2a-protocol.org and the
+//! normative `specification/a2a.proto` of `a2aproject/A2A`), with the 0.3 method names and
+//! shapes also served for older clients, as the official SDKs do. Behaviour on top of the
+//! protocol (acceptance, lanes, origins, states) is `reference/murmur-runtime.md` §5 and
+//! `seeds/session-loop.md` §Capsule lifecycle and §Queue lanes.
+
+pub mod backend;
+pub mod card;
+pub mod client;
+pub mod jsonrpc;
+pub mod server;
+pub mod v03;
+pub mod v1;
+
+pub use backend::Backend;
+pub use card::{AgentCard, AgentInfo};
+pub use client::Client;
+pub use server::Server;
+
+/// The service parameter naming the protocol version a request uses (1.0 §3.2.6, §3.6).
+pub const VERSION_HEADER: &str = "A2A-Version";
+
+/// The request header carrying a task's origin (`seeds/session-loop.md` §Queue lanes).
+pub const ORIGIN_HEADER: &str = "x-murmur-task-origin";
+
+/// A2A 1.0, the version this endpoint prefers.
+pub const VERSION_1_0: &str = "1.0";
+
+/// A2A 0.3, also served.
+pub const VERSION_0_3: &str = "0.3";
