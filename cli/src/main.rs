@@ -2,6 +2,7 @@
 //! print data on stdout and errors and progress on stderr.
 
 mod run;
+mod task;
 mod trace;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +20,9 @@ struct Cli {
 enum Command {
     /// Run a capsule on this machine: one session, one task.
     Run(run::Args),
+    /// Send tasks to capsules and follow them.
+    #[command(subcommand)]
+    Task(task::Command),
     /// Read a session's trace.jsonl.
     #[command(subcommand)]
     Trace(trace::Command),
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Task(cmd) => task::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
     };
     match result {

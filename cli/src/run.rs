@@ -3,13 +3,16 @@
 
 use anyhow::{Context, Result};
 use mur_proto::ids::{Id, IdKind};
-use mur_proto::task::{ExitStatus, Origin};
+use mur_proto::task::ExitStatus;
+use mur_worker::a2a::{AgentInfo, server::Server};
 use mur_worker::capsule::{self, Capsule};
 use mur_worker::clock::SystemClock;
 use mur_worker::hooks::{self, InferenceGate, process::ProcessHooks};
+use mur_worker::intake::Intake;
+use mur_worker::local;
 use mur_worker::session::runner::Parts;
 use mur_worker::session::spend::{Gate, Position, Spend};
-use mur_worker::session::{Session, SessionConfig, TaskSpec};
+use mur_worker::session::{Session, SessionConfig};
 use mur_worker::tokens::BytesOver4;
 use mur_worker::tools::{CallContext, Toolbox, Tools};
 use mur_worker::trace::{FileSink, Tracer};
@@ -37,20 +40,28 @@ pub struct Args {
     /// Replace the manifest's system prompt ("" clears it).
     #[arg(long, value_name = "TEXT")]
     system_prompt: Option<String>,
-    /// Print one JSON object as the last line: session_id, session_dir, exit_status, ...
+    /// Serve the A2A endpoint on HOST:PORT (default: 127.0.0.1 and a port chosen by the OS).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+    bind: std::net::SocketAddr,
+    /// End cleanly after SECS without a task (default: wait forever).
+    #[arg(long, value_name = "SECS")]
+    idle_exit: Option<u64>,
+    /// Print JSON lines: first {url, session_id, ...} once the endpoint listens, last the
+    /// result {session_id, session_dir, exit_status, result, ...}.
     #[arg(long)]
     json: bool,
 }
 
-/// Where the task text came from, and the text.
-fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<(String, &'static str)> {
+/// The task given at launch and where it came from: `--task`, else `task.md`, else
+/// `input.txt`; `None` when there is none (the capsule then waits for messages).
+fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<Option<(String, &'static str)>> {
     if let Some(t) = &args.task {
         let p = Path::new(t);
         if p.is_file() {
             let text = std::fs::read_to_string(p).with_context(|| format!("--task: reading {}", p.display()))?;
-            return Ok((text, "cli"));
+            return Ok(Some((text, "cli")));
         }
-        return Ok((t.clone(), "cli"));
+        return Ok(Some((t.clone(), "cli")));
     }
     for (dir, name, source) in [
         (workdir, "task.md", "task_md"),
@@ -61,10 +72,10 @@ fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<(Stri
         let p = dir.join(name);
         if p.is_file() {
             let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-            return Ok((text, source));
+            return Ok(Some((text, source)));
         }
     }
-    Ok((String::new(), "cli"))
+    Ok(None)
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -86,7 +97,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     layout.create()?;
     let model_label = capsule.model_label();
     std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, tools.specs()))?;
-    let (text, source) = resolve_task(&args, &capsule_dir, &layout.workdir)?;
+    let launch = resolve_task(&args, &capsule_dir, &layout.workdir)?;
     let prompt = capsule.system_prompt(args.system_prompt.as_deref());
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -139,23 +150,48 @@ pub fn run(args: Args) -> Result<ExitCode> {
             resumed_from: None,
         };
         let parts = Parts { driver, tools, hooks, tracer, clock, estimator, spend, position };
+        let shutdown = shutdown_signal();
         let mut session = Session::start(cfg, parts).await?;
-        let task = TaskSpec {
-            task_id: Id::generate(IdKind::Task),
-            context_id: Id::generate(IdKind::Context),
-            text,
-            origin: Origin::User,
-            source: source.to_string(),
+        let lifecycle = &capsule.manifest.lifecycle;
+        let intake = Arc::new(Intake::new(lifecycle.task_acceptance, lifecycle.queue_depth));
+        if let Some((text, source)) = launch {
+            intake.enqueue(local::launch_task(text, source));
+        }
+        let listener =
+            tokio::net::TcpListener::bind(args.bind).await.with_context(|| format!("--bind {}", args.bind))?;
+        let server = Server::start(listener, intake.clone(), AgentInfo::from_manifest(&capsule.manifest))?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "url": server.url(),
+                    "session_id": session_id,
+                    "session_dir": layout.session_dir,
+                    "pid": std::process::id(),
+                    "name": capsule.manifest.name,
+                    "version": capsule.manifest.version,
+                })
+            );
+        }
+        let options = local::Options {
+            acceptance: lifecycle.task_acceptance,
+            after_task: lifecycle.after_task,
+            conversation: lifecycle.conversation,
+            idle_exit: args.idle_exit.map(std::time::Duration::from_secs),
         };
-        let report = session.run_task(task, Vec::new()).await?;
+        let summary = local::serve(&mut session, intake, &options, shutdown).await?;
         let totals = session.totals();
         session.end(None).await?;
-        anyhow::Ok((report, totals))
+        let _ = server.shutdown().await;
+        anyhow::Ok((summary, totals))
     })?;
-    let (report, totals) = report;
-    let exit = report.outcome.exit_status;
+    let (summary, totals) = report;
+    let exit = summary.exit_status();
+    let last = summary.tasks.last();
     eprintln!(
-        "session {session_id} ended {exit}: {} turn(s), {} tool call(s); {}",
+        "session {session_id} ended {exit} ({}): {} task(s), {} turn(s), {} tool call(s); {}",
+        summary.stopped,
+        summary.tasks.len(),
         totals.turns,
         totals.tool_calls,
         layout.session_dir.display()
@@ -164,16 +200,47 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let line = serde_json::json!({
             "session_id": session_id,
             "session_dir": layout.session_dir,
-            "task_id": report.task.task_id,
-            "context_id": report.task.context_id,
+            "task_id": last.map(|t| t.task.task_id.clone()),
+            "context_id": last.map(|t| t.task.context_id.clone()),
             "exit_status": exit,
-            "result": report.outcome.result,
+            "result": last.map(|t| t.outcome.result.clone()),
+            "tasks": summary.tasks.len(),
+            "stopped": summary.stopped,
             "turns": totals.turns,
             "tool_calls": totals.tool_calls,
         });
         println!("{line}");
-    } else {
-        println!("{}", report.outcome.result);
+    } else if let Some(t) = last {
+        println!("{}", t.outcome.result);
     }
     Ok(if exit == ExitStatus::Ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Resolves on SIGTERM or Ctrl-C. The handlers are installed when this is called (not
+/// when the future is first polled), so a signal that arrives early is not lost.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    let int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
+    async move {
+        let term = async {
+            match term {
+                Ok(mut t) => {
+                    t.recv().await;
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        let int = async {
+            match int {
+                Ok(mut i) => {
+                    i.recv().await;
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = term => {}
+            () = int => {}
+        }
+    }
 }

@@ -72,3 +72,72 @@ pub fn trace_lines(session_dir: &Path) -> Vec<Value> {
 pub fn event_types(lines: &[Value]) -> Vec<String> {
     lines.iter().map(|l| l["event_type"].as_str().unwrap_or("").to_string()).collect()
 }
+
+/// A `mur` process running in the background (a `mur run` serving its A2A endpoint).
+pub struct Background {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Every stdout line read so far.
+    pub seen: Vec<String>,
+}
+
+impl Background {
+    /// Spawns `cmd` with stdout piped; stdout lines are collected by a thread.
+    pub fn spawn(cmd: &mut Command) -> Background {
+        use std::io::BufRead;
+        let mut child =
+            cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("spawn mur");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Background { child, lines: rx, seen: Vec::new() }
+    }
+
+    /// The next stdout line as JSON, waiting at most `timeout`.
+    pub fn next_json(&mut self, timeout: std::time::Duration) -> Value {
+        let line =
+            self.lines.recv_timeout(timeout).unwrap_or_else(|e| panic!("no stdout line within {timeout:?}: {e}"));
+        self.seen.push(line.clone());
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
+    pub fn signal(&self, signal: i32) {
+        let _ = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status();
+    }
+
+    /// Waits for the exit, at most `timeout`; returns the exit code and stderr.
+    pub fn wait(mut self, timeout: std::time::Duration) -> (Option<i32>, String) {
+        use std::io::Read;
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                return (status.code(), err);
+            }
+            assert!(std::time::Instant::now() < deadline, "mur did not exit within {timeout:?}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -10,3 +10,6 @@ mod drivers;
 
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
+
+/// Capsule lifecycle over HTTP: acceptance modes, lanes, idle exit, shutdown.
+mod lifecycle;

@@ -11,6 +11,7 @@ pub mod clock;
 pub mod driver;
 pub mod hooks;
 pub mod intake;
+pub mod local;
 pub mod session;
 pub mod tokens;
 pub mod tools;

@@ -37,6 +37,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// How long async hooks may take to drain at session end, all together
@@ -311,6 +312,22 @@ impl Session {
     /// # Errors
     /// [`trace::Error`]: a trace write failed, and the session must end.
     pub async fn run_task(&mut self, task: TaskSpec, prior: Vec<Message>) -> Result<TaskReport, trace::Error> {
+        self.run_task_until(task, prior, CancellationToken::new()).await
+    }
+
+    /// [`Session::run_task`] that stops when `cancel` fires: the model call or tool call
+    /// under way is dropped (a shell command's process group is killed with it), no
+    /// further turn or tool call starts, and the task ends `canceled` with its `task_end`
+    /// written (issue #8: a cancel reaches a running task at its next await).
+    ///
+    /// # Errors
+    /// [`trace::Error`]: a trace write failed, and the session must end.
+    pub async fn run_task_until(
+        &mut self,
+        task: TaskSpec,
+        prior: Vec<Message>,
+        cancel: CancellationToken,
+    ) -> Result<TaskReport, trace::Error> {
         let span = tracing::info_span!(
             "invoke_agent",
             otel.name = %format!("invoke_agent {}", self.cfg.manifest.name),
@@ -321,10 +338,15 @@ impl Session {
             mur.task_id = %task.task_id,
             mur.lane = %task.lane(),
         );
-        self.run_task_inner(task, prior).instrument(span).await
+        self.run_task_inner(task, prior, cancel).instrument(span).await
     }
 
-    async fn run_task_inner(&mut self, task: TaskSpec, prior: Vec<Message>) -> Result<TaskReport, trace::Error> {
+    async fn run_task_inner(
+        &mut self,
+        task: TaskSpec,
+        prior: Vec<Message>,
+        cancel: CancellationToken,
+    ) -> Result<TaskReport, trace::Error> {
         let started = Instant::now();
         let m = self.cfg.manifest.clone();
         *self.parts.position.task_id.lock().expect("position lock") = Some(task.task_id.clone());
@@ -373,11 +395,16 @@ impl Session {
         .with_compaction(rule)
         .with_reopens(m.lifecycle.max_task_reopens);
         let mut fatal = false;
+        let mut canceled = false;
         let mut action = machine.start();
         let outcome = loop {
+            if cancel.is_cancelled() && !matches!(action, Action::Finish(_)) {
+                canceled = true;
+                action = Action::Finish(machine.abort(ExitStatus::Canceled, "canceled".into()));
+            }
             action = match action {
                 Action::Finish(outcome) => {
-                    if fatal || !self.wants(Binding::OnTaskEnd) {
+                    if fatal || canceled || !self.wants(Binding::OnTaskEnd) {
                         break outcome;
                     }
                     self.write_result(&outcome.result);
@@ -419,10 +446,21 @@ impl Session {
                         ))
                     } else {
                         self.parts.position.turn.store(machine.counters().turns, Ordering::SeqCst);
-                        self.call_model(&mut machine).await?
+                        tokio::select! {
+                            biased;
+                            () = cancel.cancelled() => Action::CallModel,
+                            next = self.call_model(&mut machine) => next?,
+                        }
                     }
                 }
-                Action::RunTool { call_id, name, input } => self.run_tool(&mut machine, call_id, name, input).await?,
+                Action::RunTool { call_id, name, input } => {
+                    let again = Action::RunTool { call_id: call_id.clone(), name: name.clone(), input: input.clone() };
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => again,
+                        next = self.run_tool(&mut machine, call_id, name, input) => next?,
+                    }
+                }
                 Action::Compact { turn, session_tokens } => {
                     match self.compact(&mut machine, turn, session_tokens).await? {
                         Ok(next) => next,

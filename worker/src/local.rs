@@ -1,0 +1,153 @@
+//! The local host of a capsule: what `mur run` does around the session loop — the task
+//! intake and its lifecycle (`seeds/session-loop.md` §Capsule lifecycle), idle exit, clean
+//! shutdown, cancellation, and conversations per context id.
+//!
+//! | `task_acceptance` | `after_task` | what the host does |
+//! |---|---|---|
+//! | `none` | `exit` | runs the task given at launch (`task.md`, `--task`) if any, then exits; every message is rejected |
+//! | `single` | `exit` | runs one task (the one given at launch, else the first message), then exits |
+//! | `queue` | `exit` | runs tasks one at a time in lane order until none waits, then exits |
+//! | `queue` | `sleep` | runs tasks one at a time and waits for more until the host stops it (`--idle-exit`, SIGTERM) |
+//!
+//! Tasks the capsule generates for itself (a detached command's completion, a resume's
+//! loss report) are enqueued past admission and always run before the host exits, under
+//! every mode (`seeds/session-loop.md` §What a resume reports).
+
+use crate::intake::{Intake, Next, Submission};
+use crate::session::{Session, TaskReport};
+use crate::trace;
+use mur_proto::manifest::{AfterTask, Conversation, TaskAcceptance};
+use mur_proto::message::Message;
+use mur_proto::task::{ExitStatus, Origin};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How the host runs.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// `lifecycle.task_acceptance`.
+    pub acceptance: TaskAcceptance,
+    /// `lifecycle.after_task`.
+    pub after_task: AfterTask,
+    /// `lifecycle.conversation`.
+    pub conversation: Conversation,
+    /// End after this long without a task (`--idle-exit`); `None` waits forever.
+    pub idle_exit: Option<Duration>,
+}
+
+/// What the host did.
+#[derive(Debug, Default)]
+pub struct Summary {
+    /// Every task run, in order.
+    pub tasks: Vec<TaskReport>,
+    /// Why the host stopped: `idle`, `shutdown`, `done`, `fatal`.
+    pub stopped: &'static str,
+}
+
+impl Summary {
+    /// The exit status of the last task (`ok` when none ran).
+    pub fn exit_status(&self) -> ExitStatus {
+        self.tasks.last().map_or(ExitStatus::Ok, |t| t.outcome.exit_status)
+    }
+}
+
+/// Runs tasks from `intake` on `session` until the lifecycle says stop, `shutdown`
+/// resolves (the running task is cancelled and recorded `canceled`), or the idle time
+/// passes. Does not end the session: the caller calls [`Session::end`].
+///
+/// # Errors
+/// [`trace::Error`] when the trace cannot be written.
+pub async fn serve(
+    session: &mut Session,
+    intake: Arc<Intake>,
+    options: &Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Summary, trace::Error> {
+    let mut summary = Summary::default();
+    let mut contexts: HashMap<String, Vec<Message>> = HashMap::new();
+    let stop = CancellationToken::new();
+    let stop_on_signal = stop.clone();
+    let watch_intake = intake.clone();
+    let signal = tokio::spawn(async move {
+        shutdown.await;
+        watch_intake.close();
+        stop_on_signal.cancel();
+    });
+    // `none` with nothing given at launch has nothing to do.
+    if options.acceptance == TaskAcceptance::None && intake.waiting() == 0 {
+        intake.close();
+    }
+    loop {
+        if stop.is_cancelled() {
+            summary.stopped = "shutdown";
+            break;
+        }
+        let idle = options.idle_exit.unwrap_or(Duration::MAX / 4);
+        let next = tokio::select! {
+            () = stop.cancelled() => { summary.stopped = "shutdown"; break; }
+            n = intake.next_or_idle(idle) => n,
+        };
+        let record = match next {
+            Next::Task(t) => t,
+            Next::Idle => {
+                summary.stopped = "idle";
+                break;
+            }
+            Next::Closed => {
+                summary.stopped = "done";
+                break;
+            }
+        };
+        let _ = intake.mark_working(&record.id);
+        let cancel = stop.child_token();
+        let on_cancel = cancel.clone();
+        let watched = intake.clone();
+        let id = record.id.clone();
+        let watcher = tokio::spawn(async move {
+            watched.cancelled(&id).await;
+            on_cancel.cancel();
+        });
+        let threaded = options.conversation == Conversation::Threaded || record.origin == Origin::Completion;
+        let prior = if threaded { contexts.get(&record.context_id).cloned().unwrap_or_default() } else { Vec::new() };
+        let report = session.run_task_until(record.spec(), prior, cancel).await;
+        watcher.abort();
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = intake.finish(&record.id, ExitStatus::Failed, &format!("error: {e}"));
+                signal.abort();
+                return Err(e);
+            }
+        };
+        let _ = intake.finish(&record.id, report.outcome.exit_status, &report.outcome.result);
+        if report.outcome.exit_status == ExitStatus::Ok {
+            contexts.insert(report.task.context_id.clone(), report.history.clone());
+        }
+        let fatal = report.fatal;
+        summary.tasks.push(report);
+        if fatal {
+            summary.stopped = "fatal";
+            break;
+        }
+        let more_waiting = intake.waiting() > 0;
+        let keep_going = match (options.acceptance, options.after_task) {
+            (TaskAcceptance::Queue, AfterTask::Sleep) => true,
+            _ => more_waiting,
+        };
+        if !keep_going {
+            summary.stopped = "done";
+            break;
+        }
+    }
+    intake.close();
+    signal.abort();
+    Ok(summary)
+}
+
+/// A submission for a task given at launch (`--task`, `task.md`): origin `user`.
+pub fn launch_task(text: String, source: &str) -> Submission {
+    Submission { text, context_id: None, message_id: None, origin: Origin::User, source: source.to_string() }
+}
