@@ -1,4 +1,6 @@
-//! Tests of the dispatch rules: one table-style test per rule (`CONVENTIONS.md` §7 item 9).
+//! Tests of the dispatch rules: one table-style test per rule, then a seeded property test over
+//! random input sequences that checks the invariants after every step against a plain list
+//! model (`CONVENTIONS.md` §7 item 9).
 
 use super::*;
 use mur_proto::Lane::{Bg, Peer, User};
@@ -387,4 +389,349 @@ fn restore_never_releases_a_task_already_in_flight() {
     assert_eq!(snapshot.busy_queue_capsules, ["q"]);
     assert_eq!(snapshot.next.as_deref(), Some("s3"));
     assert_eq!(waiting_counts(&scheduler), [0, 1, 2]);
+}
+
+/// SplitMix64: a tiny seeded generator, so the property test is reproducible without a
+/// dependency.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> Option<&'a T> {
+        (!items.is_empty()).then(|| &items[self.below(items.len() as u64) as usize])
+    }
+}
+
+/// Capsules of the property test: the first two are `queue` capsules.
+const CAPSULES: [(&str, bool); 5] = [("q0", true), ("q1", true), ("s0", false), ("s1", false), ("s2", false)];
+
+/// A task of the model.
+#[derive(Clone, Debug)]
+struct ModelTask {
+    id: String,
+    capsule: String,
+    queue_capsule: bool,
+    lane: Lane,
+    seq: u64,
+}
+
+impl ModelTask {
+    fn submitted(&self) -> Input {
+        submit(&self.id, &self.capsule, self.lane, self.queue_capsule, self.seq)
+    }
+}
+
+/// The rules restated over plain lists, the reference for the property test.
+#[derive(Default)]
+struct Model {
+    waiting: Vec<ModelTask>,
+    in_flight: Vec<(ModelTask, Option<String>)>,
+    workers: BTreeMap<String, u32>,
+    /// Tasks ended or canceled that the current scheduler knows of (ordered, so that picks
+    /// from it are reproducible).
+    ended: BTreeSet<String>,
+    /// Every task ever released (or reported in flight).
+    released: HashSet<String>,
+    /// Every task accepted by a `Submitted`.
+    submitted: Vec<String>,
+    /// Tasks that left the wait without a release (ended or canceled while waiting).
+    dropped: HashSet<String>,
+}
+
+impl Model {
+    fn total_slots(&self) -> u64 {
+        self.workers.values().map(|&slots| u64::from(slots)).sum()
+    }
+
+    fn busy(&self, capsule: &str) -> bool {
+        self.in_flight.iter().any(|(task, _)| task.capsule == capsule)
+    }
+
+    /// The highest-lane oldest task among the releasable waiting ones.
+    fn next(&self) -> Option<&ModelTask> {
+        self.waiting
+            .iter()
+            .filter(|task| !task.queue_capsule || !self.busy(&task.capsule))
+            .min_by(|a, b| (a.lane, a.seq, &a.id).cmp(&(b.lane, b.seq, &b.id)))
+    }
+
+    fn take_waiting(&mut self, id: &str) -> Option<ModelTask> {
+        let at = self.waiting.iter().position(|task| task.id == id)?;
+        Some(self.waiting.remove(at))
+    }
+
+    fn release(&mut self, id: &str, worker_id: Option<String>) {
+        let task = self.take_waiting(id).expect("released a task that was not waiting");
+        assert!(self.released.insert(id.to_string()), "{id} released twice");
+        self.in_flight.push((task, worker_id));
+    }
+
+    /// Applies a fact; returns the notice the scheduler must give if it changes nothing.
+    fn learn(&mut self, input: &Input) -> Option<Ignored> {
+        match input.clone() {
+            Input::Submitted { task_id, capsule, lane, queue_capsule, seq } => {
+                if self.ended.contains(&task_id) {
+                    return Some(Ignored::AlreadyEnded { task_id });
+                }
+                if self.waiting.iter().chain(self.in_flight.iter().map(|(task, _)| task)).any(|task| task.id == task_id)
+                {
+                    return Some(Ignored::DuplicateSubmit { task_id });
+                }
+                self.submitted.push(task_id.clone());
+                self.waiting.push(ModelTask { id: task_id, capsule, queue_capsule, lane, seq });
+                None
+            }
+            Input::WorkerUp { worker_id, slots } => {
+                self.workers.insert(worker_id, slots);
+                None
+            }
+            Input::WorkerGone { worker_id } => {
+                self.workers.remove(&worker_id).is_none().then_some(Ignored::UnknownWorker { worker_id })
+            }
+            Input::Started { task_id, worker_id } => self.in_flight_fact(task_id, Some(worker_id)),
+            Input::Released { task_id } => self.in_flight_fact(task_id, None),
+            Input::Ended { task_id } | Input::Canceled { task_id } => {
+                let cancel = matches!(input, Input::Canceled { .. });
+                if self.ended.contains(&task_id) {
+                    return Some(Ignored::AlreadyEnded { task_id });
+                }
+                if self.take_waiting(&task_id).is_some() {
+                    self.dropped.insert(task_id.clone());
+                    self.ended.insert(task_id);
+                    return None;
+                }
+                if let Some(at) = self.in_flight.iter().position(|(task, _)| task.id == task_id) {
+                    if cancel {
+                        return Some(Ignored::AlreadyReleased { task_id });
+                    }
+                    self.in_flight.remove(at);
+                    self.ended.insert(task_id);
+                    return None;
+                }
+                self.ended.insert(task_id.clone());
+                Some(Ignored::UnknownTask { task_id })
+            }
+        }
+    }
+
+    fn in_flight_fact(&mut self, task_id: String, worker_id: Option<String>) -> Option<Ignored> {
+        if let Some((_, worker)) = self.in_flight.iter_mut().find(|(task, _)| task.id == task_id) {
+            if worker_id.is_some() {
+                *worker = worker_id;
+            }
+            return None;
+        }
+        if self.ended.contains(&task_id) {
+            return Some(Ignored::AlreadyEnded { task_id });
+        }
+        if self.waiting.iter().any(|task| task.id == task_id) {
+            self.release(&task_id, worker_id);
+            return None;
+        }
+        Some(Ignored::UnknownTask { task_id })
+    }
+
+    /// The snapshot the scheduler must show.
+    fn snapshot(&self) -> Snapshot {
+        let lanes = Lane::ALL.map(|lane| LaneSnapshot {
+            lane,
+            waiting: self.waiting.iter().filter(|task| task.lane == lane).count(),
+            oldest_seq: self.waiting.iter().filter(|task| task.lane == lane).map(|task| task.seq).min(),
+        });
+        let mut in_flight: Vec<InFlightTask> = self
+            .in_flight
+            .iter()
+            .map(|(task, worker_id)| InFlightTask {
+                task_id: task.id.clone(),
+                capsule: task.capsule.clone(),
+                queue_capsule: task.queue_capsule,
+                lane: task.lane,
+                seq: task.seq,
+                worker_id: worker_id.clone(),
+            })
+            .collect();
+        in_flight.sort_by(|a, b| (a.seq, &a.task_id).cmp(&(b.seq, &b.task_id)));
+        let busy: BTreeSet<String> = self
+            .in_flight
+            .iter()
+            .filter(|(task, _)| task.queue_capsule)
+            .map(|(task, _)| task.capsule.clone())
+            .collect();
+        Snapshot {
+            lanes,
+            next: self.next().map(|task| task.id.clone()),
+            in_flight,
+            workers: self.workers.clone(),
+            total_slots: self.total_slots(),
+            free_slots: self.total_slots().saturating_sub(self.in_flight.len() as u64),
+            busy_queue_capsules: busy.into_iter().collect(),
+        }
+    }
+
+    /// What a restarted coordinator reads back, shuffled: waiting and in-flight tasks, live
+    /// workers, and (if `with_ends`) the ended tasks' terminal records.
+    fn replay(&self, rng: &mut SplitMix, with_ends: bool) -> Vec<Input> {
+        let mut replay: Vec<Input> = self.waiting.iter().map(ModelTask::submitted).collect();
+        for (task, worker_id) in &self.in_flight {
+            replay.push(task.submitted());
+            replay.push(match worker_id {
+                Some(worker_id) => started(&task.id, worker_id),
+                None => released(&task.id),
+            });
+        }
+        replay.extend(self.workers.iter().map(|(worker_id, &slots)| up(worker_id, slots)));
+        if with_ends {
+            replay.extend(self.ended.iter().map(|task_id| ended(task_id)));
+        }
+        for i in (1..replay.len()).rev() {
+            replay.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        replay
+    }
+}
+
+/// Applies `input` to both, then checks every release and the state against the model:
+/// (a) a release only while released-not-ended < live slots, (b) never two tasks of a
+/// `queue` capsule in flight, (c) every release is the highest-lane oldest releasable
+/// waiting task, no task is released twice, and no slot stays free while a releasable task
+/// waits.
+fn step(scheduler: &mut Scheduler, model: &mut Model, input: Input, context: &str) {
+    let expected = model.learn(&input);
+    let out = scheduler.apply(input);
+    if let Some(expected) = expected {
+        assert_eq!(out, [Output::Ignored(expected)], "{context}");
+    }
+    for output in out {
+        let Output::Release { task_id, attempt } = output else {
+            continue;
+        };
+        assert_eq!(attempt, FIRST_ATTEMPT, "{context}");
+        assert!(
+            (model.in_flight.len() as u64) < model.total_slots(),
+            "{context}: released {task_id} with no free slot"
+        );
+        let next = model.next().map(|task| task.id.clone());
+        assert_eq!(next.as_deref(), Some(task_id.as_str()), "{context}: lane order");
+        model.release(&task_id, None);
+        for (capsule, queue) in CAPSULES {
+            let running = model.in_flight.iter().filter(|(task, _)| task.capsule == capsule).count();
+            assert!(!queue || running <= 1, "{context}: {running} tasks of queue capsule {capsule} in flight");
+        }
+    }
+    let snapshot = scheduler.snapshot();
+    assert_eq!(snapshot, model.snapshot(), "{context}");
+    assert!(snapshot.free_slots == 0 || snapshot.next.is_none(), "{context}: a slot is free and a task waits");
+}
+
+/// Random sequences of submits (some out of `seq` order), worker arrivals and departures,
+/// starts, ends, cancels, duplicates and restarts keep rules 1–5 after every step; then a
+/// drained run (a worker with slots, every task in flight ending) releases every task that
+/// was not canceled or ended while waiting, exactly once.
+#[test]
+fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
+    for seed in 0..120u64 {
+        let mut rng = SplitMix(seed);
+        let mut scheduler = Scheduler::new();
+        let mut model = Model::default();
+        let mut seq = 0u64;
+        let mut restores = 0;
+        for i in 0..400 {
+            let waiting: Vec<String> = model.waiting.iter().map(|task| task.id.clone()).collect();
+            let in_flight: Vec<String> = model.in_flight.iter().map(|(task, _)| task.id.clone()).collect();
+            let ended_ids: Vec<String> = model.ended.iter().cloned().collect();
+            let worker = format!("w{}", rng.below(4));
+            let input = match rng.below(100) {
+                0..=29 => {
+                    let (capsule, queue) = CAPSULES[rng.below(CAPSULES.len() as u64) as usize];
+                    let lane = Lane::ALL[rng.below(3) as usize];
+                    let task_seq = if rng.below(5) == 0 {
+                        rng.below(seq + 1)
+                    } else {
+                        seq += 1;
+                        seq
+                    };
+                    submit(&format!("t{i}"), capsule, lane, queue, task_seq)
+                }
+                30..=34 => {
+                    let known: Vec<String> = waiting.iter().chain(&in_flight).chain(&ended_ids).cloned().collect();
+                    let Some(task_id) = rng.pick(&known) else { continue };
+                    submit(task_id, "s0", Lane::ALL[rng.below(3) as usize], false, rng.below(seq + 1))
+                }
+                35..=44 => up(&worker, rng.below(4) as u32),
+                45..=49 => gone(&format!("w{}", rng.below(5))),
+                50..=59 => {
+                    let Some(task_id) = rng.pick(&in_flight) else { continue };
+                    started(task_id, &worker)
+                }
+                60..=76 => {
+                    let Some(task_id) = rng.pick(&in_flight) else { continue };
+                    ended(task_id)
+                }
+                77..=81 => {
+                    let Some(task_id) = rng.pick(&waiting) else { continue };
+                    ended(task_id)
+                }
+                82..=87 => {
+                    let candidates = if rng.below(4) == 0 { &in_flight } else { &waiting };
+                    let Some(task_id) = rng.pick(candidates) else { continue };
+                    canceled(task_id)
+                }
+                88..=90 => {
+                    let Some(task_id) = rng.pick(&ended_ids) else { continue };
+                    ended(task_id)
+                }
+                91..=92 => {
+                    let Some(task_id) = rng.pick(&in_flight) else { continue };
+                    released(task_id)
+                }
+                93..=94 => ended(&format!("x{i}")),
+                _ => {
+                    // A restart: the new scheduler is built from the replay and takes over.
+                    let with_ends = rng.below(2) == 0;
+                    let (restored, out) = Scheduler::restore(model.replay(&mut rng, with_ends));
+                    let context = format!("seed {seed} step {i}: restore");
+                    assert!(
+                        out.iter().all(|output| matches!(output, Output::Ignored(Ignored::UnknownTask { .. }))),
+                        "{context}: {out:?}"
+                    );
+                    assert_eq!(restored.snapshot(), scheduler.snapshot(), "{context}");
+                    scheduler = restored;
+                    if !with_ends {
+                        model.ended.clear();
+                    }
+                    restores += 1;
+                    continue;
+                }
+            };
+            let context = format!("seed {seed} step {i}: {input:?}");
+            step(&mut scheduler, &mut model, input, &context);
+        }
+        assert!(restores > 0, "seed {seed}: no restart exercised");
+
+        // Drain: enough slots, every task in flight ends, until nothing waits.
+        step(&mut scheduler, &mut model, up("drain", 3), &format!("seed {seed}: drain"));
+        while let Some((task, _)) = model.in_flight.first() {
+            let input = ended(&task.id);
+            let context = format!("seed {seed}: drain {input:?}");
+            step(&mut scheduler, &mut model, input, &context);
+        }
+        assert!(model.waiting.is_empty(), "seed {seed}: tasks left waiting");
+        for task_id in &model.submitted {
+            assert!(
+                model.released.contains(task_id) != model.dropped.contains(task_id),
+                "seed {seed}: {task_id} must be released once or dropped while waiting"
+            );
+        }
+    }
 }
