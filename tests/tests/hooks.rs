@@ -517,3 +517,25 @@ fn the_gatekeeper_and_memory_examples_run() {
     let seed = of_type(&lines, "context_seed");
     assert_eq!((seed[0]["outcome"].as_str(), seed[0]["messages"].as_u64()), (Some("seeded"), Some(1)));
 }
+
+#[test]
+fn the_reopen_limit_is_fresh_for_every_task_of_a_queue_session() {
+    // Two tasks in one queue session; the gate rejects each task's first attempt once.
+    let gate = "#!/usr/bin/env python3\nimport json, os, sys\nev = json.load(sys.stdin)\nseen = 'seen-' + ev['task_id']\nif os.path.exists(seen):\n    print('{\"action\": \"none\"}')\nelse:\n    open(seen, 'w').close()\n    print(json.dumps({'action': 'reopen-task', 'reason': 'once more'}))\n";
+    let extra = "lifecycle:\n  task_acceptance: queue\n  after_task: exit\n  queue_depth: 5\n  max_task_reopens: 1\nhooks:\n  - name: gate\n    binding: on-task-end\n    commit_policy: reopen-task\n    command: [./gate.py]\n";
+    // The first reply is slow, so the second task arrives while the first runs.
+    let replies = "replies:\n  - text: a\n    delay_ms: 1500\n  - text: b\n  - text: c\n  - text: d\n";
+    let c = capsule(replies, extra, &[("gate.py", gate)]);
+    let mut bg = mur_tests::mur::Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "first"]));
+    let start = bg.next_json(std::time::Duration::from_secs(30));
+    let url = start["url"].as_str().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(mur_worker::a2a::client::Client::new(url).send("second", &Default::default())).unwrap();
+    let last = bg.next_json(std::time::Duration::from_secs(30));
+    let lines = trace_lines(Path::new(last["session_dir"].as_str().unwrap()));
+    let ends: Vec<(String, u64)> = of_type(&lines, "task_end")
+        .iter()
+        .map(|l| (l["exit_status"].as_str().unwrap().to_string(), l["reopen_count"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(ends, [("ok".to_string(), 1), ("ok".to_string(), 1)], "each task had its own reopen");
+}
