@@ -178,6 +178,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             after_task: lifecycle.after_task,
             conversation: lifecycle.conversation,
             idle_exit: args.idle_exit.map(std::time::Duration::from_secs),
+            contexts_dir: Some(layout.session_dir.join("contexts")),
+            contexts: Default::default(),
         };
         let summary = local::serve(&mut session, intake, &options, shutdown).await?;
         let totals = session.totals();

@@ -36,6 +36,42 @@ pub struct Options {
     pub conversation: Conversation,
     /// End after this long without a task (`--idle-exit`); `None` waits forever.
     pub idle_exit: Option<Duration>,
+    /// Where each context's conversation is kept (`<session>/contexts/<ctx>/history.json`,
+    /// written after every task that ends `ok`), if anywhere.
+    pub contexts_dir: Option<std::path::PathBuf>,
+    /// Conversations to continue, by context id (a resumed session's).
+    pub contexts: HashMap<String, Vec<Message>>,
+}
+
+/// Reads every `contexts/<ctx>/history.json` under `dir`.
+pub fn load_contexts(dir: &std::path::Path) -> HashMap<String, Vec<Message>> {
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    for e in entries.flatten() {
+        let path = e.path().join("history.json");
+        if let Ok(text) = std::fs::read_to_string(&path)
+            && let Ok(history) = serde_json::from_str::<Vec<Message>>(&text)
+        {
+            out.insert(e.file_name().to_string_lossy().into_owned(), history);
+        }
+    }
+    out
+}
+
+fn save_context(dir: &std::path::Path, context_id: &str, history: &[Message]) {
+    // A context id is one path segment (A2A callers choose it): refuse anything else.
+    if context_id.is_empty() || context_id.contains(['/', '\\']) || context_id.starts_with('.') {
+        return;
+    }
+    let folder = dir.join(context_id);
+    let write = std::fs::create_dir_all(&folder).and_then(|()| {
+        let tmp = folder.join("history.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(history).unwrap_or_default())?;
+        std::fs::rename(&tmp, folder.join("history.json"))
+    });
+    if let Err(e) = write {
+        tracing::warn!(error = %e, context_id, "could not save the conversation");
+    }
 }
 
 /// What the host did.
@@ -67,7 +103,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Summary, trace::Error> {
     let mut summary = Summary::default();
-    let mut contexts: HashMap<String, Vec<Message>> = HashMap::new();
+    let mut contexts: HashMap<String, Vec<Message>> = options.contexts.clone();
     let stop = CancellationToken::new();
     let stop_on_signal = stop.clone();
     let watch_intake = intake.clone();
@@ -124,6 +160,9 @@ pub async fn serve(
         };
         let _ = intake.finish(&record.id, report.outcome.exit_status, &report.outcome.result);
         if report.outcome.exit_status == ExitStatus::Ok {
+            if let Some(dir) = &options.contexts_dir {
+                save_context(dir, &report.task.context_id, &report.history);
+            }
             contexts.insert(report.task.context_id.clone(), report.history.clone());
         }
         let fatal = report.fatal;
