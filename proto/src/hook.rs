@@ -7,21 +7,29 @@
 //! The answer is `{"action": "none"}`, `{"action": "reopen-task", "reason": "…"}`,
 //! `{"action": "seed-context", "messages": […]}` or `{"action": "replace-context",
 //! "messages": […]}`; empty output means none. Message `content` may be a string or an
-//! array of blocks. `docs/hook-event.schema.json` and `docs/hook-answer.schema.json` are
-//! the JSON Schemas.
+//! array of blocks.
+//!
+//! The JSON Schemas are `docs/schemas/hook-event.schema.json` ([`event_schema`], what the
+//! runtime writes) and `docs/schemas/hook-answer.schema.json` ([`answer_schema`], what it
+//! reads), generated from these types; a unit test keeps the files in step. `docs/hooks.md`
+//! is the reference for hook authors.
 
 use crate::message::Message;
 use crate::task::ExitStatus;
+use schemars::JsonSchema;
+use schemars::generate::SchemaSettings;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The protocol version carried in every event's `version` field.
 pub const VERSION: u32 = 1;
 
-/// The header every event carries.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One event as a hook receives it: the header every event carries, and the binding's
+/// fields.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Envelope {
-    /// [`VERSION`].
+    /// The protocol version: 1 (`mur_proto::hook::VERSION`).
+    #[schemars(extend("const" = VERSION))]
     pub version: u32,
     /// The session.
     pub session_id: String,
@@ -33,7 +41,7 @@ pub struct Envelope {
 }
 
 /// The events, one per binding.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "event", rename_all = "kebab-case")]
 pub enum Event {
     /// Before the session exists.
@@ -194,8 +202,8 @@ impl Event {
     }
 }
 
-/// A hook's answer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A hook's answer. Empty output (or a blank line from a persistent hook) also means none.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "action", rename_all = "kebab-case")]
 pub enum Answer {
     /// Nothing to commit.
@@ -239,6 +247,22 @@ impl Answer {
         }
         serde_json::from_str(t).map_err(|e| format!("answer is not a hook answer object ({e}): {}", truncate(t, 200)))
     }
+}
+
+/// The JSON Schema (draft 2020-12) of an event as the runtime writes it
+/// (`docs/schemas/hook-event.schema.json`).
+pub fn event_schema() -> schemars::Schema {
+    let mut schema = SchemaSettings::draft2020_12().for_serialize().into_generator().into_root_schema_for::<Envelope>();
+    schema.insert("title".into(), format!("murmur hook event, protocol version {VERSION}").into());
+    schema
+}
+
+/// The JSON Schema (draft 2020-12) of an answer as the runtime reads it
+/// (`docs/schemas/hook-answer.schema.json`).
+pub fn answer_schema() -> schemars::Schema {
+    let mut schema = SchemaSettings::draft2020_12().for_deserialize().into_generator().into_root_schema_for::<Answer>();
+    schema.insert("title".into(), format!("murmur hook answer, protocol version {VERSION}").into());
+    schema
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -288,5 +312,55 @@ mod tests {
         let err = Answer::parse(r#"{"action":"explode"}"#).unwrap_err();
         assert!(err.starts_with("answer is not a hook answer object (unknown variant `explode`"), "{err}");
         assert!(Answer::parse("hello").is_err());
+    }
+
+    /// `value` with every object's keys in sorted order, so the files come out the same
+    /// whatever serde_json features the build unified.
+    fn sorted(value: Value) -> Value {
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<(String, Value)> = map.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+            }
+            Value::Array(items) => Value::Array(items.into_iter().map(sorted).collect()),
+            other => other,
+        }
+    }
+
+    #[test]
+    fn the_committed_json_schemas_match_the_types() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/schemas");
+        let update = std::env::var("MUR_UPDATE_SCHEMAS").is_ok_and(|v| v == "1");
+        let mut stale = Vec::new();
+        let schemas = [("hook-event.schema.json", event_schema()), ("hook-answer.schema.json", answer_schema())];
+        for (name, schema) in schemas {
+            let text = serde_json::to_string_pretty(&sorted(schema.to_value())).unwrap() + "\n";
+            let path = dir.join(name);
+            if update {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+            } else if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                stale.push(format!("docs/schemas/{name}"));
+            }
+        }
+        assert!(
+            stale.is_empty(),
+            "{} missing or different from the types in proto/src/hook.rs; \
+             run `MUR_UPDATE_SCHEMAS=1 cargo test -p mur-proto` to regenerate",
+            stale.join(" and ")
+        );
+    }
+
+    #[test]
+    fn the_schemas_follow_serde_in_each_direction() {
+        // The event schema describes what the runtime writes, the answer schema what it reads.
+        let event = event_schema().to_value();
+        assert_eq!(event["properties"]["version"]["const"], VERSION);
+        let answer = answer_schema().to_value().to_string();
+        assert!(answer.contains("\"reopen-task\""), "{answer}");
+        assert!(answer.contains("A plain text, read as one text block."), "content may be a string: {answer}");
+        let written = event_schema().to_value().to_string();
+        assert!(!written.contains("A plain text, read as one text block."), "events always carry blocks: {written}");
     }
 }

@@ -2,11 +2,12 @@
 //! keeps them (`reference/murmur-runtime.md` §4). Drivers translate to and from their
 //! provider's wire format; checkpoints and hook events carry this form.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
 /// Who wrote a message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// The task, feedback, seeds: what the model is asked.
@@ -18,7 +19,7 @@ pub enum Role {
 }
 
 /// One content block of a message.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Block {
     /// Plain text.
@@ -38,7 +39,7 @@ pub enum Block {
 }
 
 /// One message of the conversation.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Message {
     /// Author.
     pub role: Role,
@@ -46,6 +47,7 @@ pub struct Message {
     /// text block (`seeds/context.md` step 4: "a plain summary string or an array of
     /// content blocks").
     #[serde(deserialize_with = "content_string_or_blocks")]
+    #[schemars(schema_with = "content_schema")]
     pub content: Vec<Block>,
     /// For `tool` messages: the id of the call this answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -119,6 +121,21 @@ fn content_string_or_blocks<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Block
     Ok(match Content::deserialize(d)? {
         Content::Text(text) => vec![Block::Text { text }],
         Content::Blocks(blocks) => blocks,
+    })
+}
+
+/// The schema of `content`: always an array of blocks as the runtime writes it; a string
+/// or an array of blocks as it reads it (see [`content_string_or_blocks`]).
+fn content_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let blocks = generator.subschema_for::<Vec<Block>>();
+    if generator.contract().is_serialize() {
+        return blocks;
+    }
+    schemars::json_schema!({
+        "anyOf": [
+            {"type": "string", "description": "A plain text, read as one text block."},
+            blocks,
+        ]
     })
 }
 

@@ -113,7 +113,7 @@ impl fmt::Display for Lane {
 }
 
 /// How a task (or a session) ended. Spellings are the seeds'.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ExitStatus {
     /// The model ended its turn (`end_turn` or `max_tokens`).
