@@ -7,7 +7,7 @@ use mur_proto::task::{ExitStatus, Origin};
 use mur_worker::capsule::{self, Capsule};
 use mur_worker::clock::SystemClock;
 use mur_worker::session::{Session, SessionConfig, TaskSpec};
-use mur_worker::tokens::BytesOver4;
+use mur_worker::tokens;
 use mur_worker::tools::{CallContext, Toolbox, Tools};
 use mur_worker::trace::{FileSink, Tracer};
 use mur_worker::workdir::Layout;
@@ -105,7 +105,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             result_path: Some(layout.result()),
             resumed_from: None,
         };
-        let mut session = Session::start(cfg, driver, tools, tracer, clock, Arc::new(BytesOver4))?;
+        let estimator = tokens::for_model(driver.kind(), capsule.manifest.inference.model.as_deref());
+        let mut session = Session::start(cfg, driver, tools, tracer, clock, estimator)?;
         let task = TaskSpec {
             task_id: Id::generate(IdKind::Task),
             context_id: Id::generate(IdKind::Context),
