@@ -134,7 +134,15 @@ fn driver(endpoint: String, stream: bool, policy: Policy) -> Anthropic {
 }
 
 fn request<'a>(messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
-    ModelRequest { model: "", system: "you are terse", messages, tools, max_tokens: 256, task_text: "" }
+    ModelRequest {
+        model: "",
+        system: "you are terse",
+        messages,
+        history_epoch: 0,
+        tools,
+        max_tokens: 256,
+        task_text: "",
+    }
 }
 
 fn message(content: Value, stop_reason: &str, usage: Value) -> Value {

@@ -532,7 +532,15 @@ mod tests {
     use crate::driver::ToolSpec;
 
     fn request<'a>(messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
-        ModelRequest { model: "claude-test", system: "", messages, tools, max_tokens: 64, task_text: "" }
+        ModelRequest {
+            model: "claude-test",
+            system: "",
+            messages,
+            history_epoch: 0,
+            tools,
+            max_tokens: 64,
+            task_text: "",
+        }
     }
 
     #[test]

@@ -205,7 +205,15 @@ mod tests {
     use super::*;
 
     fn req<'a>(task: &'a str) -> ModelRequest<'a> {
-        ModelRequest { model: "", system: "", messages: &[], tools: &[], max_tokens: 1, task_text: task }
+        ModelRequest {
+            model: "",
+            system: "",
+            messages: &[],
+            history_epoch: 0,
+            tools: &[],
+            max_tokens: 1,
+            task_text: task,
+        }
     }
 
     #[tokio::test]
@@ -257,6 +265,7 @@ mod tests {
                 model: "",
                 system: "",
                 messages: &messages,
+                history_epoch: 0,
                 tools: &[],
                 max_tokens: 1,
                 task_text: "t",

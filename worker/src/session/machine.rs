@@ -28,6 +28,7 @@ use mur_proto::trace::{CallStatus, Decision, Event};
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A task as the loop receives it.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,11 +95,41 @@ pub struct Counters {
 }
 
 /// The conversation, append-only, with each message's token estimate kept beside it.
-#[derive(Clone, Default)]
+///
+/// Each history has an [`epoch`](History::epoch): a process-unique, non-zero number that
+/// stays the same while the history is only appended to and would be replaced by a fresh
+/// one if the history were replaced or truncated (nothing does either yet). A clone gets
+/// a fresh epoch too, since the two may then grow apart. Drivers key per-message caches on
+/// it ([`ModelRequest::history_epoch`](crate::driver::ModelRequest::history_epoch)).
 pub struct History {
     messages: Vec<Message>,
     tokens: Vec<u64>,
     total: u64,
+    epoch: u64,
+}
+
+/// The next unused epoch; 0 is never handed out (it means "unknown" to drivers).
+static NEXT_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+fn fresh_epoch() -> u64 {
+    NEXT_EPOCH.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History { messages: Vec::new(), tokens: Vec::new(), total: 0, epoch: fresh_epoch() }
+    }
+}
+
+impl Clone for History {
+    fn clone(&self) -> Self {
+        History {
+            messages: self.messages.clone(),
+            tokens: self.tokens.clone(),
+            total: self.total,
+            epoch: fresh_epoch(),
+        }
+    }
 }
 
 impl History {
@@ -119,6 +150,12 @@ impl History {
     /// Sum of the messages' estimates.
     pub fn tokens(&self) -> u64 {
         self.total
+    }
+
+    /// This history's epoch (see [`History`]): non-zero, unique in the process, unchanged
+    /// by appends.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 }
 
@@ -185,6 +222,12 @@ impl TaskMachine {
     /// The conversation to send.
     pub fn messages(&self) -> &[Message] {
         self.history.messages()
+    }
+
+    /// The epoch of the conversation [`messages`](TaskMachine::messages) returns (see
+    /// [`History::epoch`]).
+    pub fn history_epoch(&self) -> u64 {
+        self.history.epoch()
     }
 
     /// The counters so far.

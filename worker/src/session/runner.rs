@@ -183,6 +183,7 @@ impl Session {
                         model: &self.cfg.model,
                         system: &self.cfg.system_prompt,
                         messages: machine.messages(),
+                        history_epoch: machine.history_epoch(),
                         tools: self.tools.specs(),
                         max_tokens: m.inference.max_tokens,
                         task_text: &machine.task().text,

@@ -306,3 +306,20 @@ fn prior_history_comes_before_the_task_message() {
     let texts: Vec<_> = m.messages().iter().map(Message::text).collect();
     assert_eq!(texts, ["earlier", "now"]);
 }
+
+#[test]
+fn history_epoch_is_non_zero_kept_across_appends_and_unique_per_history() {
+    let mut a = machine(5);
+    let b = machine(5);
+    let epoch = a.history_epoch();
+    assert_ne!(epoch, 0, "0 means unknown to drivers");
+    assert_ne!(epoch, b.history_epoch(), "two tasks' histories never share an epoch");
+    a.start();
+    a.on_model_reply(Ok(calls(vec![call("c1", "sh")], StopReason::ToolCall)), 1);
+    a.on_tool_result(ok_tool("hi"), 1);
+    assert_eq!(a.messages().len(), 3);
+    assert_eq!(a.history_epoch(), epoch, "appending keeps the epoch");
+    // A clone may grow apart from its original, so it is another history.
+    let history = History::default();
+    assert_ne!(history.clone().epoch(), history.epoch());
+}
