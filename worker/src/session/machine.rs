@@ -135,10 +135,16 @@ impl Clone for History {
 impl History {
     /// Appends `message`, counting its tokens once.
     pub fn push(&mut self, message: Message, estimator: &dyn Estimator) {
-        let json = serde_json::to_string(&message).unwrap_or_default();
-        let t = estimator.count(&json);
-        self.total += t;
-        self.tokens.push(t);
+        let tokens = estimator.count(&estimate_text(&message));
+        self.push_counted(message, tokens);
+    }
+
+    /// Appends `message` with the estimate the caller already took of it, with the same
+    /// estimator over [`estimate_text`] (the assistant reply is counted once, for both
+    /// `output_tokens` and the history).
+    fn push_counted(&mut self, message: Message, tokens: u64) {
+        self.total += tokens;
+        self.tokens.push(tokens);
         self.messages.push(message);
     }
 
@@ -157,6 +163,11 @@ impl History {
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
+}
+
+/// What a message's estimate is taken over: its JSON in the runtime's message model.
+fn estimate_text(message: &Message) -> String {
+    serde_json::to_string(message).unwrap_or_default()
 }
 
 /// The loop of one task.
@@ -274,7 +285,7 @@ impl TaskMachine {
         self.counters.turns += 1;
         let input_tokens = self.fixed_tokens + self.history.tokens();
         let assistant = Message::assistant(response.content);
-        let output_tokens = self.estimator.count(&serde_json::to_string(&assistant).unwrap_or_default());
+        let output_tokens = self.estimator.count(&estimate_text(&assistant));
         self.counters.input_tokens += input_tokens;
         self.counters.output_tokens += output_tokens;
         self.session_tokens = input_tokens + output_tokens;
@@ -302,7 +313,7 @@ impl TaskMachine {
             origin: None,
         };
         let final_text = join_text(&assistant.content);
-        self.history.push(assistant, self.estimator.as_ref());
+        self.history.push_counted(assistant, output_tokens);
 
         let action = match response.stop {
             StopReason::Error(msg) => self.finish(ExitStatus::Failed, format!("error: {msg}")),
