@@ -10,7 +10,9 @@
 //!   ([`Exchange`]) or with the last error ([`Failure`]).
 //! - [`post_json`] reads and parses the whole body inside the attempt; [`post_stream`] hands
 //!   back the response as soon as a 2xx status and headers are in, so a streamed reply is
-//!   only retried before the caller has read any of its body.
+//!   only retried before the caller has read any of its body. [`post_json_bytes`] and
+//!   [`post_stream_bytes`] take a body already serialised; every form serialises at most
+//!   once, whatever the number of attempts.
 //!
 //! The pure parts ([`backoff`], [`next_delay`], [`parse_retry_after`], [`retry_after`],
 //! [`retryable_status`]) take their clock and randomness as arguments and are unit-tested

@@ -7,9 +7,11 @@
 //! sent as `data:` events and closed by `data: [DONE]`.
 //!
 //! Everything but the HTTP exchange is pure and tested without IO: [`request_body`] builds
-//! the body, [`parse_completion`] reads a JSON reply, [`StreamAssembler`] puts streamed
-//! chunks back together, and [`read_stream`] runs the SSE parser over any byte stream into
-//! the assembler.
+//! the body as a JSON value (the reference shape), [`RequestEncoder`] writes the same JSON
+//! as text from per-message pieces kept across calls (what the driver sends, so a turn
+//! serialises only the messages added since the last one), [`parse_completion`] reads a
+//! JSON reply, [`StreamAssembler`] puts streamed chunks back together, and [`read_stream`]
+//! runs the SSE parser over any byte stream into the assembler.
 
 use super::http::{self, Attempt, Exchange, Failure};
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason, ToolSpec};
