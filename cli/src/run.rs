@@ -13,7 +13,7 @@ use mur_worker::local;
 use mur_worker::session::runner::Parts;
 use mur_worker::session::spend::{Gate, Position, Spend};
 use mur_worker::session::{Session, SessionConfig};
-use mur_worker::tokens::BytesOver4;
+use mur_worker::tokens;
 use mur_worker::tools::{CallContext, Toolbox, Tools};
 use mur_worker::trace::{FileSink, Tracer};
 use mur_worker::workdir::Layout;
@@ -103,7 +103,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
         let clock = Arc::new(SystemClock);
-        let estimator: Arc<dyn mur_worker::tokens::Estimator> = Arc::new(BytesOver4);
+        let estimator = tokens::for_model(driver.kind(), capsule.manifest.inference.model.as_deref());
         let tracer = Arc::new(Mutex::new(Tracer::new(
             session_id.clone(),
             Box::new(FileSink::open(&layout.trace())?),

@@ -27,10 +27,10 @@ async fn ask(driver: &OpenAi, messages: &[Message], tools: &[ToolSpec]) -> Resul
             model: "gpt-fake",
             system: "you are terse",
             messages,
+            history_epoch: 0,
             tools,
             max_tokens: 64,
             task_text: "",
-            history_epoch: 0,
         })
         .await
 }

@@ -10,13 +10,16 @@
 //!   ([`Exchange`]) or with the last error ([`Failure`]).
 //! - [`post_json`] reads and parses the whole body inside the attempt; [`post_stream`] hands
 //!   back the response as soon as a 2xx status and headers are in, so a streamed reply is
-//!   only retried before the caller has read any of its body.
+//!   only retried before the caller has read any of its body. [`post_json_bytes`] and
+//!   [`post_stream_bytes`] take a body already serialised; every form serialises at most
+//!   once, whatever the number of attempts.
 //!
 //! The pure parts ([`backoff`], [`next_delay`], [`parse_retry_after`], [`retry_after`],
 //! [`retryable_status`]) take their clock and randomness as arguments and are unit-tested
 //! without IO.
 
 use super::Error;
+use bytes::Bytes;
 use reqwest::header::HeaderMap;
 use serde_json::Value;
 use std::time::{Duration, Instant, SystemTime};
@@ -165,7 +168,22 @@ pub async fn post_json(
     body: &Value,
     policy: &Policy,
 ) -> Result<Exchange<Value>, Failure> {
-    exchange(client, url, headers, body, policy, read_json).await
+    post_json_bytes(client, url, headers, json_bytes(body), policy).await
+}
+
+/// As [`post_json`], with the body already serialised (JSON text, sent as is with
+/// `Content-Type: application/json`); retries resend the same bytes.
+///
+/// # Errors
+/// As [`post_json`].
+pub async fn post_json_bytes(
+    client: &reqwest::Client,
+    url: &str,
+    headers: &[(&str, String)],
+    body: Bytes,
+    policy: &Policy,
+) -> Result<Exchange<Value>, Failure> {
+    exchange(client, url, headers, &body, policy, read_json).await
 }
 
 /// POSTs `body` as JSON and returns the 2xx response unread, for the caller to stream.
@@ -184,7 +202,26 @@ pub async fn post_stream(
     body: &Value,
     policy: &Policy,
 ) -> Result<Exchange<reqwest::Response>, Failure> {
-    exchange(client, url, headers, body, policy, |resp| async { Ok(resp) }).await
+    post_stream_bytes(client, url, headers, json_bytes(body), policy).await
+}
+
+/// As [`post_stream`], with the body already serialised, as [`post_json_bytes`].
+///
+/// # Errors
+/// As [`post_stream`].
+pub async fn post_stream_bytes(
+    client: &reqwest::Client,
+    url: &str,
+    headers: &[(&str, String)],
+    body: Bytes,
+    policy: &Policy,
+) -> Result<Exchange<reqwest::Response>, Failure> {
+    exchange(client, url, headers, &body, policy, |resp| async { Ok(resp) }).await
+}
+
+/// The JSON text of `value` (serialised once, however many attempts send it).
+fn json_bytes(value: &Value) -> Bytes {
+    Bytes::from(value.to_string())
 }
 
 /// A failed attempt, classified.
@@ -213,7 +250,7 @@ async fn exchange<T, R, F>(
     client: &reqwest::Client,
     url: &str,
     headers: &[(&str, String)],
-    body: &Value,
+    body: &Bytes,
     policy: &Policy,
     read: R,
 ) -> Result<Exchange<T>, Failure>
@@ -280,9 +317,9 @@ async fn send(
     client: &reqwest::Client,
     url: &str,
     headers: &[(&str, String)],
-    body: &Value,
+    body: &Bytes,
 ) -> Result<reqwest::Response, Failed> {
-    let mut req = client.post(url).json(body);
+    let mut req = client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.clone());
     for (name, value) in headers {
         req = req.header(*name, value);
     }

@@ -36,15 +36,20 @@ pub struct ModelRequest<'a> {
     pub system: &'a str,
     /// The conversation, oldest first.
     pub messages: &'a [Message],
+    /// Which conversation `messages` is ([`History::epoch`]): while two calls carry the
+    /// same non-zero epoch, the later one's messages extend the earlier one's (the first
+    /// messages are the same, unchanged), so a driver may reuse work done per message,
+    /// keyed by (epoch, index). The loop takes a fresh epoch whenever it replaces or
+    /// truncates the history. 0 means unknown: nothing may be assumed, nothing reused.
+    ///
+    /// [`History::epoch`]: crate::session::machine::History::epoch
+    pub history_epoch: u64,
     /// Tools the model may call.
     pub tools: &'a [ToolSpec],
     /// Output cap for this call (`inference.max_tokens`).
     pub max_tokens: u32,
     /// The task's text (the scripted driver substitutes it for `{{task}}`).
     pub task_text: &'a str,
-    /// Bumped whenever the history is replaced rather than appended to (compaction, a
-    /// reopened attempt): a driver caching per-message wire JSON rebuilds when it changes.
-    pub history_epoch: u64,
 }
 
 /// Why the model stopped.

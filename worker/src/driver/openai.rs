@@ -7,13 +7,16 @@
 //! sent as `data:` events and closed by `data: [DONE]`.
 //!
 //! Everything but the HTTP exchange is pure and tested without IO: [`request_body`] builds
-//! the body, [`parse_completion`] reads a JSON reply, [`StreamAssembler`] puts streamed
-//! chunks back together, and [`read_stream`] runs the SSE parser over any byte stream into
-//! the assembler.
+//! the body as a JSON value (the reference shape), [`RequestEncoder`] writes the same JSON
+//! as text from per-message pieces kept across calls (what the driver sends, so a turn
+//! serialises only the messages added since the last one), [`parse_completion`] reads a
+//! JSON reply, [`StreamAssembler`] puts streamed chunks back together, and [`read_stream`]
+//! runs the SSE parser over any byte stream into the assembler.
 
 use super::http::{self, Attempt, Exchange, Failure};
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason, ToolSpec};
 use async_trait::async_trait;
+use bytes::Bytes;
 use eventsource_stream::{EventStreamError, Eventsource};
 use futures::{Stream, StreamExt};
 use mur_proto::message::{Block, Message, Role};
@@ -21,6 +24,7 @@ use mur_proto::trace::ProviderUsage;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::fmt::Display;
+use std::sync::Mutex;
 
 /// Settings of the `openai` driver, from the manifest's `inference:` block.
 #[derive(Clone, Debug)]
@@ -35,16 +39,30 @@ pub struct Config {
     pub policy: http::Policy,
 }
 
-/// The driver.
+/// The driver. It keeps the wire JSON of the conversation it last sent
+/// ([`RequestEncoder`]), so each call serialises only the messages added since.
 pub struct OpenAi {
     config: Config,
     client: reqwest::Client,
+    encoder: Mutex<RequestEncoder>,
 }
 
 impl OpenAi {
     /// A driver for `config`.
     pub fn new(config: Config) -> Self {
-        OpenAi { config, client: reqwest::Client::new() }
+        OpenAi { config, client: reqwest::Client::new(), encoder: Mutex::default() }
+    }
+
+    /// The body of `request`, from the encoder's cache. A panic while encoding (never
+    /// expected) poisons the lock; the cache may then be half-updated, so it is dropped.
+    fn encode(&self, request: &ModelRequest<'_>) -> Bytes {
+        let mut encoder = self.encoder.lock().unwrap_or_else(|poisoned| {
+            self.encoder.clear_poison();
+            let mut encoder = poisoned.into_inner();
+            *encoder = RequestEncoder::default();
+            encoder
+        });
+        Bytes::from(encoder.encode(request, self.config.stream))
     }
 }
 
@@ -82,7 +100,7 @@ impl OpenAi {
     /// carries an in-band `error` object.
     pub async fn exchange(&self, request: &ModelRequest<'_>) -> Result<Exchange<ModelResponse>, Failure> {
         let stream = self.config.stream;
-        let body = request_body(request, stream);
+        let body = self.encode(request);
         let mut headers = Vec::new();
         if let Some(key) = self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
             headers.push(("authorization", format!("Bearer {key}")));
@@ -90,14 +108,14 @@ impl OpenAi {
         let url = chat_completions_url(&self.config.endpoint);
         let policy = &self.config.policy;
         if !stream {
-            let ex = http::post_json(&self.client, &url, &headers, &body, policy).await?;
+            let ex = http::post_json_bytes(&self.client, &url, &headers, body, policy).await?;
             return match parse_completion(&ex.value) {
                 Ok(value) => Ok(Exchange { value, attempts: ex.attempts }),
                 Err(error) => Err(Failure { error, attempts: ex.attempts }),
             };
         }
         headers.push(("accept", "text/event-stream".to_string()));
-        let ex = http::post_stream(&self.client, &url, &headers, &body, policy).await?;
+        let ex = http::post_stream_bytes(&self.client, &url, &headers, body, policy).await?;
         let attempts = ex.attempts;
         let response = ex.value;
         // A server that ignores `stream: true` (or reports an error) answers plain JSON.
@@ -156,6 +174,138 @@ pub fn request_body(request: &ModelRequest<'_>, stream: bool) -> Value {
         body.insert("stream_options".into(), json!({"include_usage": true}));
     }
     Value::Object(body)
+}
+
+/// Builds request bodies as JSON text, the same JSON as [`request_body`], keeping the wire
+/// JSON of each message it has serialised so that the next request of the same
+/// conversation serialises only the messages added since.
+///
+/// Cache rules:
+/// - messages: the wire JSON of message `i` is reused while the request's
+///   [`history_epoch`](ModelRequest::history_epoch) is the non-zero epoch it was built
+///   under and `i` is below the number cached (the conversation was only appended to);
+///   everything from the first message not covered is serialised again. Epoch 0 reuses
+///   nothing.
+/// - the system message: reused while the prompt text is equal (compared, not
+///   re-serialised);
+/// - the tool list: reused while the request's slice is the same one (address and length)
+///   under the same non-zero epoch (the loop's tool list does not change during a task),
+///   or else while the specs compare equal.
+///
+/// A body costs one copy of the cached bytes plus the serialisation of what is new. The
+/// encoder holds the wire JSON of the last conversation (about one request body) until a
+/// different conversation replaces it.
+#[derive(Debug, Default)]
+pub struct RequestEncoder {
+    /// The epoch `messages` was built under (0: none that can be reused).
+    epoch: u64,
+    /// The cached messages' wire JSON, comma-separated (`{…},{…}`).
+    messages: Vec<u8>,
+    /// Where each cached message ends in `messages`.
+    ends: Vec<usize>,
+    /// The system prompt and its wire message.
+    system: Option<(String, Vec<u8>)>,
+    /// The tool list and its wire JSON.
+    tools: Option<CachedTools>,
+}
+
+#[derive(Debug)]
+struct CachedTools {
+    epoch: u64,
+    address: usize,
+    specs: Vec<ToolSpec>,
+    json: Vec<u8>,
+}
+
+impl RequestEncoder {
+    /// An empty encoder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The body of `request` as JSON text; `stream` as for [`request_body`].
+    pub fn encode(&mut self, request: &ModelRequest<'_>, stream: bool) -> Vec<u8> {
+        self.update_messages(request.messages, request.history_epoch);
+        self.update_system(request.system);
+        self.update_tools(request.tools, request.history_epoch);
+        let system = self.system.as_ref().map_or(&[][..], |(_, json)| json);
+        let tools = self.tools.as_ref().map_or(&[][..], |cached| &cached.json);
+
+        let mut body = Vec::with_capacity(self.messages.len() + system.len() + tools.len() + request.model.len() + 128);
+        body.extend_from_slice(b"{\"model\":");
+        write_json(&mut body, &request.model);
+        body.extend_from_slice(b",\"max_tokens\":");
+        write_json(&mut body, &request.max_tokens);
+        body.extend_from_slice(b",\"messages\":[");
+        body.extend_from_slice(system);
+        if !system.is_empty() && !self.messages.is_empty() {
+            body.push(b',');
+        }
+        body.extend_from_slice(&self.messages);
+        body.push(b']');
+        if !tools.is_empty() {
+            body.extend_from_slice(b",\"tools\":");
+            body.extend_from_slice(tools);
+        }
+        if stream {
+            body.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
+        }
+        body.push(b'}');
+        body
+    }
+
+    /// Brings the cached messages in line with `messages`: keeps what the epoch vouches
+    /// for, serialises the rest.
+    fn update_messages(&mut self, messages: &[Message], epoch: u64) {
+        let keep = if epoch != 0 && epoch == self.epoch { self.ends.len().min(messages.len()) } else { 0 };
+        self.ends.truncate(keep);
+        self.messages.truncate(self.ends.last().copied().unwrap_or(0));
+        self.epoch = epoch;
+        for message in &messages[keep..] {
+            if !self.ends.is_empty() {
+                self.messages.push(b',');
+            }
+            write_json(&mut self.messages, &wire_message(message));
+            self.ends.push(self.messages.len());
+        }
+    }
+
+    /// Caches the system message's wire JSON (none when the prompt is empty).
+    fn update_system(&mut self, system: &str) {
+        if system.is_empty() {
+            self.system = None;
+        } else if self.system.as_ref().is_none_or(|(text, _)| text != system) {
+            let mut json = Vec::with_capacity(system.len() + 32);
+            write_json(&mut json, &json!({"role": "system", "content": system}));
+            self.system = Some((system.to_string(), json));
+        }
+    }
+
+    /// Caches the tool list's wire JSON (none when there are no tools).
+    fn update_tools(&mut self, tools: &[ToolSpec], epoch: u64) {
+        if tools.is_empty() {
+            self.tools = None;
+            return;
+        }
+        let address = tools.as_ptr() as usize;
+        if let Some(cached) = self.tools.as_mut() {
+            let same_slice =
+                epoch != 0 && cached.epoch == epoch && cached.address == address && cached.specs.len() == tools.len();
+            if same_slice || cached.specs.as_slice() == tools {
+                (cached.epoch, cached.address) = (epoch, address);
+                return;
+            }
+        }
+        let mut json = Vec::new();
+        write_json(&mut json, &tools.iter().map(wire_tool).collect::<Value>());
+        self.tools = Some(CachedTools { epoch, address, specs: tools.to_vec(), json });
+    }
+}
+
+/// Appends the JSON text of `value`.
+fn write_json<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
+    // Serialising a JSON value, a string or a number into memory cannot fail.
+    serde_json::to_writer(out, value).expect("in-memory JSON serialisation cannot fail");
 }
 
 fn wire_message(message: &Message) -> Value {
@@ -588,6 +738,125 @@ mod tests {
         let plain = request_body(&request("", &messages, &[]), false);
         assert!(plain.get("stream").is_none());
         assert!(plain.get("stream_options").is_none());
+    }
+
+    fn encoded(encoder: &mut RequestEncoder, request: &ModelRequest<'_>, stream: bool) -> Value {
+        serde_json::from_slice(&encoder.encode(request, stream)).expect("the encoder writes JSON")
+    }
+
+    fn with_epoch<'a>(request: ModelRequest<'a>, history_epoch: u64) -> ModelRequest<'a> {
+        ModelRequest { history_epoch, ..request }
+    }
+
+    /// Turn `i`'s assistant reply and tool results, in shapes that vary with `i`.
+    fn turn_messages(i: usize) -> Vec<Message> {
+        let id = format!("call_{i}");
+        match i % 3 {
+            0 => vec![
+                Message::assistant(vec![call(&id, "sh", json!({"command": format!("echo {i} \"é\"")}))]),
+                Message::tool_result(&id, format!("{i} \"é\"\n\ttab ✓"), false),
+            ],
+            1 => vec![
+                Message::assistant(vec![
+                    Block::Text { text: format!("step {i}") },
+                    call(&id, "sh", json!({})),
+                    call(&format!("{id}b"), "read", json!({"path": "a\\b"})),
+                ]),
+                Message::tool_result(&id, "", true),
+                Message::tool_result(format!("{id}b"), "</script>\u{0}", false),
+            ],
+            _ => vec![Message::user(format!("go on ({i})"))],
+        }
+    }
+
+    fn tools() -> Vec<ToolSpec> {
+        vec![ToolSpec {
+            name: "sh".into(),
+            description: "runs a command".into(),
+            parameters: json!({"type": "object", "properties": {"command": {"type": "string"}}}),
+        }]
+    }
+
+    #[test]
+    fn encoder_writes_the_same_json_as_request_body_over_a_growing_conversation() {
+        let tools = tools();
+        let mut encoder = RequestEncoder::new();
+        let mut messages = vec![Message::user("do \"it\" ✓")];
+        for i in 0..12 {
+            let stream = i % 2 == 1;
+            let req = with_epoch(request("be brief", &messages, &tools), 7);
+            assert_eq!(encoded(&mut encoder, &req, stream), request_body(&req, stream), "turn {i}");
+            assert_eq!(encoder.ends.len(), messages.len(), "every message cached");
+            messages.extend(turn_messages(i));
+        }
+        // No system prompt, no tools.
+        let req = with_epoch(request("", &messages, &[]), 7);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+    }
+
+    #[test]
+    fn encoder_rebuilds_after_an_epoch_change_and_reuses_nothing_at_epoch_zero() {
+        let tools = tools();
+        let mut encoder = RequestEncoder::new();
+        let mut first = vec![Message::user("first task")];
+        (0..4).for_each(|i| first.extend(turn_messages(i)));
+        let req = with_epoch(request("sys", &first, &tools), 3);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+
+        // A replaced history (a summary, then the same tail): new epoch, shorter, different.
+        let mut replaced = vec![Message::user("summary of the first turns")];
+        replaced.extend(first[first.len() - 2..].iter().cloned());
+        let req = with_epoch(request("sys", &replaced, &tools), 4);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+
+        // A different conversation of the same length under yet another epoch.
+        let mut other: Vec<Message> = vec![Message::user("second task")];
+        (5..9).for_each(|i| other.extend(turn_messages(i)));
+        other.truncate(first.len());
+        let req = with_epoch(request("sys", &other, &tools), 5);
+        assert_eq!(encoded(&mut encoder, &req, true), request_body(&req, true));
+
+        // Epoch 0 (unknown): consecutive, unrelated conversations are each encoded whole.
+        for conversation in [&first, &other, &replaced] {
+            let req = request("sys", conversation, &tools);
+            assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        }
+    }
+
+    #[test]
+    fn encoder_reuses_messages_only_under_the_same_epoch() {
+        let tools = tools();
+        let mut encoder = RequestEncoder::new();
+        let cached = vec![Message::user("cached"), Message::user("also cached")];
+        encoder.encode(&with_epoch(request("", &cached, &tools), 9), false);
+        // Same epoch: the first two messages are taken from the cache without being looked
+        // at (which is why the loop must change the epoch when it rewrites history).
+        let rewritten = vec![Message::user("rewritten"), Message::user("also rewritten"), Message::user("new")];
+        let body = encoded(&mut encoder, &with_epoch(request("", &rewritten, &tools), 9), false);
+        let contents: Vec<&Value> = body["messages"].as_array().unwrap().iter().map(|m| &m["content"]).collect();
+        assert_eq!(contents, [&json!("cached"), &json!("also cached"), &json!("new")]);
+        // A new epoch: nothing is reused.
+        let req = with_epoch(request("", &rewritten, &tools), 10);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+    }
+
+    #[test]
+    fn encoder_follows_a_changed_system_prompt_and_tool_list() {
+        let mut tools = tools();
+        let mut encoder = RequestEncoder::new();
+        let messages = vec![Message::user("hi")];
+        let req = with_epoch(request("one", &messages, &tools), 2);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        let req = with_epoch(request("two", &messages, &tools), 2);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        let changed = {
+            tools[0].description = "runs a command, changed".into();
+            tools.clone()
+        };
+        let req = with_epoch(request("two", &messages, &changed), 2);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        let req = with_epoch(request("", &messages, &[]), 2);
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
     }
 
     #[test]

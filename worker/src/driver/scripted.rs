@@ -265,10 +265,10 @@ mod tests {
                 model: "",
                 system: "",
                 messages: &messages,
+                history_epoch: 0,
                 tools: &[],
                 max_tokens: 1,
                 task_text: "t",
-                history_epoch: 0,
             })
             .await
             .unwrap();

@@ -28,6 +28,7 @@ use mur_proto::trace::{CallStatus, Decision, Event};
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A task as the loop receives it.
 #[derive(Clone, Debug, PartialEq)]
@@ -131,7 +132,12 @@ pub struct Counters {
 }
 
 /// The conversation, append-only, with each message's token estimate kept beside it.
-#[derive(Clone, Default)]
+///
+/// Each history has an [`epoch`](History::epoch): a process-unique, non-zero number that
+/// stays the same while the history is only appended to and would be replaced by a fresh
+/// one if the history were replaced or truncated (nothing does either yet). A clone gets
+/// a fresh epoch too, since the two may then grow apart. Drivers key per-message caches on
+/// it ([`ModelRequest::history_epoch`](crate::driver::ModelRequest::history_epoch)).
 pub struct History {
     messages: Vec<Message>,
     tokens: Vec<u64>,
@@ -139,13 +145,43 @@ pub struct History {
     epoch: u64,
 }
 
+/// The next unused epoch; 0 is never handed out (it means "unknown" to drivers).
+static NEXT_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+fn fresh_epoch() -> u64 {
+    NEXT_EPOCH.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History { messages: Vec::new(), tokens: Vec::new(), total: 0, epoch: fresh_epoch() }
+    }
+}
+
+impl Clone for History {
+    fn clone(&self) -> Self {
+        History {
+            messages: self.messages.clone(),
+            tokens: self.tokens.clone(),
+            total: self.total,
+            epoch: fresh_epoch(),
+        }
+    }
+}
+
 impl History {
     /// Appends `message`, counting its tokens once.
     pub fn push(&mut self, message: Message, estimator: &dyn Estimator) {
-        let json = serde_json::to_string(&message).unwrap_or_default();
-        let t = estimator.count(&json);
-        self.total += t;
-        self.tokens.push(t);
+        let tokens = estimator.count(&estimate_text(&message));
+        self.push_counted(message, tokens);
+    }
+
+    /// Appends `message` with the estimate the caller already took of it, with the same
+    /// estimator over [`estimate_text`] (the assistant reply is counted once, for both
+    /// `output_tokens` and the history).
+    fn push_counted(&mut self, message: Message, tokens: u64) {
+        self.total += tokens;
+        self.tokens.push(tokens);
         self.messages.push(message);
     }
 
@@ -159,20 +195,25 @@ impl History {
         self.total
     }
 
-    /// Bumped whenever the history is replaced rather than appended to, so a driver's
-    /// per-message wire cache knows when to rebuild.
+    /// This history's epoch: non-zero, unique in the process, unchanged by appends, new
+    /// whenever the history is replaced, so a driver's per-message wire cache knows when
+    /// to rebuild.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
 
-    /// Replaces every message (compaction, a reopened attempt).
+    /// Replaces every message (compaction, a reopened attempt) under a fresh epoch.
     pub fn replace(&mut self, messages: Vec<Message>, estimator: &dyn Estimator) {
-        let epoch = self.epoch + 1;
-        *self = History { epoch, ..History::default() };
+        *self = History::default();
         for m in messages {
             self.push(m, estimator);
         }
     }
+}
+
+/// What a message's estimate is taken over: its JSON in the runtime's message model.
+fn estimate_text(message: &Message) -> String {
+    serde_json::to_string(message).unwrap_or_default()
 }
 
 /// The loop of one task.
@@ -246,11 +287,6 @@ impl TaskMachine {
         self
     }
 
-    /// The history's epoch (see [`History::epoch`]).
-    pub fn history_epoch(&self) -> u64 {
-        self.history.epoch()
-    }
-
     /// Reopens granted so far.
     pub fn reopen_count(&self) -> u32 {
         self.reopens.len() as u32
@@ -277,6 +313,12 @@ impl TaskMachine {
     /// The conversation to send.
     pub fn messages(&self) -> &[Message] {
         self.history.messages()
+    }
+
+    /// The epoch of the conversation [`messages`](TaskMachine::messages) returns (see
+    /// [`History::epoch`]).
+    pub fn history_epoch(&self) -> u64 {
+        self.history.epoch()
     }
 
     /// The counters so far.
@@ -323,7 +365,7 @@ impl TaskMachine {
         self.counters.turns += 1;
         let input_tokens = self.fixed_tokens + self.history.tokens();
         let assistant = Message::assistant(response.content);
-        let output_tokens = self.estimator.count(&serde_json::to_string(&assistant).unwrap_or_default());
+        let output_tokens = self.estimator.count(&estimate_text(&assistant));
         self.counters.input_tokens += input_tokens;
         self.counters.output_tokens += output_tokens;
         self.session_tokens = input_tokens + output_tokens;
@@ -351,7 +393,7 @@ impl TaskMachine {
             origin: None,
         };
         let final_text = join_text(&assistant.content);
-        self.history.push(assistant, self.estimator.as_ref());
+        self.history.push_counted(assistant, output_tokens);
 
         let action = match response.stop {
             StopReason::Error(msg) => self.finish(ExitStatus::Failed, format!("error: {msg}")),

@@ -430,3 +430,61 @@ fn a_reopened_attempt_keeps_the_head() {
     assert_eq!(m.messages()[0].text(), "seed");
     assert_eq!(m.messages().len(), 2);
 }
+
+#[test]
+fn history_epoch_is_non_zero_kept_across_appends_and_unique_per_history() {
+    let mut a = machine(5);
+    let b = machine(5);
+    let epoch = a.history_epoch();
+    assert_ne!(epoch, 0, "0 means unknown to drivers");
+    assert_ne!(epoch, b.history_epoch(), "two tasks' histories never share an epoch");
+    a.start();
+    a.on_model_reply(Ok(calls(vec![call("c1", "sh")], StopReason::ToolCall)), 1);
+    a.on_tool_result(ok_tool("hi"), 1);
+    assert_eq!(a.messages().len(), 3);
+    assert_eq!(a.history_epoch(), epoch, "appending keeps the epoch");
+    // A clone may grow apart from its original, so it is another history.
+    let history = History::default();
+    assert_ne!(history.clone().epoch(), history.epoch());
+}
+
+/// Counts its calls, one token per byte.
+#[derive(Default)]
+struct CountingCalls(std::sync::atomic::AtomicUsize);
+impl Estimator for CountingCalls {
+    fn count(&self, text: &str) -> u64 {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        text.len() as u64
+    }
+}
+
+#[test]
+fn each_message_is_counted_once_the_reply_included() {
+    let estimator = Arc::new(CountingCalls::default());
+    let mut m = TaskMachine::new(task("do it"), Vec::new(), 10, 100, Capture::Meta, estimator.clone());
+    let replies = vec![
+        Ok(calls(vec![call("c1", "sh")], StopReason::ToolCall)),
+        Ok(calls(vec![call("c2", "sh"), call("c3", "sh")], StopReason::ToolCall)),
+        Ok(text("done", StopReason::EndTurn)),
+    ];
+    let (outcome, events, model_calls) = drive(&mut m, replies, |_| ok_tool("hi"));
+    assert_eq!(outcome.exit_status, ExitStatus::Ok);
+    assert_eq!(model_calls, 3);
+    // user + 3 replies + 3 tool results; each reply's output_tokens is its history count.
+    assert_eq!(m.messages().len(), 7);
+    assert_eq!(estimator.0.load(std::sync::atomic::Ordering::Relaxed), 7);
+    let outputs: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Inference { output_tokens, .. } => Some(*output_tokens),
+            _ => None,
+        })
+        .collect();
+    let replies: Vec<u64> = m
+        .messages()
+        .iter()
+        .filter(|msg| msg.role == Role::Assistant)
+        .map(|msg| serde_json::to_string(msg).unwrap().len() as u64)
+        .collect();
+    assert_eq!(outputs, replies);
+}
