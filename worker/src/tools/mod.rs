@@ -37,6 +37,25 @@ pub struct ShellRun {
     pub stderr_bytes: u64,
 }
 
+/// A shell command that outlived its grace period and moved to the background, for the
+/// `shell_detached` trace line (`seeds/session-loop.md` §Detached shell).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DetachedWork {
+    /// `wrk_…`, the handle the turn was given.
+    pub work_id: String,
+    /// Resolved absolute path of the binary, or its bare name.
+    pub binary: String,
+    /// The command as the model gave it.
+    pub command: String,
+    /// The grace period it outlived, ms.
+    pub grace_ms: u64,
+    /// Time from its start to its demotion, ms.
+    pub running_ms: u64,
+    /// Where its output goes, relative to the workdir when the logs are under it
+    /// (`logs/<work_id>.log`).
+    pub output_path: String,
+}
+
 /// The result of one tool call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
@@ -44,14 +63,16 @@ pub struct Outcome {
     pub text: String,
     /// Whether the call failed (unknown tool, refused binary, bad input, tool error).
     pub is_error: bool,
-    /// Set when a shell command ran.
+    /// Set when a shell command ran to its end in the foreground.
     pub shell: Option<ShellRun>,
+    /// Set instead of `shell` when the command moved to the background.
+    pub detached: Option<DetachedWork>,
 }
 
 impl Outcome {
     /// A failed call with `text` as its message.
     pub fn error(text: impl Into<String>) -> Self {
-        Outcome { text: text.into(), is_error: true, shell: None }
+        Outcome { text: text.into(), is_error: true, shell: None, detached: None }
     }
 }
 

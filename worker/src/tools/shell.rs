@@ -150,6 +150,7 @@ impl Shell {
                 stdout_bytes: out.total,
                 stderr_bytes: err.total,
             }),
+            detached: None,
         }
     }
 }
