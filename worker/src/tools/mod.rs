@@ -1,6 +1,8 @@
 //! Tools the model may call: the built-in shell tools (one per allowed binary) and tools
-//! declared in the manifest as commands. The loop sees them through [`Tools`].
+//! declared in the manifest as commands. The loop sees them through [`Tools`]. A shell
+//! command that outlives its grace period moves to the background ([`background`]).
 
+pub mod background;
 pub mod command;
 pub(crate) mod process;
 pub mod shell;
@@ -10,6 +12,7 @@ use async_trait::async_trait;
 use mur_proto::Manifest;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// Where a tool call runs.
 #[derive(Clone, Debug)]
@@ -103,6 +106,14 @@ impl Toolbox {
         let mut specs = shell.specs();
         specs.extend(commands.iter().map(command::CommandTool::spec));
         Toolbox { specs, shell, commands }
+    }
+
+    /// Moves shell commands still running after `grace` to the background, reporting them
+    /// to `sink` (`lifecycle.shell_grace_secs`; zero demotes at the first check). Without
+    /// this, shell commands are waited for to their end.
+    pub fn with_detach(mut self, grace: Duration, sink: background::DetachSink) -> Self {
+        self.shell = self.shell.with_detach(grace, sink);
+        self
     }
 
     /// Whether `name` is one of the shell tools.
