@@ -211,6 +211,77 @@ pub enum Event {
         /// Wall time, ms.
         duration_ms: u64,
     },
+    /// A shell command outlived `lifecycle.shell_grace_secs` and moved to the background
+    /// (`seeds/session-loop.md` §Detached shell). Written instead of the `shell` line, right
+    /// after its `tool_call` line, and counted as a shell call.
+    ShellDetached {
+        /// Turn that asked for it.
+        turn: u32,
+        /// The task that started it.
+        task_id: String,
+        /// `wrk_…`, the handle the turn was given.
+        work_id: String,
+        /// Resolved absolute path of the binary (or its bare name when unresolved).
+        binary: String,
+        /// The command as the model gave it.
+        command: String,
+        /// The grace period it outlived, ms.
+        grace_ms: u64,
+    },
+    /// A detached command ended and its completion task was enqueued
+    /// (`seeds/session-loop.md` §Detached shell). Not counted again as a shell call.
+    ShellCompleted {
+        /// `wrk_…`.
+        work_id: String,
+        /// Resolved absolute path of the binary (or its bare name).
+        binary: String,
+        /// The command as the model gave it.
+        command: String,
+        /// Exit code; 128+signal when killed by a signal.
+        exit_code: i32,
+        /// Wall time from start to exit, ms.
+        duration_ms: u64,
+        /// Where its output went, `logs/<work_id>.log` (relative to the workdir).
+        output_path: String,
+        /// Bytes of output (stdout and stderr) in that file.
+        output_bytes: u64,
+        /// `ok` for exit code 0, else `error`.
+        status: CallStatus,
+        /// The `completion` task that carries the result.
+        completion_task_id: String,
+    },
+    /// A detached command still running when its session ended; its result is lost
+    /// (`seeds/session-loop.md` §Detached shell). Also reported on stderr.
+    ShellAbandoned {
+        /// `wrk_…`.
+        work_id: String,
+        /// Resolved absolute path of the binary (or its bare name).
+        binary: String,
+        /// The command as the model gave it.
+        command: String,
+        /// Time since the command started, ms.
+        running_ms: u64,
+    },
+    /// A resume found a `shell_detached` line with no end and reported the command lost
+    /// (`seeds/session-loop.md` §What a resume reports). Appended to the trace of the
+    /// session that started the command; the header's `session_id` is the writer's, so
+    /// the session the command belonged to has its own field.
+    ShellLost {
+        /// The session that detached the command (whose trace this line is appended to).
+        original_session_id: String,
+        /// `wrk_…`.
+        work_id: String,
+        /// Resolved absolute path of the binary (or its bare name).
+        binary: String,
+        /// The command as the model gave it.
+        command: String,
+        /// The `timestamp` of the `shell_detached` line (Unix ms).
+        detached_at_ms: u64,
+        /// The resuming session that reported the loss.
+        reconciled_by_session: String,
+        /// The `completion` task that carries the report.
+        reconciled_task_id: String,
+    },
     /// A hook vetoed the task's outcome and the task runs again (`seeds/session-loop.md`
     /// §Task reopening). Between `task_start` and `task_end`.
     TaskReopened {
@@ -341,6 +412,10 @@ impl Event {
             Event::ModelAttempt { .. } => "model_attempt",
             Event::ToolCall { .. } => "tool_call",
             Event::Shell { .. } => "shell",
+            Event::ShellDetached { .. } => "shell_detached",
+            Event::ShellCompleted { .. } => "shell_completed",
+            Event::ShellAbandoned { .. } => "shell_abandoned",
+            Event::ShellLost { .. } => "shell_lost",
             Event::TaskEnd { .. } => "task_end",
             Event::TaskReopened { .. } => "task_reopened",
             Event::ContextSeed { .. } => "context_seed",
@@ -402,5 +477,65 @@ mod tests {
         assert!(v.get("input_tokens_actual").is_none());
         assert!(v.get("cached_tokens").is_none());
         assert_eq!(v["decision"], "text");
+    }
+
+    #[test]
+    fn detached_shell_events_carry_their_event_type_and_round_trip() {
+        let events = [
+            Event::ShellDetached {
+                turn: 2,
+                task_id: "tsk_1".into(),
+                work_id: "wrk_1".into(),
+                binary: "/bin/sh".into(),
+                command: "sleep 30".into(),
+                grace_ms: 10_000,
+            },
+            Event::ShellCompleted {
+                work_id: "wrk_1".into(),
+                binary: "/bin/sh".into(),
+                command: "sleep 30".into(),
+                exit_code: 137,
+                duration_ms: 30_000,
+                output_path: "logs/wrk_1.log".into(),
+                output_bytes: 0,
+                status: CallStatus::Error,
+                completion_task_id: "tsk_2".into(),
+            },
+            Event::ShellAbandoned {
+                work_id: "wrk_1".into(),
+                binary: "/bin/sh".into(),
+                command: "sleep 30".into(),
+                running_ms: 12,
+            },
+            Event::ShellLost {
+                original_session_id: "ses_old".into(),
+                work_id: "wrk_1".into(),
+                binary: "/bin/sh".into(),
+                command: "sleep 30".into(),
+                detached_at_ms: 1_700_000_000_000,
+                reconciled_by_session: "ses_new".into(),
+                reconciled_task_id: "tsk_3".into(),
+            },
+        ];
+        let types: Vec<&str> = events.iter().map(Event::event_type).collect();
+        assert_eq!(types, ["shell_detached", "shell_completed", "shell_abandoned", "shell_lost"]);
+        for e in events {
+            let v = serde_json::to_value(&e).unwrap();
+            assert_eq!(v["event_type"], e.event_type());
+            assert_eq!(serde_json::from_value::<Event>(v).unwrap(), e);
+        }
+        let v = serde_json::to_value(Event::ShellCompleted {
+            work_id: "wrk_1".into(),
+            binary: "sh".into(),
+            command: "false".into(),
+            exit_code: 1,
+            duration_ms: 1,
+            output_path: "logs/wrk_1.log".into(),
+            output_bytes: 0,
+            status: CallStatus::Error,
+            completion_task_id: "tsk_2".into(),
+        })
+        .unwrap();
+        assert_eq!(v["status"], "error");
     }
 }

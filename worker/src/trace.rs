@@ -3,7 +3,9 @@
 //! `trace.jsonl` file for `mur run`, the trace stream on the cluster, memory in tests.
 //!
 //! Parent ids follow the tree of `reference/murmur-runtime.md` §1: session → task →
-//! turn (`inference`) → call events (`tool_call`, `shell`).
+//! turn (`inference`) → call events (`tool_call`, `shell`, `shell_detached`). The later
+//! records of detached work (`shell_completed`, `shell_abandoned`, `shell_lost`) hang under
+//! the task running when they are written, or the session between tasks.
 
 use crate::clock::Clock;
 use mur_proto::ids::{Id, IdKind};
@@ -124,8 +126,11 @@ impl Tracer {
             | Event::Compaction { .. }
             | Event::CompactionDeclined { .. }
             | Event::SpendCeilingReached { .. }
-            | Event::HookDispatchError { .. } => self.task_event.clone().or_else(|| self.session_event.clone()),
-            Event::ToolCall { .. } | Event::Shell { .. } => {
+            | Event::HookDispatchError { .. }
+            | Event::ShellCompleted { .. }
+            | Event::ShellAbandoned { .. }
+            | Event::ShellLost { .. } => self.task_event.clone().or_else(|| self.session_event.clone()),
+            Event::ToolCall { .. } | Event::Shell { .. } | Event::ShellDetached { .. } => {
                 self.turn_event.clone().or_else(|| self.task_event.clone()).or_else(|| self.session_event.clone())
             }
         };
@@ -152,5 +157,126 @@ impl Tracer {
             self.turn_event = None;
         }
         Ok(event_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SystemClock;
+    use mur_proto::task::{Lane, Origin};
+    use mur_proto::trace::{CallStatus, Decision, ProviderUsage};
+
+    fn task_start() -> Event {
+        Event::TaskStart {
+            task_id: "tsk_1".into(),
+            context_id: "ctx_1".into(),
+            source: "cli".into(),
+            message_parts_bytes: 1,
+            origin: Origin::User,
+            lane: Lane::User,
+        }
+    }
+
+    fn inference() -> Event {
+        Event::Inference {
+            turn: 0,
+            task_id: "tsk_1".into(),
+            input_tokens: 1,
+            output_tokens: 1,
+            decision: Decision::ToolCall,
+            tool_name: Some("sh".into()),
+            duration_ms: 1,
+            usage: ProviderUsage::default(),
+            origin: None,
+        }
+    }
+
+    fn session_start() -> Event {
+        Event::SessionStart {
+            capsule_name: "c".into(),
+            capsule_version: "1".into(),
+            model: "scripted".into(),
+            driver: "scripted".into(),
+            max_turns: 1,
+            capabilities: vec![],
+            tools_declared: vec![],
+            system_prompt_source: "none".into(),
+            system_prompt_sha256: None,
+            resumed_from: None,
+            context_id: None,
+        }
+    }
+
+    fn task_end() -> Event {
+        Event::TaskEnd {
+            task_id: "tsk_1".into(),
+            exit_status: mur_proto::task::ExitStatus::Ok,
+            duration_ms: 1,
+            turns: 1,
+            input_tokens: 1,
+            output_tokens: 1,
+            tool_calls: 1,
+            shell_calls: 1,
+            reopen_count: 0,
+        }
+    }
+
+    fn completed() -> Event {
+        Event::ShellCompleted {
+            work_id: "wrk_1".into(),
+            binary: "sh".into(),
+            command: "sleep 1".into(),
+            exit_code: 0,
+            duration_ms: 1000,
+            output_path: "logs/wrk_1.log".into(),
+            output_bytes: 0,
+            status: CallStatus::Ok,
+            completion_task_id: "tsk_2".into(),
+        }
+    }
+
+    #[test]
+    fn shell_detached_hangs_under_its_turn_and_later_records_under_the_task_or_session() {
+        let sink = MemorySink::default();
+        let mut t = Tracer::new("ses_1".into(), Box::new(sink.clone()), Arc::new(SystemClock));
+        let session = t.emit(session_start()).unwrap();
+        let task = t.emit(task_start()).unwrap();
+        let turn = t.emit(inference()).unwrap();
+        t.emit(Event::ShellDetached {
+            turn: 0,
+            task_id: "tsk_1".into(),
+            work_id: "wrk_1".into(),
+            binary: "sh".into(),
+            command: "sleep 1".into(),
+            grace_ms: 0,
+        })
+        .unwrap();
+        t.emit(completed()).unwrap();
+        t.emit(task_end()).unwrap();
+        t.emit(completed()).unwrap();
+        t.emit(Event::ShellAbandoned {
+            work_id: "wrk_2".into(),
+            binary: "sh".into(),
+            command: "sleep 9".into(),
+            running_ms: 5,
+        })
+        .unwrap();
+        let lines = sink.lines();
+        let parents: Vec<(&str, Option<String>)> =
+            lines.iter().map(|l| (l.event.event_type(), l.parent_id.clone())).collect();
+        assert_eq!(
+            parents,
+            [
+                ("session_start", None),
+                ("task_start", Some(session.clone())),
+                ("inference", Some(task.clone())),
+                ("shell_detached", Some(turn)),
+                ("shell_completed", Some(task.clone())),
+                ("task_end", Some(task)),
+                ("shell_completed", Some(session.clone())),
+                ("shell_abandoned", Some(session)),
+            ]
+        );
     }
 }

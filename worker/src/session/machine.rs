@@ -516,7 +516,19 @@ impl TaskMachine {
             duration_ms,
             status: if outcome.is_error { CallStatus::Error } else { CallStatus::Ok },
         }];
-        if let Some(shell) = outcome.shell {
+        if let Some(work) = outcome.detached {
+            // A demoted command: `shell_detached` replaces the `shell` line and counts as the
+            // shell call (`reference/murmur-runtime.md` §1, checklist D4).
+            self.counters.shell_calls += 1;
+            events.push(Event::ShellDetached {
+                turn: self.turn,
+                task_id: self.task.task_id.clone(),
+                work_id: work.work_id,
+                binary: work.binary,
+                command: work.command,
+                grace_ms: work.grace_ms,
+            });
+        } else if let Some(shell) = outcome.shell {
             self.counters.shell_calls += 1;
             events.push(Event::Shell {
                 turn: self.turn,

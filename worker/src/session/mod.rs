@@ -2,6 +2,7 @@
 //! driver, tools and trace sink traits).
 
 pub mod compaction;
+pub mod detach;
 pub mod machine;
 pub mod runner;
 pub mod seed;

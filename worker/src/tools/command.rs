@@ -115,7 +115,7 @@ impl CommandTool {
             Err(e) => return Outcome::error(format!("tool {name:?}: waiting failed: {e}")),
         };
         if status.success() {
-            Outcome { text: capped(&out), is_error: false, shell: None }
+            Outcome { text: capped(&out), is_error: false, shell: None, detached: None }
         } else {
             let stderr = capped(&err);
             Outcome::error(format!("exit code {}: {}", process::exit_code(status), stderr.trim_end()))

@@ -1,6 +1,8 @@
 //! Tools the model may call: the built-in shell tools (one per allowed binary) and tools
-//! declared in the manifest as commands. The loop sees them through [`Tools`].
+//! declared in the manifest as commands. The loop sees them through [`Tools`]. A shell
+//! command that outlives its grace period moves to the background ([`background`]).
 
+pub mod background;
 pub mod command;
 pub(crate) mod process;
 pub mod shell;
@@ -10,6 +12,7 @@ use async_trait::async_trait;
 use mur_proto::Manifest;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// Where a tool call runs.
 #[derive(Clone, Debug)]
@@ -37,6 +40,25 @@ pub struct ShellRun {
     pub stderr_bytes: u64,
 }
 
+/// A shell command that outlived its grace period and moved to the background, for the
+/// `shell_detached` trace line (`seeds/session-loop.md` §Detached shell).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DetachedWork {
+    /// `wrk_…`, the handle the turn was given.
+    pub work_id: String,
+    /// Resolved absolute path of the binary, or its bare name.
+    pub binary: String,
+    /// The command as the model gave it.
+    pub command: String,
+    /// The grace period it outlived, ms.
+    pub grace_ms: u64,
+    /// Time from its start to its demotion, ms.
+    pub running_ms: u64,
+    /// Where its output goes, relative to the workdir when the logs are under it
+    /// (`logs/<work_id>.log`).
+    pub output_path: String,
+}
+
 /// The result of one tool call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
@@ -44,14 +66,16 @@ pub struct Outcome {
     pub text: String,
     /// Whether the call failed (unknown tool, refused binary, bad input, tool error).
     pub is_error: bool,
-    /// Set when a shell command ran.
+    /// Set when a shell command ran to its end in the foreground.
     pub shell: Option<ShellRun>,
+    /// Set instead of `shell` when the command moved to the background.
+    pub detached: Option<DetachedWork>,
 }
 
 impl Outcome {
     /// A failed call with `text` as its message.
     pub fn error(text: impl Into<String>) -> Self {
-        Outcome { text: text.into(), is_error: true, shell: None }
+        Outcome { text: text.into(), is_error: true, shell: None, detached: None }
     }
 }
 
@@ -82,6 +106,14 @@ impl Toolbox {
         let mut specs = shell.specs();
         specs.extend(commands.iter().map(command::CommandTool::spec));
         Toolbox { specs, shell, commands }
+    }
+
+    /// Moves shell commands still running after `grace` to the background, reporting them
+    /// to `sink` (`lifecycle.shell_grace_secs`; zero demotes at the first check). Without
+    /// this, shell commands are waited for to their end.
+    pub fn with_detach(mut self, grace: Duration, sink: background::DetachSink) -> Self {
+        self.shell = self.shell.with_detach(grace, sink);
+        self
     }
 
     /// Whether `name` is one of the shell tools.

@@ -98,59 +98,99 @@ fn utf8_width(lead: u8) -> Option<usize> {
 /// file, created new (its directory too). The stream is always drained, even when the spill
 /// fails, so the child never blocks on a full pipe. A read error ends the stream early.
 pub(crate) async fn capture<R: AsyncRead + Unpin>(mut reader: R, limit: usize, spill_to: Option<PathBuf>) -> Captured {
-    let keep = limit + 1;
-    let mut head = Vec::with_capacity(keep.min(8 * 1024));
-    let mut total: u64 = 0;
-    let mut spill = Spill::None;
-    let mut file: Option<tokio::fs::File> = None;
+    let mut capture = Capture::new(limit, spill_to);
     let mut buf = vec![0u8; 64 * 1024];
+    while let Some(n) = read_chunk(&mut reader, &mut buf).await {
+        capture.push(&buf[..n]).await;
+    }
+    capture.finish().await
+}
+
+/// Reads the next chunk into `buf`: `Some(n)` with `n > 0`, or `None` at the end of the
+/// stream. Retries on `Interrupted`; any other read error ends the stream (logged). Cancel
+/// safe: dropped before it completes, it has consumed nothing.
+pub(crate) async fn read_chunk<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> Option<usize> {
     loop {
-        let n = match reader.read(&mut buf).await {
-            Ok(0) => break,
-            Ok(n) => n,
+        match reader.read(buf).await {
+            Ok(0) => return None,
+            Ok(n) => return Some(n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 tracing::warn!(error = %e, "reading a tool's output failed; treating it as ended");
-                break;
+                return None;
             }
-        };
-        let chunk = &buf[..n];
-        let room = keep - head.len();
-        head.extend_from_slice(&chunk[..n.min(room)]);
-        total += n as u64;
+        }
+    }
+}
 
-        if total > limit as u64
-            && matches!(spill, Spill::None)
-            && let Some(path) = &spill_to
+/// A stream being captured chunk by chunk (what [`capture`] does, for callers that read the
+/// stream themselves): keeps the first `limit + 1` bytes and spills the whole stream to a
+/// file once it outgrows `limit`, when a spill file was asked for.
+pub(crate) struct Capture {
+    head: Vec<u8>,
+    total: u64,
+    limit: usize,
+    spill: Spill,
+    spill_to: Option<PathBuf>,
+    file: Option<tokio::fs::File>,
+}
+
+impl Capture {
+    /// An empty capture keeping `limit` bytes, spilling to `spill_to` if given.
+    pub fn new(limit: usize, spill_to: Option<PathBuf>) -> Self {
+        Capture {
+            head: Vec::with_capacity((limit + 1).min(8 * 1024)),
+            total: 0,
+            limit,
+            spill: Spill::None,
+            spill_to,
+            file: None,
+        }
+    }
+
+    /// Takes the next chunk of the stream.
+    pub async fn push(&mut self, chunk: &[u8]) {
+        let n = chunk.len();
+        let room = self.limit + 1 - self.head.len();
+        self.head.extend_from_slice(&chunk[..n.min(room)]);
+        self.total += n as u64;
+
+        if self.total > self.limit as u64
+            && matches!(self.spill, Spill::None)
+            && let Some(path) = &self.spill_to
         {
             // First overflow: open the spill file and write what came before this chunk.
             match create_new(path).await {
                 Ok(mut f) => {
-                    let before = &head[..head.len() - n.min(room)];
+                    let before = &self.head[..self.head.len() - n.min(room)];
                     match f.write_all(before).await {
                         Ok(()) => {
-                            file = Some(f);
-                            spill = Spill::File(path.clone());
+                            self.file = Some(f);
+                            self.spill = Spill::File(path.clone());
                         }
-                        Err(e) => spill = Spill::Failed(format!("{}: {e}", path.display())),
+                        Err(e) => self.spill = Spill::Failed(format!("{}: {e}", path.display())),
                     }
                 }
-                Err(e) => spill = Spill::Failed(format!("{}: {e}", path.display())),
+                Err(e) => self.spill = Spill::Failed(format!("{}: {e}", path.display())),
             }
         }
-        if let Some(f) = &mut file
+        if let Some(f) = &mut self.file
             && let Err(e) = f.write_all(chunk).await
         {
-            spill = Spill::Failed(format!("{}: {e}", spill_path_display(&spill_to)));
-            file = None;
+            self.spill = Spill::Failed(format!("{}: {e}", spill_path_display(&self.spill_to)));
+            self.file = None;
         }
     }
-    if let Some(mut f) = file
-        && let Err(e) = f.flush().await
-    {
-        spill = Spill::Failed(format!("{}: {e}", spill_path_display(&spill_to)));
+
+    /// The stream as captured so far, its spill file flushed.
+    pub async fn finish(mut self) -> Captured {
+        if let Some(mut f) = self.file.take()
+            && let Err(e) = f.flush().await
+        {
+            self.spill = Spill::Failed(format!("{}: {e}", spill_path_display(&self.spill_to)));
+        }
+        Captured { head: self.head, total: self.total, limit: self.limit, spill: self.spill }
     }
-    Captured { head, total, limit, spill }
 }
 
 fn spill_path_display(p: &Option<PathBuf>) -> String {

@@ -9,21 +9,29 @@
 //! in its own process group (so the whole group can be signalled). Both streams are read
 //! while the command runs, keeping only their heads in memory; a stream that outgrows
 //! [`STREAM_LIMIT`] is spilled to a file next to the log and folded into the log at the end.
+//!
+//! With a grace period ([`Shell::with_detach`], `lifecycle.shell_grace_secs`), a command
+//! still running when it is up moves to the background (`seeds/session-loop.md` §Detached
+//! shell): the call returns at once a result of constant size naming its `wrk_` handle, its
+//! output goes to `logs/<work_id>.log`, and its end is reported through the
+//! [`DetachSink`] (see [`super::background`]).
 
-use super::process::{self, Captured, GroupGuard, Spill};
-use super::{CallContext, Outcome, ShellRun};
+use super::background::{self, DetachSink, Foreground, Handover, Journal};
+use super::process::{self, Capture, Captured, GroupGuard, Spill};
+use super::{CallContext, DetachedWork, Outcome, ShellRun};
 use crate::driver::ToolSpec;
+use crate::session::detach::cut;
+use mur_proto::ids::{Id, IdKind};
 use serde_json::{Value, json};
 use std::collections::hash_map::RandomState;
-use std::future::Future;
 use std::hash::BuildHasher;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::io::AsyncWriteExt;
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
 
 /// Bytes of each stream kept in the tool result (16 KiB); the rest goes to the log file.
 pub const STREAM_LIMIT: usize = 16 * 1024;
@@ -35,15 +43,27 @@ pub const INTERPRETERS: [&str; 6] = ["sh", "bash", "zsh", "fish", "dash", "ksh"]
 /// The folder under the workdir that commands get as `HOME`.
 pub const HOME_DIR: &str = ".capsule-home";
 
+/// Characters of the command repeated in a demoted call's result.
+pub const DETACHED_COMMAND_CHARS: usize = 200;
+
 /// The shell tools of one capsule.
 pub struct Shell {
     allow: Vec<String>,
+    detach: Option<(Duration, DetachSink)>,
 }
 
 impl Shell {
-    /// Tools for the binaries in `allow`.
+    /// Tools for the binaries in `allow`; commands are waited for to their end.
     pub fn new(allow: Vec<String>) -> Self {
-        Shell { allow }
+        Shell { allow, detach: None }
+    }
+
+    /// Moves a command still running after `grace` to the background and reports it to
+    /// `sink` (`seeds/session-loop.md` §Detached shell; zero demotes at the first check
+    /// unless the command has already exited).
+    pub fn with_detach(mut self, grace: Duration, sink: DetachSink) -> Self {
+        self.detach = Some((grace, sink));
+        self
     }
 
     /// Whether `binary` is allowed (and so is a tool name).
@@ -67,12 +87,16 @@ impl Shell {
             .collect()
     }
 
-    /// Runs `binary` with `input.command` and waits for it to finish.
+    /// Runs `binary` with `input.command` and waits for it to finish, or, with a grace
+    /// period, until the grace period is up.
     ///
     /// The text is `$ <command>\nExit code: <n>\nStdout:\n<stdout>\nStderr:\n<stderr>`; a
-    /// non-zero exit is still a successful call. Errors (an [`Outcome`] with `is_error`, and
-    /// no [`ShellRun`]): `command` missing or not a string, a command that does not split into
-    /// words, a binary that cannot be started. The caller checks `binary` against the
+    /// non-zero exit is still a successful call. A demoted command's text is
+    /// `still running in the background as wrk_… (<binary>: <command, cut to 200
+    /// characters>); its output goes to logs/wrk_….log; you will get a completion task when
+    /// it ends`, with [`Outcome::detached`] set and no [`ShellRun`]. Errors (an [`Outcome`]
+    /// with `is_error`, and no [`ShellRun`]): `command` missing or not a string, a command
+    /// that does not split into words, a binary that cannot be started. The caller checks `binary` against the
     /// allow-list ([`Shell::allows`]); this method does not.
     pub async fn run(&self, binary: &str, input: &Value, ctx: &CallContext) -> Outcome {
         let command = match input.get("command") {
@@ -107,18 +131,33 @@ impl Shell {
             Ok(child) => child,
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
+        let started = Instant::now();
         let mut guard = GroupGuard::new(child.id());
+        let shown_binary = resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string());
 
         let stem = log_stem();
-        let part = |stream: &str| Some(ctx.logs_dir.join(format!("{stem}.{stream}.part")));
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = child.stderr.take().expect("stderr is piped");
-        let (status, out, err) = wait(
-            &mut child,
-            process::capture(stdout, STREAM_LIMIT, part("stdout")),
-            process::capture(stderr, STREAM_LIMIT, part("stderr")),
-        )
-        .await;
+        let (status, out, err) = match wait(&mut child, stdout, stderr, &stem, ctx, self.detach.as_ref()).await {
+            Waited::Exited(status, out, err) => (status, out, err),
+            Waited::Demoted { work_id, log, handover, out, err } => {
+                let (grace, sink) = self.detach.as_ref().expect("only a grace period demotes");
+                let work = DetachedWork {
+                    work_id,
+                    binary: shown_binary,
+                    command,
+                    grace_ms: grace.as_millis() as u64,
+                    running_ms: started.elapsed().as_millis() as u64,
+                    output_path: shown_path(ctx, &log),
+                };
+                // The guard stays armed until the sink holds the group: a run dropped before
+                // that still kills its command; from here on nothing kills it on drop.
+                let log_error = sink.adopt(child, handover, started, &work).await;
+                guard.disarm();
+                remove_parts(&out, &err).await;
+                return demoted(binary, work, log_error);
+            }
+        };
         guard.disarm();
         let exit_code = match status {
             Ok(status) => process::exit_code(status),
@@ -144,12 +183,13 @@ impl Shell {
             text,
             is_error: false,
             shell: Some(ShellRun {
-                binary: resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string()),
+                binary: shown_binary,
                 command,
                 exit_code,
                 stdout_bytes: out.total,
                 stderr_bytes: err.total,
             }),
+            detached: None,
         }
     }
 }
@@ -167,15 +207,78 @@ fn arguments(binary: &str, command: &str) -> Result<Vec<String>, shell_words::Pa
     }
 }
 
+/// How [`wait`] ended.
+enum Waited {
+    /// The command exited and both streams ended.
+    Exited(io::Result<ExitStatus>, Captured, Captured),
+    /// The grace period was up with the command still running.
+    Demoted {
+        /// Its `wrk_` id.
+        work_id: String,
+        /// Its log, `<logs_dir>/<work_id>.log`.
+        log: PathBuf,
+        /// Its streams and what was read of them, for the background.
+        handover: Box<Handover>,
+        /// stdout as far as it was read (its spill file is to be removed).
+        out: Captured,
+        /// stderr as far as it was read.
+        err: Captured,
+    },
+}
+
 /// Waits for the command to exit and for both its streams to reach their end, reading them
-/// concurrently. This is the one place a run waits on its child (a grace period, after which
-/// the command would move to the background, belongs here).
+/// concurrently. This is the one place a run waits on its child: with a grace period
+/// (`detach`), only until it is up ([`background::foreground`]). A stream that outgrows
+/// [`STREAM_LIMIT`] spills to `<logs_dir>/<stem>.<stream>.part`.
 async fn wait(
     child: &mut Child,
-    stdout: impl Future<Output = Captured>,
-    stderr: impl Future<Output = Captured>,
-) -> (io::Result<ExitStatus>, Captured, Captured) {
-    tokio::join!(child.wait(), stdout, stderr)
+    stdout: ChildStdout,
+    stderr: ChildStderr,
+    stem: &str,
+    ctx: &CallContext,
+    detach: Option<&(Duration, DetachSink)>,
+) -> Waited {
+    let part = |stream: &str| Some(ctx.logs_dir.join(format!("{stem}.{stream}.part")));
+    let Some((grace, _)) = detach else {
+        let (status, out, err) = tokio::join!(
+            child.wait(),
+            process::capture(stdout, STREAM_LIMIT, part("stdout")),
+            process::capture(stderr, STREAM_LIMIT, part("stderr")),
+        );
+        return Waited::Exited(status, out, err);
+    };
+    let work_id = Id::generate(IdKind::Work);
+    let log = ctx.logs_dir.join(format!("{work_id}.log"));
+    let out = Capture::new(STREAM_LIMIT, part("stdout"));
+    let err = Capture::new(STREAM_LIMIT, part("stderr"));
+    match background::foreground(child, stdout, stderr, *grace, out, err, Journal::new(log.clone())).await {
+        Foreground::Exited { status, out, err } => Waited::Exited(status, out, err),
+        Foreground::Demoted { handover, out, err } => Waited::Demoted { work_id, log, handover, out, err },
+    }
+}
+
+/// The result of a demoted call: constant in size whatever the command prints.
+fn demoted(binary: &str, work: DetachedWork, log_error: Option<String>) -> Outcome {
+    let command = cut(&work.command, DETACHED_COMMAND_CHARS);
+    let output = match log_error {
+        None => format!("its output goes to {}", work.output_path),
+        Some(e) => format!("its output cannot be saved ({e})"),
+    };
+    Outcome {
+        text: format!(
+            "still running in the background as {} ({binary}: {command}); {output}; you will get a \
+             completion task when it ends",
+            work.work_id
+        ),
+        is_error: false,
+        shell: None,
+        detached: Some(work),
+    }
+}
+
+/// `path` relative to the workdir when it lies under it (`logs/wrk_….log`), else as is.
+fn shown_path(ctx: &CallContext, path: &Path) -> String {
+    path.strip_prefix(&ctx.workdir).unwrap_or(path).display().to_string()
 }
 
 /// A fresh log name, `shell-<unix-ms>-<6 hex digits>`: the digits hash the pid, a
@@ -474,5 +577,261 @@ mod tests {
                  --- stderr (1048576 bytes) ---\n{e}\n"
             )
         );
+    }
+
+    mod detached {
+        use super::*;
+        use crate::session::detach::{Detached, Work};
+        use crate::tools::background::DetachNotice;
+        use mur_proto::trace::CallStatus;
+        use tokio::sync::mpsc::UnboundedReceiver;
+
+        const PATIENCE: Duration = Duration::from_secs(20);
+
+        fn detaching(grace: Duration) -> (Shell, DetachSink, UnboundedReceiver<DetachNotice>) {
+            let (sink, rx) = DetachSink::channel();
+            (Shell::new(vec!["sh".into()]).with_detach(grace, sink.clone()), sink, rx)
+        }
+
+        async fn sh(shell: &Shell, command: &str, ctx: &CallContext) -> Outcome {
+            shell.run("sh", &json!({ "command": command }), ctx).await
+        }
+
+        async fn next(rx: &mut UnboundedReceiver<DetachNotice>) -> DetachNotice {
+            tokio::time::timeout(PATIENCE, rx.recv()).await.expect("a notice in time").expect("the sink is open")
+        }
+
+        /// The `Completed` notice of `work_id`, skipping others; (exit code, duration, path, bytes).
+        async fn completion(rx: &mut UnboundedReceiver<DetachNotice>, work_id: &str) -> (i32, u64, String, u64) {
+            loop {
+                if let DetachNotice::Completed { work_id: id, exit_code, duration_ms, output_path, output_bytes } =
+                    next(rx).await
+                    && id == work_id
+                {
+                    return (exit_code, duration_ms, output_path, output_bytes);
+                }
+            }
+        }
+
+        /// Pids of the processes in group `pgid`, with their state letter.
+        fn group(pgid: u32) -> Vec<(u32, char)> {
+            let mut found = Vec::new();
+            for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+                let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+                let Some((_, rest)) = stat.rsplit_once(") ") else { continue };
+                let fields: Vec<&str> = rest.split(' ').collect();
+                if fields.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid) {
+                    found.push((pid, fields[0].chars().next().unwrap_or('?')));
+                }
+            }
+            found
+        }
+
+        async fn until(what: &str, mut done: impl FnMut() -> bool) {
+            let end = std::time::Instant::now() + PATIENCE;
+            while !done() {
+                assert!(std::time::Instant::now() < end, "timed out waiting until {what}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+
+        fn detached(out: &Outcome) -> &DetachedWork {
+            out.detached.as_ref().unwrap_or_else(|| panic!("not detached: {}", out.text))
+        }
+
+        #[tokio::test]
+        async fn a_command_outliving_the_grace_period_returns_a_handle_and_completes_later_with_its_full_log() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, _sink, mut rx) = detaching(Duration::from_secs(1));
+            let started = std::time::Instant::now();
+            let out = sh(&shell, "echo before; sleep 3; echo after >&2", &ctx).await;
+            let elapsed = started.elapsed();
+            assert!(elapsed >= Duration::from_secs(1) && elapsed < Duration::from_millis(2500), "{elapsed:?}");
+
+            assert!(!out.is_error);
+            assert_eq!(out.shell, None);
+            let work = detached(&out).clone();
+            assert!(Id::is_valid(IdKind::Work, &work.work_id), "{}", work.work_id);
+            assert_eq!(work.output_path, format!("logs/{}.log", work.work_id));
+            assert!(work.binary.ends_with("/sh"), "{}", work.binary);
+            assert_eq!((work.command.as_str(), work.grace_ms), ("echo before; sleep 3; echo after >&2", 1000));
+            assert_eq!(
+                out.text,
+                format!(
+                    "still running in the background as {id} (sh: echo before; sleep 3; echo after >&2); its output \
+                     goes to logs/{id}.log; you will get a completion task when it ends",
+                    id = work.work_id
+                )
+            );
+            assert!(!out.text.contains("before\n"), "the turn never sees the output");
+
+            assert_eq!(next(&mut rx).await, DetachNotice::Detached(work.clone()));
+            let (exit_code, duration_ms, output_path, output_bytes) = completion(&mut rx, &work.work_id).await;
+            assert_eq!((exit_code, output_path.as_str(), output_bytes), (0, work.output_path.as_str(), 13));
+            assert!(duration_ms >= 3000, "{duration_ms}");
+            let log = std::fs::read_to_string(ctx.workdir.join(&work.output_path)).unwrap();
+            assert_eq!(log, "before\nafter\n");
+            // Only the log is left: no spill or journal files besides it.
+            let files: Vec<_> = std::fs::read_dir(&ctx.logs_dir).unwrap().collect();
+            assert_eq!(files.len(), 1);
+        }
+
+        #[tokio::test]
+        async fn a_command_ending_within_the_grace_period_returns_its_output_as_without_one() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, _sink, mut rx) = detaching(Duration::from_secs(10));
+            let out = sh(&shell, "echo hello; echo oops >&2; exit 2", &ctx).await;
+            assert_eq!(
+                out.text,
+                "$ echo hello; echo oops >&2; exit 2\nExit code: 2\nStdout:\nhello\n\nStderr:\noops\n"
+            );
+            assert_eq!(out.detached, None);
+            assert_eq!(out.shell.unwrap().exit_code, 2);
+            assert!(rx.try_recv().is_err(), "no notice");
+            assert!(!ctx.logs_dir.exists(), "no log");
+        }
+
+        #[tokio::test]
+        async fn a_long_foreground_output_is_logged_even_when_the_journal_spilled() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, _sink, _rx) = detaching(Duration::from_secs(30));
+            let out = sh(&shell, "head -c 200000 /dev/zero | tr '\\0' a", &ctx).await;
+            assert_eq!(out.detached, None);
+            assert_eq!(out.shell.unwrap().stdout_bytes, 200_000);
+            let log = std::fs::read_to_string(log_path(&out.text)).unwrap();
+            assert!(log.contains(&"a".repeat(200_000)));
+            // The truncation log only: the journal of the finished command was removed.
+            let files: Vec<_> = std::fs::read_dir(&ctx.logs_dir).unwrap().collect();
+            assert_eq!(files.len(), 1);
+        }
+
+        #[tokio::test]
+        async fn grace_zero_demotes_a_running_command_at_once() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, mut rx) = detaching(Duration::ZERO);
+            let started = std::time::Instant::now();
+            let out = sh(&shell, "sleep 30", &ctx).await;
+            assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+            let work = detached(&out).clone();
+            assert_eq!(work.grace_ms, 0);
+            assert_eq!(sink.running(), [work.work_id.as_str()]);
+            assert_eq!(sink.kill_all().await, [work.work_id.as_str()]);
+            assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
+            assert!(sink.running().is_empty());
+        }
+
+        #[tokio::test]
+        async fn a_failing_detached_command_completes_with_its_exit_code_and_status_error() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, _sink, mut rx) = detaching(Duration::ZERO);
+            let out = sh(&shell, "sleep 0.5; echo $((6 * 7)); exit 3", &ctx).await;
+            let work = detached(&out).clone();
+
+            let mut registry = Detached::new();
+            registry
+                .detach(Work {
+                    work_id: work.work_id.clone(),
+                    binary: work.binary.clone(),
+                    command: work.command.clone(),
+                    task_id: "tsk_1".into(),
+                    context_id: "ctx_1".into(),
+                    started_at_ms: 0,
+                    detached_at_ms: 0,
+                })
+                .unwrap();
+            let (exit_code, duration_ms, output_path, output_bytes) = completion(&mut rx, &work.work_id).await;
+            assert_eq!((exit_code, output_bytes), (3, 3));
+            let done = registry.complete(&work.work_id, exit_code, duration_ms, &output_path, output_bytes).unwrap();
+            assert_eq!(done.status, CallStatus::Error);
+            assert!(done.task.text.contains("status: error\nexit_code: 3\n"), "{}", done.task.text);
+            assert!(!done.task.text.contains("42"), "never the output");
+        }
+
+        #[tokio::test]
+        async fn a_detached_command_killed_by_a_signal_reports_128_plus_the_signal() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, mut rx) = detaching(Duration::ZERO);
+            let out = sh(&shell, "sleep 30", &ctx).await;
+            let work = detached(&out).clone();
+            let pgid = sink.pgid(&work.work_id).expect("running");
+            process::kill_group(pgid).unwrap();
+            assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
+        }
+
+        #[tokio::test]
+        async fn two_detached_commands_each_get_their_own_completion() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, _sink, mut rx) = detaching(Duration::ZERO);
+            let (a, b) = tokio::join!(sh(&shell, "sleep 0.5; echo one", &ctx), sh(&shell, "sleep 0.7; echo two", &ctx));
+            let (a, b) = (detached(&a).clone(), detached(&b).clone());
+            assert_ne!(a.work_id, b.work_id);
+            let mut ended = std::collections::HashMap::new();
+            while ended.len() < 2 {
+                if let DetachNotice::Completed { work_id, exit_code, output_path, .. } = next(&mut rx).await {
+                    assert!(ended.insert(work_id, (exit_code, output_path)).is_none(), "one completion each");
+                }
+            }
+            for (work, text) in [(&a, "one\n"), (&b, "two\n")] {
+                let (exit_code, path) = &ended[&work.work_id];
+                assert_eq!(*exit_code, 0);
+                assert_eq!(std::fs::read_to_string(ctx.workdir.join(path)).unwrap(), text);
+            }
+        }
+
+        #[tokio::test]
+        async fn kill_all_kills_grandchildren_and_leaves_no_zombie() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, mut rx) = detaching(Duration::ZERO);
+            let out = sh(&shell, "sleep 60 & sleep 60", &ctx).await;
+            let work = detached(&out).clone();
+            let pgid = sink.pgid(&work.work_id).expect("running");
+            until("both sleeps run", || group(pgid).len() >= 2).await;
+
+            assert_eq!(sink.kill_all().await, [work.work_id.as_str()]);
+            assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
+            until("the group is gone, zombies included", || group(pgid).is_empty()).await;
+        }
+
+        #[tokio::test]
+        async fn dropping_everything_does_not_kill_a_detached_command() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, rx) = detaching(Duration::ZERO);
+            let out = sh(&shell, "sleep 1; echo alive > alive.txt; sleep 60", &ctx).await;
+            let work = detached(&out).clone();
+            let pgid = sink.pgid(&work.work_id).expect("running");
+            drop((shell, sink, rx, out));
+
+            // Still running a second later: it wrote its file after every handle was dropped.
+            let alive = ctx.workdir.join("alive.txt");
+            until("the command writes alive.txt", || alive.exists()).await;
+            assert!(group(pgid).iter().any(|(_, state)| *state != 'Z'));
+            process::kill_group(pgid).unwrap();
+            until("the group is gone", || group(pgid).is_empty()).await;
+        }
+
+        #[tokio::test]
+        async fn a_demoted_result_is_constant_in_size_with_the_command_cut_to_200_characters() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, _rx) = detaching(Duration::ZERO);
+            let command = format!("sleep 30; echo {}", "€".repeat(500));
+            let out = sh(&shell, &command, &ctx).await;
+            let work = detached(&out).clone();
+            assert_eq!(work.command, command, "the trace keeps the whole command");
+            let shown: String = command.chars().take(DETACHED_COMMAND_CHARS).collect();
+            assert!(out.text.contains(&format!("(sh: {shown}…); its output")), "{}", out.text);
+            assert!(out.text.chars().count() < 400, "{}", out.text);
+            sink.kill_all().await;
+        }
     }
 }

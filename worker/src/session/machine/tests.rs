@@ -1,7 +1,7 @@
 //! The loop rules, driven without IO: a list of model replies and a tool function stand in
 //! for the driver and the tools.
 use super::*;
-use crate::tools::ShellRun;
+use crate::tools::{DetachedWork, ShellRun};
 use mur_proto::message::Role;
 use mur_proto::trace::ProviderUsage;
 use serde_json::json;
@@ -41,7 +41,7 @@ fn calls(blocks: Vec<Block>, stop: StopReason) -> ModelResponse {
 }
 
 fn ok_tool(text: &str) -> ToolOutcome {
-    ToolOutcome { text: text.into(), is_error: false, shell: None }
+    ToolOutcome { text: text.into(), is_error: false, shell: None, detached: None }
 }
 
 /// Runs the machine against `replies` (repeating the last one forever) and `tool`;
@@ -240,12 +240,52 @@ fn shell_results_write_a_shell_line_after_the_tool_call_line() {
                 stdout_bytes: 3,
                 stderr_bytes: 0,
             }),
+            detached: None,
         },
     );
     assert_eq!(types(&events), ["inference", "tool_call", "shell", "inference"]);
     let Event::Shell { turn, binary, exit_code, stdout_bytes, duration_ms, .. } = &events[2] else { panic!() };
     assert_eq!((*turn, binary.as_str(), *exit_code, *stdout_bytes, *duration_ms), (0, "/bin/sh", 0, 3, 3));
     assert_eq!(m.counters().shell_calls, 1);
+}
+
+#[test]
+fn a_detached_shell_result_writes_shell_detached_instead_of_shell_and_counts_one_shell_call() {
+    let mut m = machine(10);
+    let (_, events, _) = drive(
+        &mut m,
+        vec![Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), Ok(text("done", StopReason::EndTurn))],
+        |_| ToolOutcome {
+            text: "still running in the background as wrk_1 (sh: sleep 30)".into(),
+            is_error: false,
+            shell: None,
+            detached: Some(DetachedWork {
+                work_id: "wrk_1".into(),
+                binary: "/bin/sh".into(),
+                command: "sleep 30".into(),
+                grace_ms: 10_000,
+                running_ms: 10_002,
+                output_path: "logs/wrk_1.log".into(),
+            }),
+        },
+    );
+    assert_eq!(types(&events), ["inference", "tool_call", "shell_detached", "inference"]);
+    assert_eq!(
+        events[2],
+        Event::ShellDetached {
+            turn: 0,
+            task_id: "tsk_1".into(),
+            work_id: "wrk_1".into(),
+            binary: "/bin/sh".into(),
+            command: "sleep 30".into(),
+            grace_ms: 10_000,
+        }
+    );
+    let Event::ToolCall { status, .. } = &events[1] else { panic!() };
+    assert_eq!(*status, CallStatus::Ok);
+    assert_eq!((m.counters().tool_calls, m.counters().shell_calls), (1, 1));
+    let Event::TaskEnd { shell_calls, .. } = m.task_end(1) else { panic!() };
+    assert_eq!(shell_calls, 1);
 }
 
 #[test]
