@@ -218,7 +218,7 @@ impl Tools for NoopTools {
     }
 
     async fn call(&self, _name: &str, _input: &Value, _ctx: &CallContext) -> Outcome {
-        Outcome { text: "ok".into(), is_error: false, shell: None }
+        Outcome { text: "ok".into(), is_error: false, shell: None, detached: None }
     }
 }
 
