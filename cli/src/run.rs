@@ -8,12 +8,14 @@ use mur_worker::a2a::{AgentInfo, server::Server};
 use mur_worker::capsule::{self, Capsule};
 use mur_worker::clock::SystemClock;
 use mur_worker::hooks::{self, InferenceGate, process::ProcessHooks};
-use mur_worker::intake::Intake;
+use mur_worker::intake::{Intake, Submission};
 use mur_worker::local;
+use mur_worker::session::detach;
 use mur_worker::session::runner::Parts;
 use mur_worker::session::spend::{Gate, Position, Spend};
 use mur_worker::session::{Session, SessionConfig};
 use mur_worker::tokens;
+use mur_worker::tools::background::DetachSink;
 use mur_worker::tools::{CallContext, Toolbox, Tools};
 use mur_worker::trace::{FileSink, Tracer};
 use mur_worker::workdir::Layout;
@@ -46,6 +48,12 @@ pub struct Args {
     /// End cleanly after SECS without a task (default: wait forever).
     #[arg(long, value_name = "SECS")]
     idle_exit: Option<u64>,
+    /// Resume an earlier session: a full id, a unique suffix, or a path to its folder or
+    /// its trace.jsonl (looked up under --workdir, else <capsule>/workdir). Continues the
+    /// conversation of its last context and reports every command it left detached and
+    /// unaccounted for as one completion task.
+    #[arg(long, value_name = "SESSION")]
+    resume: Option<String>,
     /// Print JSON lines: first {url, session_id, ...} once the endpoint listens, last the
     /// result {session_id, session_dir, exit_status, result, ...}.
     #[arg(long)]
@@ -78,19 +86,88 @@ fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<Optio
     Ok(None)
 }
 
+/// What `--resume` found in the session it resumes (`seeds/session-loop.md` §What a resume
+/// reports about the session before it).
+struct Resume {
+    dir: PathBuf,
+    session_id: String,
+    session_start_event: Option<String>,
+    context_id: Option<String>,
+    contexts: std::collections::HashMap<String, Vec<mur_proto::message::Message>>,
+    lost: Vec<detach::LostWork>,
+}
+
+fn find_resume(session: &str, base: &Path) -> Result<Resume> {
+    let dir = mur_worker::workdir::find_session(base, Some(session)).map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+    let text = std::fs::read_to_string(dir.join("trace.jsonl"))
+        .with_context(|| format!("--resume: reading {}", dir.display()))?;
+    let values: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let first = values.first().ok_or_else(|| anyhow::anyhow!("--resume: {} has an empty trace", dir.display()))?;
+    let session_id = first["session_id"].as_str().unwrap_or_default().to_string();
+    let context_id = values
+        .iter()
+        .rev()
+        .find(|v| v["event_type"] == "task_start")
+        .and_then(|v| v["context_id"].as_str())
+        .map(str::to_string);
+    Ok(Resume {
+        session_start_event: first["event_id"].as_str().map(str::to_string),
+        contexts: local::load_contexts(&dir.join("contexts")),
+        lost: detach::unmatched(text.lines()),
+        dir,
+        session_id,
+        context_id,
+    })
+}
+
+/// Appends the `shell_lost` lines to the trace of the session that detached the commands,
+/// so a second resume reports nothing.
+fn mark_lost(resume: &Resume, by_session: &str, task_id: &str) -> Result<()> {
+    let mut sink = FileSink::open(&resume.dir.join("trace.jsonl"))?;
+    for lost in &resume.lost {
+        let line = mur_proto::trace::Line {
+            event: lost.event(by_session, task_id),
+            session_id: resume.session_id.clone(),
+            timestamp: mur_worker::clock::Clock::now_ms(&SystemClock),
+            event_id: Id::generate(IdKind::Event),
+            parent_id: resume.session_start_event.clone(),
+        };
+        mur_worker::trace::Sink::write(&mut sink, &line)?;
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.manifest.clone().unwrap_or_else(|| args.dir.clone());
     let env = |k: &str| std::env::var(k).ok();
     let capsule = Capsule::load(&path, &env)?;
-    let tools: Arc<Toolbox> = Arc::new(Toolbox::from_manifest(&capsule.manifest));
-    let workdir = match &args.workdir {
-        Some(w) => {
-            std::fs::create_dir_all(w).with_context(|| format!("--workdir {}", w.display()))?;
-            Some(std::path::absolute(w)?)
+    let (sink, notices) = DetachSink::channel();
+    let grace = std::time::Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
+    let tools: Arc<Toolbox> = Arc::new(Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()));
+    let capsule_dir = std::path::absolute(&capsule.dir)?;
+    let resume = match &args.resume {
+        Some(s) => {
+            let base = match &args.workdir {
+                Some(w) => std::path::absolute(w)?,
+                None => capsule_dir.join("workdir"),
+            };
+            Some(find_resume(s, &base)?)
         }
         None => None,
     };
-    let capsule_dir = std::path::absolute(&capsule.dir)?;
+    let workdir = match (&args.workdir, &resume) {
+        (Some(w), _) => {
+            std::fs::create_dir_all(w).with_context(|| format!("--workdir {}", w.display()))?;
+            Some(std::path::absolute(w)?)
+        }
+        // A resumed session works in the folder of the session it resumes.
+        (None, Some(r)) => Some(if r.dir.parent().and_then(Path::file_name) == Some(".murmur".as_ref()) {
+            r.dir.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| r.dir.clone())
+        } else {
+            r.dir.clone()
+        }),
+        (None, None) => None,
+    };
     let session_id = Id::generate(IdKind::Session);
     let layout = Layout::new(&capsule_dir, workdir.as_deref(), &session_id);
     let driver = capsule.driver(&layout.workdir)?;
@@ -147,15 +224,31 @@ pub fn run(args: Args) -> Result<ExitCode> {
             },
             result_path: Some(layout.result()),
             logs_dir: Some(layout.logs_dir()),
-            resumed_from: None,
+            resumed_from: resume.as_ref().map(|r| r.session_id.clone()),
         };
         let parts = Parts { driver, tools, hooks, tracer, clock, estimator, spend, position };
         let shutdown = shutdown_signal();
         let mut session = Session::start(cfg, parts).await?;
         let lifecycle = &capsule.manifest.lifecycle;
         let intake = Arc::new(Intake::new(lifecycle.task_acceptance, lifecycle.queue_depth));
+        let resumed_context = resume.as_ref().and_then(|r| r.context_id.clone());
         if let Some((text, source)) = launch {
-            intake.enqueue(local::launch_task(text, source));
+            let mut task = local::launch_task(text, source);
+            task.context_id = resumed_context.clone();
+            intake.enqueue(task);
+        }
+        if let Some(r) = &resume {
+            let context = resumed_context.clone().unwrap_or_else(|| Id::generate(IdKind::Context));
+            if let Some(report) = detach::loss_report(&r.lost, &r.session_id, &context) {
+                let record = intake.enqueue(Submission {
+                    text: report.text,
+                    context_id: Some(report.context_id),
+                    message_id: None,
+                    origin: report.origin,
+                    source: report.source.to_string(),
+                });
+                mark_lost(r, &session_id, &record.id)?;
+            }
         }
         let listener =
             tokio::net::TcpListener::bind(args.bind).await.with_context(|| format!("--bind {}", args.bind))?;
@@ -179,9 +272,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             conversation: lifecycle.conversation,
             idle_exit: args.idle_exit.map(std::time::Duration::from_secs),
             contexts_dir: Some(layout.session_dir.join("contexts")),
-            contexts: Default::default(),
+            contexts: resume.as_ref().map(|r| r.contexts.clone()).unwrap_or_default(),
         };
-        let summary = local::serve(&mut session, intake, &options, shutdown).await?;
+        let background = local::Background { sink, notices };
+        let summary = local::serve(&mut session, intake, &options, Some(background), shutdown).await?;
         let totals = session.totals();
         session.end(None).await?;
         let _ = server.shutdown().await;

@@ -13,3 +13,6 @@ mod hooks;
 
 /// Capsule lifecycle over HTTP: acceptance modes, lanes, idle exit, shutdown.
 mod lifecycle;
+
+/// Detached shell commands and resume: handles, completions, abandonment, loss reports.
+mod detach;

@@ -13,8 +13,11 @@
 //! loss report) are enqueued past admission and always run before the host exits, under
 //! every mode (`seeds/session-loop.md` §What a resume reports).
 
+use crate::clock::{Clock, SystemClock};
 use crate::intake::{Intake, Next, Submission};
+use crate::session::detach::{Detached, Work};
 use crate::session::{Session, TaskReport};
+use crate::tools::background::{DetachNotice, DetachSink};
 use crate::trace;
 use mur_proto::manifest::{AfterTask, Conversation, TaskAcceptance};
 use mur_proto::message::Message;
@@ -23,6 +26,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
 /// How the host runs.
@@ -90,9 +94,84 @@ impl Summary {
     }
 }
 
+/// The detached shell commands of a session (`seeds/session-loop.md` §Detached shell):
+/// the shell tools' sink (to kill a cancelled task's commands) and the notices it sends.
+pub struct Background {
+    /// The sink the shell tools were given.
+    pub sink: DetachSink,
+    /// Its notices: a command moved to the background, a command ended.
+    pub notices: UnboundedReceiver<DetachNotice>,
+}
+
+/// Bookkeeping of detached work for one session.
+struct Host {
+    registry: Detached,
+    notices: Option<UnboundedReceiver<DetachNotice>>,
+    sink: Option<DetachSink>,
+}
+
+impl Host {
+    /// Handles one notice: a detached command is registered under the task that ran it;
+    /// an ended one becomes a completion task in its context, in the bg lane, and a
+    /// `shell_completed` line.
+    fn handle(
+        &mut self,
+        notice: DetachNotice,
+        current: Option<(&str, &str)>,
+        session: &Session,
+        intake: &Intake,
+    ) -> Result<(), trace::Error> {
+        let now = SystemClock.now_ms();
+        match notice {
+            DetachNotice::Detached(w) => {
+                let (task_id, context_id) = current.unwrap_or(("", ""));
+                let _ = self.registry.detach(Work {
+                    work_id: w.work_id,
+                    binary: w.binary,
+                    command: w.command,
+                    task_id: task_id.to_string(),
+                    context_id: context_id.to_string(),
+                    started_at_ms: now.saturating_sub(w.running_ms),
+                    detached_at_ms: now,
+                });
+            }
+            DetachNotice::Completed { work_id, exit_code, duration_ms, output_path, output_bytes } => {
+                if let Ok(done) = self.registry.complete(&work_id, exit_code, duration_ms, &output_path, output_bytes) {
+                    let record = intake.enqueue(Submission {
+                        text: done.task.text.clone(),
+                        context_id: Some(done.task.context_id.clone()),
+                        message_id: None,
+                        origin: done.task.origin,
+                        source: done.task.source.to_string(),
+                    });
+                    session.record(done.event(&record.id))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles every notice already sent.
+    fn drain(&mut self, current: Option<(&str, &str)>, session: &Session, intake: &Intake) -> Result<(), trace::Error> {
+        while let Some(n) = self.notices.as_mut().and_then(|rx| rx.try_recv().ok()) {
+            self.handle(n, current, session, intake)?;
+        }
+        Ok(())
+    }
+
+    async fn next_notice(&mut self) -> Option<DetachNotice> {
+        match self.notices.as_mut() {
+            Some(rx) => rx.recv().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// Runs tasks from `intake` on `session` until the lifecycle says stop, `shutdown`
 /// resolves (the running task is cancelled and recorded `canceled`), or the idle time
-/// passes. Does not end the session: the caller calls [`Session::end`].
+/// passes. Detached commands that end while the host lives come back as completion
+/// tasks; those still running when it stops are recorded `shell_abandoned` (trace and
+/// stderr) and left to run. Does not end the session: the caller calls [`Session::end`].
 ///
 /// # Errors
 /// [`trace::Error`] when the trace cannot be written.
@@ -100,13 +179,36 @@ pub async fn serve(
     session: &mut Session,
     intake: Arc<Intake>,
     options: &Options,
+    background: Option<Background>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Summary, trace::Error> {
+    let (sink, notices) = match background {
+        Some(b) => (Some(b.sink), Some(b.notices)),
+        None => (None, None),
+    };
+    let mut work = Host { registry: Detached::new(), notices, sink };
+    let result = serve_tasks(session, &intake, options, &mut work, shutdown).await;
+    for gone in work.registry.abandon_all(SystemClock.now_ms()) {
+        eprintln!("{}", gone.stderr_line());
+        session.record(gone.event())?;
+    }
+    result
+}
+
+async fn serve_tasks(
+    session: &mut Session,
+    intake: &Arc<Intake>,
+    options: &Options,
+    work: &mut Host,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Summary, trace::Error> {
     let mut summary = Summary::default();
     let mut contexts: HashMap<String, Vec<Message>> = options.contexts.clone();
+    // Contexts handed in (a resumed session's) are continued whatever the conversation mode.
+    let resumed: std::collections::HashSet<String> = options.contexts.keys().cloned().collect();
     let stop = CancellationToken::new();
     let stop_on_signal = stop.clone();
-    let watch_intake = intake.clone();
+    let watch_intake = Arc::clone(intake);
     let signal = tokio::spawn(async move {
         shutdown.await;
         watch_intake.close();
@@ -124,6 +226,10 @@ pub async fn serve(
         let idle = options.idle_exit.unwrap_or(Duration::MAX / 4);
         let next = tokio::select! {
             () = stop.cancelled() => { summary.stopped = "shutdown"; break; }
+            Some(notice) = work.next_notice() => {
+                work.handle(notice, None, session, intake)?;
+                continue;
+            }
             n = intake.next_or_idle(idle) => n,
         };
         let record = match next {
@@ -140,13 +246,15 @@ pub async fn serve(
         let _ = intake.mark_working(&record.id);
         let cancel = stop.child_token();
         let on_cancel = cancel.clone();
-        let watched = intake.clone();
+        let watched = Arc::clone(intake);
         let id = record.id.clone();
         let watcher = tokio::spawn(async move {
             watched.cancelled(&id).await;
             on_cancel.cancel();
         });
-        let threaded = options.conversation == Conversation::Threaded || record.origin == Origin::Completion;
+        let threaded = options.conversation == Conversation::Threaded
+            || record.origin == Origin::Completion
+            || resumed.contains(&record.context_id);
         let prior = if threaded { contexts.get(&record.context_id).cloned().unwrap_or_default() } else { Vec::new() };
         let report = session.run_task_until(record.spec(), prior, cancel).await;
         watcher.abort();
@@ -159,6 +267,15 @@ pub async fn serve(
             }
         };
         let _ = intake.finish(&record.id, report.outcome.exit_status, &report.outcome.result);
+        work.drain(Some((&record.id, &record.context_id)), session, intake)?;
+        if report.outcome.exit_status == ExitStatus::Canceled
+            && let Some(sink) = &work.sink
+        {
+            // murmur itself stops a cancelled task's commands, whole process groups.
+            for w in work.registry.running().iter().filter(|w| w.task_id == record.id) {
+                sink.kill(&w.work_id).await;
+            }
+        }
         if report.outcome.exit_status == ExitStatus::Ok {
             if let Some(dir) = &options.contexts_dir {
                 save_context(dir, &report.task.context_id, &report.history);

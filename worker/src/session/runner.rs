@@ -200,6 +200,15 @@ impl Session {
         Ok(session)
     }
 
+    /// Writes an event the host produces around the loop (`shell_completed`,
+    /// `shell_abandoned`, …) to the session's trace.
+    ///
+    /// # Errors
+    /// [`trace::Error`] when the trace cannot be written.
+    pub fn record(&self, event: Event) -> Result<String, trace::Error> {
+        self.emit(event)
+    }
+
     /// The session id.
     pub fn session_id(&self) -> String {
         self.parts.tracer.lock().expect("tracer lock").session_id().to_string()
