@@ -10,3 +10,6 @@ mod drivers;
 
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
+
+/// JetStream: the testkit's server.
+mod cluster;
