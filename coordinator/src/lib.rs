@@ -1,2 +1,8 @@
 //! The coordinator: task intake and lane-ordered dispatch, fleet loops, the kill-switch.
-//! Empty until the cluster issue (#7) lands.
+//!
+//! So far it sets up the cluster's JetStream resources ([`resources::ensure`]); intake and
+//! dispatch follow.
+
+pub mod resources;
+
+pub use resources::{Resources, Settings, ensure};
