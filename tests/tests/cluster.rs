@@ -1,6 +1,7 @@
 //! The cluster's JetStream layer against real `nats-server` processes: the testkit's
-//! server (start, crash, restart on the same port and store) and the coordinator's
-//! resources (created, checked, updated idempotently).
+//! server (start, crash, restart on the same port and store), the coordinator's resources
+//! (created, checked, updated idempotently), and capsule bundles (push, list, fetch by
+//! digest, cache).
 //!
 //! Each test starts a server of its own. With `MUR_TEST_NATS_URL` set they share one and
 //! touch the same fixed resource names: run them with `--test-threads 1` then.
@@ -11,7 +12,10 @@ use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
 use futures::TryStreamExt;
 use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
 use mur_proto::cluster;
+use mur_tests::capsule::TestCapsule;
 use mur_tests::nats::NatsServer;
+use mur_worker::bundle;
+use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 // ---------------------------------------------------------------------------------------
@@ -179,5 +183,155 @@ async fn invalid_settings_are_refused_before_anything_is_created() -> Result<()>
     assert_eq!(err.to_string(), "settings: max_deliver: must be at least 1, got 0");
     let names: Vec<String> = js.stream_names().try_collect().await?;
     assert!(names.is_empty(), "{names:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Capsule bundles.
+
+const MANIFEST: &str = "name: greeter\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n";
+
+fn greeter(prompt: &str) -> TestCapsule {
+    TestCapsule::new(
+        MANIFEST,
+        &[
+            ("replies.yaml", "- text: hi\n"),
+            ("prompt.md", prompt),
+            ("hooks/gate.sh", "#!/bin/sh\necho '{\"action\": \"none\"}'\n"),
+            ("workdir/ses_1/left-behind.txt", "not packed"),
+        ],
+    )
+}
+
+fn mode(path: &std::path::Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test]
+async fn push_list_and_fetch_round_trip_restores_files_and_exec_bits() -> Result<()> {
+    let server = NatsServer::start();
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let capsule = greeter("be kind");
+    let packed = bundle::pack(capsule.dir())?;
+    assert_eq!(bundle::pack(capsule.dir())?.digest, packed.digest, "packing is deterministic");
+
+    let receipt = bundle::push(&res.capsules, &res.capsule_index, &packed).await?;
+    assert_eq!((receipt.name.as_str(), receipt.version.as_str()), ("greeter", "1.0.0"));
+    assert_eq!((receipt.digest.as_str(), receipt.bytes), (packed.digest.as_str(), packed.archive.len() as u64));
+
+    let listed = bundle::list(&res.capsule_index).await?;
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].name.as_str(), listed[0].digest.as_str()), ("greeter", packed.digest.as_str()));
+    assert_eq!((listed[0].version.as_str(), listed[0].bytes), ("1.0.0", receipt.bytes));
+    assert!(listed[0].pushed_at > 1_600_000_000_000);
+
+    let cache = tempfile::tempdir()?;
+    let dir = bundle::fetch(&res.capsules, "greeter", &packed.digest, cache.path()).await?;
+    assert_eq!(dir, cache.path().join("greeter").join(&packed.digest));
+    assert_eq!(std::fs::read_to_string(dir.join("prompt.md"))?, "be kind");
+    assert_eq!(std::fs::read_to_string(dir.join("murmur.yaml"))?, MANIFEST);
+    assert_eq!((mode(&dir.join("hooks/gate.sh")), mode(&dir.join("prompt.md"))), (0o755, 0o644));
+    assert!(!dir.join("workdir").exists(), "workdir/ is not part of a bundle");
+    let leftovers: Vec<_> = std::fs::read_dir(cache.path().join("greeter"))?.map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers, [std::ffi::OsString::from(&packed.digest)], "no temporary folder is left");
+
+    // Once unpacked, the cache answers without the store: delete the object, fetch again.
+    res.capsules.delete(cluster::bundle_object("greeter", &packed.digest)).await?;
+    assert_eq!(bundle::fetch(&res.capsules, "greeter", &packed.digest, cache.path()).await?, dir);
+    let other_cache = tempfile::tempdir()?;
+    let err = bundle::fetch(&res.capsules, "greeter", &packed.digest, other_cache.path()).await.unwrap_err();
+    assert_eq!(err.to_string(), format!("capsule bundle greeter/{} not found", packed.digest));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_second_push_keeps_the_first_digest_fetchable() -> Result<()> {
+    let server = NatsServer::start();
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let capsule = greeter("first");
+    let first = bundle::pack(capsule.dir())?;
+    bundle::push(&res.capsules, &res.capsule_index, &first).await?;
+    std::fs::write(capsule.dir().join("prompt.md"), "second")?;
+    let second = bundle::pack(capsule.dir())?;
+    assert_ne!(first.digest, second.digest);
+    bundle::push(&res.capsules, &res.capsule_index, &second).await?;
+    // Pushing the latest again changes nothing.
+    bundle::push(&res.capsules, &res.capsule_index, &second).await?;
+
+    let latest = bundle::latest(&res.capsule_index, "greeter").await?.expect("pushed");
+    assert_eq!(latest.digest, second.digest);
+    let history: Vec<String> =
+        bundle::history(&res.capsule_index, "greeter").await?.into_iter().map(|e| e.digest).collect();
+    assert_eq!(history, [first.digest.clone(), second.digest.clone()]);
+
+    let cache = tempfile::tempdir()?;
+    let old = bundle::fetch(&res.capsules, "greeter", &first.digest, cache.path()).await?;
+    let new = bundle::fetch(&res.capsules, "greeter", &second.digest, cache.path()).await?;
+    assert_eq!(std::fs::read_to_string(old.join("prompt.md"))?, "first");
+    assert_eq!(std::fs::read_to_string(new.join("prompt.md"))?, "second");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_malformed_manifest_is_refused_at_pack_and_nothing_is_stored() -> Result<()> {
+    let server = NatsServer::start();
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let good = greeter("ok");
+    let receipt = bundle::push(&res.capsules, &res.capsule_index, &bundle::pack(good.dir())?).await?;
+
+    let bad = TestCapsule::new(
+        "name: greeter\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 0\n",
+        &[("replies.yaml", "- text: hi\n")],
+    );
+    let err = bundle::pack(bad.dir()).unwrap_err();
+    assert!(err.to_string().ends_with("murmur.yaml: inference.max_turns: must be at least 1, got 0"), "{err}");
+
+    let listed = bundle::list(&res.capsule_index).await?;
+    assert_eq!(
+        listed.iter().map(|e| (e.name.as_str(), e.digest.as_str())).collect::<Vec<_>>(),
+        [("greeter", receipt.digest.as_str())]
+    );
+    let objects: Vec<String> = res.capsules.list().await?.map_ok(|o| o.name).try_collect().await?;
+    assert_eq!(objects, [cluster::bundle_object("greeter", &receipt.digest)]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_bundle_whose_content_does_not_match_its_digest_is_refused() -> Result<()> {
+    let server = NatsServer::start();
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let claimed = "0".repeat(64);
+    res.capsules.put(cluster::bundle_object("greeter", &claimed).as_str(), &mut &b"not a tar archive"[..]).await?;
+    let cache = tempfile::tempdir()?;
+    let err = bundle::fetch(&res.capsules, "greeter", &claimed, cache.path()).await.unwrap_err();
+    assert!(matches!(err, bundle::Error::DigestMismatch { .. }), "{err}");
+    assert!(!cache.path().join("greeter").join(&claimed).exists());
+
+    let err = bundle::fetch(&res.capsules, "greeter", "../../etc", cache.path()).await.unwrap_err();
+    assert_eq!(err.to_string(), r#"bundle digest "../../etc" is not 64 lowercase hex digits"#);
+    let err = bundle::fetch(&res.capsules, "../greeter", &claimed, cache.path()).await.unwrap_err();
+    assert_eq!(err.to_string(), r#"capsule name "../greeter" is not valid"#);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_pushes_of_one_capsule_both_land_in_the_index_history() -> Result<()> {
+    let server = NatsServer::start();
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let (a, b) = (greeter("from a"), greeter("from b"));
+    let (a, b) = (bundle::pack(a.dir())?, bundle::pack(b.dir())?);
+    let (ra, rb) = tokio::join!(
+        bundle::push(&res.capsules, &res.capsule_index, &a),
+        bundle::push(&res.capsules, &res.capsule_index, &b)
+    );
+    let (ra, rb) = (ra?, rb?);
+    let mut history: Vec<String> =
+        bundle::history(&res.capsule_index, "greeter").await?.into_iter().map(|e| e.digest).collect();
+    let latest = bundle::latest(&res.capsule_index, "greeter").await?.expect("pushed").digest;
+    assert_eq!(history.last(), Some(&latest), "the latest is the last revision");
+    history.sort();
+    let mut pushed = vec![ra.digest, rb.digest];
+    pushed.sort();
+    assert_eq!(history, pushed, "each compare-and-set landed once");
     Ok(())
 }

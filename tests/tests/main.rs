@@ -11,5 +11,5 @@ mod drivers;
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
 
-/// JetStream: the testkit's server, the coordinator's resources.
+/// JetStream: the testkit's server, the coordinator's resources, capsule bundles.
 mod cluster;
