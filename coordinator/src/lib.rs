@@ -1,5 +1,9 @@
-//! The coordinator: task intake and lane-ordered dispatch, fleet loops, the kill-switch.
-//! So far the pure dispatch state machine ([`scheduler`]); the NATS adapter and the rest
-//! arrive with the cluster issue (#7).
+//! The coordinator: task intake and lane-ordered dispatch over NATS JetStream (fleet loops
+//! and the kill-switch follow). [`scheduler`] is the pure dispatch state machine,
+//! [`resources`] sets up the cluster's streams and buckets, [`service`] is the NATS
+//! adapter that runs them.
 
+pub mod resources;
 pub mod scheduler;
+
+pub use resources::{Resources, Settings, ensure};

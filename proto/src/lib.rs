@@ -1,6 +1,8 @@
 //! murmur's wire and file formats: capsule manifests, messages, trace events, task
-//! vocabulary and ids. Pure: no IO, no async, no clock reads (callers pass time in).
+//! vocabulary and ids, the cluster's resource names and API records. Pure: no IO, no async,
+//! no clock reads (callers pass time in).
 
+pub mod cluster;
 pub mod hook;
 pub mod ids;
 pub mod lanes;

@@ -1,7 +1,8 @@
 //! The testkit: helpers shared by murmur's integration tests — a temporary capsule folder,
-//! a runner for the built `mur` binary, readers for trace files, and fake model servers
-//! that speak the real wire formats over real sockets.
+//! a runner for the built `mur` binary, readers for trace files, fake model servers that
+//! speak the real wire formats over real sockets, and real `nats-server` processes.
 
 pub mod capsule;
 pub mod fake_openai;
 pub mod mur;
+pub mod nats;

@@ -14,5 +14,7 @@ mod hooks;
 /// Capsule lifecycle over HTTP: acceptance modes, lanes, idle exit, shutdown.
 mod lifecycle;
 
+/// JetStream: the testkit's server, the coordinator's resources, capsule bundles.
+mod cluster;
 /// Detached shell commands and resume: handles, completions, abandonment, loss reports.
 mod detach;

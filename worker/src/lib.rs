@@ -6,6 +6,7 @@
 //! (NATS) share one loop, and the loop is tested without sockets.
 
 pub mod a2a;
+pub mod bundle;
 pub mod capsule;
 pub mod clock;
 pub mod driver;

@@ -396,7 +396,7 @@ fn a_committed_replacement_recounts_tokens_on_the_new_history() {
     let Event::Compaction { tokens_before, tokens_after, .. } = &events[0] else { panic!("{events:?}") };
     assert_eq!((*tokens_before, *tokens_after), (before, after));
     assert_eq!(m.session_tokens(), after);
-    assert_eq!(m.history_epoch(), epoch + 1);
+    assert_ne!(m.history_epoch(), epoch, "a replaced history has a new epoch");
     assert_eq!(m.messages().len(), 2);
     assert!(matches!(action, Action::RunTool { .. }), "the pending call still runs");
 }

@@ -1,0 +1,659 @@
+//! The cluster's names and records: every JetStream resource and subject the coordinator
+//! and workers share, the task record kept in `mur_tasks`, the NATS API's requests,
+//! replies and wire error, and the validation of a submitted task.
+//!
+//! Names follow DESIGN.md §JetStream resources, with one change the code taught: there is
+//! no `MUR_TASKS` stream. The coordinator keeps waiting tasks in lanes of its own
+//! (DESIGN.md §JetStream resources, shape (a)), rebuilt at start from `mur_tasks`, and
+//! releases one task at a time into the `MUR_DISPATCH` work queue when a worker slot is
+//! free.
+//!
+//! Pure: no async-nats, no IO, no clock (callers pass unix milliseconds in).
+
+use crate::manifest::is_valid_name;
+use crate::task::{ExitStatus, Lane, Origin, TaskState};
+use crate::{Id, IdKind};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::fmt;
+
+// ---------------------------------------------------------------------------------------
+// Resource names and subjects.
+
+/// The dispatch work queue: tasks released to workers, one message per attempt
+/// ([`Dispatch`]). WorkQueue retention: a message is gone once a worker acks it.
+pub const DISPATCH_STREAM: &str = "MUR_DISPATCH";
+/// The one subject of [`DISPATCH_STREAM`].
+pub const DISPATCH_SUBJECT: &str = "mur.dispatch";
+/// The durable pull consumer on [`DISPATCH_STREAM`] that every worker shares.
+pub const DISPATCH_CONSUMER: &str = "workers";
+
+/// The trace stream: every trace event of every session, the cluster's `trace.jsonl`.
+pub const TRACE_STREAM: &str = "MUR_TRACE";
+/// The subjects of [`TRACE_STREAM`]: `mur.trace.<session_id>`.
+pub const TRACE_SUBJECTS: &str = "mur.trace.>";
+/// The prefix of [`trace_subject`], dot included.
+pub const TRACE_SUBJECT_PREFIX: &str = "mur.trace.";
+
+/// KV bucket of task records ([`TaskRecord`]); key = task id (`tsk_…`).
+pub const TASKS_BUCKET: &str = "mur_tasks";
+/// KV bucket of worker registrations and heartbeats ([`WorkerInfo`]); key = worker id.
+pub const WORKERS_BUCKET: &str = "mur_workers";
+/// KV bucket of session checkpoints (history and counters after each turn).
+pub const SESSIONS_BUCKET: &str = "mur_sessions";
+/// Object store of capsule bundles; object name = `<capsule>/<digest>` ([`bundle_object`]).
+pub const CAPSULES_STORE: &str = "mur_capsules";
+/// KV bucket naming each capsule's latest bundle; key = capsule name, value =
+/// [`CapsuleIndexEntry`]. Its revision history keeps earlier digests listed.
+pub const CAPSULE_INDEX_BUCKET: &str = "mur_capsule_index";
+
+/// Every KV bucket the cluster uses.
+pub const KV_BUCKETS: [&str; 4] = [TASKS_BUCKET, WORKERS_BUCKET, SESSIONS_BUCKET, CAPSULE_INDEX_BUCKET];
+
+/// The name of the coordinator's NATS micro service.
+pub const SERVICE_NAME: &str = "mur";
+
+/// The coordinator's request subjects (NATS micro service endpoints). Each takes a JSON
+/// request and answers JSON: the reply type on success, an [`ApiError`] otherwise.
+pub mod api {
+    /// The group every endpoint sits in.
+    pub const PREFIX: &str = "mur.api";
+    /// [`super::SubmitRequest`] → [`super::SubmitReply`].
+    pub const TASK_SUBMIT: &str = "mur.api.task.submit";
+    /// [`super::TaskRef`] → [`super::TaskRecord`].
+    pub const TASK_GET: &str = "mur.api.task.get";
+    /// Empty request → a JSON array of [`super::TaskRecord`].
+    pub const TASK_LIST: &str = "mur.api.task.list";
+    /// [`super::TaskRef`] → [`super::TaskRecord`] (its state after the cancel).
+    pub const TASK_CANCEL: &str = "mur.api.task.cancel";
+    /// Empty request → a JSON array of [`super::CapsuleEntry`].
+    pub const CAPSULE_LIST: &str = "mur.api.capsule.list";
+}
+
+/// The subject a session's trace events go to: `mur.trace.<session_id>`.
+pub fn trace_subject(session_id: &str) -> String {
+    format!("{TRACE_SUBJECT_PREFIX}{session_id}")
+}
+
+/// The object name of a capsule bundle: `<capsule>/<digest>`.
+pub fn bundle_object(capsule: &str, digest: &str) -> String {
+    format!("{capsule}/{digest}")
+}
+
+/// Whether `digest` is a bundle digest: 64 lowercase hex digits (SHA-256).
+pub fn is_valid_digest(digest: &str) -> bool {
+    digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+// ---------------------------------------------------------------------------------------
+// Records.
+
+/// A task as the cluster keeps it in [`TASKS_BUCKET`] (key = `task_id`). Times are unix
+/// milliseconds. Every change is a compare-and-set on the key's revision.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// `tsk_…`.
+    pub task_id: String,
+    /// The capsule's name.
+    pub capsule: String,
+    /// The bundle the task runs: the capsule's latest digest when it was submitted, so a
+    /// later push does not change it.
+    pub capsule_digest: String,
+    /// The conversation the task belongs to (`ctx_…` or the caller's id).
+    pub context_id: String,
+    /// The task's text.
+    pub text: String,
+    /// Where the task came from.
+    pub origin: Origin,
+    /// The lane it waits in (from `origin`).
+    pub lane: Lane,
+    /// Where it is now.
+    pub state: TaskState,
+    /// How it ended, once terminal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_status: Option<ExitStatus>,
+    /// The final answer text, once terminal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// The session running it (`ses_…`), once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The worker running it (or that last ran it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Dispatch attempts so far: 0 while waiting, 1 on the first dispatch, +1 per retry.
+    pub attempt: u32,
+    /// When the coordinator accepted it.
+    pub submitted_at: u64,
+    /// When a worker first started it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<u64>,
+    /// When it reached a terminal state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<u64>,
+    /// Why it failed or was refused, for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl TaskRecord {
+    /// A freshly accepted task in state `submitted`. A request without a context id gets a
+    /// fresh `ctx_…`.
+    pub fn submitted(task_id: String, request: SubmitRequest, capsule_digest: String, now_ms: u64) -> TaskRecord {
+        TaskRecord {
+            task_id,
+            capsule: request.capsule,
+            capsule_digest,
+            context_id: request.context_id.unwrap_or_else(|| Id::generate(IdKind::Context)),
+            text: request.text,
+            origin: request.origin,
+            lane: request.origin.lane(),
+            state: TaskState::Submitted,
+            exit_status: None,
+            result: None,
+            session_id: None,
+            worker: None,
+            attempt: 0,
+            submitted_at: now_ms,
+            started_at: None,
+            ended_at: None,
+            error: None,
+        }
+    }
+}
+
+/// One message of [`DISPATCH_STREAM`]: "run this task". Published with the message id
+/// [`Dispatch::msg_id`] so a repeated publish of one attempt is dropped, and a real retry
+/// (a new attempt) is not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dispatch {
+    /// The task to run (its record is in [`TASKS_BUCKET`]).
+    pub task_id: String,
+    /// Which dispatch of the task this is, from 1.
+    pub attempt: u32,
+}
+
+impl Dispatch {
+    /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (`reference/jetstream-patterns.md` §1.4).
+    pub fn msg_id(&self) -> String {
+        format!("{}:{}", self.task_id, self.attempt)
+    }
+}
+
+/// A worker's registration, refreshed by its heartbeat, in [`WORKERS_BUCKET`] (key =
+/// `worker_id`). Times are unix milliseconds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// The worker's id, unique in the cluster.
+    pub worker_id: String,
+    /// How many tasks it runs at once.
+    pub slots: u32,
+    /// How many of its slots are taken.
+    pub busy: u32,
+    /// When the worker process started.
+    pub started_at: u64,
+    /// When it last said it was alive.
+    pub heartbeat_at: u64,
+    /// Its murmur version.
+    pub version: String,
+}
+
+/// The value under a capsule's name in [`CAPSULE_INDEX_BUCKET`]: its latest bundle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapsuleIndexEntry {
+    /// SHA-256 of the bundle, lowercase hex.
+    pub digest: String,
+    /// The manifest's `version`.
+    pub version: String,
+    /// When it was pushed, unix milliseconds.
+    pub pushed_at: u64,
+    /// The bundle's size in bytes.
+    pub bytes: u64,
+}
+
+/// One capsule as `mur capsule ls` shows it: its name and latest bundle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapsuleEntry {
+    /// The capsule's name.
+    pub name: String,
+    /// SHA-256 of its latest bundle, lowercase hex.
+    pub digest: String,
+    /// The manifest's `version`.
+    pub version: String,
+    /// When it was pushed, unix milliseconds.
+    pub pushed_at: u64,
+    /// The bundle's size in bytes.
+    pub bytes: u64,
+}
+
+// ---------------------------------------------------------------------------------------
+// API requests, replies and errors.
+
+/// The largest task text accepted, in bytes (1 MiB). Note that NATS' default
+/// `max_payload` is also 1 MiB, so a text this long needs a server with a larger
+/// `max_payload` to travel inside a JSON request.
+pub const MAX_TASK_BYTES: usize = 1 << 20;
+
+/// The longest caller-chosen context id, in characters.
+pub const MAX_CONTEXT_ID_CHARS: usize = 64;
+
+/// A task submission (`mur.api.task.submit`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRequest {
+    /// The capsule to run.
+    pub capsule: String,
+    /// The task's text, at most [`MAX_TASK_BYTES`].
+    pub text: String,
+    /// Where the task comes from; `user` when absent. Over the NATS API the caller is an
+    /// authenticated client and states it (DESIGN.md §A task's way, step 2).
+    #[serde(default = "default_origin")]
+    pub origin: Origin,
+    /// The conversation to continue; a fresh `ctx_…` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_id: Option<String>,
+}
+
+fn default_origin() -> Origin {
+    Origin::User
+}
+
+/// The fields a [`SubmitRequest`] may have, in the order error messages list them.
+const SUBMIT_FIELDS: [&str; 4] = ["capsule", "text", "origin", "context_id"];
+
+impl SubmitRequest {
+    /// Decodes and validates a submission from the raw request body.
+    ///
+    /// # Errors
+    /// An [`ApiError`] with code `invalid_request`: for bytes that are not UTF-8 or not
+    /// JSON, the message gives the byte offset (`request: invalid UTF-8 at byte 7`,
+    /// `request: invalid JSON at byte 12: …`); otherwise it lists every broken rule, one
+    /// `field: rule` per broken rule, joined by `; ` (see [`SubmitRequest::validate`]).
+    pub fn parse(bytes: &[u8]) -> Result<SubmitRequest, ApiError> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|e| ApiError::invalid(format!("request: invalid UTF-8 at byte {}", e.valid_up_to())))?;
+        let value: Value = serde_json::from_str(text).map_err(|e| {
+            // A truncated document fails at its end; other errors at the byte read last.
+            let at = if e.is_eof() { text.len() } else { byte_offset(text, e.line(), e.column()) };
+            ApiError::invalid(format!("request: invalid JSON at byte {at}: {}", strip_position(&e.to_string())))
+        })?;
+        let Value::Object(map) = value else {
+            return Err(ApiError::invalid(format!("request: must be a JSON object, got {}", json_type(&value))));
+        };
+        let mut errors = Vec::new();
+        for key in map.keys() {
+            if !SUBMIT_FIELDS.contains(&key.as_str()) {
+                errors.push(format!("{key}: unknown field, expected one of {}", SUBMIT_FIELDS.join(", ")));
+            }
+        }
+        let capsule = required_string(&map, "capsule", &mut errors);
+        let text = required_string(&map, "text", &mut errors);
+        let origin = match map.get("origin") {
+            None | Some(Value::Null) => Some(Origin::User),
+            Some(Value::String(s)) => match s.parse::<Origin>() {
+                Ok(o) => Some(o),
+                Err(e) => {
+                    errors.push(e.to_string());
+                    None
+                }
+            },
+            Some(other) => {
+                errors.push(format!("origin: must be a string, got {}", json_type(other)));
+                None
+            }
+        };
+        let context_id = match map.get("context_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(other) => {
+                errors.push(format!("context_id: must be a string, got {}", json_type(other)));
+                None
+            }
+        };
+        let request = match (capsule, text, origin) {
+            (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
+                SubmitRequest { capsule, text, origin, context_id }
+            }
+            (capsule, text, _) => {
+                // Still report the value rules of the fields that did decode.
+                let partial = SubmitRequest {
+                    capsule: capsule.unwrap_or_else(|| "x".into()),
+                    text: text.unwrap_or_else(|| "x".into()),
+                    origin: Origin::User,
+                    context_id,
+                };
+                errors.extend(partial.rule_errors());
+                errors.sort_by_key(|e| field_rank(e));
+                return Err(ApiError::invalid(errors.join("; ")));
+            }
+        };
+        request.validate()?;
+        Ok(request)
+    }
+
+    /// Checks the rules of a decoded submission:
+    /// - `capsule`: a capsule name ([`is_valid_name`]);
+    /// - `text`: not empty, at most [`MAX_TASK_BYTES`] bytes;
+    /// - `context_id`, when given: 1–64 characters of `A-Z a-z 0-9 - _ .`, not starting or
+    ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name).
+    ///
+    /// # Errors
+    /// An [`ApiError`] with code `invalid_request` listing every broken rule, for example
+    /// `text: must be at most 1048576 bytes, got 1048577`.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let errors = self.rule_errors();
+        if errors.is_empty() { Ok(()) } else { Err(ApiError::invalid(errors.join("; "))) }
+    }
+
+    fn rule_errors(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        if !is_valid_name(&self.capsule) {
+            errors.push(format!(
+                "capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got {:?}",
+                self.capsule
+            ));
+        }
+        if self.text.is_empty() {
+            errors.push("text: must not be empty".to_string());
+        } else if self.text.len() > MAX_TASK_BYTES {
+            errors.push(format!("text: must be at most {MAX_TASK_BYTES} bytes, got {}", self.text.len()));
+        }
+        if let Some(ctx) = self.context_id.as_deref().filter(|c| !is_valid_context_id(c)) {
+            errors.push(format!(
+                "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
+                 not starting or ending with '.', got {ctx:?}"
+            ));
+        }
+        errors
+    }
+}
+
+/// Whether `id` is acceptable as a context id: a `ctx_…` id, or 1–64 characters of
+/// `A-Z a-z 0-9 - _ .` that neither start nor end with `.`.
+pub fn is_valid_context_id(id: &str) -> bool {
+    Id::is_valid(IdKind::Context, id)
+        || (!id.is_empty()
+            && id.len() <= MAX_CONTEXT_ID_CHARS
+            && !id.starts_with('.')
+            && !id.ends_with('.')
+            && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')))
+}
+
+/// The answer to a submission: the new task's id and state (`submitted`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubmitReply {
+    /// `tsk_…`.
+    pub task_id: String,
+    /// Its state on acceptance.
+    pub state: TaskState,
+}
+
+/// Names one task (`mur.api.task.get`, `mur.api.task.cancel`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskRef {
+    /// `tsk_…`.
+    pub task_id: String,
+}
+
+/// What went wrong with an API request, as a small closed set (CONVENTIONS.md §7 item 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request broke a rule; the message names the field. Retrying it will not help.
+    InvalidRequest,
+    /// The task or capsule named does not exist.
+    NotFound,
+    /// The request conflicts with the current state (cancelling a finished task).
+    Conflict,
+    /// A bug or an unexpected server answer.
+    Internal,
+    /// JetStream or the coordinator is not reachable now; retry later.
+    Unavailable,
+}
+
+impl ErrorCode {
+    /// The wire name (`"invalid_request"`, …).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::Internal => "internal",
+            ErrorCode::Unavailable => "unavailable",
+        }
+    }
+
+    /// The HTTP-like status a NATS micro service error header carries (400, 404, 409,
+    /// 500, 503).
+    pub const fn status(self) -> u16 {
+        match self {
+            ErrorCode::InvalidRequest => 400,
+            ErrorCode::NotFound => 404,
+            ErrorCode::Conflict => 409,
+            ErrorCode::Internal => 500,
+            ErrorCode::Unavailable => 503,
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The error an API request gets back, as JSON: `{"code": "invalid_request", "message":
+/// "text: must not be empty"}`. Displays as `<code>: <message>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    /// The kind of failure.
+    pub code: ErrorCode,
+    /// What went wrong, for people: lowercase, naming the field and the rule.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error of `code`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { code, message: message.into() }
+    }
+
+    /// An `invalid_request` error.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::InvalidRequest, message)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers.
+
+fn required_string(map: &Map<String, Value>, field: &str, errors: &mut Vec<String>) -> Option<String> {
+    match map.get(field) {
+        None | Some(Value::Null) => {
+            errors.push(format!("{field}: required"));
+            None
+        }
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => {
+            errors.push(format!("{field}: must be a string, got {}", json_type(other)));
+            None
+        }
+    }
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Orders error lines by the field they name, in [`SUBMIT_FIELDS`] order (unknown fields
+/// first), so messages are stable whatever the JSON key order.
+fn field_rank(error: &str) -> usize {
+    let field = error.split(':').next().unwrap_or_default();
+    SUBMIT_FIELDS.iter().position(|f| *f == field).map_or(0, |i| i + 1)
+}
+
+/// The byte offset of serde_json's 1-based `line` and byte `column` in `text`: the byte at
+/// which the parser stopped.
+fn byte_offset(text: &str, line: usize, column: usize) -> usize {
+    let line_start: usize = text.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum();
+    (line_start + column.saturating_sub(1)).min(text.len())
+}
+
+/// serde_json's message without its ` at line L column C` suffix (the offset replaces it).
+fn strip_position(message: &str) -> &str {
+    message.rfind(" at line ").map_or(message, |i| &message[..i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn invalid(bytes: &[u8]) -> String {
+        let err = SubmitRequest::parse(bytes).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidRequest, "{err}");
+        err.message
+    }
+
+    #[test]
+    fn a_minimal_submission_defaults_to_the_user_origin() {
+        let req = SubmitRequest::parse(br#"{"capsule":"hello","text":"hi"}"#).unwrap();
+        assert_eq!(
+            req,
+            SubmitRequest { capsule: "hello".into(), text: "hi".into(), origin: Origin::User, context_id: None }
+        );
+        let req =
+            SubmitRequest::parse(br#"{"capsule":"a-1","text":"x","origin":"peer","context_id":"ctx-from-caller"}"#)
+                .unwrap();
+        assert_eq!((req.origin, req.context_id.as_deref()), (Origin::Peer, Some("ctx-from-caller")));
+    }
+
+    #[test]
+    fn invalid_utf8_is_reported_with_its_byte_offset() {
+        assert_eq!(invalid(b"{\"capsule\":\"\xff\"}"), "request: invalid UTF-8 at byte 12");
+    }
+
+    #[test]
+    fn invalid_json_is_reported_with_its_byte_offset() {
+        assert_eq!(invalid(br#"{"capsule": }"#), "request: invalid JSON at byte 12: expected value");
+        assert_eq!(invalid(b"{\n  \"text\": \"a\",\n  oops"), "request: invalid JSON at byte 19: key must be a string");
+        assert_eq!(invalid(br#"{"capsule":"a""#), "request: invalid JSON at byte 14: EOF while parsing an object");
+        assert_eq!(invalid(b"[1]"), "request: must be a JSON object, got an array");
+    }
+
+    #[test]
+    fn capsule_must_be_a_valid_name() {
+        assert_eq!(
+            invalid(br#"{"capsule":"Hello","text":"x"}"#),
+            r#"capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got "Hello""#
+        );
+        assert_eq!(invalid(br#"{"text":"x"}"#), "capsule: required");
+        assert_eq!(invalid(br#"{"capsule":7,"text":"x"}"#), "capsule: must be a string, got a number");
+    }
+
+    #[test]
+    fn text_is_limited_to_one_mebibyte() {
+        let at_limit = serde_json::to_vec(&serde_json::json!({"capsule": "c", "text": "a".repeat(MAX_TASK_BYTES)}));
+        assert!(SubmitRequest::parse(&at_limit.unwrap()).is_ok());
+        let over = serde_json::to_vec(&serde_json::json!({"capsule": "c", "text": "a".repeat(MAX_TASK_BYTES + 1)}));
+        assert_eq!(invalid(&over.unwrap()), "text: must be at most 1048576 bytes, got 1048577");
+        assert_eq!(invalid(br#"{"capsule":"c","text":""}"#), "text: must not be empty");
+        assert_eq!(invalid(br#"{"capsule":"c"}"#), "text: required");
+    }
+
+    #[test]
+    fn origin_must_be_one_of_the_six() {
+        assert_eq!(
+            invalid(br#"{"capsule":"c","text":"x","origin":"admin"}"#),
+            r#"origin: must be one of user, peer, schedule, event, completion, system, got "admin""#
+        );
+        assert_eq!(invalid(br#"{"capsule":"c","text":"x","origin":1}"#), "origin: must be a string, got a number");
+    }
+
+    #[test]
+    fn context_id_must_be_a_ctx_id_or_a_safe_segment() {
+        let ok = |ctx: &str| {
+            let body = serde_json::json!({"capsule": "c", "text": "x", "context_id": ctx}).to_string();
+            SubmitRequest::parse(body.as_bytes()).map(|r| r.context_id.unwrap())
+        };
+        assert_eq!(ok("ctx_0123456789abcdef0123456789abcdef").unwrap(), "ctx_0123456789abcdef0123456789abcdef");
+        assert!(ok("Build.42_x-y").is_ok());
+        assert!(ok(&"a".repeat(64)).is_ok());
+        for bad in ["", "a/b", "..", ".hidden", "trailing.", "sp ace", "é", &"a".repeat(65)] {
+            assert_eq!(
+                ok(bad).unwrap_err().message,
+                format!(
+                    "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
+                     not starting or ending with '.', got {bad:?}"
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn every_broken_rule_is_listed_in_field_order() {
+        assert_eq!(
+            invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
+            "extra: unknown field, expected one of capsule, text, origin, context_id; \
+             capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
+             text: must not be empty; \
+             context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
+             ending with '.', got \"a/b\""
+        );
+    }
+
+    #[test]
+    fn api_errors_travel_as_json_and_display_with_their_code() {
+        let err = ApiError::new(ErrorCode::NotFound, "task tsk_1 not found");
+        let json = serde_json::to_string(&err).unwrap();
+        assert_eq!(json, r#"{"code":"not_found","message":"task tsk_1 not found"}"#);
+        assert_eq!(serde_json::from_str::<ApiError>(&json).unwrap(), err);
+        assert_eq!(err.to_string(), "not_found: task tsk_1 not found");
+        let codes = [
+            ErrorCode::InvalidRequest,
+            ErrorCode::NotFound,
+            ErrorCode::Conflict,
+            ErrorCode::Internal,
+            ErrorCode::Unavailable,
+        ];
+        let statuses: Vec<_> = codes.iter().map(|c| (c.as_str(), c.status())).collect();
+        assert_eq!(
+            statuses,
+            [("invalid_request", 400), ("not_found", 404), ("conflict", 409), ("internal", 500), ("unavailable", 503)]
+        );
+    }
+
+    #[test]
+    fn a_submitted_record_takes_its_lane_from_the_origin() {
+        let req = SubmitRequest { capsule: "c".into(), text: "t".into(), origin: Origin::Schedule, context_id: None };
+        let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
+        assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
+        assert!(Id::is_valid(IdKind::Context, &rec.context_id), "{}", rec.context_id);
+        let json = serde_json::to_value(&rec).unwrap();
+        assert_eq!(json["origin"], "schedule");
+        assert_eq!(json["state"], "submitted");
+        assert!(json.get("exit_status").is_none(), "unset options are left out: {json}");
+        assert_eq!(serde_json::from_value::<TaskRecord>(json).unwrap(), rec);
+    }
+
+    #[test]
+    fn names_and_subjects_are_the_documented_ones() {
+        assert_eq!(trace_subject("ses_1"), "mur.trace.ses_1");
+        assert_eq!(Dispatch { task_id: "tsk_1".into(), attempt: 2 }.msg_id(), "tsk_1:2");
+        assert_eq!(bundle_object("hello", "ab"), "hello/ab");
+        assert!(is_valid_digest(&"0f".repeat(32)));
+        assert!(!is_valid_digest(&"0F".repeat(32)));
+        assert!(!is_valid_digest("../etc"));
+        for subject in [api::TASK_SUBMIT, api::TASK_GET, api::TASK_LIST, api::TASK_CANCEL, api::CAPSULE_LIST] {
+            assert!(subject.starts_with(api::PREFIX), "{subject}");
+        }
+    }
+}
