@@ -7,21 +7,18 @@ use mur_proto::task::ExitStatus;
 use mur_worker::a2a::{AgentInfo, server::Server};
 use mur_worker::capsule::{self, Capsule};
 use mur_worker::clock::SystemClock;
-use mur_worker::hooks::{self, InferenceGate, process::ProcessHooks};
 use mur_worker::intake::{Intake, Submission};
+use mur_worker::launch::{Setup, build_session_parts};
 use mur_worker::local;
+use mur_worker::session::Session;
 use mur_worker::session::detach;
-use mur_worker::session::runner::Parts;
-use mur_worker::session::spend::{Gate, Position, Spend};
-use mur_worker::session::{Session, SessionConfig};
-use mur_worker::tokens;
 use mur_worker::tools::background::DetachSink;
-use mur_worker::tools::{CallContext, Toolbox, Tools};
-use mur_worker::trace::{FileSink, Tracer};
+use mur_worker::tools::{Toolbox, Tools};
+use mur_worker::trace::FileSink;
 use mur_worker::workdir::Layout;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// `mur run [DIR | --manifest FILE] [--task TEXT|FILE] [--workdir DIR] [--json]`
 #[derive(clap::Args, Debug)]
@@ -175,58 +172,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let model_label = capsule.model_label();
     std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, tools.specs()))?;
     let launch = resolve_task(&args, &capsule_dir, &layout.workdir)?;
-    let prompt = capsule.system_prompt(args.system_prompt.as_deref());
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
-        let clock = Arc::new(SystemClock);
-        let estimator = tokens::for_model(driver.kind(), capsule.manifest.inference.model.as_deref());
-        let tracer = Arc::new(Mutex::new(Tracer::new(
-            session_id.clone(),
-            Box::new(FileSink::open(&layout.trace())?),
-            clock.clone(),
-        )));
-        let inf = &capsule.manifest.inference;
-        let spend = Arc::new(Spend::new(inf.max_session_tokens));
-        let position = Arc::new(Position::default());
-        let model = inf.model.clone().unwrap_or_default();
-        let gate: Arc<dyn InferenceGate> = Arc::new(Gate {
-            driver: driver.clone(),
-            tracer: tracer.clone(),
-            spend: spend.clone(),
-            estimator: estimator.clone(),
-            model: model.clone(),
-            system_prompt: inf.compaction.system_prompt.clone(),
-            max_tokens: inf.max_tokens,
-            position: position.clone(),
-        });
-        let hooks = Arc::new(ProcessHooks::new(
-            capsule.manifest.hooks.clone(),
-            hooks::process::Config {
-                capsule_dir: capsule_dir.clone(),
-                logs_dir: layout.logs_dir(),
-                builtins: hooks::builtin::registry(gate.clone(), layout.workdir.clone()),
-                gate: Some(gate),
-                workdir: Some(layout.workdir.clone()),
-            },
-        ));
-        let cfg = SessionConfig {
-            manifest: capsule.manifest.clone(),
-            model,
-            model_label,
-            system_prompt: prompt.text,
-            system_prompt_source: prompt.source,
-            system_prompt_sha256: prompt.sha256,
-            call_context: CallContext {
-                capsule_dir: capsule_dir.clone(),
-                workdir: layout.workdir.clone(),
-                logs_dir: layout.workdir_logs(),
-            },
-            result_path: Some(layout.result()),
-            logs_dir: Some(layout.logs_dir()),
+        let (cfg, parts) = build_session_parts(Setup {
+            capsule: &capsule,
+            capsule_dir: &capsule_dir,
+            layout: &layout,
+            session_id: &session_id,
+            driver,
+            tools,
+            sink: Box::new(FileSink::open(&layout.trace())?),
+            system_prompt: args.system_prompt.as_deref(),
             resumed_from: resume.as_ref().map(|r| r.session_id.clone()),
-        };
-        let parts = Parts { driver, tools, hooks, tracer, clock, estimator, spend, position };
+        });
         let shutdown = shutdown_signal();
         let mut session = Session::start(cfg, parts).await?;
         let lifecycle = &capsule.manifest.lifecycle;

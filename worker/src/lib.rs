@@ -12,6 +12,7 @@ pub mod clock;
 pub mod driver;
 pub mod hooks;
 pub mod intake;
+pub mod launch;
 pub mod local;
 pub mod session;
 pub mod tokens;
