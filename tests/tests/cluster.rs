@@ -335,3 +335,282 @@ async fn racing_pushes_of_one_capsule_both_land_in_the_index_history() -> Result
     assert_eq!(history, pushed, "each compare-and-set landed once");
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// The worker service. The tests play the coordinator: they create the resources, push a
+// bundle, create the task record, bump its attempt and publish the dispatch.
+
+mod worker_service {
+    use super::*;
+    use async_nats::jetstream::message::PublishMessage;
+    use mur_proto::cluster::{Dispatch, SubmitRequest, TaskRecord, WorkerInfo};
+    use mur_proto::ids::{Id, IdKind};
+    use mur_proto::task::{ExitStatus, Origin, TaskState};
+    use mur_worker::service::{self, Config};
+    use std::future::Future;
+    use tokio::sync::oneshot;
+    use tokio::task::JoinHandle;
+
+    const DEADLINE: Duration = Duration::from_secs(30);
+
+    fn now_ms() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+    }
+
+    /// A scripted capsule answering `text` after `delay_ms`.
+    fn scripted(text: &str, delay_ms: u64) -> TestCapsule {
+        TestCapsule::new(
+            "name: echoer\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n",
+            &[("replies.yaml", &format!("replies:\n  - text: {text}\n    delay_ms: {delay_ms}\n"))],
+        )
+    }
+
+    struct Cluster {
+        _server: NatsServer,
+        client: async_nats::Client,
+        js: async_nats::jetstream::Context,
+        res: resources::Resources,
+    }
+
+    async fn cluster(settings: Settings) -> Result<Cluster> {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let js = async_nats::jetstream::new(client.clone());
+        let res = resources::ensure(&js, &settings).await?;
+        Ok(Cluster { _server: server, client, js, res })
+    }
+
+    impl Cluster {
+        async fn push(&self, capsule: &TestCapsule) -> Result<String> {
+            let packed = bundle::pack(capsule.dir())?;
+            Ok(bundle::push(&self.res.capsules, &self.res.capsule_index, &packed).await?.digest)
+        }
+
+        /// Creates the record, bumps its attempt and publishes the dispatch, as the
+        /// coordinator does. Returns the task id.
+        async fn submit(&self, capsule: &str, digest: &str, text: &str) -> Result<String> {
+            let task_id = Id::generate(IdKind::Task);
+            let request =
+                SubmitRequest { capsule: capsule.into(), text: text.into(), origin: Origin::User, context_id: None };
+            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
+            let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
+            record.attempt += 1;
+            self.res.tasks.update(&task_id, serde_json::to_vec(&record)?.into(), revision).await?;
+            let dispatch = Dispatch { task_id: task_id.clone(), attempt: record.attempt };
+            let msg =
+                PublishMessage::build().payload(serde_json::to_vec(&dispatch)?.into()).message_id(dispatch.msg_id());
+            self.js.send_publish(cluster::DISPATCH_SUBJECT, msg).await?.await?;
+            Ok(task_id)
+        }
+
+        async fn record(&self, task_id: &str) -> Result<TaskRecord> {
+            let bytes = self.res.tasks.get(task_id).await?.expect("the record exists");
+            Ok(serde_json::from_slice(&bytes)?)
+        }
+
+        /// Waits for the record to reach a terminal state.
+        async fn terminal(&self, task_id: &str) -> Result<TaskRecord> {
+            let mut watch = self.res.tasks.watch_with_history(task_id).await?;
+            let found = tokio::time::timeout(DEADLINE, async {
+                while let Some(entry) = watch.try_next().await? {
+                    let record: TaskRecord = serde_json::from_slice(&entry.value)?;
+                    if record.state.is_terminal() {
+                        return Ok(record);
+                    }
+                }
+                anyhow::bail!("the watch ended")
+            })
+            .await;
+            found.map_err(|_| anyhow::anyhow!("task {task_id} did not end within {DEADLINE:?}"))?
+        }
+
+        fn worker(&self, config: Config) -> Worker {
+            let (stop, stopped) = oneshot::channel::<()>();
+            let id = config.worker_id.clone();
+            let handle = tokio::spawn(service::run(self.client.clone(), config, async move {
+                let _ = stopped.await;
+            }));
+            Worker { id, stop, handle }
+        }
+    }
+
+    struct Worker {
+        id: String,
+        stop: oneshot::Sender<()>,
+        handle: JoinHandle<Result<(), service::Error>>,
+    }
+
+    impl Worker {
+        async fn shutdown(self) -> Result<()> {
+            let _ = self.stop.send(());
+            tokio::time::timeout(DEADLINE, self.handle).await???;
+            Ok(())
+        }
+    }
+
+    fn config(workdir: &std::path::Path, slots: u32) -> Config {
+        Config { slots, shutdown_grace: Duration::from_secs(5), ..Config::new(workdir) }
+    }
+
+    /// Polls `check` until it holds or the deadline passes.
+    async fn until<F, Fut>(what: &str, mut check: F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool>>,
+    {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        let mut every = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            every.tick().await;
+            if check().await? {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                anyhow::bail!("{what}: not within {DEADLINE:?}");
+            }
+        }
+    }
+
+    async fn dispatch_settled(c: &Cluster) -> Result<async_nats::jetstream::consumer::Info> {
+        let mut consumer = c.res.dispatch_consumer.clone();
+        until("the dispatch is acked", || {
+            let mut consumer = consumer.clone();
+            async move {
+                let info = consumer.info().await?;
+                Ok(info.num_ack_pending == 0 && info.num_pending == 0)
+            }
+        })
+        .await?;
+        Ok(consumer.info().await?.clone())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_runs_a_dispatched_task_and_publishes_its_trace() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
+        let capsule = scripted("all done", 0);
+        let digest = c.push(&capsule).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(config(workdir.path(), 2));
+        let task_id = c.submit("echoer", &digest, "say done").await?;
+
+        let record = c.terminal(&task_id).await?;
+        assert_eq!(record.state, TaskState::Completed, "{record:?}");
+        assert_eq!(record.exit_status, Some(ExitStatus::Ok));
+        assert_eq!(record.result.as_deref(), Some("all done"));
+        assert_eq!(record.worker.as_deref(), Some(worker.id.as_str()));
+        assert_eq!(record.attempt, 1);
+        assert!(record.started_at.is_some() && record.ended_at >= record.started_at, "{record:?}");
+        let session_id = record.session_id.clone().expect("a session id");
+
+        // The local trace and the published one are the same lines.
+        let session_dir = workdir.path().join("sessions").join(&session_id);
+        assert_eq!(std::fs::read_to_string(session_dir.join("out/result.txt"))?, "all done");
+        assert!(session_dir.join("MURMUR.md").is_file());
+        let local = std::fs::read_to_string(session_dir.join("trace.jsonl"))?;
+        let local: Vec<&str> = local.lines().collect();
+        assert!(local.len() >= 4, "{local:?}");
+        let first: serde_json::Value = serde_json::from_str(local[0])?;
+        assert_eq!(first["event_type"], "session_start");
+        assert!(local.iter().any(|l| l.contains("\"task_start\"") && l.contains("\"cluster\"")), "{local:?}");
+        let trace = c.js.get_stream(cluster::TRACE_STREAM).await?;
+        until("every trace line is in MUR_TRACE", || {
+            let mut trace = trace.clone();
+            let want = local.len() as u64;
+            async move { Ok(trace.info().await?.state.messages == want) }
+        })
+        .await?;
+        for (seq, line) in local.iter().enumerate() {
+            let msg = trace.get_raw_message(seq as u64 + 1).await?;
+            assert_eq!(msg.subject.as_str(), cluster::trace_subject(&session_id));
+            assert_eq!(std::str::from_utf8(&msg.payload)?, *line);
+        }
+        let info = dispatch_settled(&c).await?;
+        assert_eq!((info.delivered.consumer_sequence, info.num_redelivered), (1, 0));
+        worker.shutdown().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_with_two_slots_runs_two_slow_tasks_at_once() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
+        let digest = c.push(&scripted("slow", 1500)).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(config(workdir.path(), 2));
+        let a = c.submit("echoer", &digest, "one").await?;
+        let b = c.submit("echoer", &digest, "two").await?;
+        let (a, b) = (c.terminal(&a).await?, c.terminal(&b).await?);
+        for r in [&a, &b] {
+            assert_eq!((r.state, r.result.as_deref()), (TaskState::Completed, Some("slow")), "{r:?}");
+        }
+        // Each started before the other ended.
+        assert!(a.started_at < b.ended_at && b.started_at < a.ended_at, "{a:?}\n{b:?}");
+        assert_ne!(a.session_id, b.session_id);
+        worker.shutdown().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_whose_bundle_is_missing_fails_with_the_reason_and_is_acked() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(config(workdir.path(), 1));
+        let missing = "f".repeat(64);
+        let task_id = c.submit("echoer", &missing, "hello").await?;
+        let record = c.terminal(&task_id).await?;
+        assert_eq!((record.state, record.exit_status), (TaskState::Failed, Some(ExitStatus::Failed)), "{record:?}");
+        let reason = format!("error: fetching capsule echoer: capsule bundle echoer/{missing} not found");
+        assert_eq!(record.result.as_deref(), Some(reason.as_str()));
+        assert_eq!(record.error.as_deref(), Some(reason.as_str()));
+        assert_eq!(record.worker.as_deref(), Some(worker.id.as_str()));
+        let info = dispatch_settled(&c).await?;
+        assert_eq!((info.delivered.consumer_sequence, info.num_redelivered), (1, 0), "not redelivered");
+        assert_eq!(c.res.dispatch.clone().info().await?.state.messages, 0, "the work queue is empty");
+        worker.shutdown().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn in_progress_acks_keep_a_task_past_the_ack_wait() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ack_wait_secs: 2, ..Settings::default() }).await?;
+        let digest = c.push(&scripted("patient", 5000)).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(Config { progress_every: Duration::from_millis(500), ..config(workdir.path(), 2) });
+        let task_id = c.submit("echoer", &digest, "wait").await?;
+        let record = c.terminal(&task_id).await?;
+        assert_eq!((record.state, record.result.as_deref()), (TaskState::Completed, Some("patient")));
+        let info = dispatch_settled(&c).await?;
+        assert_eq!((info.delivered.consumer_sequence, info.num_redelivered), (1, 0), "delivered once");
+        let sessions = std::fs::read_dir(workdir.path().join("sessions"))?.count();
+        assert_eq!(sessions, 1, "one session ran");
+        assert_eq!(c.record(&task_id).await?.session_id, record.session_id);
+        worker.shutdown().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_registers_heartbeats_and_unregisters_on_shutdown() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(config(workdir.path(), 3));
+        let id = worker.id.clone();
+        let read = |workers: async_nats::jetstream::kv::Store, id: String| async move {
+            let info: Option<WorkerInfo> = match workers.get(&id).await? {
+                Some(b) => Some(serde_json::from_slice(&b)?),
+                None => None,
+            };
+            anyhow::Ok(info)
+        };
+        until("the worker registers", || {
+            futures::TryFutureExt::map_ok(read(c.res.workers.clone(), id.clone()), |i| i.is_some())
+        })
+        .await?;
+        let first = read(c.res.workers.clone(), id.clone()).await?.expect("registered");
+        assert_eq!((first.worker_id.as_str(), first.slots, first.busy), (id.as_str(), 3, 0));
+        assert!(first.started_at <= first.heartbeat_at);
+        until("the heartbeat refreshes the entry", || {
+            let (workers, id) = (c.res.workers.clone(), id.clone());
+            let before = first.heartbeat_at;
+            async move { Ok(read(workers, id).await?.is_some_and(|i| i.heartbeat_at > before)) }
+        })
+        .await?;
+        worker.shutdown().await?;
+        assert!(read(c.res.workers.clone(), id).await?.is_none(), "unregistered");
+        Ok(())
+    }
+}
