@@ -584,6 +584,30 @@ mod worker_service {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_still_running_after_the_shutdown_grace_ends_canceled() -> Result<()> {
+        let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
+        let digest = c.push(&scripted("never", 60_000)).await?;
+        let workdir = tempfile::tempdir()?;
+        let worker = c.worker(Config { shutdown_grace: Duration::from_millis(200), ..config(workdir.path(), 1) });
+        let task_id = c.submit("echoer", &digest, "stall").await?;
+        until("the task is working", || {
+            let tasks = c.res.tasks.clone();
+            let id = task_id.clone();
+            async move {
+                let bytes = tasks.get(&id).await?.expect("the record exists");
+                Ok(serde_json::from_slice::<TaskRecord>(&bytes)?.state == TaskState::Working)
+            }
+        })
+        .await?;
+        worker.shutdown().await?;
+        let record = c.record(&task_id).await?;
+        assert_eq!((record.state, record.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)), "{record:?}");
+        let info = dispatch_settled(&c).await?;
+        assert_eq!(info.delivered.consumer_sequence, 1);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_registers_heartbeats_and_unregisters_on_shutdown() -> Result<()> {
         let c = cluster(Settings { storage: Storage::Memory, ..Settings::default() }).await?;
         let workdir = tempfile::tempdir()?;
