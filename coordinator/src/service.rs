@@ -4,10 +4,11 @@
 //! through the cluster, steps 1–3).
 //!
 //! Layout of [`run`]:
-//! 1. [`resources::ensure`], then one watcher per bucket (`watch_all`: the last revision of
-//!    every key, then every change). What the watchers deliver before they are caught up
-//!    is the restart replay given to [`Scheduler::restore`]; after that each change is fed
-//!    to the scheduler as it comes.
+//! 1. [`resources::ensure`], then one watcher per bucket (`watch_with_history(">")`: the
+//!    last revision of every key, then every change; `watch_all` would give only the
+//!    changes). What the watchers deliver until they are caught up is the restart replay
+//!    given to [`Scheduler::restore`]; after that each change is fed to the scheduler as
+//!    it comes.
 //! 2. One actor task owns the scheduler: every input (from the watchers, the worker
 //!    heartbeat tick and `task.cancel`) goes through one mpsc channel, so inputs are
 //!    applied in the order they are sent, and each release is carried out before the next
@@ -128,19 +129,15 @@ fn nats<E: Into<async_nats::Error>>(what: impl Into<String>) -> impl FnOnce(E) -
 /// [`Error::Resources`] when the streams and buckets cannot be set up, [`Error::Nats`] when
 /// the buckets cannot be read or the service cannot start, [`Error::LoopEnded`] when a
 /// bucket watch ends on its own (the connection is gone for good).
-pub async fn run(
-    client: async_nats::Client,
-    config: Config,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), Error> {
+pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
     let res = resources::ensure(&js, &config.settings).await?;
 
     // The watchers start before anything is read, so no change falls between the replay
     // and the live feed.
-    let mut task_watch = res.tasks.watch_all().await.map_err(nats("mur_tasks: watch"))?;
-    let mut worker_watch = res.workers.watch_all().await.map_err(nats("mur_workers: watch"))?;
+    let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
+    let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
     let task_entries = caught_up(&res.tasks, &mut task_watch).await?;
     let worker_entries = caught_up(&res.workers, &mut worker_watch).await?;
 
@@ -251,7 +248,7 @@ pub async fn run(
     outcome
 }
 
-/// Reads a fresh `watch_all` watcher up to the entry that was the bucket's last when it
+/// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
 /// started (or later), and returns what it read: the bucket's current state.
 async fn caught_up(store: &kv::Store, watch: &mut kv::Watch) -> Result<Vec<kv::Entry>, Error> {
     // Messages are never removed from these streams except by newer revisions, so a
@@ -387,7 +384,8 @@ impl Ctx {
         let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
             return Err(ApiError::new(ErrorCode::NotFound, format!("task: no task {task_id}")));
         };
-        let record = serde_json::from_slice(&entry.value).map_err(|e| internal(&format!("task record {task_id}"), e))?;
+        let record =
+            serde_json::from_slice(&entry.value).map_err(|e| internal(&format!("task record {task_id}"), e))?;
         Ok((entry.revision, record))
     }
 
@@ -725,8 +723,12 @@ impl Workers {
     /// The workers whose heartbeat is too old at `now`.
     fn expire(&mut self, now: u64) -> Vec<Input> {
         let timeout = self.timeout_ms;
-        let mut gone: Vec<String> =
-            self.live.iter().filter(|(_, (_, beat))| now.saturating_sub(*beat) > timeout).map(|(id, _)| id.clone()).collect();
+        let mut gone: Vec<String> = self
+            .live
+            .iter()
+            .filter(|(_, (_, beat))| now.saturating_sub(*beat) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
         gone.sort();
         gone.into_iter()
             .map(|worker_id| {
