@@ -406,7 +406,10 @@ impl SimWorker {
     }
 
     async fn register(&self, slots: u32) -> Result<()> {
-        let now = now_ms();
+        self.register_at(slots, now_ms()).await
+    }
+
+    async fn register_at(&self, slots: u32, now: u64) -> Result<()> {
         let info = cluster::WorkerInfo {
             worker_id: self.id.clone(),
             slots,
@@ -589,6 +592,28 @@ async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() ->
     worker.start(&dispatch).await?;
     worker.finish(&task).await?;
     assert_eq!(get(&client, &task).await?.state, TaskState::Completed);
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_stale_heartbeat_gets_no_dispatch_until_it_beats_again() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+
+    // A heartbeat older than the worker timeout (10 s) does not count.
+    worker.register_at(1, now_ms() - 60_000).await?;
+    let first = submit(&client, "greeter", "first", "user").await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "a stale worker gets nothing");
+
+    worker.register(1).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, first);
+    // (A deleted key's WorkerGone reaches the scheduler through another watcher than the
+    // task records, so its order against a later submit is not observable from here.)
     coordinator.stop().await?;
     Ok(())
 }
