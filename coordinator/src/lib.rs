@@ -3,7 +3,9 @@
 //! [`resources`] sets up the cluster's streams and buckets, [`service`] is the NATS
 //! adapter that runs them.
 
+pub mod api;
 pub mod resources;
 pub mod scheduler;
+pub mod service;
 
 pub use resources::{Resources, Settings, ensure};

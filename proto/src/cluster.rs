@@ -209,6 +209,11 @@ pub struct CapsuleIndexEntry {
     pub pushed_at: u64,
     /// The bundle's size in bytes.
     pub bytes: u64,
+    /// Whether the manifest says `lifecycle.task_acceptance: queue`: the coordinator runs
+    /// at most one task of the capsule at a time cluster-wide. Absent (false) in entries
+    /// pushed before the field existed.
+    #[serde(default)]
+    pub queue: bool,
 }
 
 /// One capsule as `mur capsule ls` shows it: its name and latest bundle.

@@ -9,9 +9,12 @@
 use anyhow::Result;
 use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
-use mur_proto::cluster;
+use mur_coordinator::{api, service};
+use mur_proto::cluster::{self, TaskRecord};
+use mur_proto::task::TaskState;
+use mur_proto::{ExitStatus, Id, IdKind};
 use mur_tests::capsule::TestCapsule;
 use mur_tests::nats::NatsServer;
 use mur_worker::bundle;
@@ -637,4 +640,452 @@ mod worker_service {
         assert!(read(c.res.workers.clone(), id).await?.is_none(), "unregistered");
         Ok(())
     }
+}
+
+// The coordinator's service: intake, queries, lane-ordered dispatch, restarts.
+//
+// No real worker: `SimWorker` registers in `mur_workers`, pulls from the `workers`
+// consumer and writes the task records the way the worker contract says.
+
+/// How long a test waits for something that should happen.
+const WAIT: Duration = Duration::from_secs(20);
+/// How long a test watches for something that should not happen.
+const QUIET: Duration = Duration::from_millis(1500);
+
+/// A coordinator running in this process on its own connection.
+struct Coordinator {
+    client: async_nats::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: tokio::task::JoinHandle<Result<(), service::Error>>,
+}
+
+impl Coordinator {
+    async fn start(server: &NatsServer, name: &str) -> Coordinator {
+        let client = server.connect().await;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = service::Config::new(Settings::default(), name);
+        let handle = tokio::spawn(service::run(client.clone(), config, async move {
+            let _ = stopped.await;
+        }));
+        // Ready once it answers.
+        let probe = server.connect().await;
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            match api::call::<Vec<cluster::CapsuleEntry>>(&probe, cluster::api::CAPSULE_LIST, "").await {
+                Ok(_) => break,
+                Err(e) if tokio::time::Instant::now() < deadline && e.code == cluster::ErrorCode::Unavailable => {}
+                Err(e) => panic!("coordinator {name} did not come up: {e}"),
+            }
+            assert!(!handle.is_finished(), "coordinator {name} stopped while starting");
+        }
+        Coordinator { client, stop: Some(stop), handle }
+    }
+
+    /// A clean stop: the shutdown future resolves, `run` returns.
+    async fn stop(mut self) -> Result<(), service::Error> {
+        let _ = self.stop.take().expect("running").send(());
+        self.handle.await.expect("the coordinator task does not panic")
+    }
+
+    /// A crash: the task is dropped mid-way and its connection closed.
+    async fn crash(self) {
+        self.handle.abort();
+        let _ = self.handle.await;
+        self.client.drain().await.expect("drain");
+    }
+}
+
+/// A worker simulated over NATS, following the worker contract by hand.
+struct SimWorker {
+    id: String,
+    res: resources::Resources,
+}
+
+impl SimWorker {
+    async fn new(server: &NatsServer, id: &str) -> Result<SimWorker> {
+        let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+        Ok(SimWorker { id: id.to_string(), res })
+    }
+
+    async fn register(&self, slots: u32) -> Result<()> {
+        self.register_at(slots, now_ms()).await
+    }
+
+    async fn register_at(&self, slots: u32, now: u64) -> Result<()> {
+        let info = cluster::WorkerInfo {
+            worker_id: self.id.clone(),
+            slots,
+            busy: 0,
+            started_at: now,
+            heartbeat_at: now,
+            version: "test".into(),
+        };
+        self.res.workers.put(&self.id, serde_json::to_vec(&info)?.into()).await?;
+        Ok(())
+    }
+
+    /// The next dispatch within `within`, acked; `None` if none came.
+    async fn next_dispatch(&self, within: Duration) -> Result<Option<cluster::Dispatch>> {
+        let deadline = tokio::time::Instant::now() + within;
+        while tokio::time::Instant::now() < deadline {
+            let left = deadline - tokio::time::Instant::now();
+            let expires = left.clamp(Duration::from_millis(100), Duration::from_millis(500));
+            let mut batch = self.res.dispatch_consumer.batch().max_messages(1).expires(expires).messages().await?;
+            if let Some(message) = batch.next().await {
+                let message = message.map_err(|e| anyhow::anyhow!("{e}"))?;
+                message.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                return Ok(Some(serde_json::from_slice(&message.payload)?));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn expect_dispatch(&self) -> Result<cluster::Dispatch> {
+        self.next_dispatch(WAIT).await?.ok_or_else(|| anyhow::anyhow!("no dispatch within {WAIT:?}"))
+    }
+
+    /// Compare-and-sets the record with `change`.
+    async fn write(&self, task_id: &str, change: impl Fn(&mut TaskRecord)) -> Result<TaskRecord> {
+        let entry = self.res.tasks.entry(task_id).await?.expect("the record exists");
+        let mut record: TaskRecord = serde_json::from_slice(&entry.value)?;
+        change(&mut record);
+        self.res.tasks.update(task_id, serde_json::to_vec(&record)?.into(), entry.revision).await?;
+        Ok(record)
+    }
+
+    async fn start(&self, dispatch: &cluster::Dispatch) -> Result<TaskRecord> {
+        let worker = self.id.clone();
+        let record = self
+            .write(&dispatch.task_id, |r| {
+                r.state = TaskState::Working;
+                r.worker = Some(worker.clone());
+                r.session_id = Some(Id::generate(IdKind::Session));
+                r.started_at = Some(now_ms());
+            })
+            .await?;
+        assert_eq!(record.attempt, dispatch.attempt, "the record carries the dispatch's attempt");
+        Ok(record)
+    }
+
+    async fn finish(&self, task_id: &str) -> Result<TaskRecord> {
+        self.write(task_id, |r| {
+            r.state = TaskState::Completed;
+            r.exit_status = Some(ExitStatus::Ok);
+            r.result = Some("done".into());
+            r.ended_at = Some(now_ms());
+        })
+        .await
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+const QUEUE_MANIFEST: &str = "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n\
+                              lifecycle:\n  task_acceptance: queue\n";
+
+/// Pushes the `greeter` capsule (single) and the `serial` one (queue); returns greeter's digest.
+async fn push_capsules(server: &NatsServer) -> Result<String> {
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let greeter = bundle::pack(greeter("hi").dir())?;
+    assert!(!greeter.queue);
+    bundle::push(&res.capsules, &res.capsule_index, &greeter).await?;
+    let serial = bundle::pack(TestCapsule::new(QUEUE_MANIFEST, &[("replies.yaml", "- text: hi\n")]).dir())?;
+    assert!(serial.queue, "task_acceptance: queue is recorded at pack");
+    bundle::push(&res.capsules, &res.capsule_index, &serial).await?;
+    Ok(greeter.digest)
+}
+
+async fn submit(client: &async_nats::Client, capsule: &str, text: &str, origin: &str) -> Result<String> {
+    let body = serde_json::json!({"capsule": capsule, "text": text, "origin": origin}).to_string();
+    let reply: cluster::SubmitReply = api::call(client, cluster::api::TASK_SUBMIT, body).await?;
+    assert_eq!(reply.state, TaskState::Submitted);
+    Ok(reply.task_id)
+}
+
+async fn get(client: &async_nats::Client, task_id: &str) -> Result<TaskRecord, cluster::ApiError> {
+    api::call(client, cluster::api::TASK_GET, serde_json::json!({ "task_id": task_id }).to_string()).await
+}
+
+async fn task_keys(server: &NatsServer) -> Result<Vec<String>> {
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    Ok(res.tasks.keys().await?.try_collect().await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_refuses_bad_requests_with_their_error_and_stores_nothing() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let refuse = |body: Vec<u8>| {
+        let client = client.clone();
+        async move {
+            api::call::<cluster::SubmitReply>(&client, cluster::api::TASK_SUBMIT, body).await.expect_err("refused")
+        }
+    };
+
+    let err = refuse(br#"{"capsule":"nope","text":"hi"}"#.to_vec()).await;
+    assert_eq!(err.code, cluster::ErrorCode::NotFound);
+    assert_eq!(err.message, r#"capsule: no capsule named "nope" (push it with `mur capsule push`)"#);
+
+    let err = refuse(br#"{"capsule":"greeter","text":"hi","origin":"admin"}"#.to_vec()).await;
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
+    assert_eq!(err.message, r#"origin: must be one of user, peer, schedule, event, completion, system, got "admin""#);
+
+    let err = refuse(b"{\"capsule\":\"greeter\",\"text\":\"\xff\"}".to_vec()).await;
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
+    assert_eq!(err.message, "request: invalid UTF-8 at byte 29");
+
+    let err = refuse(br#"{"capsule":"greeter","text":""}"#.to_vec()).await;
+    assert_eq!((err.code, err.message.as_str()), (cluster::ErrorCode::InvalidRequest, "text: must not be empty"));
+
+    // One byte over the limit: the request itself is over the server's 1 MiB max_payload,
+    // so the client refuses to send it (the service-side rule is proto's unit test).
+    let over = serde_json::json!({"capsule": "greeter", "text": "a".repeat(cluster::MAX_TASK_BYTES + 1)});
+    let err = refuse(serde_json::to_vec(&over)?).await;
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest, "{err}");
+
+    // The error travels as micro service error headers too.
+    let raw = client.request(cluster::api::TASK_SUBMIT, r#"{"capsule":"nope","text":"hi"}"#.into()).await?;
+    let headers = raw.headers.expect("error headers");
+    assert_eq!(headers.get("Nats-Service-Error-Code").map(|v| v.as_str()), Some("404"));
+    assert!(headers.get("Nats-Service-Error").unwrap().as_str().starts_with("not_found: capsule: no capsule"));
+
+    assert!(task_keys(&server).await?.is_empty(), "nothing was stored");
+    // The service is discoverable.
+    let info = client.request("$SRV.INFO.mur", "".into()).await?;
+    let info: serde_json::Value = serde_json::from_slice(&info.payload)?;
+    assert_eq!(info["name"], "mur");
+    let subjects: Vec<&str> =
+        info["endpoints"].as_array().unwrap().iter().map(|e| e["subject"].as_str().unwrap()).collect();
+    assert!(subjects.contains(&cluster::api::TASK_SUBMIT), "{subjects:?}");
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() -> Result<()> {
+    let server = NatsServer::start();
+    let digest = push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+
+    let task = submit(&client, "greeter", "hello", "user").await?;
+    let record = get(&client, &task).await?;
+    assert_eq!(
+        (record.state, record.attempt, record.capsule_digest.as_str()),
+        (TaskState::Submitted, 0, digest.as_str())
+    );
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "no worker, no dispatch");
+    assert_eq!(get(&client, &task).await?.attempt, 0);
+
+    // A worker with no free slot does not count either.
+    worker.register(0).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "a 0-slot worker gets nothing");
+
+    worker.register(1).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch, cluster::Dispatch { task_id: task.clone(), attempt: 1 });
+    let record = get(&client, &task).await?;
+    assert_eq!((record.state, record.attempt), (TaskState::Submitted, 1));
+    worker.start(&dispatch).await?;
+    worker.finish(&task).await?;
+    assert_eq!(get(&client, &task).await?.state, TaskState::Completed);
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_stale_heartbeat_gets_no_dispatch_until_it_beats_again() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+
+    // A heartbeat older than the worker timeout (10 s) does not count.
+    worker.register_at(1, now_ms() - 60_000).await?;
+    let first = submit(&client, "greeter", "first", "user").await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "a stale worker gets nothing");
+
+    worker.register(1).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, first);
+    // (A deleted key's WorkerGone reaches the scheduler through another watcher than the
+    // task records, so its order against a later submit is not observable from here.)
+    coordinator.stop().await?;
+    Ok(())
+}
+
+/// Runs the queue to its end on a 1-slot worker: finishes the running task, takes the next
+/// dispatch, starts it; returns the texts in dispatch order.
+async fn drain_in_order(
+    client: &async_nats::Client,
+    worker: &SimWorker,
+    mut running: String,
+    count: usize,
+) -> Result<Vec<String>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut order = Vec::new();
+    for _ in 0..count {
+        worker.finish(&running).await?;
+        let dispatch = worker.expect_dispatch().await?;
+        assert!(seen.insert(dispatch.msg_id()), "dispatched twice: {dispatch:?}");
+        let record = worker.start(&dispatch).await?;
+        order.push(record.text.clone());
+        running = dispatch.task_id;
+    }
+    worker.finish(&running).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "nothing else is dispatched");
+    let _ = client;
+    Ok(order)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_waiting_for_a_busy_worker_are_dispatched_user_then_peer_then_bg() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+
+    let blocker = submit(&client, "greeter", "blocker", "user").await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, blocker);
+    worker.start(&dispatch).await?;
+
+    for (text, origin) in
+        [("bg-1", "schedule"), ("peer-1", "peer"), ("user-1", "user"), ("bg-2", "event"), ("user-2", "user")]
+    {
+        submit(&client, "greeter", text, origin).await?;
+    }
+    let order = drain_in_order(&client, &worker, blocker, 5).await?;
+    assert_eq!(order, ["user-1", "user-2", "peer-1", "bg-1", "bg-2"]);
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_capsule_never_has_two_tasks_dispatched_and_not_ended() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(3).await?;
+
+    let first = submit(&client, "serial", "s-1", "user").await?;
+    let second = submit(&client, "serial", "s-2", "user").await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, first);
+    // A single capsule's task behind it is not held up.
+    let other = submit(&client, "greeter", "g-1", "schedule").await?;
+    assert_eq!(worker.expect_dispatch().await?.task_id, other);
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "serial's second task waits while its first runs");
+    assert_eq!(get(&client, &second).await?.attempt, 0);
+
+    worker.start(&dispatch).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "still running");
+    worker.finish(&first).await?;
+    assert_eq!(worker.expect_dispatch().await?.task_id, second);
+    coordinator.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_coordinator_keeps_lane_order_and_dispatches_nothing_twice() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let first = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+
+    // The blocker is released (its dispatch waits in the stream) when the coordinator dies.
+    let blocker = submit(&client, "greeter", "blocker", "user").await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while get(&client, &blocker).await?.attempt == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the blocker was never released");
+        tokio::task::yield_now().await;
+    }
+    for (text, origin) in [("bg-1", "schedule"), ("peer-1", "peer"), ("user-1", "user")] {
+        submit(&client, "greeter", text, origin).await?;
+    }
+    first.crash().await;
+
+    let second = Coordinator::start(&server, "c2").await;
+    for (text, origin) in [("bg-2", "event"), ("user-2", "user")] {
+        submit(&client, "greeter", text, origin).await?;
+    }
+    // The blocker's dispatch is delivered once, though the new coordinator published it again.
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch, cluster::Dispatch { task_id: blocker.clone(), attempt: 1 });
+    worker.start(&dispatch).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "the blocker's dispatch is not repeated");
+
+    let order = drain_in_order(&client, &worker, blocker, 5).await?;
+    assert_eq!(order, ["user-1", "user-2", "peer-1", "bg-1", "bg-2"]);
+    second.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+
+    let a = submit(&client, "greeter", "a", "user").await?;
+    let b = submit(&client, "greeter", "b", "peer").await?;
+    let c = submit(&client, "serial", "c", "user").await?;
+    let record = get(&client, &b).await?;
+    assert_eq!((record.text.as_str(), record.lane, record.state), ("b", mur_proto::Lane::Peer, TaskState::Submitted));
+    // The bare id works too.
+    let bare: TaskRecord = api::call(&client, cluster::api::TASK_GET, a.clone()).await?;
+    assert_eq!(bare.task_id, a);
+    let unknown = Id::generate(IdKind::Task);
+    let err = get(&client, &unknown).await.unwrap_err();
+    assert_eq!((err.code, err.message), (cluster::ErrorCode::NotFound, format!("task: no task {unknown}")));
+    let err = get(&client, "../etc").await.unwrap_err();
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
+
+    // Cancel a waiting task; a second cancel is a conflict.
+    let canceled: TaskRecord =
+        api::call(&client, cluster::api::TASK_CANCEL, serde_json::json!({ "task_id": a }).to_string()).await?;
+    assert_eq!((canceled.state, canceled.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)));
+    assert!(canceled.ended_at.is_some());
+    let err = api::call::<TaskRecord>(&client, cluster::api::TASK_CANCEL, a.clone()).await.unwrap_err();
+    assert_eq!(err.code, cluster::ErrorCode::Conflict);
+
+    let list: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, "").await?;
+    let ids: Vec<&str> = list.iter().map(|r| r.task_id.as_str()).collect();
+    assert_eq!(ids, [c.as_str(), b.as_str(), a.as_str()], "newest first");
+    let waiting: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, r#"{"state":"submitted"}"#).await?;
+    assert_eq!(waiting.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), [c.as_str(), b.as_str()]);
+    let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"bogus"}"#).await.unwrap_err();
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
+
+    // The canceled task is never dispatched; a released one cannot be cancelled yet.
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, c, "user lane first; the canceled user task is skipped");
+    let err = api::call::<TaskRecord>(&client, cluster::api::TASK_CANCEL, c.clone()).await.unwrap_err();
+    assert_eq!(
+        (err.code, err.message.as_str()),
+        (cluster::ErrorCode::Conflict, "task is running; cancelling running tasks arrives with issue #8")
+    );
+    worker.start(&dispatch).await?;
+    worker.finish(&c).await?;
+    assert_eq!(worker.expect_dispatch().await?.task_id, b);
+
+    let capsules: Vec<cluster::CapsuleEntry> = api::call(&client, cluster::api::CAPSULE_LIST, "").await?;
+    assert_eq!(capsules.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(), ["greeter", "serial"]);
+    coordinator.stop().await?;
+    Ok(())
 }

@@ -53,6 +53,9 @@ pub struct Bundle {
     pub version: String,
     /// SHA-256 of `archive`, 64 lowercase hex digits.
     pub digest: String,
+    /// Whether the manifest says `lifecycle.task_acceptance: queue` (recorded in the index
+    /// so the coordinator runs one task of the capsule at a time).
+    pub queue: bool,
     /// The tar archive.
     pub archive: Vec<u8>,
     /// The packed paths, relative, `/`-separated, sorted; folders end with `/`.
@@ -237,6 +240,7 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
     }
     let archive = builder.into_inner().map_err(io(&root))?;
     Ok(Bundle {
+        queue: manifest.lifecycle.task_acceptance == mur_proto::manifest::TaskAcceptance::Queue,
         name: manifest.name,
         version: manifest.version,
         digest: hex::encode(Sha256::digest(&archive)),
@@ -337,6 +341,7 @@ pub async fn push(store: &object_store::ObjectStore, index: &kv::Store, bundle: 
         version: bundle.version.clone(),
         pushed_at: now_ms(),
         bytes,
+        queue: bundle.queue,
     };
     let value = bytes::Bytes::from(serde_json::to_vec(&value).expect("index entry serializes"));
     let what = || format!("index {}", bundle.name);

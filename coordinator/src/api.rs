@@ -1,0 +1,107 @@
+//! Talking to the coordinator's NATS API (`mur.api.*`, see [`mur_proto::cluster::api`]):
+//! the reply scheme the service answers with, and [`call`], which the CLI and the tests
+//! use to send a request and read the answer.
+//!
+//! The reply scheme, one for every endpoint:
+//! - **success**: the body is the reply value as plain JSON (a [`SubmitReply`], a
+//!   [`TaskRecord`], an array…), with no error headers;
+//! - **failure**: the NATS micro service error headers are set —
+//!   `Nats-Service-Error: <code>: <message>` and `Nats-Service-Error-Code: <status>` (the
+//!   [`ErrorCode::status`], 400/404/409/500/503) — so generic micro service tooling sees an
+//!   error, and the body is the [`ApiError`] as JSON (`{"code": …, "message": …}`), so
+//!   murmur's clients get the closed error code and the full message.
+//!
+//! A reply with error headers and a body that is not an [`ApiError`] (another micro service
+//! implementation, or the async-nats `respond(Err(..))` form with an empty body) is read
+//! from the headers alone, its code mapped back from the status.
+//!
+//! [`SubmitReply`]: mur_proto::cluster::SubmitReply
+//! [`TaskRecord`]: mur_proto::cluster::TaskRecord
+
+use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
+use async_nats::{HeaderMap, Message, RequestErrorKind};
+use bytes::Bytes;
+use mur_proto::cluster::{ApiError, ErrorCode};
+use serde::de::DeserializeOwned;
+
+/// Sends `body` to the API endpoint `subject` and decodes the reply.
+///
+/// # Errors
+/// The service's [`ApiError`] when it refused the request; an `unavailable` error when no
+/// coordinator answers (no responders, or the client's request timeout); an `internal`
+/// error when the reply is not the JSON expected.
+pub async fn call<T: DeserializeOwned>(
+    client: &async_nats::Client,
+    subject: &str,
+    body: impl Into<Bytes>,
+) -> Result<T, ApiError> {
+    let reply = client.request(subject.to_string(), body.into()).await.map_err(|e| match e.kind() {
+        RequestErrorKind::NoResponders => {
+            ApiError::new(ErrorCode::Unavailable, format!("{subject}: no coordinator answers (no responders)"))
+        }
+        RequestErrorKind::TimedOut => {
+            ApiError::new(ErrorCode::Unavailable, format!("{subject}: the coordinator did not answer in time"))
+        }
+        RequestErrorKind::InvalidSubject | RequestErrorKind::MaxPayloadExceeded => {
+            ApiError::invalid(format!("{subject}: request not sent: {e}"))
+        }
+        _ => ApiError::new(ErrorCode::Unavailable, format!("{subject}: request failed: {e}")),
+    })?;
+    decode(subject, &reply)
+}
+
+/// Decodes a reply under the scheme above.
+///
+/// # Errors
+/// As [`call`].
+pub fn decode<T: DeserializeOwned>(subject: &str, reply: &Message) -> Result<T, ApiError> {
+    if let Some(err) = reply_error(reply) {
+        return Err(err);
+    }
+    serde_json::from_slice(&reply.payload)
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{subject}: unexpected reply: {e}")))
+}
+
+/// The error a reply carries, if it has the micro service error headers.
+fn reply_error(reply: &Message) -> Option<ApiError> {
+    let headers = reply.headers.as_ref()?;
+    let status = headers.get(NATS_SERVICE_ERROR_CODE);
+    let text = headers.get(NATS_SERVICE_ERROR);
+    if status.is_none() && text.is_none() {
+        return None;
+    }
+    if let Ok(err) = serde_json::from_slice::<ApiError>(&reply.payload) {
+        return Some(err);
+    }
+    let code = match status.map(|s| s.as_str().trim()) {
+        Some("400") => ErrorCode::InvalidRequest,
+        Some("404") => ErrorCode::NotFound,
+        Some("409") => ErrorCode::Conflict,
+        Some("503") => ErrorCode::Unavailable,
+        _ => ErrorCode::Internal,
+    };
+    Some(ApiError::new(code, text.map_or("service error", |t| t.as_str()).to_string()))
+}
+
+/// The longest error text put in the `Nats-Service-Error` header, in bytes (the body keeps
+/// the whole message).
+const MAX_HEADER_TEXT: usize = 512;
+
+/// The headers and body of a failure reply for `err` (the service side of the scheme).
+pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
+    let mut headers = HeaderMap::new();
+    // Header values cannot hold line breaks.
+    let mut text = err.to_string().replace(['\r', '\n'], " ");
+    if text.len() > MAX_HEADER_TEXT {
+        let mut cut = MAX_HEADER_TEXT;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push('…');
+    }
+    headers.insert(NATS_SERVICE_ERROR, text.as_str());
+    headers.insert(NATS_SERVICE_ERROR_CODE, err.code.status().to_string().as_str());
+    let body = serde_json::to_vec(err).expect("an ApiError serializes");
+    (headers, Bytes::from(body))
+}

@@ -1,0 +1,776 @@
+//! The coordinator's NATS adapter: it serves the `mur` micro service (task intake, task and
+//! capsule queries), turns the `mur_tasks` and `mur_workers` buckets into [`Input`]s for
+//! the [`Scheduler`], and carries out every [`Output::Release`] (`DESIGN.md` §A task's way
+//! through the cluster, steps 1–3).
+//!
+//! Layout of [`run`]:
+//! 1. [`resources::ensure`], then one watcher per bucket (`watch_with_history(">")`: the
+//!    last revision of every key, then every change; `watch_all` would give only the
+//!    changes). What the watchers deliver until they are caught up is the restart replay
+//!    given to [`Scheduler::restore`]; after that each change is fed to the scheduler as
+//!    it comes.
+//! 2. One actor task owns the scheduler: every input (from the watchers, the worker
+//!    heartbeat tick and `task.cancel`) goes through one mpsc channel, so inputs are
+//!    applied in the order they are sent, and each release is carried out before the next
+//!    input is applied.
+//! 3. The micro service `mur` ([`cluster::SERVICE_NAME`], discoverable with `$SRV.INFO`)
+//!    has one endpoint per subject of [`cluster::api`]; each request is handled in a task
+//!    of its own. Replies follow the scheme of [`crate::api`] (success = the plain JSON
+//!    value; failure = micro service error headers + the [`ApiError`] JSON).
+//!
+//! Mapping of task records to inputs (the contract with the worker):
+//! - `submitted`, attempt 0 → [`Input::Submitted`] with `seq` = the entry's revision. A
+//!   record still at attempt 0 has never been changed since its creation, so this is its
+//!   creation revision: the task's arrival order.
+//! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
+//!   before publishing its dispatch). At a restart it is replayed after its `Submitted`
+//!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
+//!   it), and its dispatch is published again with the same message id: if the previous
+//!   coordinator died between the compare-and-set and the publish, the dispatch goes out
+//!   now; otherwise JetStream drops the copy as a duplicate (within the stream's
+//!   duplicate window, [`Settings::duplicate_window_secs`]).
+//! - `working` → [`Input::Started`] with the record's worker.
+//! - terminal (`completed`, `failed`, `canceled`, `rejected`) → [`Input::Ended`].
+//!
+//! A release: compare-and-set the record from `submitted`/attempt 0 to attempt 1, then
+//! publish [`Dispatch`] to [`cluster::DISPATCH_SUBJECT`] with message id
+//! [`Dispatch::msg_id`], awaiting the ack. A record no longer at attempt 0 or no longer
+//! `submitted` (cancelled meanwhile, or released by another coordinator) is left alone:
+//! the watcher reports what happened to it.
+//!
+//! Whether a task's capsule is a `queue` capsule is read from the capsule index entry
+//! ([`CapsuleIndexEntry::queue`]) of the capsule's latest push when the task is first seen.
+
+use crate::api;
+use crate::resources::{self, Settings};
+use crate::scheduler::{Input, Output, Scheduler};
+use async_nats::jetstream::{self, kv, message::PublishMessage};
+use async_nats::service::{Request, ServiceExt};
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use mur_proto::cluster::{
+    self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, SubmitReply, SubmitRequest, TaskRecord,
+    TaskRef, WorkerInfo,
+};
+use mur_proto::task::TaskState;
+use mur_proto::{ExitStatus, Id, IdKind};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+/// How long a worker may go without a heartbeat before its slots stop counting.
+pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most records `task.list` answers with (the newest ones).
+pub const LIST_LIMIT: usize = 1000;
+
+/// How often worker heartbeats are checked for age.
+const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
+
+/// Compare-and-set attempts on one task record before giving up.
+const CAS_ATTEMPTS: usize = 8;
+
+/// How the coordinator runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// The cluster's streams and buckets.
+    pub settings: Settings,
+    /// This coordinator's name, for logs.
+    pub instance: String,
+    /// A worker whose heartbeat is older than this is gone ([`DEFAULT_WORKER_TIMEOUT`]).
+    pub worker_timeout: Duration,
+}
+
+impl Config {
+    /// A configuration with the default worker timeout.
+    pub fn new(settings: Settings, instance: impl Into<String>) -> Config {
+        Config { settings, instance: instance.into(), worker_timeout: DEFAULT_WORKER_TIMEOUT }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::new(Settings::default(), "coordinator")
+    }
+}
+
+/// Why the coordinator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The streams and buckets could not be set up.
+    #[error(transparent)]
+    Resources(#[from] resources::Error),
+    /// A NATS request the coordinator cannot do without failed.
+    #[error("{what}: {source}")]
+    Nats {
+        /// What was being done.
+        what: String,
+        /// The client's error.
+        source: async_nats::Error,
+    },
+    /// A background loop (a watcher or the scheduler) ended before the shutdown.
+    #[error("{0} ended unexpectedly")]
+    LoopEnded(&'static str),
+}
+
+fn nats<E: Into<async_nats::Error>>(what: impl Into<String>) -> impl FnOnce(E) -> Error {
+    let what = what.into();
+    move |e| Error::Nats { what, source: e.into() }
+}
+
+/// Runs the coordinator until `shutdown` resolves: sets up the resources, restores the
+/// scheduler from the buckets, serves the `mur` micro service and dispatches tasks.
+///
+/// # Errors
+/// [`Error::Resources`] when the streams and buckets cannot be set up, [`Error::Nats`] when
+/// the buckets cannot be read or the service cannot start, [`Error::LoopEnded`] when a
+/// bucket watch ends on its own (the connection is gone for good).
+pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+    let instance = config.instance.clone();
+    let js = jetstream::new(client.clone());
+    let res = resources::ensure(&js, &config.settings).await?;
+
+    // The watchers start before anything is read, so no change falls between the replay
+    // and the live feed.
+    let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
+    let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
+    let task_entries = caught_up(&res.tasks, &mut task_watch).await?;
+    let worker_entries = caught_up(&res.workers, &mut worker_watch).await?;
+
+    let (inputs, input_rx) = mpsc::unbounded_channel();
+    let ctx = Arc::new(Ctx {
+        js: js.clone(),
+        tasks: res.tasks.clone(),
+        capsule_index: res.capsule_index.clone(),
+        inputs,
+        instance: instance.clone(),
+    });
+
+    // The replay.
+    let mut replay = Vec::new();
+    let mut republish = Vec::new();
+    let mut queue_flags = QueueFlags::default();
+    for entry in &task_entries {
+        let Some(record) = ctx.record_of(entry) else { continue };
+        if record.state.is_terminal() {
+            continue;
+        }
+        let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+        replay.push(submitted_input(&record, entry.revision, queue_capsule));
+        if record.state == TaskState::Submitted && record.attempt >= 1 {
+            republish.push(Dispatch { task_id: record.task_id.clone(), attempt: record.attempt });
+        }
+        replay.extend(progress_input(&record));
+    }
+    let mut workers = Workers::new(config.worker_timeout);
+    let now = now_ms();
+    for entry in &worker_entries {
+        replay.extend(workers.observe(entry, now));
+    }
+    let replayed = replay.len();
+    let (scheduler, outputs) = Scheduler::restore(replay);
+    tracing::info!(
+        instance = %instance,
+        tasks = task_entries.len(),
+        inputs = replayed,
+        workers = worker_entries.len(),
+        in_flight = scheduler.snapshot().in_flight.len(),
+        "coordinator restored"
+    );
+    for dispatch in republish {
+        if let Err(e) = ctx.publish(&dispatch).await {
+            tracing::warn!(instance = %instance, task_id = %dispatch.task_id, "republishing dispatch failed: {e}");
+        }
+    }
+    for output in outputs {
+        ctx.carry_out(output).await;
+    }
+
+    let (stop, stopped) = watch::channel(false);
+    let mut loops: JoinSet<&'static str> = JoinSet::new();
+    loops.spawn(actor(ctx.clone(), scheduler, input_rx, stopped.clone()));
+    loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
+    loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
+
+    let service = client
+        .service_builder()
+        .description("murmur coordinator: task intake, lane-ordered dispatch, queries")
+        .start(cluster::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(nats("service mur: start"))?;
+    let group = service.group(cluster::api::PREFIX);
+    let mut endpoints = Vec::new();
+    for kind in Endpoint::ALL {
+        let subject = kind.subject();
+        let suffix = &subject[cluster::api::PREFIX.len() + 1..];
+        let endpoint = group
+            .endpoint_builder()
+            .name(suffix.replace('.', "_"))
+            .add(suffix)
+            .await
+            .map_err(nats(format!("service mur: endpoint {subject}")))?;
+        endpoints.push(endpoint.map(move |request| (kind, request)).boxed());
+    }
+    let mut requests = futures::stream::select_all(endpoints);
+    tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
+
+    let mut shutdown = std::pin::pin!(shutdown);
+    let outcome = loop {
+        tokio::select! {
+            () = &mut shutdown => break Ok(()),
+            ended = loops.join_next() => {
+                let what = match ended {
+                    Some(Ok(what)) => what,
+                    Some(Err(_)) | None => "a coordinator loop",
+                };
+                break Err(Error::LoopEnded(what));
+            }
+            request = requests.next() => match request {
+                Some((kind, request)) => {
+                    let ctx = ctx.clone();
+                    tokio::spawn(async move { ctx.handle(kind, request).await });
+                }
+                None => break Err(Error::LoopEnded("the service")),
+            },
+        }
+    };
+    tracing::info!(instance = %instance, "coordinator stopping");
+    drop(requests);
+    if let Err(e) = service.stop().await {
+        tracing::warn!(instance = %instance, "stopping the service: {e}");
+    }
+    let _ = stop.send(true);
+    while loops.join_next().await.is_some() {}
+    outcome
+}
+
+/// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
+/// started (or later), and returns what it read: the bucket's current state.
+async fn caught_up(store: &kv::Store, watch: &mut kv::Watch) -> Result<Vec<kv::Entry>, Error> {
+    // Messages are never removed from these streams except by newer revisions, so a
+    // stream empty now was empty when the watcher started: it has nothing to replay.
+    let info = store.stream.get_info().await.map_err(nats(format!("{}: info", store.name)))?;
+    let mut entries = Vec::new();
+    if info.state.messages == 0 {
+        return Ok(entries);
+    }
+    while let Some(entry) = watch.next().await {
+        let entry = entry.map_err(nats(format!("{}: watch", store.name)))?;
+        let last = entry.delta == 0;
+        entries.push(entry);
+        if last {
+            return Ok(entries);
+        }
+    }
+    Err(Error::LoopEnded("a bucket watch"))
+}
+
+/// What every endpoint handler shares.
+struct Ctx {
+    js: jetstream::Context,
+    tasks: kv::Store,
+    capsule_index: kv::Store,
+    inputs: mpsc::UnboundedSender<Input>,
+    instance: String,
+}
+
+/// The API endpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Endpoint {
+    Submit,
+    Get,
+    List,
+    Cancel,
+    Capsules,
+}
+
+impl Endpoint {
+    const ALL: [Endpoint; 5] = [Endpoint::Submit, Endpoint::Get, Endpoint::List, Endpoint::Cancel, Endpoint::Capsules];
+
+    fn subject(self) -> &'static str {
+        match self {
+            Endpoint::Submit => cluster::api::TASK_SUBMIT,
+            Endpoint::Get => cluster::api::TASK_GET,
+            Endpoint::List => cluster::api::TASK_LIST,
+            Endpoint::Cancel => cluster::api::TASK_CANCEL,
+            Endpoint::Capsules => cluster::api::CAPSULE_LIST,
+        }
+    }
+}
+
+/// `task.list`'s optional request body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {
+    #[serde(default)]
+    state: Option<TaskState>,
+}
+
+fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Unavailable, format!("{what}: {e}"))
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("{what}: {e}"))
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<Bytes, ApiError> {
+    serde_json::to_vec(value).map(Bytes::from).map_err(|e| internal("reply", e))
+}
+
+impl Ctx {
+    async fn handle(&self, kind: Endpoint, request: Request) {
+        let body = &request.message.payload;
+        let result = match kind {
+            Endpoint::Submit => self.submit(body).await.and_then(|r| to_json(&r)),
+            Endpoint::Get => self.get(body).await.and_then(|r| to_json(&r)),
+            Endpoint::List => self.list(body).await.and_then(|r| to_json(&r)),
+            Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
+            Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
+        };
+        let sent = match result {
+            Ok(reply) => request.respond(Ok(reply)).await,
+            Err(err) => {
+                tracing::debug!(instance = %self.instance, subject = kind.subject(), "refused: {err}");
+                let (headers, body) = api::error_reply(&err);
+                request.respond_with_headers(Ok(body), headers).await
+            }
+        };
+        if let Err(e) = sent {
+            tracing::warn!(instance = %self.instance, subject = kind.subject(), "reply failed: {e}");
+        }
+    }
+
+    /// `task.submit`: validates, checks the capsule, creates the record.
+    async fn submit(&self, body: &[u8]) -> Result<SubmitReply, ApiError> {
+        let request = SubmitRequest::parse(body)?;
+        request.validate()?;
+        let Some(latest) = self.latest_capsule(&request.capsule).await? else {
+            return Err(ApiError::new(
+                ErrorCode::NotFound,
+                format!("capsule: no capsule named {:?} (push it with `mur capsule push`)", request.capsule),
+            ));
+        };
+        let task_id = Id::generate(IdKind::Task);
+        let record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
+        let value = to_json(&record)?;
+        self.tasks.create(&task_id, value).await.map_err(|e| unavailable("mur_tasks: create", e))?;
+        tracing::info!(instance = %self.instance, %task_id, capsule = %record.capsule, lane = %record.lane, "task submitted");
+        Ok(SubmitReply { task_id, state: TaskState::Submitted })
+    }
+
+    async fn latest_capsule(&self, name: &str) -> Result<Option<CapsuleIndexEntry>, ApiError> {
+        let entry = self.capsule_index.entry(name).await.map_err(|e| unavailable("mur_capsule_index: read", e))?;
+        match entry.filter(|e| e.operation == kv::Operation::Put) {
+            None => Ok(None),
+            Some(entry) => serde_json::from_slice(&entry.value)
+                .map(Some)
+                .map_err(|e| internal(&format!("capsule index entry {name}"), e)),
+        }
+    }
+
+    /// `task.get`.
+    async fn get(&self, body: &[u8]) -> Result<TaskRecord, ApiError> {
+        let task_id = task_ref(body)?;
+        Ok(self.read_task(&task_id).await?.1)
+    }
+
+    async fn read_task(&self, task_id: &str) -> Result<(u64, TaskRecord), ApiError> {
+        let entry = self.tasks.entry(task_id).await.map_err(|e| unavailable("mur_tasks: read", e))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+            return Err(ApiError::new(ErrorCode::NotFound, format!("task: no task {task_id}")));
+        };
+        let record =
+            serde_json::from_slice(&entry.value).map_err(|e| internal(&format!("task record {task_id}"), e))?;
+        Ok((entry.revision, record))
+    }
+
+    /// `task.list`: newest first, at most [`LIST_LIMIT`].
+    async fn list(&self, body: &[u8]) -> Result<Vec<TaskRecord>, ApiError> {
+        let filter: ListRequest = if body.iter().all(u8::is_ascii_whitespace) {
+            ListRequest::default()
+        } else {
+            serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("request: {e}")))?
+        };
+        let keys: Vec<String> = self
+            .tasks
+            .keys()
+            .await
+            .map_err(|e| unavailable("mur_tasks: keys", e))?
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_tasks: keys", e))?;
+        let mut records = Vec::with_capacity(keys.len());
+        for key in keys {
+            let Some(value) = self.tasks.get(&key).await.map_err(|e| unavailable("mur_tasks: read", e))? else {
+                continue;
+            };
+            match serde_json::from_slice::<TaskRecord>(&value) {
+                Ok(record) if filter.state.is_none_or(|s| s == record.state) => records.push(record),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(instance = %self.instance, key, "task.list: skipping a malformed record: {e}"),
+            }
+        }
+        records.sort_by(|a, b| (b.submitted_at, &b.task_id).cmp(&(a.submitted_at, &a.task_id)));
+        records.truncate(LIST_LIMIT);
+        Ok(records)
+    }
+
+    /// `task.cancel`: a waiting task becomes `canceled`; a released or running one, or a
+    /// finished one, is a conflict.
+    async fn cancel(&self, body: &[u8]) -> Result<TaskRecord, ApiError> {
+        let task_id = task_ref(body)?;
+        for _ in 0..CAS_ATTEMPTS {
+            let (revision, mut record) = self.read_task(&task_id).await?;
+            match record.state {
+                TaskState::Submitted if record.attempt == 0 => {}
+                TaskState::Submitted | TaskState::Working => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        "task is running; cancelling running tasks arrives with issue #8",
+                    ));
+                }
+                state => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("task {task_id} has already ended ({})", state.as_str()),
+                    ));
+                }
+            }
+            record.state = TaskState::Canceled;
+            record.exit_status = Some(ExitStatus::Canceled);
+            record.ended_at = Some(now_ms());
+            match self.tasks.update(&task_id, to_json(&record)?, revision).await {
+                Ok(_) => {
+                    tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
+                    let _ = self.inputs.send(Input::Canceled { task_id });
+                    return Ok(record);
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable("mur_tasks: update", e)),
+            }
+        }
+        Err(ApiError::new(ErrorCode::Unavailable, format!("task {task_id}: changed too often to cancel, retry")))
+    }
+
+    /// `capsule.list`.
+    async fn capsules(&self) -> Result<Vec<CapsuleEntry>, ApiError> {
+        let mut names: Vec<String> = self
+            .capsule_index
+            .keys()
+            .await
+            .map_err(|e| unavailable("mur_capsule_index: keys", e))?
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_capsule_index: keys", e))?;
+        names.sort();
+        let mut entries = Vec::with_capacity(names.len());
+        for name in names {
+            if let Some(e) = self.latest_capsule(&name).await? {
+                entries.push(CapsuleEntry {
+                    name,
+                    digest: e.digest,
+                    version: e.version,
+                    pushed_at: e.pushed_at,
+                    bytes: e.bytes,
+                });
+            }
+        }
+        Ok(entries)
+    }
+
+    /// Parses a task record entry, logging a malformed one.
+    fn record_of(&self, entry: &kv::Entry) -> Option<TaskRecord> {
+        if entry.operation != kv::Operation::Put {
+            return None;
+        }
+        serde_json::from_slice(&entry.value)
+            .inspect_err(|e| {
+                tracing::warn!(instance = %self.instance, key = %entry.key, "skipping a malformed task record: {e}");
+            })
+            .ok()
+    }
+
+    async fn carry_out(&self, output: Output) {
+        match output {
+            Output::Release { task_id, .. } => self.release(&task_id).await,
+            Output::Ignored(why) => tracing::debug!(instance = %self.instance, "scheduler: {why}"),
+        }
+    }
+
+    /// Releases a task: attempt 0 → 1 on its record, then its dispatch. Retries NATS
+    /// failures a few times; a task left unreleased is released by the next coordinator.
+    async fn release(&self, task_id: &str) {
+        let mut backoff = Duration::from_millis(100);
+        for _ in 0..CAS_ATTEMPTS {
+            match self.try_release(task_id).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(instance = %self.instance, %task_id, "release failed, retrying: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        tracing::error!(instance = %self.instance, %task_id, "release failed; the task waits for a restart");
+    }
+
+    async fn try_release(&self, task_id: &str) -> Result<(), String> {
+        loop {
+            let (revision, mut record) = self.read_task(task_id).await.map_err(|e| e.to_string())?;
+            if record.state != TaskState::Submitted || record.attempt != 0 {
+                tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), attempt = record.attempt, "not releasing: the record moved on");
+                return Ok(());
+            }
+            record.attempt = 1;
+            let value = to_json(&record).map_err(|e| e.to_string())?;
+            match self.tasks.update(task_id, value, revision).await {
+                Ok(_) => break,
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(format!("mur_tasks: update: {e}")),
+            }
+        }
+        let dispatch = Dispatch { task_id: task_id.to_string(), attempt: 1 };
+        self.publish(&dispatch).await?;
+        tracing::info!(instance = %self.instance, %task_id, attempt = 1, "task released");
+        Ok(())
+    }
+
+    /// Publishes a dispatch with its message id and waits for the stream's ack.
+    async fn publish(&self, dispatch: &Dispatch) -> Result<(), String> {
+        let payload = serde_json::to_vec(dispatch).map_err(|e| e.to_string())?;
+        let message = PublishMessage::build().payload(payload.into()).message_id(dispatch.msg_id());
+        let ack = self
+            .js
+            .send_publish(cluster::DISPATCH_SUBJECT, message)
+            .await
+            .map_err(|e| format!("{}: publish: {e}", cluster::DISPATCH_STREAM))?;
+        ack.await.map_err(|e| format!("{}: publish ack: {e}", cluster::DISPATCH_STREAM))?;
+        Ok(())
+    }
+}
+
+/// The task id named by a `task.get` / `task.cancel` body: a [`TaskRef`] JSON object, or
+/// the bare id.
+fn task_ref(body: &[u8]) -> Result<String, ApiError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::invalid(format!("request: invalid UTF-8 at byte {}", e.valid_up_to())))?
+        .trim();
+    let task_id = if text.starts_with('{') {
+        serde_json::from_str::<TaskRef>(text).map_err(|e| ApiError::invalid(format!("request: {e}")))?.task_id
+    } else {
+        text.to_string()
+    };
+    if task_id.is_empty() {
+        return Err(ApiError::invalid("task_id: required"));
+    }
+    if !Id::is_valid(IdKind::Task, &task_id) {
+        return Err(ApiError::invalid(format!("task_id: must be a tsk_ id, got {task_id:?}")));
+    }
+    Ok(task_id)
+}
+
+/// The `Submitted` input of a record.
+fn submitted_input(record: &TaskRecord, revision: u64, queue_capsule: bool) -> Input {
+    Input::Submitted {
+        task_id: record.task_id.clone(),
+        capsule: record.capsule.clone(),
+        lane: record.lane,
+        queue_capsule,
+        seq: revision,
+    }
+}
+
+/// What a record says beyond `Submitted`: released, started or ended.
+fn progress_input(record: &TaskRecord) -> Option<Input> {
+    let task_id = record.task_id.clone();
+    match record.state {
+        TaskState::Submitted if record.attempt == 0 => None,
+        TaskState::Submitted => Some(Input::Released { task_id }),
+        TaskState::Working => match &record.worker {
+            Some(worker_id) => Some(Input::Started { task_id, worker_id: worker_id.clone() }),
+            None => Some(Input::Released { task_id }),
+        },
+        _ => Some(Input::Ended { task_id }),
+    }
+}
+
+/// Whether each capsule is a `queue` capsule, read from the index when first needed and
+/// again for each new task (a push may change it).
+#[derive(Default)]
+struct QueueFlags {
+    known: HashMap<String, bool>,
+}
+
+impl QueueFlags {
+    async fn get(&mut self, index: &kv::Store, capsule: &str) -> bool {
+        match index.get(capsule).await {
+            Ok(Some(value)) => {
+                let queue = serde_json::from_slice::<CapsuleIndexEntry>(&value).is_ok_and(|e| e.queue);
+                self.known.insert(capsule.to_string(), queue);
+                queue
+            }
+            Ok(None) => false,
+            // Keep the last answer when the index cannot be read now.
+            Err(e) => {
+                tracing::warn!(capsule, "capsule index unreadable, using the last known queue flag: {e}");
+                self.known.get(capsule).copied().unwrap_or(false)
+            }
+        }
+    }
+}
+
+/// The one owner of the scheduler.
+async fn actor(
+    ctx: Arc<Ctx>,
+    mut scheduler: Scheduler,
+    mut inputs: mpsc::UnboundedReceiver<Input>,
+    mut stopped: watch::Receiver<bool>,
+) -> &'static str {
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => break,
+            input = inputs.recv() => {
+                let Some(input) = input else { break };
+                tracing::trace!(instance = %ctx.instance, ?input, "scheduler input");
+                for output in scheduler.apply(input) {
+                    ctx.carry_out(output).await;
+                }
+            }
+        }
+    }
+    "the scheduler"
+}
+
+/// Feeds every change of `mur_tasks` to the scheduler.
+async fn watch_tasks(
+    ctx: Arc<Ctx>,
+    mut watch: kv::Watch,
+    mut queue_flags: QueueFlags,
+    mut stopped: watch::Receiver<bool>,
+) -> &'static str {
+    loop {
+        let entry = tokio::select! {
+            _ = stopped.changed() => break,
+            entry = watch.next() => entry,
+        };
+        let entry = match entry {
+            Some(Ok(entry)) => entry,
+            Some(Err(e)) => {
+                tracing::warn!(instance = %ctx.instance, "mur_tasks watch: {e}");
+                continue;
+            }
+            None => break,
+        };
+        if entry.operation != kv::Operation::Put {
+            // A task record deleted by hand: it will not run here.
+            let _ = ctx.inputs.send(Input::Ended { task_id: entry.key.clone() });
+            continue;
+        }
+        let Some(record) = ctx.record_of(&entry) else { continue };
+        let input = match progress_input(&record) {
+            None => {
+                let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                submitted_input(&record, entry.revision, queue_capsule)
+            }
+            Some(input) => input,
+        };
+        if ctx.inputs.send(input).is_err() {
+            break;
+        }
+    }
+    "the mur_tasks watch"
+}
+
+/// Live workers as the heartbeats in `mur_workers` show them.
+struct Workers {
+    timeout_ms: u64,
+    /// Live workers: slots and last heartbeat.
+    live: HashMap<String, (u32, u64)>,
+}
+
+impl Workers {
+    fn new(timeout: Duration) -> Workers {
+        Workers { timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX), live: HashMap::new() }
+    }
+
+    /// The input a change of a worker's key means, if any.
+    fn observe(&mut self, entry: &kv::Entry, now: u64) -> Option<Input> {
+        let worker_id = entry.key.clone();
+        if entry.operation != kv::Operation::Put {
+            return self.live.remove(&worker_id).map(|_| Input::WorkerGone { worker_id });
+        }
+        let info = match serde_json::from_slice::<WorkerInfo>(&entry.value) {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::warn!(worker_id, "skipping a malformed worker registration: {e}");
+                return None;
+            }
+        };
+        if now.saturating_sub(info.heartbeat_at) > self.timeout_ms {
+            return self.live.remove(&worker_id).map(|_| Input::WorkerGone { worker_id });
+        }
+        match self.live.insert(worker_id.clone(), (info.slots, info.heartbeat_at)) {
+            Some((slots, _)) if slots == info.slots => None,
+            _ => Some(Input::WorkerUp { worker_id, slots: info.slots }),
+        }
+    }
+
+    /// The workers whose heartbeat is too old at `now`.
+    fn expire(&mut self, now: u64) -> Vec<Input> {
+        let timeout = self.timeout_ms;
+        let mut gone: Vec<String> = self
+            .live
+            .iter()
+            .filter(|(_, (_, beat))| now.saturating_sub(*beat) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        gone.sort();
+        gone.into_iter()
+            .map(|worker_id| {
+                self.live.remove(&worker_id);
+                Input::WorkerGone { worker_id }
+            })
+            .collect()
+    }
+}
+
+/// Feeds worker arrivals and departures to the scheduler.
+async fn watch_workers(
+    ctx: Arc<Ctx>,
+    mut watch: kv::Watch,
+    mut workers: Workers,
+    mut stopped: watch::Receiver<bool>,
+) -> &'static str {
+    let mut tick = tokio::time::interval(HEARTBEAT_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let inputs = tokio::select! {
+            _ = stopped.changed() => break,
+            _ = tick.tick() => workers.expire(now_ms()),
+            entry = watch.next() => match entry {
+                Some(Ok(entry)) => workers.observe(&entry, now_ms()).into_iter().collect(),
+                Some(Err(e)) => {
+                    tracing::warn!(instance = %ctx.instance, "mur_workers watch: {e}");
+                    Vec::new()
+                }
+                None => break,
+            },
+        };
+        for input in inputs {
+            tracing::info!(instance = %ctx.instance, ?input, "worker change");
+            if ctx.inputs.send(input).is_err() {
+                return "the mur_workers watch";
+            }
+        }
+    }
+    "the mur_workers watch"
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
