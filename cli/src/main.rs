@@ -1,6 +1,9 @@
 //! `mur`: the command-line front end. Thin: parse the command line, call the libraries,
 //! print data on stdout and errors and progress on stderr.
 
+mod capsule;
+mod cluster;
+mod nats;
 mod run;
 mod task;
 mod trace;
@@ -20,6 +23,15 @@ struct Cli {
 enum Command {
     /// Run a capsule on this machine: one session, one task.
     Run(run::Args),
+    /// Run the embedded cluster: nats-server, a coordinator and workers in one process.
+    Dev(cluster::DevArgs),
+    /// Run a coordinator: task intake and lane-ordered dispatch.
+    Coordinator(cluster::CoordinatorArgs),
+    /// Run a worker: pulls capsule tasks and runs their sessions.
+    Worker(cluster::WorkerArgs),
+    /// Push and list capsule bundles on the cluster.
+    #[command(subcommand)]
+    Capsule(capsule::Command),
     /// Send tasks to capsules and follow them.
     #[command(subcommand)]
     Task(task::Command),
@@ -40,6 +52,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Task(cmd) => task::run(cmd),
+        Command::Dev(args) => cluster::dev(args),
+        Command::Coordinator(args) => cluster::coordinator(args),
+        Command::Worker(args) => cluster::worker(args),
+        Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
     };
     match result {

