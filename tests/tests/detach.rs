@@ -29,7 +29,7 @@ fn a_long_command_returns_a_handle_and_comes_back_as_a_completion_task_in_its_co
     let c = capsule("  task_acceptance: queue\n  after_task: sleep\n", replies);
     let started = std::time::Instant::now();
     let mut bg =
-        Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "build it", "--idle-exit", "2"]));
+        Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "build it", "--idle-exit", "5"]));
     let _ = bg.next_json(WAIT);
     let last = bg.next_json(WAIT);
     assert!(started.elapsed() >= Duration::from_secs(3), "the completion came after the command ended");
@@ -89,7 +89,7 @@ fn a_long_command_returns_a_handle_and_comes_back_as_a_completion_task_in_its_co
 fn two_detached_commands_each_get_their_own_completion() {
     let replies = "replies:\n  - tool_calls:\n      - { name: sh, input: { command: 'sleep 2; echo one' } }\n      - { name: sh, input: { command: 'sleep 2; exit 3' } }\n  - text: both started\n  - text: \"a: {{task}}\"\n  - text: \"b: {{task}}\"\n";
     let c = capsule("  task_acceptance: queue\n  after_task: sleep\n", replies);
-    let mut bg = Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "go", "--idle-exit", "2"]));
+    let mut bg = Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "go", "--idle-exit", "5"]));
     let _ = bg.next_json(WAIT);
     let last = bg.next_json(WAIT);
     assert_eq!(last["tasks"], 3);

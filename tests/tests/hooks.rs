@@ -524,7 +524,7 @@ fn the_reopen_limit_is_fresh_for_every_task_of_a_queue_session() {
     let gate = "#!/usr/bin/env python3\nimport json, os, sys\nev = json.load(sys.stdin)\nseen = 'seen-' + ev['task_id']\nif os.path.exists(seen):\n    print('{\"action\": \"none\"}')\nelse:\n    open(seen, 'w').close()\n    print(json.dumps({'action': 'reopen-task', 'reason': 'once more'}))\n";
     let extra = "lifecycle:\n  task_acceptance: queue\n  after_task: exit\n  queue_depth: 5\n  max_task_reopens: 1\nhooks:\n  - name: gate\n    binding: on-task-end\n    commit_policy: reopen-task\n    command: [./gate.py]\n";
     // The first reply is slow, so the second task arrives while the first runs.
-    let replies = "replies:\n  - text: a\n    delay_ms: 1500\n  - text: b\n  - text: c\n  - text: d\n";
+    let replies = "replies:\n  - text: a\n    delay_ms: 3000\n  - text: b\n  - text: c\n  - text: d\n";
     let c = capsule(replies, extra, &[("gate.py", gate)]);
     let mut bg = mur_tests::mur::Background::spawn(mur().arg("run").arg(c.dir()).args(["--json", "--task", "first"]));
     let start = bg.next_json(std::time::Duration::from_secs(30));

@@ -38,7 +38,7 @@ fn send(url: &str, text: &str, origin: Option<Origin>) -> mur_worker::a2a::v1::T
 #[test]
 fn queued_tasks_start_in_lane_order_whatever_their_arrival() {
     // The first task (given at launch, origin user) is slow; meanwhile five arrive over HTTP.
-    let replies = "replies:\n  - text: first\n    delay_ms: 1500\n  - text: a\n  - text: b\n  - text: c\n  - text: d\n  - text: e\n";
+    let replies = "replies:\n  - text: first\n    delay_ms: 3000\n  - text: a\n  - text: b\n  - text: c\n  - text: d\n  - text: e\n";
     let c = TestCapsule::new(&manifest("queue", "  after_task: exit\n  queue_depth: 10\n"), &[("r.yaml", replies)]);
     let (mut bg, first) = start(&c, &["--task", "launch task"]);
     let url = first["url"].as_str().unwrap().to_string();
@@ -85,7 +85,7 @@ fn queued_tasks_start_in_lane_order_whatever_their_arrival() {
 
 #[test]
 fn acceptance_none_rejects_every_message_and_runs_only_the_launch_task() {
-    let c = TestCapsule::new(&manifest("none", ""), &[("r.yaml", "replies:\n  - text: ran\n    delay_ms: 1000\n")]);
+    let c = TestCapsule::new(&manifest("none", ""), &[("r.yaml", "replies:\n  - text: ran\n    delay_ms: 3000\n")]);
     let (mut bg, first) = start(&c, &["--task", "the only task"]);
     let url = first["url"].as_str().unwrap();
     let err = rt().block_on(Client::new(url).send("please", &SendOptions::default())).unwrap_err();
@@ -98,7 +98,7 @@ fn acceptance_none_rejects_every_message_and_runs_only_the_launch_task() {
 fn acceptance_single_rejects_a_second_task_while_busy_then_exits() {
     let c = TestCapsule::new(
         &manifest("single", ""),
-        &[("r.yaml", "replies:\n  - text: one\n    delay_ms: 1500\n  - text: two\n")],
+        &[("r.yaml", "replies:\n  - text: one\n    delay_ms: 3000\n  - text: two\n")],
     );
     let (mut bg, first) = start(&c, &[]);
     let url = first["url"].as_str().unwrap();
