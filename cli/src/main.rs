@@ -21,7 +21,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run a capsule on this machine: one session, one task.
+    /// Run a capsule on this machine: one session, taking tasks as its lifecycle says.
     Run(run::Args),
     /// Run the embedded cluster: nats-server, a coordinator and workers in one process.
     Dev(cluster::DevArgs),

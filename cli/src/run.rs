@@ -1,4 +1,5 @@
-//! `mur run`: runs a capsule on this machine, one session, one task; writes the session
+//! `mur run`: runs a capsule on this machine, one session taking tasks as its lifecycle
+//! says (the launch task, A2A messages, completions); writes the session
 //! folder (`MURMUR.md`, `trace.jsonl`, `out/result.txt`, `logs/`).
 
 use anyhow::{Context, Result};
