@@ -8,12 +8,16 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// `mur coordinator [--config FILE]`
+/// `mur coordinator [--config FILE] [--http HOST:PORT]`
 #[derive(clap::Args, Debug)]
 pub struct CoordinatorArgs {
     /// The cluster configuration (YAML, the seed's `config.yaml`): JetStream settings.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Also take tasks over A2A HTTP on this address: one endpoint per capsule at
+    /// `http://HOST:PORT/capsules/<name>/` (off by default).
+    #[arg(long, value_name = "HOST:PORT")]
+    http: Option<String>,
     #[command(flatten)]
     conn: Connection,
 }
@@ -34,7 +38,7 @@ pub struct WorkerArgs {
     conn: Connection,
 }
 
-/// `mur dev [--port 4222] [--data-dir DIR] [--workers N] [--capsules DIR]`
+/// `mur dev [--port 4222] [--data-dir DIR] [--workers N] [--capsules DIR] [--http HOST:PORT]`
 #[derive(clap::Args, Debug)]
 pub struct DevArgs {
     /// The NATS port on 127.0.0.1.
@@ -55,6 +59,27 @@ pub struct DevArgs {
     /// Print one JSON line {"url": …} when ready.
     #[arg(long)]
     json: bool,
+    /// Also take tasks over A2A HTTP on this address (e.g. 127.0.0.1:0): one endpoint per
+    /// capsule at `http://HOST:PORT/capsules/<name>/` (off by default).
+    #[arg(long, value_name = "HOST:PORT")]
+    http: Option<String>,
+}
+
+/// Binds `addr` and serves the coordinator's A2A endpoint from a spawned task until
+/// `stop` is cancelled; returns the base URL (`http://<bound address>`).
+async fn start_http(
+    client: async_nats::Client,
+    addr: &str,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(String, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http {addr}"))?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let task = tokio::spawn(async move {
+        if let Err(e) = mur_coordinator::http::serve(client, listener, async move { stop.cancelled().await }).await {
+            eprintln!("a2a http: {e}");
+        }
+    });
+    Ok((base, task))
 }
 
 fn settings(config: Option<&Path>) -> Result<mur_coordinator::Settings> {
@@ -84,8 +109,22 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     rt.block_on(async {
         let client = args.conn.connect("mur coordinator").await?;
         eprintln!("coordinator connected to {}", args.conn.server);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let http = match &args.http {
+            Some(addr) => {
+                let (base, task) = start_http(client.clone(), addr, stop.clone()).await?;
+                eprintln!("a2a endpoints at {base}/capsules/<name>/");
+                Some(task)
+            }
+            None => None,
+        };
         let config = mur_coordinator::service::Config { settings, ..Default::default() };
-        mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await?;
+        let result = mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await;
+        stop.cancel();
+        if let Some(task) = http {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        result?;
         Ok(ExitCode::SUCCESS)
     })
 }
@@ -215,13 +254,22 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let http = match &args.http {
+            Some(addr) => {
+                let (base, task) = start_http(client.clone(), addr, shutdown.clone()).await?;
+                tasks.push(task);
+                Some(base)
+            }
+            None => None,
+        };
         if args.json {
-            println!("{}", serde_json::json!({"url": url, "capsules": pushed, "workers": args.workers}));
+            println!("{}", serde_json::json!({"url": url, "http": http, "capsules": pushed, "workers": args.workers}));
         } else {
             println!("{url}");
         }
+        let endpoints = http.as_ref().map_or(String::new(), |base| format!("; a2a at {base}/capsules/<name>/"));
         eprintln!(
-            "ready: coordinator and {} worker(s) × {} slots; capsules: {}. Ctrl-C stops.",
+            "ready: coordinator and {} worker(s) × {} slots; capsules: {}{endpoints}. Ctrl-C stops.",
             args.workers,
             args.slots,
             pushed.join(", ")

@@ -1,9 +1,10 @@
 //! The coordinator: task intake and lane-ordered dispatch over NATS JetStream (fleet loops
 //! and the kill-switch follow). [`scheduler`] is the pure dispatch state machine,
 //! [`resources`] sets up the cluster's streams and buckets, [`service`] is the NATS
-//! adapter that runs them.
+//! adapter that runs them, [`http`] the A2A HTTP endpoint that takes tasks for it.
 
 pub mod api;
+pub mod http;
 pub mod resources;
 pub mod scheduler;
 pub mod service;

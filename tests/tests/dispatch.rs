@@ -116,3 +116,91 @@ async fn a_hundred_tasks_over_three_workers_complete_once_with_their_results() {
     assert_eq!(sessions.len(), 100, "one session per task run");
     sb.shutdown().await;
 }
+
+/// Serves the coordinator's A2A endpoint on a free port; returns its base URL.
+async fn serve_http(sb: &Sandbox, stop: tokio_util::sync::CancellationToken) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let client = sb.client.clone();
+    tokio::spawn(async move {
+        mur_coordinator::http::serve(client, listener, async move { stop.cancelled().await }).await.unwrap();
+    });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_is_not_believed() {
+    use futures::StreamExt;
+    use mur_proto::task::Lane;
+    use mur_worker::a2a::client::{self, SendOptions};
+    use mur_worker::a2a::v1::{StreamResponse, TaskState as A2aState};
+
+    let sb = Sandbox::start(1, 1).await;
+    let c = shell_capsule("httpecho", "");
+    sb.push(c.dir()).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let base = serve_http(&sb, stop.clone()).await;
+    let url = format!("{base}/capsules/httpecho/");
+
+    let card: serde_json::Value =
+        reqwest::get(format!("{url}.well-known/agent-card.json")).await.unwrap().json().await.unwrap();
+    assert_eq!(card["name"], "httpecho");
+    assert_eq!(card["url"], url.as_str());
+
+    let wait = Some(Duration::from_millis(100));
+    let user = SendOptions { origin: Some(Origin::User), ..Default::default() };
+    let task = tokio::time::timeout(WAIT, client::send_task(&url, "echo hi", &user, wait)).await.unwrap().unwrap();
+    assert_eq!(task.status.state, A2aState::Completed, "{task:?}");
+    assert!(task.artifact_text().contains("hi"), "{task:?}");
+    let record = sb.record(&task.id).await;
+    assert_eq!((record.origin, record.lane), (Origin::Event, Lane::Bg));
+    assert_eq!(stdout_of(&record), "hi");
+
+    let peer = SendOptions { origin: Some(Origin::Peer), ..Default::default() };
+    let task = tokio::time::timeout(WAIT, client::send_task(&url, "echo peer", &peer, wait)).await.unwrap().unwrap();
+    assert_eq!(task.status.state, A2aState::Completed, "{task:?}");
+    let record = sb.record(&task.id).await;
+    assert_eq!((record.origin, record.lane), (Origin::Peer, Lane::Peer));
+    assert_eq!(stdout_of(&record), "peer");
+
+    // Streaming: the task, then its updates from the record in the bucket, the result
+    // artifact before the final `completed`.
+    let http = client::Client::new(&url);
+    let events = tokio::time::timeout(WAIT, async {
+        http.send_streaming("echo streamed", &peer).await.unwrap().collect::<Vec<_>>().await
+    })
+    .await
+    .expect("the stream ends after the terminal status");
+    let events: Vec<StreamResponse> = events.into_iter().map(Result::unwrap).collect();
+    assert!(matches!(events.first(), Some(StreamResponse::Task(_))), "{events:?}");
+    // The result comes as an artifact update, or inside the task when it had already ended
+    // by the time the stream began (a loaded machine).
+    let artifact: String = events
+        .iter()
+        .map(|e| match e {
+            StreamResponse::ArtifactUpdate(a) => a.artifact.parts.iter().filter_map(|p| p.text.clone()).collect(),
+            StreamResponse::Task(t) => t.artifact_text(),
+            _ => String::new(),
+        })
+        .collect();
+    assert!(artifact.contains("streamed"), "{events:?}");
+    let last = match events.last() {
+        Some(StreamResponse::StatusUpdate(s)) => s.status.state,
+        Some(StreamResponse::Task(t)) => t.status.state,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(last, A2aState::Completed, "{events:?}");
+
+    // An unknown capsule: the task is rejected with the coordinator's not_found message.
+    let task = client::send_task(&format!("{base}/capsules/nosuch/"), "echo x", &peer, None).await.unwrap();
+    assert_eq!(task.status.state, A2aState::Rejected, "{task:?}");
+    let why = task.status_text().unwrap_or_default();
+    assert!(why.contains("not_found"), "{why}");
+
+    // A task of another capsule is not found under this one.
+    let other = client::Client::new(format!("{base}/capsules/nosuch/"));
+    assert!(other.get(&record.task_id).await.is_err());
+
+    stop.cancel();
+    sb.shutdown().await;
+}

@@ -1,0 +1,322 @@
+//! The coordinator's A2A HTTP endpoint (issue #7): one endpoint per capsule at
+//! `/capsules/<name>/` (agent card at `/capsules/<name>/.well-known/agent-card.json`,
+//! JSON-RPC at `POST /capsules/<name>/`), so `mur task send --url URL "text"` works against
+//! the cluster as it does against a single capsule.
+//!
+//! Each capsule's endpoint is the capsule's own A2A server
+//! ([`mur_worker::a2a::server::router`]) over a [`ClusterBackend`], which talks to the
+//! coordinator through its NATS API (`mur.api.task.*`) and follows task records in
+//! [`TASKS_BUCKET`]. Origins follow the A2A endpoint's rule: only `peer` and `completion`
+//! in `x-murmur-task-origin` are believed, anything else (a claimed `user` included) is
+//! `event` and waits in `bg`.
+//!
+//! Refusals: the coordinator's refusal of a submission (an unknown capsule's `not_found`, an
+//! invalid context id, no coordinator answering) comes back as a task in state `rejected`
+//! whose status message is the coordinator's message, as a capsule's own refusals do.
+
+use async_trait::async_trait;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request};
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use futures::stream::{self, StreamExt};
+use mur_proto::cluster::{
+    ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitReply, SubmitRequest, TASKS_BUCKET,
+    TaskRecord as ClusterRecord, TaskRef, api,
+};
+use mur_proto::task::TaskState;
+use mur_proto::{Id, IdKind};
+use mur_worker::a2a::Backend;
+use mur_worker::a2a::card::{AgentInfo, agent_card};
+use mur_worker::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+/// How long a subscription waits for the task's record to show up in the bucket.
+const FIRST_ENTRY_WAIT: Duration = Duration::from_secs(10);
+
+/// Serves the endpoint on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve(
+    client: async_nats::Client,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let base = format!("http://{}", listener.local_addr()?);
+    axum::serve(listener, app(client, base)).with_graceful_shutdown(shutdown).await
+}
+
+/// The endpoint's routes; cards advertise `<base>/capsules/<name>/`.
+pub fn app(client: async_nats::Client, base: impl Into<String>) -> Router {
+    let state = Arc::new(Endpoints { client, base: base.into(), routers: Mutex::new(HashMap::new()) });
+    Router::new()
+        .route("/capsules/{name}", any(capsule_root))
+        .route("/capsules/{name}/", any(capsule_root))
+        .route("/capsules/{name}/{*rest}", any(capsule_path))
+        .with_state(state)
+}
+
+/// The per-capsule routers, built on first use.
+struct Endpoints {
+    client: async_nats::Client,
+    base: String,
+    routers: Mutex<HashMap<String, Router>>,
+}
+
+impl Endpoints {
+    /// The capsule's router: cached once the capsule is known; an unknown capsule gets a
+    /// fresh one each time (its submissions are refused by the coordinator).
+    async fn router(&self, name: &str) -> Router {
+        if let Some(router) = self.routers.lock().expect("routers").get(name) {
+            return router.clone();
+        }
+        let entry = capsule_entry(&self.client, name).await;
+        let known = entry.is_some();
+        let info = AgentInfo {
+            name: name.to_string(),
+            description: format!("murmur capsule {name}, run by the cluster"),
+            version: entry.map_or_else(|| "0.0.0".to_string(), |e| e.version),
+            url: None,
+        };
+        let url = format!("{}/capsules/{name}/", self.base);
+        let backend = Arc::new(ClusterBackend::new(self.client.clone(), name));
+        let router = mur_worker::a2a::server::router(backend, agent_card(&info, &url));
+        if known {
+            self.routers.lock().expect("routers").insert(name.to_string(), router.clone());
+        }
+        router
+    }
+}
+
+async fn capsule_entry(client: &async_nats::Client, name: &str) -> Option<CapsuleIndexEntry> {
+    let js = async_nats::jetstream::new(client.clone());
+    let kv = js.get_key_value(CAPSULE_INDEX_BUCKET).await.ok()?;
+    let bytes = kv.get(name).await.ok()??;
+    serde_json::from_slice(&bytes).ok()
+}
+
+async fn capsule_root(
+    axum::extract::State(state): axum::extract::State<Arc<Endpoints>>,
+    Path(name): Path<String>,
+    request: Request,
+) -> Response {
+    forward(&state, &name, "/", request).await
+}
+
+async fn capsule_path(
+    axum::extract::State(state): axum::extract::State<Arc<Endpoints>>,
+    Path((name, rest)): Path<(String, String)>,
+    request: Request,
+) -> Response {
+    forward(&state, &name, &format!("/{rest}"), request).await
+}
+
+/// Hands `request` to the capsule's router with its path rewritten to `path`.
+async fn forward(state: &Endpoints, name: &str, path: &str, request: Request) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let path_and_query = match parts.uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    parts.uri = match path_and_query.parse::<Uri>() {
+        Ok(uri) => uri,
+        Err(_) => return StatusCode::BAD_REQUEST.into_response(),
+    };
+    let router = state.router(name).await;
+    match router.oneshot(Request::from_parts(parts, Body::new(body))).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// One capsule's tasks, as the coordinator keeps them.
+pub struct ClusterBackend {
+    client: async_nats::Client,
+    capsule: String,
+}
+
+impl ClusterBackend {
+    /// The backend for `capsule`.
+    pub fn new(client: async_nats::Client, capsule: impl Into<String>) -> ClusterBackend {
+        ClusterBackend { client, capsule: capsule.into() }
+    }
+
+    async fn record(&self, id: &str) -> Result<ClusterRecord, ApiError> {
+        let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
+        let record: ClusterRecord = crate::api::call(&self.client, api::TASK_GET, body).await?;
+        if record.capsule != self.capsule {
+            return Err(ApiError::new(ErrorCode::NotFound, format!("task {id} not found")));
+        }
+        Ok(record)
+    }
+}
+
+/// The cluster record as the A2A server sees a task.
+pub fn to_intake(record: &ClusterRecord) -> TaskRecord {
+    let state = record.state;
+    let mut states = vec![TaskState::Submitted];
+    if record.started_at.is_some() && state != TaskState::Submitted {
+        states.push(TaskState::Working);
+    }
+    if !states.contains(&state) {
+        states.push(state);
+    }
+    let status_message = match state {
+        TaskState::Canceled => Some("canceled".to_string()),
+        TaskState::Failed | TaskState::Rejected => record.error.clone().or_else(|| {
+            record.exit_status.map(|e| {
+                format!("{}{}", e.as_str(), record.result.as_ref().map_or(String::new(), |r| format!(": {r}")))
+            })
+        }),
+        _ => None,
+    };
+    TaskRecord {
+        id: record.task_id.clone(),
+        context_id: record.context_id.clone(),
+        message_id: None,
+        text: record.text.clone(),
+        origin: record.origin,
+        source: "a2a".to_string(),
+        state,
+        states,
+        status_message,
+        exit_status: record.exit_status,
+        result: record.result.clone(),
+        cancel_requested: false,
+    }
+}
+
+/// A submission the coordinator refused, as a task in state `rejected`.
+fn refused(submission: Submission, err: &ApiError) -> Rejected {
+    let task = TaskRecord {
+        id: Id::generate(IdKind::Task),
+        context_id: submission.context_id.unwrap_or_else(|| Id::generate(IdKind::Context)),
+        message_id: submission.message_id,
+        text: submission.text,
+        origin: submission.origin,
+        source: submission.source,
+        state: TaskState::Rejected,
+        states: vec![TaskState::Rejected],
+        status_message: Some(err.to_string()),
+        exit_status: None,
+        result: None,
+        cancel_requested: false,
+    };
+    // The server answers every refusal carrying a task with that task; the variant is not
+    // shown.
+    Rejected::Closed { task: Box::new(task) }
+}
+
+/// The updates between two snapshots of a task: a status change, preceded by the result
+/// artifact when it completed.
+fn updates_between(previous: TaskState, next: &ClusterRecord) -> Vec<TaskUpdate> {
+    if next.state == previous {
+        return Vec::new();
+    }
+    let mut updates = Vec::new();
+    if next.state == TaskState::Completed {
+        updates.push(TaskUpdate::Artifact {
+            task_id: next.task_id.clone(),
+            context_id: next.context_id.clone(),
+            artifact_id: RESULT_ARTIFACT_ID.to_string(),
+            name: RESULT_ARTIFACT_ID.to_string(),
+            text: next.result.clone().unwrap_or_default(),
+        });
+    }
+    updates.push(TaskUpdate::Status {
+        task_id: next.task_id.clone(),
+        context_id: next.context_id.clone(),
+        state: next.state,
+        message: to_intake(next).status_message,
+    });
+    updates
+}
+
+#[async_trait]
+impl Backend for ClusterBackend {
+    async fn submit(&self, submission: Submission) -> Result<TaskRecord, Rejected> {
+        let request = SubmitRequest {
+            capsule: self.capsule.clone(),
+            text: submission.text.clone(),
+            origin: submission.origin,
+            context_id: submission.context_id.clone(),
+        };
+        let body = serde_json::to_vec(&request).expect("a submit request serializes");
+        let reply: SubmitReply = match crate::api::call(&self.client, api::TASK_SUBMIT, body).await {
+            Ok(reply) => reply,
+            Err(err) => return Err(refused(submission, &err)),
+        };
+        let mut task = match self.record(&reply.task_id).await {
+            Ok(record) => to_intake(&record),
+            Err(err) => return Err(refused(submission, &err)),
+        };
+        task.message_id = submission.message_id;
+        Ok(task)
+    }
+
+    async fn get(&self, id: &str) -> Option<TaskRecord> {
+        self.record(id).await.ok().map(|r| to_intake(&r))
+    }
+
+    async fn cancel(&self, id: &str) -> Result<TaskRecord, intake::Error> {
+        let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
+        let current = self.record(id).await.map_err(|_| intake::Error::NotFound(id.to_string()))?;
+        match crate::api::call::<ClusterRecord>(&self.client, api::TASK_CANCEL, body).await {
+            Ok(record) => Ok(to_intake(&record)),
+            Err(err) if err.code == ErrorCode::NotFound => Err(intake::Error::NotFound(id.to_string())),
+            Err(err) if err.code == ErrorCode::Conflict && current.state.is_terminal() => {
+                Err(intake::Error::NotCancelable { id: id.to_string(), state: current.state })
+            }
+            // A running task cannot be cancelled yet (issue #8): the server answers -32002
+            // with the state it is in.
+            Err(_) => Err(intake::Error::NotCancelable { id: id.to_string(), state: current.state }),
+        }
+    }
+
+    async fn subscribe(&self, id: &str) -> Option<Subscription> {
+        let current = self.record(id).await.ok()?;
+        let js = async_nats::jetstream::new(self.client.clone());
+        let kv = js.get_key_value(TASKS_BUCKET).await.ok()?;
+        let mut watch = kv.watch_with_history(id).await.ok()?;
+        // The latest value comes first; later ones follow as they are written.
+        let first = match tokio::time::timeout(FIRST_ENTRY_WAIT, watch.next()).await {
+            Ok(Some(Ok(entry))) => serde_json::from_slice::<ClusterRecord>(&entry.value).unwrap_or(current),
+            _ => current,
+        };
+        let snapshot = to_intake(&first);
+        if first.state.is_terminal() {
+            return Some(Subscription { snapshot, updates: stream::empty().boxed() });
+        }
+        let updates = stream::unfold(
+            (watch, first.state, VecDeque::<TaskUpdate>::new(), false),
+            |(mut watch, mut last, mut pending, mut done)| async move {
+                loop {
+                    if let Some(update) = pending.pop_front() {
+                        return Some((update, (watch, last, pending, done)));
+                    }
+                    if done {
+                        return None;
+                    }
+                    let entry = match watch.next().await {
+                        Some(Ok(entry)) => entry,
+                        _ => return None,
+                    };
+                    let Ok(record) = serde_json::from_slice::<ClusterRecord>(&entry.value) else { continue };
+                    pending.extend(updates_between(last, &record));
+                    last = record.state;
+                    done = record.state.is_terminal();
+                }
+            },
+        );
+        Some(Subscription { snapshot, updates: updates.boxed() })
+    }
+}
