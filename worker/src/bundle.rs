@@ -78,24 +78,25 @@ pub struct PushReceipt {
 /// Why a bundle could not be packed, pushed, listed or fetched.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written. (The cause is part of the message, not a
+    /// separate source, so an error chain does not print it twice.)
+    #[error("{path}: {reason}")]
     Io {
         /// The file or folder.
         path: PathBuf,
         /// The IO error.
-        source: std::io::Error,
+        reason: std::io::Error,
     },
     /// The folder has no `murmur.yaml`.
     #[error("{0}: no murmur.yaml: a capsule folder needs its manifest")]
     NoManifest(PathBuf),
     /// `murmur.yaml` broke a rule; nothing was packed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {reason}")]
     Manifest {
         /// The manifest file.
         path: PathBuf,
         /// Every broken rule, with the field path.
-        source: mur_proto::manifest::Error,
+        reason: mur_proto::manifest::Error,
     },
     /// A file cannot go into a bundle (a symlink leaving the folder, a symlinked folder, a
     /// socket, a name that is not UTF-8).
@@ -159,7 +160,7 @@ pub enum Error {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.to_path_buf(), source }
+    move |reason| Error::Io { path: path.to_path_buf(), reason }
 }
 
 fn nats(what: impl Into<String>) -> impl FnOnce(async_nats::Error) -> Error {
@@ -194,10 +195,10 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
     let text = match std::fs::read_to_string(&manifest_path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::NoManifest(dir.to_path_buf())),
-        Err(e) => return Err(Error::Io { path: manifest_path, source: e }),
+        Err(e) => return Err(Error::Io { path: manifest_path, reason: e }),
     };
     let manifest = Manifest::from_yaml(&text, &|_| Some(UNRESOLVED.to_string()))
-        .map_err(|source| Error::Manifest { path: dir.join(MANIFEST_FILE), source })?;
+        .map_err(|reason| Error::Manifest { path: dir.join(MANIFEST_FILE), reason })?;
 
     let mut items = Vec::new();
     walk(&root, &root, "", &mut items)?;
@@ -512,7 +513,7 @@ fn unpack_into_place(archive: &[u8], parent: &Path, target: &Path, object: &str)
         }
         // Another fetch renamed its copy first: same digest, same files. Ours is dropped.
         Err(_) if target.is_dir() => Ok(target.to_path_buf()),
-        Err(e) => Err(Error::Io { path: target.to_path_buf(), source: e }),
+        Err(e) => Err(Error::Io { path: target.to_path_buf(), reason: e }),
     }
 }
 

@@ -11,21 +11,22 @@ use std::sync::Arc;
 /// Why a capsule could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be read.
-    #[error("{path}: {source}")]
+    /// A file could not be read. (The cause is part of the message, not a separate
+    /// source, so an error chain does not print it twice.)
+    #[error("{}: {reason}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The IO error.
-        source: std::io::Error,
+        reason: std::io::Error,
     },
     /// `murmur.yaml` broke a rule.
-    #[error("{path}: {source}")]
+    #[error("{}: {reason}", path.display())]
     Manifest {
         /// The manifest file.
         path: PathBuf,
         /// Every broken rule.
-        source: mur_proto::manifest::Error,
+        reason: mur_proto::manifest::Error,
     },
     /// The scripted driver's replies file is malformed.
     #[error("{path}: {message}")]
@@ -75,7 +76,7 @@ impl Capsule {
         let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
         let text = read(&manifest_path)?;
         let manifest = Manifest::from_yaml(&text, env)
-            .map_err(|source| Error::Manifest { path: manifest_path.clone(), source })?;
+            .map_err(|reason| Error::Manifest { path: manifest_path.clone(), reason })?;
         let prompt = match &manifest.inference.system_prompt {
             SystemPrompt::None => None,
             SystemPrompt::Inline(p) => Some(p.clone()),
@@ -166,7 +167,7 @@ impl Capsule {
 }
 
 fn read(path: &Path) -> Result<String, Error> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path).map_err(|reason| Error::Io { path: path.to_path_buf(), reason })
 }
 
 /// The text of `MURMUR.md`, the onboarding file the runtime writes to the session folder

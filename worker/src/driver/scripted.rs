@@ -17,6 +17,9 @@
 //! the task's text, verbatim; `{{tool_result}}` by the text of the latest tool result in
 //! the conversation (empty when there is none), so a scripted capsule can report what its
 //! command printed. Running out of replies is an error that ends the task `failed`.
+//!
+//! The replies belong to the session: in a `queue` session the next task gets the next
+//! reply. On the cluster every task is a session of its own and starts at the first reply.
 
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason};
 use async_trait::async_trait;
