@@ -314,6 +314,15 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Unavailable, format!("{what}: {e}"))
 }
 
+/// A capsule index read that failed: the server's fault is `unavailable`, anything else
+/// (a malformed entry) `internal`.
+fn index_error(e: mur_worker::bundle::Error) -> ApiError {
+    match e {
+        mur_worker::bundle::Error::Nats { .. } => unavailable("mur_capsule_index", e),
+        other => internal("mur_capsule_index", other),
+    }
+}
+
 fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, format!("{what}: {e}"))
 }
@@ -364,13 +373,7 @@ impl Ctx {
     }
 
     async fn latest_capsule(&self, name: &str) -> Result<Option<CapsuleIndexEntry>, ApiError> {
-        let entry = self.capsule_index.entry(name).await.map_err(|e| unavailable("mur_capsule_index: read", e))?;
-        match entry.filter(|e| e.operation == kv::Operation::Put) {
-            None => Ok(None),
-            Some(entry) => serde_json::from_slice(&entry.value)
-                .map(Some)
-                .map_err(|e| internal(&format!("capsule index entry {name}"), e)),
-        }
+        mur_worker::bundle::latest(&self.capsule_index, name).await.map_err(index_error)
     }
 
     /// `task.get`.
@@ -459,28 +462,7 @@ impl Ctx {
 
     /// `capsule.list`.
     async fn capsules(&self) -> Result<Vec<CapsuleEntry>, ApiError> {
-        let mut names: Vec<String> = self
-            .capsule_index
-            .keys()
-            .await
-            .map_err(|e| unavailable("mur_capsule_index: keys", e))?
-            .try_collect()
-            .await
-            .map_err(|e| unavailable("mur_capsule_index: keys", e))?;
-        names.sort();
-        let mut entries = Vec::with_capacity(names.len());
-        for name in names {
-            if let Some(e) = self.latest_capsule(&name).await? {
-                entries.push(CapsuleEntry {
-                    name,
-                    digest: e.digest,
-                    version: e.version,
-                    pushed_at: e.pushed_at,
-                    bytes: e.bytes,
-                });
-            }
-        }
-        Ok(entries)
+        mur_worker::bundle::list(&self.capsule_index).await.map_err(index_error)
     }
 
     /// Parses a task record entry, logging a malformed one.

@@ -419,6 +419,17 @@ impl Intake {
     }
 
     /// Moves an ended entry to the bounded history, dropping the oldest beyond the limit.
+    /// Ends `entry`: emits its final status, keeps it among the finished tasks, wakes the
+    /// runner; returns its record.
+    fn end_entry(&self, mut st: MutexGuard<'_, State>, entry: Entry) -> TaskRecord {
+        entry.emit_status();
+        let record = entry.record.clone();
+        self.remember_finished(&mut st, entry);
+        drop(st);
+        self.wake.notify_waiters();
+        record
+    }
+
     fn remember_finished(&self, st: &mut State, mut entry: Entry) {
         entry.updates = None;
         let id = entry.record.id.clone();
@@ -511,12 +522,7 @@ impl Intake {
                 text: result_text.to_string(),
             });
         }
-        entry.emit_status();
-        let record = entry.record.clone();
-        self.remember_finished(&mut st, entry);
-        drop(st);
-        self.wake.notify_waiters();
-        Ok(record)
+        Ok(self.end_entry(st, entry))
     }
 
     /// Cancels a task. A waiting task leaves the queue and ends `canceled` at once, never
@@ -540,12 +546,7 @@ impl Intake {
         entry.record.exit_status = Some(ExitStatus::Canceled);
         entry.record.status_message = Some(ExitStatus::Canceled.as_str().to_string());
         entry.record.set_state(TaskState::Canceled);
-        entry.emit_status();
-        let record = entry.record.clone();
-        self.remember_finished(&mut st, entry);
-        drop(st);
-        self.wake.notify_waiters();
-        Ok(record)
+        Ok(self.end_entry(st, entry))
     }
 
     /// Whether a cancel was asked for task `id` (false for an unknown id).
