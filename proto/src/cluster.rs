@@ -180,6 +180,98 @@ impl Dispatch {
     }
 }
 
+/// One per-turn checkpoint of a running task in [`SESSIONS_BUCKET`], under
+/// [`checkpoint_key`] (issue #8 §Checkpoints; DESIGN.md §A task's way, step 4): what the
+/// turns since the previous checkpoint added to the conversation, never the whole history
+/// again, so a long task costs linear bytes. The first checkpoint of an attempt, and any
+/// after the history was replaced (compaction, a reopen), has `replace: true` and carries
+/// every message. A takeover reads the task's checkpoints in order
+/// ([`Checkpoint::fold`]) and resumes after the last one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// The task (`tsk_…`).
+    pub task_id: String,
+    /// The session that wrote it (`ses_…`).
+    pub session_id: String,
+    /// The worker that wrote it.
+    pub worker: String,
+    /// Model calls made when it was written (the task's `turns` counter).
+    pub turn: u32,
+    /// `messages` is the whole history, not an addition to it.
+    pub replace: bool,
+    /// The messages added since the previous checkpoint (or all of them, see `replace`).
+    pub messages: Vec<crate::message::Message>,
+    /// The task's counters so far.
+    pub counters: CheckpointCounters,
+    /// The last request's input plus output tokens (the compaction check's figure).
+    pub session_tokens: u64,
+    /// Reopens granted so far, as `(hook, reason)`, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reopens: Vec<(String, String)>,
+    /// When it was written, unix milliseconds.
+    pub at_ms: u64,
+}
+
+/// The counters a [`Checkpoint`] carries (those of `task_end`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointCounters {
+    /// Model calls made.
+    pub turns: u32,
+    /// Sum of input tokens.
+    pub input_tokens: u64,
+    /// Sum of output tokens.
+    pub output_tokens: u64,
+    /// Tool calls made.
+    pub tool_calls: u32,
+    /// Shell commands run.
+    pub shell_calls: u32,
+}
+
+/// Where a task resumes: the folded checkpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resume {
+    /// The last checkpoint (its `messages` replaced by the whole history).
+    pub last: Checkpoint,
+}
+
+impl Checkpoint {
+    /// Folds checkpoints read in write order into the state after the last one: the whole
+    /// history and the last counters. `None` for no checkpoints, or when the first one is
+    /// not a `replace` (the chain is broken: start over).
+    pub fn fold(checkpoints: impl IntoIterator<Item = Checkpoint>) -> Option<Resume> {
+        let mut state: Option<Checkpoint> = None;
+        for c in checkpoints {
+            state = match state {
+                _ if c.replace => Some(c),
+                None => return None,
+                Some(mut s) => {
+                    s.messages.extend(c.messages);
+                    Some(Checkpoint { messages: s.messages, ..c })
+                }
+            };
+        }
+        state.map(|last| Resume { last })
+    }
+}
+
+/// The [`SESSIONS_BUCKET`] key of a task's checkpoint after `turn` turns:
+/// `ckpt.<task_id>.<turn>`; all of a task's share the prefix [`checkpoint_prefix`].
+pub fn checkpoint_key(task_id: &str, turn: u32) -> String {
+    format!("{}{turn}", checkpoint_prefix(task_id))
+}
+
+/// `ckpt.<task_id>.`: the prefix of every checkpoint key of a task.
+pub fn checkpoint_prefix(task_id: &str) -> String {
+    format!("ckpt.{task_id}.")
+}
+
+/// The [`SESSIONS_BUCKET`] key of a context's conversation in a capsule:
+/// `ctx.<capsule>.<context_id>` (context ids are key-safe, see [`is_valid_context_id`]).
+/// Written when a task of a threaded conversation ends `ok`, read when the next starts.
+pub fn context_key(capsule: &str, context_id: &str) -> String {
+    format!("ctx.{capsule}.{context_id}")
+}
+
 /// A worker's registration, refreshed by its heartbeat, in [`WORKERS_BUCKET`] (key =
 /// `worker_id`). Times are unix milliseconds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -294,6 +294,22 @@ pub enum Event {
         /// 1-based ordinal of this reopen.
         reopen_number: u32,
     },
+    /// This session took the task over from a worker that stopped answering for it (issue
+    /// #8 §Takeover): the conversation and counters come from the task's last checkpoint,
+    /// and the loop goes on after turn `turn`. Right after `task_start`.
+    TaskTakeover {
+        /// The task.
+        task_id: String,
+        /// Turns already made when the checkpoint was written; the next model call is
+        /// turn `turn` (0-based), as `inference.turn` counts.
+        turn: u32,
+        /// The delivery of the dispatch this session got (2 for the first takeover).
+        delivery: u64,
+        /// The session that wrote the checkpoint.
+        previous_session_id: String,
+        /// The worker that ran that session.
+        previous_worker: String,
+    },
     /// A seed proposal's fate (`seeds/session-loop.md` §Context seeding).
     ContextSeed {
         /// The task.
@@ -418,6 +434,7 @@ impl Event {
             Event::ShellLost { .. } => "shell_lost",
             Event::TaskEnd { .. } => "task_end",
             Event::TaskReopened { .. } => "task_reopened",
+            Event::TaskTakeover { .. } => "task_takeover",
             Event::ContextSeed { .. } => "context_seed",
             Event::Compaction { .. } => "compaction",
             Event::CompactionDeclined { .. } => "compaction_declined",

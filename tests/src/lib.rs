@@ -6,4 +6,5 @@ pub mod capsule;
 pub mod fake_openai;
 pub mod mur;
 pub mod nats;
+pub mod procs;
 pub mod sandbox;

@@ -574,7 +574,7 @@ mod worker_service {
         let c = cluster(Settings { storage: Storage::Memory, ack_wait_secs: 2, ..Settings::default() }).await?;
         let digest = c.push(&scripted("patient", 5000)).await?;
         let workdir = tempfile::tempdir()?;
-        let worker = c.worker(Config { progress_every: Duration::from_millis(500), ..config(workdir.path(), 2) });
+        let worker = c.worker(Config { progress_every: Some(Duration::from_millis(500)), ..config(workdir.path(), 2) });
         let task_id = c.submit("echoer", &digest, "wait").await?;
         let record = c.terminal(&task_id).await?;
         assert_eq!((record.state, record.result.as_deref()), (TaskState::Completed, Some("patient")));

@@ -21,3 +21,6 @@ mod detach;
 
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;
+
+/// The cluster survives: real processes killed with SIGKILL; takeover, nothing lost.
+mod chaos;

@@ -32,16 +32,24 @@
 //! [`Config::shutdown_grace`], then cancels the rest (they end `canceled`), and deletes
 //! its entry.
 //!
-//! Not done here: conversation restore for threaded capsules (every task starts with an
-//! empty history), per-turn checkpoints in `mur_sessions`, detached shell commands (the
-//! toolbox has no background host, so a command runs in the foreground to its end), and
-//! reacting to a record cancelled by the coordinator while the task runs.
+//! Conversations and checkpoints live in `mur_sessions` (issue #8 §Checkpoints,
+//! §Takeover): a threaded capsule's task (and every `completion` task) starts from its
+//! context's conversation (`ctx.<capsule>.<context_id>`, written when a task of it ends
+//! `ok`); after every turn the loop stores what the turn added under
+//! `ckpt.<task_id>.<turn>` and waits for the store. A dispatch whose record is already
+//! `working` (the worker that had it died: JetStream redelivered it after the ack wait)
+//! is taken over: a new session resumes after the last checkpoint and writes
+//! `task_takeover`. A finished task's checkpoints are purged.
+//!
+//! Not done here: detached shell commands (the toolbox has no background host, so a
+//! command runs in the foreground to its end).
 
 use crate::bundle;
 use crate::capsule::{self, Capsule};
 use crate::clock::{Clock, SystemClock};
 use crate::launch::{Setup, build_session_parts};
-use crate::session::{Session, TaskSpec};
+use crate::session::machine::Counters;
+use crate::session::{Checkpoints, Durable, Session, Takeover, TaskSpec, TurnCheckpoint};
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
 use crate::workdir::Layout;
@@ -49,13 +57,17 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
 use futures::StreamExt;
-use mur_proto::cluster::{self, Dispatch, TaskRecord, WorkerInfo};
+use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, TaskRecord, WorkerInfo, checkpoint_key};
+use mur_proto::manifest::Conversation;
+use mur_proto::message::Message;
+use mur_proto::task::Origin;
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_proto::trace::Line;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -83,9 +95,10 @@ pub struct Config {
     /// The worker's folder: `cache/<capsule>/<digest>/` (unpacked bundles) and
     /// `sessions/<session_id>/` (one per task).
     pub workdir: PathBuf,
-    /// How often a running task's dispatch gets an in-progress ack. Default 10 s, a third
-    /// of the default ack wait (30 s).
-    pub progress_every: Duration,
+    /// How often a running task's dispatch gets an in-progress ack. Default (`None`): a
+    /// third of the dispatch consumer's ack wait, read from the server at start (10 s
+    /// with the default ack wait of 30 s), so the cluster config sets both.
+    pub progress_every: Option<Duration>,
     /// How long running tasks may go on after shutdown before they are cancelled.
     /// Default 30 s.
     pub shutdown_grace: Duration,
@@ -98,7 +111,7 @@ impl Config {
             worker_id: format!("wkr_{}", uuid::Uuid::now_v7().simple()),
             slots: 8,
             workdir: workdir.into(),
-            progress_every: Duration::from_secs(10),
+            progress_every: None,
             shutdown_grace: Duration::from_secs(30),
         }
     }
@@ -140,10 +153,34 @@ fn open<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> Error {
     move |e| Error::Open { what, reason: e.to_string() }
 }
 
+/// The JetStream resources a worker uses.
+struct Opened {
+    tasks: kv::Store,
+    workers: kv::Store,
+    sessions: kv::Store,
+    capsules: object_store::ObjectStore,
+    consumer: PullConsumer,
+}
+
+async fn open_resources(js: &jetstream::Context) -> Result<Opened, Error> {
+    Ok(Opened {
+        tasks: js.get_key_value(cluster::TASKS_BUCKET).await.map_err(open(cluster::TASKS_BUCKET))?,
+        workers: js.get_key_value(cluster::WORKERS_BUCKET).await.map_err(open(cluster::WORKERS_BUCKET))?,
+        sessions: js.get_key_value(cluster::SESSIONS_BUCKET).await.map_err(open(cluster::SESSIONS_BUCKET))?,
+        capsules: js.get_object_store(cluster::CAPSULES_STORE).await.map_err(open(cluster::CAPSULES_STORE))?,
+        consumer: js
+            .get_consumer_from_stream(cluster::DISPATCH_CONSUMER, cluster::DISPATCH_STREAM)
+            .await
+            .map_err(open(cluster::DISPATCH_CONSUMER))?,
+    })
+}
+
 /// What every task handler shares.
 struct Shared {
     client: async_nats::Client,
     tasks: kv::Store,
+    /// `mur_sessions`: per-turn checkpoints and threaded conversations.
+    sessions: kv::Store,
     capsules: object_store::ObjectStore,
     config: Config,
     /// Fired when the shutdown grace has passed: running tasks are cancelled.
@@ -153,14 +190,15 @@ struct Shared {
 /// Runs the worker until `shutdown` resolves, then drains it (see the module docs).
 ///
 /// # Errors
-/// [`Error`] when the worker cannot start: a bad config, a missing stream, consumer or
-/// bucket, an unwritable workdir, a failed first registration. Once running, task
+/// [`Error`] when the worker cannot start: a bad config, an unwritable workdir, a failed
+/// first registration. Streams and buckets the coordinator has not created yet are
+/// waited for (until `shutdown`). Once running, task
 /// failures end up in task records, not here.
 pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
     if config.slots == 0 {
         return Err(Error::Config("slots: must be at least 1, got 0".into()));
     }
-    if config.progress_every.is_zero() {
+    if config.progress_every.is_some_and(|d| d.is_zero()) {
         return Err(Error::Config("progress_every: must be more than 0".into()));
     }
     let mut config = config;
@@ -168,14 +206,30 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     config.workdir =
         std::path::absolute(&config.workdir).map_err(|source| Error::Io { path: config.workdir.clone(), source })?;
 
+    // The coordinator creates the streams and buckets: until it has, wait for them (a
+    // worker may start first, as docker-compose starts services in any order).
+    tokio::pin!(shutdown);
     let js = jetstream::new(client.clone());
-    let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.map_err(open(cluster::TASKS_BUCKET))?;
-    let workers = js.get_key_value(cluster::WORKERS_BUCKET).await.map_err(open(cluster::WORKERS_BUCKET))?;
-    let capsules = js.get_object_store(cluster::CAPSULES_STORE).await.map_err(open(cluster::CAPSULES_STORE))?;
-    let consumer: PullConsumer = js
-        .get_consumer_from_stream(cluster::DISPATCH_CONSUMER, cluster::DISPATCH_STREAM)
-        .await
-        .map_err(open(cluster::DISPATCH_CONSUMER))?;
+    let mut waiting_logged = false;
+    let Opened { tasks, workers, sessions, capsules, consumer } = loop {
+        match open_resources(&js).await {
+            Ok(opened) => break opened,
+            Err(e) => {
+                if !waiting_logged {
+                    tracing::info!(error = %e, "waiting for the coordinator to create the cluster's streams and buckets");
+                    waiting_logged = true;
+                }
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    () = tokio::time::sleep(PULL_BACKOFF) => {}
+                }
+            }
+        }
+    };
+
+    let ack_wait = consumer.cached_info().config.ack_wait;
+    config.progress_every = Some(config.progress_every.unwrap_or(ack_wait / 3).max(Duration::from_millis(100)));
 
     let slots = Arc::new(Semaphore::new(config.slots as usize));
     let registration = Registration {
@@ -194,9 +248,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let heartbeat_stop = CancellationToken::new();
     let heartbeat = tokio::spawn(registration.clone().beat(heartbeat_stop.clone()));
 
-    let shared = Arc::new(Shared { client, tasks, capsules, config, hard_stop: CancellationToken::new() });
+    let shared = Arc::new(Shared { client, tasks, sessions, capsules, config, hard_stop: CancellationToken::new() });
     let mut running = JoinSet::new();
-    tokio::pin!(shutdown);
     loop {
         while running.try_join_next().is_some() {}
         let permit = tokio::select! {
@@ -297,7 +350,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
     let msg = Arc::new(msg);
     let progress = tokio::spawn({
         let msg = msg.clone();
-        let every = sh.config.progress_every;
+        let every = sh.config.progress_every.unwrap_or(Duration::from_secs(10));
         async move {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
@@ -308,7 +361,8 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
             }
         }
     });
-    let answer = run_dispatch(&sh, &msg.payload).await;
+    let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
+    let answer = run_dispatch(&sh, &msg.payload, delivery).await;
     progress.abort();
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
@@ -320,7 +374,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
     }
 }
 
-async fn run_dispatch(sh: &Shared, payload: &[u8]) -> Answer {
+async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64) -> Answer {
     let dispatch: Dispatch = match serde_json::from_slice(payload) {
         Ok(d) => d,
         Err(e) => {
@@ -364,6 +418,23 @@ async fn run_dispatch(sh: &Shared, payload: &[u8]) -> Answer {
         }
     };
 
+    // A record already `working` was being run by a session that stopped answering for
+    // it (its worker died): take over from its last checkpoint (issue #8 §Takeover).
+    let takeover = match (&current.0.state, &current.0.session_id) {
+        (TaskState::Working, Some(previous)) => {
+            let previous_worker = current.0.worker.clone().unwrap_or_default();
+            match read_checkpoints(&sh.sessions, key).await {
+                Ok(Some(r)) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
+                    return Answer::Nak;
+                }
+            }
+        }
+        _ => None,
+    };
+
     let session_id = Id::generate(IdKind::Session);
     let working = cas(&sh.tasks, key, current, |r| {
         if r.state.is_terminal() {
@@ -385,11 +456,20 @@ async fn run_dispatch(sh: &Shared, payload: &[u8]) -> Answer {
         }
     };
     let task = current.0.clone();
-    let (exit, result, error) = match run_session(sh, &task, &capsule, &session_id).await {
+    let checkpointed = takeover.is_some();
+    let checkpoints = Arc::new(KvCheckpoints {
+        sessions: sh.sessions.clone(),
+        task_id: task.task_id.clone(),
+        session_id: session_id.clone(),
+        worker: worker_id.clone(),
+        saved: AtomicBool::new(checkpointed),
+    });
+    let (exit, result, error) = match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone()).await
+    {
         Ok((exit, result)) => (exit, result, None),
         Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
     };
-    finished(
+    let answer = finished(
         cas(&sh.tasks, key, current, |r| {
             if r.state.is_terminal() {
                 return false;
@@ -399,7 +479,19 @@ async fn run_dispatch(sh: &Shared, payload: &[u8]) -> Answer {
         })
         .await,
         key,
-    )
+    );
+    if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
+        drop_checkpoints(&sh.sessions, key).await;
+    }
+    answer
+}
+
+/// Purges a finished task's checkpoints: nothing will take it over any more.
+async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
+    let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
+    if let Err(e) = sessions.stream.purge().filter(filter).await {
+        tracing::debug!(task_id, error = %e, "purging the task's checkpoints failed");
+    }
 }
 
 /// The answer after the terminal write: ack when the record is terminal (ours or not).
@@ -472,12 +564,125 @@ async fn cas(
     Err(format!("task record {key}: {CAS_ATTEMPTS} compare-and-set attempts failed, last: {last_error}"))
 }
 
-/// Runs `task` in a new session `session_id` and returns its exit status and result.
+/// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]).
+/// `Ok(None)` when it has none.
+async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Result<Option<cluster::Resume>, String> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+    // One key per turn: read them all through the bucket's stream, filtered by prefix.
+    let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
+    let mut consumer = sessions
+        .stream
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: filter,
+            deliver_policy: DeliverPolicy::LastPerSubject,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let pending = consumer.info().await.map_err(|e| e.to_string())?.num_pending;
+    let mut checkpoints = Vec::new();
+    if pending > 0 {
+        let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+        while let Some(msg) = messages.next().await {
+            let msg = msg.map_err(|e| e.to_string())?;
+            let info = msg.info().map_err(|e| e.to_string())?;
+            let left = info.pending;
+            if !msg.payload.is_empty() {
+                let c: Checkpoint = serde_json::from_slice(&msg.payload)
+                    .map_err(|e| format!("checkpoint {} is not valid JSON: {e}", msg.subject))?;
+                checkpoints.push(c);
+            }
+            if left == 0 {
+                break;
+            }
+        }
+    }
+    Ok(Checkpoint::fold(checkpoints))
+}
+
+fn takeover_from(r: cluster::Resume, delivery: u64, previous_session_id: String, previous_worker: String) -> Takeover {
+    let c = r.last.counters;
+    Takeover {
+        history: r.last.messages,
+        counters: Counters {
+            turns: c.turns,
+            input_tokens: c.input_tokens,
+            output_tokens: c.output_tokens,
+            tool_calls: c.tool_calls,
+            shell_calls: c.shell_calls,
+        },
+        session_tokens: r.last.session_tokens,
+        reopens: r.last.reopens,
+        delivery,
+        previous_session_id,
+        previous_worker,
+    }
+}
+
+/// Writes a task's per-turn checkpoints to `mur_sessions` ([`checkpoint_key`]).
+struct KvCheckpoints {
+    sessions: kv::Store,
+    task_id: String,
+    session_id: String,
+    worker: String,
+    /// Whether the task has checkpoints (to purge at its end).
+    saved: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Checkpoints for KvCheckpoints {
+    async fn save(&self, c: TurnCheckpoint) -> Result<(), String> {
+        let checkpoint = Checkpoint {
+            task_id: self.task_id.clone(),
+            session_id: self.session_id.clone(),
+            worker: self.worker.clone(),
+            turn: c.turn,
+            replace: c.delta.replace,
+            messages: c.delta.messages,
+            counters: CheckpointCounters {
+                turns: c.counters.turns,
+                input_tokens: c.counters.input_tokens,
+                output_tokens: c.counters.output_tokens,
+                tool_calls: c.counters.tool_calls,
+                shell_calls: c.counters.shell_calls,
+            },
+            session_tokens: c.session_tokens,
+            reopens: c.reopens,
+            at_ms: SystemClock.now_ms(),
+        };
+        let json = serde_json::to_vec(&checkpoint).map_err(|e| e.to_string())?;
+        self.saved.store(true, Ordering::Relaxed);
+        self.sessions.put(checkpoint_key(&self.task_id, c.turn), json.into()).await.map(drop).map_err(|e| e.to_string())
+    }
+}
+
+/// The conversation a task of `capsule` continues: the context's, for a threaded
+/// conversation or a completion task (`seeds/session-loop.md` §Detached shell: a
+/// completion joins its context), else none.
+async fn prior_conversation(sh: &Shared, task: &TaskRecord, capsule: &Capsule) -> Result<Vec<Message>, String> {
+    if !continues_context(task, capsule) {
+        return Ok(Vec::new());
+    }
+    let key = cluster::context_key(&task.capsule, &task.context_id);
+    match sh.sessions.get(&key).await.map_err(|e| e.to_string())? {
+        Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("conversation {key} is not valid JSON: {e}")),
+        None => Ok(Vec::new()),
+    }
+}
+
+fn continues_context(task: &TaskRecord, capsule: &Capsule) -> bool {
+    capsule.manifest.lifecycle.conversation == Conversation::Threaded || task.origin == Origin::Completion
+}
+
+/// Runs `task` in a new session `session_id` (taking it over from a checkpoint when
+/// `takeover` says so) and returns its exit status and result.
 async fn run_session(
     sh: &Shared,
     task: &TaskRecord,
     capsule: &Capsule,
     session_id: &str,
+    takeover: Option<Takeover>,
+    checkpoints: Arc<KvCheckpoints>,
 ) -> Result<(ExitStatus, String), String> {
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
@@ -502,8 +707,9 @@ async fn run_session(
         tools,
         sink: Box::new(Tee(vec![Box::new(file), Box::new(published)])),
         system_prompt: None,
-        resumed_from: None,
+        resumed_from: takeover.as_ref().map(|t| t.previous_session_id.clone()),
     });
+    let prior = if takeover.is_some() { Vec::new() } else { prior_conversation(sh, task, capsule).await? };
     let outcome = async {
         let mut session = Session::start(cfg, parts).await.map_err(|e| e.to_string())?;
         let spec = TaskSpec {
@@ -513,9 +719,15 @@ async fn run_session(
             origin: task.origin,
             source: TASK_SOURCE.to_string(),
         };
-        let report = session.run_task_until(spec, Vec::new(), sh.hard_stop.child_token()).await;
+        let durable = Durable { takeover, checkpoints };
+        let report = session.run_task_durable(spec, prior, sh.hard_stop.child_token(), durable).await;
         let outcome = match report {
-            Ok(r) => (r.outcome.exit_status, r.outcome.result),
+            Ok(r) => {
+                if r.outcome.exit_status == ExitStatus::Ok && continues_context(task, capsule) {
+                    save_conversation(sh, task, &r.history).await;
+                }
+                (r.outcome.exit_status, r.outcome.result)
+            }
             Err(e) => (ExitStatus::Failed, format!("error: {e}")),
         };
         if let Err(e) = session.end(None).await {
@@ -527,6 +739,20 @@ async fn run_session(
     // The session and its sink are gone: every line is queued; send them all.
     publisher.finish().await;
     outcome
+}
+
+/// Keeps the context's conversation after a task that ended `ok` (as `mur run` keeps
+/// `contexts/<ctx>/history.json`). A failed write is logged: the next task of the
+/// context starts from the conversation before this one.
+async fn save_conversation(sh: &Shared, task: &TaskRecord, history: &[Message]) {
+    let key = cluster::context_key(&task.capsule, &task.context_id);
+    let written = match serde_json::to_vec(history) {
+        Ok(json) => sh.sessions.put(&key, json.into()).await.map(drop).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = written {
+        tracing::warn!(task_id = %task.task_id, key, error = %e, "the conversation was not kept");
+    }
 }
 
 /// A [`Sink`] handing trace lines to a background task that publishes them, in order, on

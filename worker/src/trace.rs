@@ -122,6 +122,7 @@ impl Tracer {
             | Event::TaskEnd { .. }
             | Event::ModelAttempt { .. }
             | Event::TaskReopened { .. }
+            | Event::TaskTakeover { .. }
             | Event::ContextSeed { .. }
             | Event::Compaction { .. }
             | Event::CompactionDeclined { .. }

@@ -123,4 +123,11 @@ pub trait Driver: Send + Sync {
     async fn call_logged(&self, request: &ModelRequest<'_>) -> (Result<ModelResponse, Error>, Vec<http::Attempt>) {
         (self.call(request).await, Vec::new())
     }
+
+    /// The session is taking over a task whose first `turns` model calls were made by
+    /// another session (issue #8 §Takeover). Models keep no state between calls, so the
+    /// default does nothing; the scripted driver goes on at reply `turns`.
+    fn taken_over_at(&self, turns: u32) {
+        let _ = turns;
+    }
 }

@@ -19,7 +19,9 @@
 //! command printed. Running out of replies is an error that ends the task `failed`.
 //!
 //! The replies belong to the session: in a `queue` session the next task gets the next
-//! reply. On the cluster every task is a session of its own and starts at the first reply.
+//! reply. On the cluster every task is a session of its own and starts at the first reply;
+//! a session that takes a task over after turn N goes on at reply N, as the model would
+//! have.
 
 use super::{Driver, Error, ModelRequest, ModelResponse, StopReason};
 use async_trait::async_trait;
@@ -183,6 +185,10 @@ pub fn respond(reply: &Reply, index: usize, vars: &Vars<'_>) -> ModelResponse {
 impl Driver for Scripted {
     fn kind(&self) -> &'static str {
         "scripted"
+    }
+
+    fn taken_over_at(&self, turns: u32) {
+        self.next.store(turns as usize, Ordering::SeqCst);
     }
 
     async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {

@@ -235,6 +235,17 @@ pub struct TaskMachine {
     session_tokens: u64,
     pending: VecDeque<(String, String, Value)>,
     finished: Option<Outcome>,
+    /// The history's epoch and length at the last [`TaskMachine::take_delta`].
+    marked: (u64, usize),
+}
+
+/// What the history gained since the previous [`TaskMachine::take_delta`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Delta {
+    /// `messages` is the whole history: it was replaced (or this is the first delta).
+    pub replace: bool,
+    /// The messages added (or all of them).
+    pub messages: Vec<Message>,
 }
 
 impl TaskMachine {
@@ -272,7 +283,62 @@ impl TaskMachine {
             session_tokens: 0,
             pending: VecDeque::new(),
             finished: None,
+            marked: (0, 0),
         }
+    }
+
+    /// The machine of a task taken over from a checkpoint (issue #8 §Takeover): the whole
+    /// `history` as the checkpoint left it, its counters, its last `session_tokens` and
+    /// the reopens granted so far (the task's text gets their feedback section again).
+    /// The next action is a model call, unless the turn budget is spent. The checkpointed
+    /// history counts as already written: the first [`TaskMachine::take_delta`] returns
+    /// only what comes after it.
+    pub fn resumed(
+        mut self,
+        history: Vec<Message>,
+        counters: Counters,
+        session_tokens: u64,
+        reopens: Vec<(String, String)>,
+    ) -> Self {
+        if !reopens.is_empty() {
+            self.task.text = feedback_text(&self.original_text, &reopens);
+        }
+        self.reopens = reopens;
+        self.history.replace(history, self.estimator.as_ref());
+        self.counters = counters;
+        self.turn = counters.turns.saturating_sub(1);
+        self.session_tokens = session_tokens;
+        self.marked = (self.history.epoch(), self.history.messages().len());
+        self
+    }
+
+    /// What the history gained since the last call (the first call: everything), for a
+    /// per-turn checkpoint; `None` when nothing was added. Call it between turns, when no
+    /// tool call is pending, so a checkpoint never holds a tool call without its result.
+    pub fn take_delta(&mut self) -> Option<Delta> {
+        let (epoch, len) = self.marked;
+        let messages = self.history.messages();
+        let delta = if epoch != self.history.epoch() {
+            Delta { replace: true, messages: messages.to_vec() }
+        } else if len < messages.len() {
+            Delta { replace: false, messages: messages[len..].to_vec() }
+        } else {
+            return None;
+        };
+        self.marked = (self.history.epoch(), messages.len());
+        Some(delta)
+    }
+
+    /// Forgets what [`TaskMachine::take_delta`] handed out last, so the next delta is the
+    /// whole history (after a checkpoint that could not be stored, the chain must start
+    /// over).
+    pub fn unmark(&mut self) {
+        self.marked = (0, 0);
+    }
+
+    /// Reopens granted so far, as `(hook, reason)`.
+    pub fn reopens(&self) -> &[(String, String)] {
+        &self.reopens
     }
 
     /// Turns compaction on (`context.max_tokens` and `inference.compaction.threshold`).

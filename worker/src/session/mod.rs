@@ -9,4 +9,4 @@ pub mod seed;
 pub mod spend;
 
 pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
-pub use runner::{Session, SessionConfig, TaskReport};
+pub use runner::{Checkpoints, Durable, Session, SessionConfig, TaskReport, Takeover, TurnCheckpoint};

@@ -16,7 +16,7 @@
 //! §5.1): `invoke_agent {capsule}` around a task, `chat {model}` around a model call,
 //! `execute_tool {tool}` around a tool call.
 
-use super::machine::{Action, CompactionReply, CompactionRule, Counters, Outcome, Reopen, TaskMachine, TaskSpec};
+use super::machine::{Action, CompactionReply, CompactionRule, Counters, Delta, Outcome, Reopen, TaskMachine, TaskSpec};
 use super::seed::{self, Plan};
 use super::spend::{Position, Spend};
 use crate::clock::Clock;
@@ -43,6 +43,61 @@ use tracing::Instrument;
 /// How long async hooks may take to drain at session end, all together
 /// (`reference/murmur-runtime.md` §3, "Async").
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
+
+/// A task taken over from its last per-turn checkpoint (issue #8 §Takeover): the state the
+/// checkpoint left, and who wrote it (for the `task_takeover` line).
+#[derive(Clone, Debug)]
+pub struct Takeover {
+    /// The whole conversation at the checkpoint.
+    pub history: Vec<Message>,
+    /// The task's counters at the checkpoint.
+    pub counters: Counters,
+    /// The last request's input plus output tokens.
+    pub session_tokens: u64,
+    /// Reopens granted before the checkpoint, as `(hook, reason)`.
+    pub reopens: Vec<(String, String)>,
+    /// The delivery of the dispatch that brought the task here (2 for the first takeover).
+    pub delivery: u64,
+    /// The session that wrote the checkpoint.
+    pub previous_session_id: String,
+    /// The worker that ran it.
+    pub previous_worker: String,
+}
+
+/// One per-turn checkpoint, as the loop hands it to [`Checkpoints::save`].
+#[derive(Clone, Debug)]
+pub struct TurnCheckpoint {
+    /// Turns made so far.
+    pub turn: u32,
+    /// What the conversation gained since the previous checkpoint.
+    pub delta: Delta,
+    /// The task's counters.
+    pub counters: Counters,
+    /// The last request's input plus output tokens.
+    pub session_tokens: u64,
+    /// Reopens granted so far.
+    pub reopens: Vec<(String, String)>,
+}
+
+/// Where per-turn checkpoints go (the cluster worker writes them to `mur_sessions`).
+#[async_trait::async_trait]
+pub trait Checkpoints: Send + Sync {
+    /// Stores `checkpoint` durably before the next turn starts.
+    ///
+    /// # Errors
+    /// Why it could not be stored, for the log: the task goes on without it, and a
+    /// takeover would resume from the one before.
+    async fn save(&self, checkpoint: TurnCheckpoint) -> Result<(), String>;
+}
+
+/// How a cluster task runs ([`Session::run_task_durable`]): checkpointed after every turn,
+/// and possibly resumed from a checkpoint.
+pub struct Durable {
+    /// Resume here instead of starting the task afresh.
+    pub takeover: Option<Takeover>,
+    /// Where checkpoints go.
+    pub checkpoints: Arc<dyn Checkpoints>,
+}
 
 /// What a session needs besides its collaborators.
 #[derive(Clone)]
@@ -347,7 +402,35 @@ impl Session {
             mur.task_id = %task.task_id,
             mur.lane = %task.lane(),
         );
-        self.run_task_inner(task, prior, cancel).instrument(span).await
+        self.run_task_inner(task, prior, cancel, None).instrument(span).await
+    }
+
+    /// [`Session::run_task_until`] for the cluster worker (issue #8 §Checkpoints,
+    /// §Takeover): after every turn, before the next model call, what the turn added is
+    /// handed to `durable.checkpoints` and awaited; with `durable.takeover` the task starts
+    /// where the checkpoint left it: `task_start`, then `task_takeover`, no
+    /// `on-task-start` hooks (the seed is in the history already), and the next model call.
+    ///
+    /// # Errors
+    /// [`trace::Error`]: a trace write failed, and the session must end.
+    pub async fn run_task_durable(
+        &mut self,
+        task: TaskSpec,
+        prior: Vec<Message>,
+        cancel: CancellationToken,
+        durable: Durable,
+    ) -> Result<TaskReport, trace::Error> {
+        let span = tracing::info_span!(
+            "invoke_agent",
+            otel.name = %format!("invoke_agent {}", self.cfg.manifest.name),
+            gen_ai.operation.name = "invoke_agent",
+            gen_ai.agent.name = %self.cfg.manifest.name,
+            gen_ai.agent.version = %self.cfg.manifest.version,
+            gen_ai.conversation.id = %task.context_id,
+            mur.task_id = %task.task_id,
+            mur.lane = %task.lane(),
+        );
+        self.run_task_inner(task, prior, cancel, Some(durable)).instrument(span).await
     }
 
     async fn run_task_inner(
@@ -355,6 +438,7 @@ impl Session {
         task: TaskSpec,
         prior: Vec<Message>,
         cancel: CancellationToken,
+        mut durable: Option<Durable>,
     ) -> Result<TaskReport, trace::Error> {
         let started = Instant::now();
         let m = self.cfg.manifest.clone();
@@ -369,8 +453,18 @@ impl Session {
             lane: task.lane(),
         })?;
 
+        let takeover = durable.as_mut().and_then(|d| d.takeover.take());
+        if let Some(t) = &takeover {
+            self.emit(Event::TaskTakeover {
+                task_id: task.task_id.clone(),
+                turn: t.counters.turns,
+                delivery: t.delivery,
+                previous_session_id: t.previous_session_id.clone(),
+                previous_worker: t.previous_worker.clone(),
+            })?;
+        }
         let mut head = Vec::new();
-        if self.wants(Binding::OnTaskStart) {
+        if takeover.is_none() && self.wants(Binding::OnTaskStart) {
             let prior_tokens = prior.iter().map(|p| self.count(p)).sum();
             let replies = self
                 .dispatch(HookEvent::OnTaskStart {
@@ -403,6 +497,11 @@ impl Session {
         )
         .with_compaction(rule)
         .with_reopens(m.lifecycle.max_task_reopens);
+        if let Some(t) = takeover {
+            self.parts.driver.taken_over_at(t.counters.turns);
+            machine = machine.resumed(t.history, t.counters, t.session_tokens, t.reopens);
+        }
+        let checkpoints = durable.map(|d| d.checkpoints);
         let mut fatal = false;
         let mut canceled = false;
         let mut action = machine.start();
@@ -440,6 +539,22 @@ impl Session {
                     }
                 }
                 Action::CallModel => {
+                    if let Some(store) = &checkpoints
+                        && machine.counters().turns > 0
+                        && let Some(delta) = machine.take_delta()
+                    {
+                        let checkpoint = TurnCheckpoint {
+                            turn: machine.counters().turns,
+                            delta,
+                            counters: machine.counters(),
+                            session_tokens: machine.session_tokens(),
+                            reopens: machine.reopens().to_vec(),
+                        };
+                        if let Err(e) = store.save(checkpoint).await {
+                            machine.unmark();
+                            tracing::warn!(task_id = %machine.task().task_id, error = %e, "a checkpoint was not stored");
+                        }
+                    }
                     if let Err(refusal) = self.parts.spend.check(machine.next_input_tokens()) {
                         self.emit(Event::SpendCeilingReached {
                             task_id: Some(machine.task().task_id.clone()),

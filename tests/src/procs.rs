@@ -1,0 +1,214 @@
+//! A cluster of real processes for the chaos tests (issue #8): a nats-server from
+//! [`crate::nats`], and `mur coordinator` / `mur worker` children of the test that can be
+//! stopped with SIGTERM or killed with SIGKILL at chosen points. Each child's stderr goes
+//! to a file in the cluster's folder, printed when a wait fails.
+
+use crate::nats::NatsServer;
+use futures::StreamExt;
+use mur_proto::cluster::{self, SubmitReply, SubmitRequest, TaskRecord, api};
+use mur_proto::task::Origin;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A nats-server plus murmur processes started by the test.
+pub struct Procs {
+    /// The server.
+    pub nats: NatsServer,
+    /// A client of the test's own.
+    pub client: async_nats::Client,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+}
+
+/// A `mur` child process; killed (SIGKILL) when dropped.
+pub struct Proc {
+    /// Its name in the cluster (worker id, or `coordinator-N`).
+    pub name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Procs {
+    /// Starts a server and writes the cluster config `config` (`config.yaml`, the
+    /// coordinator's `--config`, e.g. `"jetstream:\n  ack_wait_secs: 2\n"`). Starts no
+    /// murmur process.
+    pub async fn start(config: &str) -> Procs {
+        let nats = NatsServer::start();
+        let client = nats.connect().await;
+        let dir = tempfile::Builder::new().prefix("mur-procs-").tempdir().expect("temp dir");
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, config).expect("write config.yaml");
+        Procs { nats, client, dir, config: path }
+    }
+
+    /// The cluster's folder (workers' workdirs, logs).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn spawn(&self, name: &str, args: &[&str]) -> Proc {
+        let log = self.dir.path().join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = crate::mur::mur()
+            .args(args)
+            .env("NATS_URL", self.nats.url())
+            .env("MUR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn mur");
+        Proc { name: name.to_string(), child, log }
+    }
+
+    /// Starts `mur coordinator --config config.yaml` named `name`.
+    pub fn coordinator(&self, name: &str) -> Proc {
+        let config = self.config.to_string_lossy().into_owned();
+        self.spawn(name, &["coordinator", "--config", &config])
+    }
+
+    /// Starts `mur worker --id ID --slots N` with its workdir in the cluster's folder.
+    pub fn worker(&self, id: &str, slots: u32) -> Proc {
+        let workdir = self.dir.path().join(id).to_string_lossy().into_owned();
+        let slots = slots.to_string();
+        self.spawn(id, &["worker", "--id", id, "--slots", &slots, "--workdir", &workdir])
+    }
+
+    /// Pushes the capsule folder `dir` (waits for the buckets the coordinator creates).
+    pub async fn push(&self, dir: &Path) {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let (store, index) = until("the capsule store exists", Duration::from_secs(30), || async {
+            let store = js.get_object_store(cluster::CAPSULES_STORE).await.ok()?;
+            let index = js.get_key_value(cluster::CAPSULE_INDEX_BUCKET).await.ok()?;
+            Some((store, index))
+        })
+        .await;
+        let bundle = mur_worker::bundle::pack(dir).expect("pack");
+        mur_worker::bundle::push(&store, &index, &bundle).await.expect("push");
+    }
+
+    /// Waits until `n` workers are registered in `mur_workers`.
+    pub async fn wait_workers(&self, n: usize) {
+        let js = async_nats::jetstream::new(self.client.clone());
+        until(&format!("{n} workers registered"), Duration::from_secs(30), || async {
+            let kv = js.get_key_value(cluster::WORKERS_BUCKET).await.ok()?;
+            let count = kv.keys().await.ok()?.count().await;
+            (count >= n).then_some(())
+        })
+        .await;
+    }
+
+    /// Submits a task over the NATS API, retrying while no coordinator answers; returns
+    /// its id.
+    pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
+        let request = SubmitRequest { capsule: capsule.into(), text: text.into(), origin, context_id: None };
+        let body = serde_json::to_vec(&request).unwrap();
+        until("a coordinator takes the submission", Duration::from_secs(30), || async {
+            mur_coordinator::api::call::<SubmitReply>(&self.client, api::TASK_SUBMIT, body.clone())
+                .await
+                .ok()
+                .map(|r| r.task_id)
+        })
+        .await
+    }
+
+    /// The record of `task_id`, if any.
+    pub async fn record(&self, task_id: &str) -> Option<TaskRecord> {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let kv = js.get_key_value(cluster::TASKS_BUCKET).await.ok()?;
+        let entry = kv.get(task_id).await.ok()??;
+        serde_json::from_slice(&entry).ok()
+    }
+
+    /// Waits until `task_id`'s record satisfies `ok`, at most `timeout`.
+    pub async fn wait_record(&self, task_id: &str, timeout: Duration, ok: impl Fn(&TaskRecord) -> bool) -> TaskRecord {
+        until(&format!("the record of {task_id}"), timeout, || async {
+            self.record(task_id).await.filter(|r| ok(r))
+        })
+        .await
+    }
+
+    /// Every trace line of the cluster (stream `MUR_TRACE`) whose `task_id` is `task_id`,
+    /// in stream order.
+    pub async fn trace_of(&self, task_id: &str) -> Vec<Value> {
+        use async_nats::jetstream::consumer::pull;
+        let js = async_nats::jetstream::new(self.client.clone());
+        let stream = js.get_stream(cluster::TRACE_STREAM).await.expect("trace stream");
+        let mut consumer =
+            stream.create_consumer(pull::OrderedConfig { ..Default::default() }).await.expect("ordered consumer");
+        let pending = consumer.info().await.expect("consumer info").num_pending;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return out;
+        }
+        let mut messages = consumer.messages().await.expect("messages");
+        while let Some(Ok(msg)) = messages.next().await {
+            let line: Value = serde_json::from_slice(&msg.payload).unwrap_or(Value::Null);
+            if line["task_id"] == task_id {
+                out.push(line);
+            }
+            if msg.info().map(|i| i.pending).unwrap_or(0) == 0 {
+                break;
+            }
+        }
+        out
+    }
+}
+
+impl Proc {
+    /// SIGKILL: no goodbye, no ack, nothing flushed.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then waits for the exit (at most `timeout`); returns the exit code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            if std::time::Instant::now() > deadline {
+                panic!("{} did not exit within {timeout:?}:\n{}", self.name, self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// What it wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `probe` until it gives a value, at most `timeout` (a condition with a deadline,
+/// never a fixed sleep).
+pub async fn until<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

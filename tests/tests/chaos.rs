@@ -1,0 +1,112 @@
+//! The cluster survives (issue #8): real `nats-server`, `mur coordinator` and `mur worker`
+//! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
+//! DESIGN.md's invariants 2, 3, 4, 7, 8 on what the cluster stored.
+
+use mur_proto::cluster;
+use mur_proto::task::{Origin, TaskState};
+use mur_tests::capsule::TestCapsule;
+use mur_tests::procs::{Procs, until};
+use serde_json::Value;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// A capsule whose task takes `turns` turns, each a shell command that appends its turn
+/// number to `ran.txt` in the capsule folder and then sleeps `pause` seconds; the last
+/// reply reports "finished".
+fn stepper(name: &str, turns: u32, pause: &str) -> TestCapsule {
+    let capsule = TestCapsule::new(&format!("name: {name}\nversion: 1.0.0\n"), &[]);
+    let ran = capsule.dir().join("ran.txt");
+    let mut replies = String::from("replies:\n");
+    for t in 0..turns {
+        replies.push_str(&format!(
+            "  - tool_calls: [{{ name: sh, input: {{ command: \"echo {t} >> {} && sleep {pause}\" }} }}]\n",
+            ran.display()
+        ));
+    }
+    replies.push_str("  - text: finished\n");
+    std::fs::write(capsule.dir().join("r.yaml"), replies).unwrap();
+    std::fs::write(
+        capsule.dir().join("murmur.yaml"),
+        format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n  max_turns: {}\ncapabilities:\n  shell:\n    allow: [sh]\n",
+            turns + 5
+        ),
+    )
+    .unwrap();
+    capsule
+}
+
+fn ran_turns(capsule: &TestCapsule) -> Vec<u32> {
+    std::fs::read_to_string(capsule.dir().join("ran.txt"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
+}
+
+fn of_type<'a>(lines: &'a [Value], event_type: &str) -> Vec<&'a Value> {
+    lines.iter().filter(|l| l["event_type"] == event_type).collect()
+}
+
+/// Invariants 3 and 4: a worker killed in the middle of a multi-turn task; another
+/// finishes it from the checkpoint — no turn before the checkpoint runs again, one
+/// `task_end`, one terminal record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let mut first = cluster.worker("wkr-first", 1);
+    let capsule = stepper("steps", 8, "0.3");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let task_id = cluster.submit("steps", "go", Origin::User).await;
+
+    // Kill the first worker once its checkpoint after turn 3 is stored.
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let sessions = js.get_key_value(cluster::SESSIONS_BUCKET).await.unwrap();
+    until("the checkpoint after turn 3", WAIT, || async {
+        sessions.get(cluster::checkpoint_key(&task_id, 3)).await.ok().flatten()
+    })
+    .await;
+    first.kill9();
+    let before = cluster.record(&task_id).await.unwrap();
+    assert_eq!((before.state, before.worker.as_deref()), (TaskState::Working, Some("wkr-first")));
+
+    let _second = cluster.worker("wkr-second", 1);
+    let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+    assert_eq!(record.result.as_deref(), Some("finished"));
+    assert_eq!(record.worker.as_deref(), Some("wkr-second"));
+
+    let trace = cluster.trace_of(&task_id).await;
+    let takeovers = of_type(&trace, "task_takeover");
+    assert_eq!(takeovers.len(), 1, "{takeovers:?}");
+    let t = takeovers[0];
+    let resumed_at = t["turn"].as_u64().unwrap() as u32;
+    assert!(resumed_at >= 3, "resumed at {resumed_at}");
+    assert_eq!(t["previous_worker"], "wkr-first");
+    assert_eq!(t["previous_session_id"].as_str(), before.session_id.as_deref());
+    assert_eq!(t["delivery"], 2);
+    assert_eq!(Some(t["session_id"].as_str().unwrap()), record.session_id.as_deref());
+    // The new session's model calls start at the checkpointed turn.
+    let turns_after: Vec<u64> = of_type(&trace, "inference")
+        .iter()
+        .filter(|l| l["session_id"] == t["session_id"])
+        .map(|l| l["turn"].as_u64().unwrap())
+        .collect();
+    assert_eq!(turns_after.first().copied(), Some(u64::from(resumed_at)), "{turns_after:?}");
+    assert_eq!(of_type(&trace, "task_end").len(), 1);
+    let end = of_type(&trace, "task_end")[0];
+    assert_eq!((end["exit_status"].as_str(), end["turns"].as_u64()), (Some("ok"), Some(9)));
+
+    // Every turn before the checkpoint ran once; only the one in flight may have run twice.
+    let ran = ran_turns(&capsule);
+    for turn in 0..8 {
+        let times = ran.iter().filter(|&&t| t == turn).count();
+        let in_flight = turn == resumed_at;
+        assert!(times == 1 || (in_flight && times == 2), "turn {turn} ran {times} times: {ran:?}");
+    }
+    // The finished task's checkpoints are gone.
+    assert!(sessions.get(cluster::checkpoint_key(&task_id, 3)).await.unwrap().is_none());
+}
