@@ -27,6 +27,17 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a task: a waiting one never starts; a running one stops within one progress
+    /// interval and ends `canceled`. Prints the record after the request.
+    Cancel {
+        /// The task id.
+        id: String,
+        #[command(flatten)]
+        conn: Connection,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List tasks, newest first.
     Ls {
         /// Only tasks in this state (submitted, working, completed, failed, canceled, rejected).
@@ -101,6 +112,15 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             print_record(&rec, json);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Cancel { id, conn, json } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rec: TaskRecord = rt.block_on(async {
+                let client = conn.connect("mur task cancel").await?;
+                call(&client, api::TASK_CANCEL, id.into_bytes()).await
+            })?;
+            print_record(&rec, json);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Ls { state, conn, json } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let body = serde_json::to_vec(&json!({"state": state}))?;
@@ -161,6 +181,9 @@ fn print_record(rec: &TaskRecord, json: bool) {
     }
     if let Some(w) = &rec.worker {
         println!("worker    {w}");
+    }
+    if rec.cancel_requested_at.is_some() && !rec.state.is_terminal() {
+        println!("cancel    requested; the worker stops it within one progress interval");
     }
     if let Some(r) = &rec.result {
         println!("result\n{r}");

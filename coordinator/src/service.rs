@@ -423,34 +423,45 @@ impl Ctx {
         Ok(records)
     }
 
-    /// `task.cancel`: a waiting task becomes `canceled`; a released or running one, or a
-    /// finished one, is a conflict.
+    /// `task.cancel` (issue #8 §Cancel): a task still waiting in its lane becomes
+    /// `canceled` at once and never starts; a released or running one gets
+    /// `cancel_requested_at`, and a note on [`cluster::cancel_subject`] tells the worker
+    /// running it, which stops it and ends it `canceled` (the worker also finds the flag at
+    /// its next progress tick, or when the dispatch reaches it). The answer is the record
+    /// after the change. A finished task is a conflict.
     async fn cancel(&self, body: &[u8]) -> Result<TaskRecord, ApiError> {
         let task_id = task_ref(body)?;
         for _ in 0..CAS_ATTEMPTS {
             let (revision, mut record) = self.read_task(&task_id).await?;
-            match record.state {
-                TaskState::Submitted if record.attempt == 0 => {}
-                TaskState::Submitted | TaskState::Working => {
-                    return Err(ApiError::new(
-                        ErrorCode::Conflict,
-                        "task is running; cancelling running tasks arrives with issue #8",
-                    ));
-                }
+            let waiting = match record.state {
+                TaskState::Submitted if record.attempt == 0 => true,
+                TaskState::Submitted | TaskState::Working => false,
                 state => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
                         format!("task {task_id} has already ended ({})", state.as_str()),
                     ));
                 }
+            };
+            if waiting {
+                record.state = TaskState::Canceled;
+                record.exit_status = Some(ExitStatus::Canceled);
+                record.result = Some("canceled".into());
+                record.ended_at = Some(now_ms());
+            } else if record.cancel_requested_at.is_none() {
+                record.cancel_requested_at = Some(now_ms());
             }
-            record.state = TaskState::Canceled;
-            record.exit_status = Some(ExitStatus::Canceled);
-            record.ended_at = Some(now_ms());
             match self.tasks.update(&task_id, to_json(&record)?, revision).await {
                 Ok(_) => {
-                    tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
-                    let _ = self.inputs.send(Input::Canceled { task_id });
+                    if waiting {
+                        tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
+                        let _ = self.inputs.send(Input::Canceled { task_id });
+                    } else {
+                        tracing::info!(instance = %self.instance, %task_id, "cancel requested of a running task");
+                        if let Err(e) = self.js.client().publish(cluster::cancel_subject(&task_id), Bytes::new()).await {
+                            tracing::warn!(%task_id, error = %e, "telling the workers of a cancel failed");
+                        }
+                    }
                     return Ok(record);
                 }
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,

@@ -70,6 +70,16 @@ pub mod api {
     pub const CAPSULE_LIST: &str = "mur.api.capsule.list";
 }
 
+/// `mur.cancel.<task_id>`: the core subject on which the coordinator tells workers that a
+/// task's record now has `cancel_requested_at`, so the worker running it stops at once
+/// rather than at its next progress tick (issue #8 §Cancel).
+pub fn cancel_subject(task_id: &str) -> String {
+    format!("{CANCEL_SUBJECT_PREFIX}{task_id}")
+}
+
+/// The prefix of [`cancel_subject`]; workers subscribe to `mur.cancel.*`.
+pub const CANCEL_SUBJECT_PREFIX: &str = "mur.cancel.";
+
 /// The subject a session's trace events go to: `mur.trace.<session_id>`.
 pub fn trace_subject(session_id: &str) -> String {
     format!("{TRACE_SUBJECT_PREFIX}{session_id}")
@@ -134,6 +144,11 @@ pub struct TaskRecord {
     /// Why it failed or was refused, for people.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// When `mur task cancel` asked a released or running task to stop (issue #8
+    /// §Cancel): the worker that has it stops it within one progress interval and ends
+    /// it `canceled`; one that gets it later ends it without running it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_requested_at: Option<u64>,
 }
 
 impl TaskRecord {
@@ -158,6 +173,7 @@ impl TaskRecord {
             started_at: None,
             ended_at: None,
             error: None,
+            cancel_requested_at: None,
         }
     }
 }

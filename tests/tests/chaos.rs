@@ -110,3 +110,50 @@ async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
     // The finished task's checkpoints are gone.
     assert!(sessions.get(cluster::checkpoint_key(&task_id, 3)).await.unwrap().is_none());
 }
+
+/// Issue #8 §Cancel: `mur task cancel` of a running task stops it within one progress
+/// interval (a third of the 3 s ack wait here); no tool call starts after the cancel, and
+/// it ends `canceled` with one `task_end`. A task cancelled while waiting never starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reaches_a_running_task_within_one_progress_interval() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 1);
+    let capsule = stepper("long", 40, "0.5");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let running = cluster.submit("long", "go", Origin::User).await;
+    let waiting = cluster.submit("long", "later", Origin::User).await;
+    until("two turns ran", WAIT, || async { (ran_turns(&capsule).len() >= 2).then_some(()) }).await;
+
+    let out = mur_tests::mur::Run::of(
+        mur_tests::mur::mur().args(["task", "cancel", &waiting, "--json"]).env("NATS_URL", cluster.nats.url()),
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.last_json()["state"], "canceled");
+    let asked = std::time::Instant::now();
+    let out = mur_tests::mur::Run::of(
+        mur_tests::mur::mur().args(["task", "cancel", &running, "--json"]).env("NATS_URL", cluster.nats.url()),
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.last_json()["state"], "working");
+    assert!(out.last_json()["cancel_requested_at"].is_u64());
+    let ran_at_cancel = ran_turns(&capsule).len();
+
+    let record = cluster.wait_record(&running, WAIT, |r| r.state.is_terminal()).await;
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(1) + Duration::from_millis(900), "the cancel took {took:?}");
+    assert_eq!((record.state, record.result.as_deref()), (TaskState::Canceled, Some("canceled")));
+    let trace = cluster.trace_of(&running).await;
+    let ends = of_type(&trace, "task_end");
+    assert_eq!(ends.len(), 1);
+    assert_eq!(ends[0]["exit_status"], "canceled");
+    // At most the command already under way when the cancel came was counted after it.
+    assert!(ran_turns(&capsule).len() <= ran_at_cancel + 1, "{:?}", ran_turns(&capsule));
+    let tool_calls = of_type(&trace, "tool_call").len();
+    assert!(tool_calls <= ran_at_cancel + 1, "{tool_calls} tool calls after {ran_at_cancel} turns");
+
+    // The task cancelled while it waited never started.
+    let w = cluster.record(&waiting).await.unwrap();
+    assert_eq!((w.state, w.session_id, w.started_at), (TaskState::Canceled, None, None));
+}

@@ -1058,6 +1058,7 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     let canceled: TaskRecord =
         api::call(&client, cluster::api::TASK_CANCEL, serde_json::json!({ "task_id": a }).to_string()).await?;
     assert_eq!((canceled.state, canceled.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)));
+    assert_eq!(canceled.result.as_deref(), Some("canceled"));
     assert!(canceled.ended_at.is_some());
     let err = api::call::<TaskRecord>(&client, cluster::api::TASK_CANCEL, a.clone()).await.unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::Conflict);
@@ -1070,16 +1071,20 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"bogus"}"#).await.unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
 
-    // The canceled task is never dispatched; a released one cannot be cancelled yet.
+    // The canceled task is never dispatched; a released one gets a cancel request and a
+    // note on mur.cancel.<task_id>, and stays where it is until its worker ends it.
     let worker = SimWorker::new(&server, "w1").await?;
     worker.register(1).await?;
     let dispatch = worker.expect_dispatch().await?;
     assert_eq!(dispatch.task_id, c, "user lane first; the canceled user task is skipped");
-    let err = api::call::<TaskRecord>(&client, cluster::api::TASK_CANCEL, c.clone()).await.unwrap_err();
-    assert_eq!(
-        (err.code, err.message.as_str()),
-        (cluster::ErrorCode::Conflict, "task is running; cancelling running tasks arrives with issue #8")
-    );
+    let mut notes = client.subscribe(cluster::cancel_subject(&c)).await?;
+    client.flush().await?;
+    let requested: TaskRecord = api::call(&client, cluster::api::TASK_CANCEL, c.clone()).await?;
+    assert_eq!((requested.state, requested.attempt), (TaskState::Submitted, 1));
+    assert!(requested.cancel_requested_at.is_some());
+    assert_eq!(get(&client, &c).await?.cancel_requested_at, requested.cancel_requested_at);
+    let note = tokio::time::timeout(Duration::from_secs(10), notes.next()).await?.expect("a cancel note");
+    assert_eq!(note.subject.as_str(), format!("mur.cancel.{c}"));
     worker.start(&dispatch).await?;
     worker.finish(&c).await?;
     assert_eq!(worker.expect_dispatch().await?.task_id, b);

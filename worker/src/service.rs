@@ -49,7 +49,7 @@ use crate::capsule::{self, Capsule};
 use crate::clock::{Clock, SystemClock};
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
-use crate::session::{Checkpoints, Durable, Session, Takeover, TaskSpec, TurnCheckpoint};
+use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
 use crate::workdir::Layout;
@@ -65,6 +65,7 @@ use mur_proto::ids::{Id, IdKind};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_proto::trace::Line;
 use std::future::Future;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -185,6 +186,8 @@ struct Shared {
     config: Config,
     /// Fired when the shutdown grace has passed: running tasks are cancelled.
     hard_stop: CancellationToken,
+    /// The stop of every task in hand, by task id.
+    running: std::sync::Mutex<HashMap<String, CancellationToken>>,
 }
 
 /// Runs the worker until `shutdown` resolves, then drains it (see the module docs).
@@ -248,7 +251,21 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let heartbeat_stop = CancellationToken::new();
     let heartbeat = tokio::spawn(registration.clone().beat(heartbeat_stop.clone()));
 
-    let shared = Arc::new(Shared { client, tasks, sessions, capsules, config, hard_stop: CancellationToken::new() });
+    // Cancel notes (`mur.cancel.<task_id>`) stop the named task at once if it runs here.
+    let cancels = client
+        .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
+        .await
+        .map_err(|e| Error::Register { worker_id: config.worker_id.clone(), reason: e.to_string() })?;
+    let shared = Arc::new(Shared {
+        client,
+        tasks,
+        sessions,
+        capsules,
+        config,
+        hard_stop: CancellationToken::new(),
+        running: std::sync::Mutex::new(HashMap::new()),
+    });
+    let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
     let mut running = JoinSet::new();
     loop {
         while running.try_join_next().is_some() {}
@@ -284,11 +301,23 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         while running.join_next().await.is_some() {}
     }
     heartbeat_stop.cancel();
+    cancel_listener.abort();
     let _ = heartbeat.await;
     if let Err(e) = workers.delete(&shared.config.worker_id).await {
         tracing::warn!(error = %e, "deleting the worker's registration failed");
     }
     Ok(())
+}
+
+/// Cancels the running tasks named by cancel notes.
+async fn listen_for_cancels(sh: Arc<Shared>, mut notes: async_nats::Subscriber) {
+    while let Some(note) = notes.next().await {
+        let Some(task_id) = note.subject.strip_prefix(cluster::CANCEL_SUBJECT_PREFIX) else { continue };
+        if let Some(token) = sh.running.lock().expect("running lock").get(task_id) {
+            tracing::info!(task_id, "cancel requested: stopping the task");
+            token.cancel();
+        }
+    }
 }
 
 /// Pulls at most one dispatch, waiting at most [`FETCH_EXPIRY`].
@@ -348,9 +377,19 @@ enum Answer {
 /// Runs one dispatch in its slot, with in-progress acks while it works.
 async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphorePermit) {
     let msg = Arc::new(msg);
+    // The task's own stop: fired by a cancel (the note on `mur.cancel.<task_id>`, or the
+    // record's `cancel_requested_at` seen at a progress tick) or by the shutdown grace.
+    let cancel = sh.hard_stop.child_token();
+    let task_id = serde_json::from_slice::<Dispatch>(&msg.payload).ok().map(|d| d.task_id);
+    if let Some(id) = &task_id {
+        sh.running.lock().expect("running lock").insert(id.clone(), cancel.clone());
+    }
     let progress = tokio::spawn({
         let msg = msg.clone();
         let every = sh.config.progress_every.unwrap_or(Duration::from_secs(10));
+        let tasks = sh.tasks.clone();
+        let task_id = task_id.clone();
+        let cancel = cancel.clone();
         async move {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
@@ -358,12 +397,21 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
                 if let Err(e) = msg.ack_with(AckKind::Progress).await {
                     tracing::debug!(error = %e, "in-progress ack failed");
                 }
+                if let Some(id) = &task_id
+                    && let Ok(Some((record, _))) = read(&tasks, id).await
+                    && (record.cancel_requested_at.is_some() || record.state.is_terminal())
+                {
+                    cancel.cancel();
+                }
             }
         }
     });
     let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
-    let answer = run_dispatch(&sh, &msg.payload, delivery).await;
+    let answer = run_dispatch(&sh, &msg.payload, delivery, cancel).await;
     progress.abort();
+    if let Some(id) = &task_id {
+        sh.running.lock().expect("running lock").remove(id);
+    }
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
@@ -374,7 +422,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
     }
 }
 
-async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64) -> Answer {
+async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: CancellationToken) -> Answer {
     let dispatch: Dispatch = match serde_json::from_slice(payload) {
         Ok(d) => d,
         Err(e) => {
@@ -398,6 +446,20 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64) -> Answer {
         return Answer::Ack;
     }
     let worker_id = sh.config.worker_id.clone();
+    if current.0.cancel_requested_at.is_some() {
+        // Cancelled after its release, before any session ran it: it never starts.
+        return finished(
+            cas(&sh.tasks, key, current, |r| {
+                if r.state.is_terminal() {
+                    return false;
+                }
+                end_record(r, ExitStatus::Canceled, "canceled", None);
+                true
+            })
+            .await,
+            key,
+        );
+    }
 
     let capsule = match load_capsule(sh, &current.0).await {
         Ok(c) => c,
@@ -424,8 +486,7 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64) -> Answer {
         (TaskState::Working, Some(previous)) => {
             let previous_worker = current.0.worker.clone().unwrap_or_default();
             match read_checkpoints(&sh.sessions, key).await {
-                Ok(Some(r)) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
-                Ok(None) => None,
+                Ok(r) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
                 Err(e) => {
                     tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
                     return Answer::Nak;
@@ -464,8 +525,8 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64) -> Answer {
         worker: worker_id.clone(),
         saved: AtomicBool::new(checkpointed),
     });
-    let (exit, result, error) = match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone()).await
-    {
+    let (exit, result, error) =
+        match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel).await {
         Ok((exit, result)) => (exit, result, None),
         Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
     };
@@ -600,19 +661,29 @@ async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Result<Option<
     Ok(Checkpoint::fold(checkpoints))
 }
 
-fn takeover_from(r: cluster::Resume, delivery: u64, previous_session_id: String, previous_worker: String) -> Takeover {
-    let c = r.last.counters;
+fn takeover_from(
+    r: Option<cluster::Resume>,
+    delivery: u64,
+    previous_session_id: String,
+    previous_worker: String,
+) -> Takeover {
+    let checkpoint = r.map(|r| {
+        let c = r.last.counters;
+        Resumed {
+            history: r.last.messages,
+            counters: Counters {
+                turns: c.turns,
+                input_tokens: c.input_tokens,
+                output_tokens: c.output_tokens,
+                tool_calls: c.tool_calls,
+                shell_calls: c.shell_calls,
+            },
+            session_tokens: r.last.session_tokens,
+            reopens: r.last.reopens,
+        }
+    });
     Takeover {
-        history: r.last.messages,
-        counters: Counters {
-            turns: c.turns,
-            input_tokens: c.input_tokens,
-            output_tokens: c.output_tokens,
-            tool_calls: c.tool_calls,
-            shell_calls: c.shell_calls,
-        },
-        session_tokens: r.last.session_tokens,
-        reopens: r.last.reopens,
+        checkpoint,
         delivery,
         previous_session_id,
         previous_worker,
@@ -683,6 +754,7 @@ async fn run_session(
     session_id: &str,
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
+    cancel: CancellationToken,
 ) -> Result<(ExitStatus, String), String> {
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
@@ -709,7 +781,8 @@ async fn run_session(
         system_prompt: None,
         resumed_from: takeover.as_ref().map(|t| t.previous_session_id.clone()),
     });
-    let prior = if takeover.is_some() { Vec::new() } else { prior_conversation(sh, task, capsule).await? };
+    let resumed = takeover.as_ref().is_some_and(|t| t.checkpoint.is_some());
+    let prior = if resumed { Vec::new() } else { prior_conversation(sh, task, capsule).await? };
     let outcome = async {
         let mut session = Session::start(cfg, parts).await.map_err(|e| e.to_string())?;
         let spec = TaskSpec {
@@ -720,7 +793,7 @@ async fn run_session(
             source: TASK_SOURCE.to_string(),
         };
         let durable = Durable { takeover, checkpoints };
-        let report = session.run_task_durable(spec, prior, sh.hard_stop.child_token(), durable).await;
+        let report = session.run_task_durable(spec, prior, cancel, durable).await;
         let outcome = match report {
             Ok(r) => {
                 if r.outcome.exit_status == ExitStatus::Ok && continues_context(task, capsule) {

@@ -44,10 +44,25 @@ use tracing::Instrument;
 /// (`reference/murmur-runtime.md` §3, "Async").
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
 
-/// A task taken over from its last per-turn checkpoint (issue #8 §Takeover): the state the
-/// checkpoint left, and who wrote it (for the `task_takeover` line).
+/// A task taken over from a session that stopped answering for it (issue #8 §Takeover):
+/// where its last per-turn checkpoint left it, if it wrote one, and who ran it (for the
+/// `task_takeover` line).
 #[derive(Clone, Debug)]
 pub struct Takeover {
+    /// The state at the last checkpoint; `None` when the task made none (it died in its
+    /// first turn): the task starts afresh.
+    pub checkpoint: Option<Resumed>,
+    /// The delivery of the dispatch that brought the task here (2 for the first takeover).
+    pub delivery: u64,
+    /// The session that wrote the checkpoint.
+    pub previous_session_id: String,
+    /// The worker that ran it.
+    pub previous_worker: String,
+}
+
+/// The state a checkpoint left.
+#[derive(Clone, Debug)]
+pub struct Resumed {
     /// The whole conversation at the checkpoint.
     pub history: Vec<Message>,
     /// The task's counters at the checkpoint.
@@ -56,12 +71,6 @@ pub struct Takeover {
     pub session_tokens: u64,
     /// Reopens granted before the checkpoint, as `(hook, reason)`.
     pub reopens: Vec<(String, String)>,
-    /// The delivery of the dispatch that brought the task here (2 for the first takeover).
-    pub delivery: u64,
-    /// The session that wrote the checkpoint.
-    pub previous_session_id: String,
-    /// The worker that ran it.
-    pub previous_worker: String,
 }
 
 /// One per-turn checkpoint, as the loop hands it to [`Checkpoints::save`].
@@ -454,17 +463,18 @@ impl Session {
         })?;
 
         let takeover = durable.as_mut().and_then(|d| d.takeover.take());
+        let resumed = takeover.as_ref().and_then(|t| t.checkpoint.clone());
         if let Some(t) = &takeover {
             self.emit(Event::TaskTakeover {
                 task_id: task.task_id.clone(),
-                turn: t.counters.turns,
+                turn: t.checkpoint.as_ref().map_or(0, |c| c.counters.turns),
                 delivery: t.delivery,
                 previous_session_id: t.previous_session_id.clone(),
                 previous_worker: t.previous_worker.clone(),
             })?;
         }
         let mut head = Vec::new();
-        if takeover.is_none() && self.wants(Binding::OnTaskStart) {
+        if resumed.is_none() && self.wants(Binding::OnTaskStart) {
             let prior_tokens = prior.iter().map(|p| self.count(p)).sum();
             let replies = self
                 .dispatch(HookEvent::OnTaskStart {
@@ -497,7 +507,7 @@ impl Session {
         )
         .with_compaction(rule)
         .with_reopens(m.lifecycle.max_task_reopens);
-        if let Some(t) = takeover {
+        if let Some(t) = resumed {
             self.parts.driver.taken_over_at(t.counters.turns);
             machine = machine.resumed(t.history, t.counters, t.session_tokens, t.reopens);
         }
