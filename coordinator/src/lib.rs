@@ -4,6 +4,7 @@
 //! adapter that runs them, [`http`] the A2A HTTP endpoint that takes tasks for it.
 
 pub mod api;
+pub mod dead_letter;
 pub mod http;
 pub mod resources;
 pub mod scheduler;

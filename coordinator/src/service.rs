@@ -195,6 +195,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     loops.spawn(actor(ctx.clone(), scheduler, input_rx, stopped.clone()));
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
+    loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
 
     let service = client
         .service_builder()

@@ -149,6 +149,26 @@ pub struct TaskRecord {
     /// it `canceled`; one that gets it later ends it without running it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel_requested_at: Option<u64>,
+    /// Set when the task was given up after every delivery failed (issue #8 §Poison
+    /// tasks): the task is `failed` and this says why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter: Option<DeadLetter>,
+}
+
+/// Why a task went to the dead letters: its dispatch was delivered the consumer's
+/// `max_deliver` times and never finished (the workers that had it died, or failed to
+/// handle it each time).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    /// For people: what happened on the deliveries.
+    pub reason: String,
+    /// Deliveries made.
+    pub deliveries: u64,
+    /// The worker that had it last, if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_worker: Option<String>,
+    /// When it was given up, unix milliseconds.
+    pub at: u64,
 }
 
 impl TaskRecord {
@@ -174,6 +194,7 @@ impl TaskRecord {
             ended_at: None,
             error: None,
             cancel_requested_at: None,
+            dead_letter: None,
         }
     }
 }

@@ -157,3 +157,97 @@ async fn cancel_reaches_a_running_task_within_one_progress_interval() {
     let w = cluster.record(&waiting).await.unwrap();
     assert_eq!((w.state, w.session_id, w.started_at), (TaskState::Canceled, None, None));
 }
+
+/// A capsule whose task text is run as one shell command, then reported.
+fn shell_capsule(name: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
+        ),
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"ran: {{task}}\"\n",
+        )],
+    )
+}
+
+/// Every local `task_start` line of `task_id` in the workers' session folders under `dir`.
+fn local_task_starts(dir: &std::path::Path, task_id: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    for trace in walk(dir).into_iter().filter(|p| p.ends_with("trace.jsonl")) {
+        for line in std::fs::read_to_string(&trace).unwrap_or_default().lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or(Value::Null);
+            if v["event_type"] == "task_start" && v["task_id"] == task_id {
+                out.push(v);
+            }
+        }
+    }
+    out.sort_by_key(|v| v["timestamp"].as_u64());
+    out
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Invariants 3 and 7, issue #8 §Poison tasks: a task that kills every worker that runs
+/// it is delivered `max_deliver` (3) times, an ack wait apart, then ends `failed` in the
+/// dead letters with the reason; a task behind it in the same lane still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flows() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let capsule = shell_capsule("risky");
+    cluster.push(capsule.dir()).await;
+    let mut started = 0;
+    let mut worker = cluster.worker("wkr-0", 1);
+    cluster.wait_workers(1).await;
+    // The shell command's parent is the worker process itself.
+    let poison = cluster.submit("risky", "kill -9 $PPID", Origin::User).await;
+    let fine = cluster.submit("risky", "echo fine", Origin::User).await;
+
+    // A supervisor: a worker that died is replaced, as a process manager would.
+    let record = until("the poison task is terminal", WAIT, || {
+        if !worker.is_running() {
+            started += 1;
+            worker = cluster.worker(&format!("wkr-{started}"), 1);
+        }
+        async { cluster.record(&poison).await.filter(|r| r.state.is_terminal()) }
+    })
+    .await;
+    assert_eq!((record.state, record.exit_status), (TaskState::Failed, Some(mur_proto::ExitStatus::Failed)));
+    let dead = record.dead_letter.clone().expect("a dead letter");
+    assert_eq!(dead.deliveries, 3);
+    assert!(dead.reason.contains("delivered 3 times"), "{}", dead.reason);
+    assert_eq!(record.error.as_deref(), Some(dead.reason.as_str()));
+
+    // Three deliveries, each after the previous one's ack wait (2 s), never at once.
+    let starts = local_task_starts(cluster.dir(), &poison);
+    assert_eq!(starts.len(), 3, "{starts:?}");
+    for pair in starts.windows(2) {
+        let gap = pair[1]["timestamp"].as_u64().unwrap() - pair[0]["timestamp"].as_u64().unwrap();
+        assert!(gap >= 1_500, "deliveries {gap} ms apart");
+    }
+
+    // `mur task status` shows it with the reason.
+    let out = mur_tests::mur::Run::of(
+        mur_tests::mur::mur().args(["task", "status", &poison]).env("NATS_URL", cluster.nats.url()),
+    );
+    assert!(out.stdout.contains("dead letter: the dispatch was delivered 3 times"), "{out:?}");
+
+    if !worker.is_running() {
+        worker = cluster.worker("wkr-last", 1);
+    }
+    let after = cluster.wait_record(&fine, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!((after.state, after.result.as_deref()), (TaskState::Completed, Some("ran: echo fine")));
+    drop(worker);
+}

@@ -309,6 +309,14 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     Ok(())
 }
 
+/// How long a dispatch that could not be handled waits before its next delivery: 1 s after
+/// the first, doubling, at most 30 s (issue #8: retries wait, never an instant
+/// redelivery loop). After the consumer's `max_deliver` deliveries the coordinator
+/// dead-letters it.
+fn nak_delay(delivery: u64) -> Duration {
+    Duration::from_secs(1u64 << delivery.saturating_sub(1).min(5)).min(Duration::from_secs(30))
+}
+
 /// Cancels the running tasks named by cancel notes.
 async fn listen_for_cancels(sh: Arc<Shared>, mut notes: async_nats::Subscriber) {
     while let Some(note) = notes.next().await {
@@ -415,7 +423,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
-        Answer::Nak => msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await,
+        Answer::Nak => msg.ack_with(AckKind::Nak(Some(nak_delay(delivery)))).await,
     };
     if let Err(e) = acked {
         tracing::warn!(error = %e, ?answer, "answering a dispatch failed; it will be redelivered");
