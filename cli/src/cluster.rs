@@ -18,6 +18,10 @@ pub struct CoordinatorArgs {
     /// `http://HOST:PORT/capsules/<name>/` (off by default).
     #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
+    /// This coordinator's name in the leader lease and the logs (default: a fresh
+    /// `crd_…`). Several coordinators may run: one leads, the others stand by.
+    #[arg(long)]
+    id: Option<String>,
     #[command(flatten)]
     conn: Connection,
 }
@@ -118,7 +122,8 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
             }
             None => None,
         };
-        let config = mur_coordinator::service::Config { settings, ..Default::default() };
+        let id = args.id.clone().unwrap_or_else(|| format!("crd_{}", uuid::Uuid::now_v7().simple()));
+        let config = mur_coordinator::service::Config::new(settings, id);
         let result = mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await;
         stop.cancel();
         if let Some(task) = http {

@@ -19,11 +19,7 @@ use tokio::sync::watch;
 
 /// The advisory subject for the dispatch consumer.
 pub fn advisory_subject() -> String {
-    format!(
-        "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}",
-        cluster::DISPATCH_STREAM,
-        cluster::DISPATCH_CONSUMER
-    )
+    format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}", cluster::DISPATCH_STREAM, cluster::DISPATCH_CONSUMER)
 }
 
 /// The part of the advisory this loop reads.
@@ -94,7 +90,8 @@ pub async fn mark(tasks: &kv::Store, task_id: &str, reason: &str, deliveries: u6
         if record.state.is_terminal() {
             return Ok(());
         }
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         record.state = TaskState::Failed;
         record.exit_status = Some(ExitStatus::Failed);
         record.result = Some(format!("error: {reason}"));

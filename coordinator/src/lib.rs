@@ -6,6 +6,7 @@
 pub mod api;
 pub mod dead_letter;
 pub mod http;
+pub mod lease;
 pub mod resources;
 pub mod scheduler;
 pub mod service;

@@ -57,6 +57,11 @@ pub struct Settings {
     /// Revisions kept per capsule in `mur_capsule_index`, 1–64: how many earlier pushes
     /// `mur capsule ls` can still name. Default 64.
     pub capsule_history: u8,
+    /// Seconds the leading coordinator's lease in `mur_leader` lives without a renewal
+    /// (the bucket's max age): how long the cluster may go without a leader after the
+    /// leader dies before a standby takes over (issue #8 §Standby coordinators). At
+    /// least 2. Default 10.
+    pub leader_lease_secs: u64,
 }
 
 impl Default for Settings {
@@ -72,6 +77,7 @@ impl Default for Settings {
             duplicate_window_secs: 120,
             task_history: 5,
             capsule_history: 64,
+            leader_lease_secs: 10,
         }
     }
 }
@@ -103,6 +109,7 @@ impl Settings {
         at_least("max_deliver", self.max_deliver.into(), 1);
         at_least("max_ack_pending", self.max_ack_pending.into(), 1);
         at_least("duplicate_window_secs", self.duplicate_window_secs, 1);
+        at_least("leader_lease_secs", self.leader_lease_secs, 2);
         if let Some(bytes) = self.trace_max_bytes {
             at_least("trace_max_bytes", bytes, 1);
         }
@@ -223,6 +230,8 @@ pub struct Resources {
     pub sessions: kv::Store,
     /// `mur_capsule_index`: each capsule's latest bundle.
     pub capsule_index: kv::Store,
+    /// `mur_leader`: the leader's lease.
+    pub leader: kv::Store,
     /// `mur_capsules`: capsule bundles.
     pub capsules: object_store::ObjectStore,
     /// What [`ensure`] did to each resource, in the order it went through them.
@@ -328,6 +337,10 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     ];
     let mut streams = vec![settings.dispatch_stream(), settings.trace_stream()];
     streams.extend(kv_buckets.iter().map(|(bucket, text, history)| settings.kv_stream(bucket, text, *history)));
+    streams.push(stream::Config {
+        max_age: Duration::from_secs(settings.leader_lease_secs),
+        ..settings.kv_stream(cluster::LEADER_BUCKET, "murmur: the leading coordinator's lease, key = leader", 1)
+    });
     streams
         .push(settings.object_stream(cluster::CAPSULES_STORE, "murmur: capsule bundles, object = <capsule>/<digest>"));
     let mut handles = Vec::with_capacity(streams.len());
@@ -358,6 +371,7 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
         workers: kv(cluster::WORKERS_BUCKET).await?,
         sessions: kv(cluster::SESSIONS_BUCKET).await?,
         capsule_index: kv(cluster::CAPSULE_INDEX_BUCKET).await?,
+        leader: kv(cluster::LEADER_BUCKET).await?,
         capsules,
         outcomes,
     })

@@ -42,7 +42,8 @@
 //! ([`CapsuleIndexEntry::queue`]) of the capsule's latest push when the task is first seen.
 
 use crate::api;
-use crate::resources::{self, Settings};
+use crate::lease::{Held, Lease};
+use crate::resources::{self, Resources, Settings};
 use crate::scheduler::{Input, Output, Scheduler};
 use async_nats::jetstream::{self, kv, message::PublishMessage};
 use async_nats::service::{Request, ServiceExt};
@@ -134,6 +135,148 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let js = jetstream::new(client.clone());
     let res = resources::ensure(&js, &config.settings).await?;
 
+    // Every coordinator serves the API, a standby too: a submission only writes a record,
+    // which the leader's watcher picks up, so intake goes on during a failover.
+    let (no_actor, _) = mpsc::unbounded_channel();
+    let api_ctx = Arc::new(Ctx {
+        js: js.clone(),
+        tasks: res.tasks.clone(),
+        capsule_index: res.capsule_index.clone(),
+        inputs: no_actor,
+        instance: instance.clone(),
+        lease: None,
+    });
+    let service = client
+        .service_builder()
+        .description("murmur coordinator: task intake, lane-ordered dispatch, queries")
+        .start(cluster::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(nats("service mur: start"))?;
+    let group = service.group(cluster::api::PREFIX);
+    let mut endpoints = Vec::new();
+    for kind in Endpoint::ALL {
+        let subject = kind.subject();
+        let suffix = &subject[cluster::api::PREFIX.len() + 1..];
+        let endpoint = group
+            .endpoint_builder()
+            .name(suffix.replace('.', "_"))
+            .add(suffix)
+            .await
+            .map_err(nats(format!("service mur: endpoint {subject}")))?;
+        endpoints.push(endpoint.map(move |request| (kind, request)).boxed());
+    }
+    let mut requests = futures::stream::select_all(endpoints);
+    tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
+
+    let lease =
+        Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut standby_logged = false;
+    let outcome = 'outer: loop {
+        // Standby: try to take the lease now and every renewal interval.
+        let held = loop {
+            match lease.try_acquire().await {
+                Ok(Some(held)) => break Arc::new(held),
+                Ok(None) if !standby_logged => {
+                    let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
+                    tracing::info!(instance = %instance, leader = ?holder, "standing by");
+                    standby_logged = true;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
+            }
+            let wait = tokio::time::sleep(lease.renew_every());
+            tokio::pin!(wait);
+            loop {
+                tokio::select! {
+                    () = &mut shutdown => break 'outer Ok(()),
+                    () = &mut wait => break,
+                    request = requests.next() => match request {
+                        Some((kind, request)) => {
+                            let ctx = api_ctx.clone();
+                            tokio::spawn(async move { ctx.handle(kind, request).await });
+                        }
+                        None => break 'outer Err(Error::LoopEnded("the service")),
+                    },
+                }
+            }
+        };
+        standby_logged = false;
+        tracing::info!(instance = %instance, term = held.term, "leading");
+        let mut leading = match lead(&client, &config, &res, held.clone()).await {
+            Ok(l) => l,
+            Err(e) => {
+                lease.release(&held).await;
+                break Err(e);
+            }
+        };
+        let kept = lease.keep(&held);
+        tokio::pin!(kept);
+        let stepped_down = loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    leading.stop().await;
+                    lease.release(&held).await;
+                    break 'outer Ok(());
+                }
+                lost = &mut kept => break lost,
+                ended = leading.loops.join_next() => {
+                    let what = match ended {
+                        Some(Ok(what)) => what,
+                        Some(Err(_)) | None => "a coordinator loop",
+                    };
+                    leading.stop().await;
+                    lease.release(&held).await;
+                    break 'outer Err(Error::LoopEnded(what));
+                }
+                request = requests.next() => match request {
+                    Some((kind, request)) => {
+                        let ctx = api_ctx.clone();
+                        tokio::spawn(async move { ctx.handle(kind, request).await });
+                    }
+                    None => {
+                        leading.stop().await;
+                        lease.release(&held).await;
+                        break 'outer Err(Error::LoopEnded("the service"));
+                    }
+                },
+            }
+        };
+        tracing::warn!(instance = %instance, "stepping down: {stepped_down}");
+        leading.stop().await;
+    };
+    tracing::info!(instance = %instance, "coordinator stopping");
+    drop(requests);
+    if let Err(e) = service.stop().await {
+        tracing::warn!(instance = %instance, "stopping the service: {e}");
+    }
+    outcome
+}
+
+/// The loops of a leading coordinator.
+struct Leading {
+    loops: JoinSet<&'static str>,
+    stop: watch::Sender<bool>,
+}
+
+impl Leading {
+    async fn stop(&mut self) {
+        let _ = self.stop.send(true);
+        while self.loops.join_next().await.is_some() {}
+    }
+}
+
+/// Takes up the leader's duties under `held`: restores the scheduler from the buckets,
+/// republishes released dispatches, and starts the watchers, the actor and the
+/// dead-letter loop.
+async fn lead(
+    client: &async_nats::Client,
+    config: &Config,
+    res: &Resources,
+    held: Arc<Held>,
+) -> Result<Leading, Error> {
+    let instance = config.instance.clone();
+    let js = jetstream::new(client.clone());
     // The watchers start before anything is read, so no change falls between the replay
     // and the live feed.
     let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
@@ -148,6 +291,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         capsule_index: res.capsule_index.clone(),
         inputs,
         instance: instance.clone(),
+        lease: Some(held),
     });
 
     // The replay.
@@ -196,57 +340,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
-
-    let service = client
-        .service_builder()
-        .description("murmur coordinator: task intake, lane-ordered dispatch, queries")
-        .start(cluster::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(nats("service mur: start"))?;
-    let group = service.group(cluster::api::PREFIX);
-    let mut endpoints = Vec::new();
-    for kind in Endpoint::ALL {
-        let subject = kind.subject();
-        let suffix = &subject[cluster::api::PREFIX.len() + 1..];
-        let endpoint = group
-            .endpoint_builder()
-            .name(suffix.replace('.', "_"))
-            .add(suffix)
-            .await
-            .map_err(nats(format!("service mur: endpoint {subject}")))?;
-        endpoints.push(endpoint.map(move |request| (kind, request)).boxed());
-    }
-    let mut requests = futures::stream::select_all(endpoints);
-    tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
-
-    let mut shutdown = std::pin::pin!(shutdown);
-    let outcome = loop {
-        tokio::select! {
-            () = &mut shutdown => break Ok(()),
-            ended = loops.join_next() => {
-                let what = match ended {
-                    Some(Ok(what)) => what,
-                    Some(Err(_)) | None => "a coordinator loop",
-                };
-                break Err(Error::LoopEnded(what));
-            }
-            request = requests.next() => match request {
-                Some((kind, request)) => {
-                    let ctx = ctx.clone();
-                    tokio::spawn(async move { ctx.handle(kind, request).await });
-                }
-                None => break Err(Error::LoopEnded("the service")),
-            },
-        }
-    };
-    tracing::info!(instance = %instance, "coordinator stopping");
-    drop(requests);
-    if let Err(e) = service.stop().await {
-        tracing::warn!(instance = %instance, "stopping the service: {e}");
-    }
-    let _ = stop.send(true);
-    while loops.join_next().await.is_some() {}
-    outcome
+    Ok(Leading { loops, stop })
 }
 
 /// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
@@ -277,6 +371,9 @@ struct Ctx {
     capsule_index: kv::Store,
     inputs: mpsc::UnboundedSender<Input>,
     instance: String,
+    /// The lease under which this coordinator leads; `None` for the API's handlers, which
+    /// release nothing.
+    lease: Option<Arc<Held>>,
 }
 
 /// The API endpoints.
@@ -459,7 +556,8 @@ impl Ctx {
                         let _ = self.inputs.send(Input::Canceled { task_id });
                     } else {
                         tracing::info!(instance = %self.instance, %task_id, "cancel requested of a running task");
-                        if let Err(e) = self.js.client().publish(cluster::cancel_subject(&task_id), Bytes::new()).await {
+                        if let Err(e) = self.js.client().publish(cluster::cancel_subject(&task_id), Bytes::new()).await
+                        {
                             tracing::warn!(%task_id, error = %e, "telling the workers of a cancel failed");
                         }
                     }
@@ -514,6 +612,12 @@ impl Ctx {
     }
 
     async fn try_release(&self, task_id: &str) -> Result<(), String> {
+        // Fencing: a leader whose lease may have passed to another releases nothing; the
+        // next leader releases the task from its record.
+        if !self.lease.as_ref().is_some_and(|l| l.is_valid()) {
+            tracing::warn!(instance = %self.instance, %task_id, "not releasing: not holding a valid lease");
+            return Ok(());
+        }
         loop {
             let (revision, mut record) = self.read_task(task_id).await.map_err(|e| e.to_string())?;
             if record.state != TaskState::Submitted || record.attempt != 0 {

@@ -48,7 +48,23 @@ pub const CAPSULES_STORE: &str = "mur_capsules";
 pub const CAPSULE_INDEX_BUCKET: &str = "mur_capsule_index";
 
 /// Every KV bucket the cluster uses.
-pub const KV_BUCKETS: [&str; 4] = [TASKS_BUCKET, WORKERS_BUCKET, SESSIONS_BUCKET, CAPSULE_INDEX_BUCKET];
+pub const KV_BUCKETS: [&str; 5] = [TASKS_BUCKET, WORKERS_BUCKET, SESSIONS_BUCKET, CAPSULE_INDEX_BUCKET, LEADER_BUCKET];
+/// The leading coordinator's lease (key [`LEADER_KEY`], value [`LeaderLease`]); the
+/// bucket's max age is the lease's time to live.
+pub const LEADER_BUCKET: &str = "mur_leader";
+/// The one key of [`LEADER_BUCKET`].
+pub const LEADER_KEY: &str = "leader";
+
+/// The value of the leader's lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaderLease {
+    /// The leading coordinator's instance name.
+    pub instance: String,
+    /// Its term: the key's revision when it took the lease (renewals keep it).
+    pub term: u64,
+    /// When it took the lease, unix milliseconds.
+    pub since: u64,
+}
 
 /// The name of the coordinator's NATS micro service.
 pub const SERVICE_NAME: &str = "mur";

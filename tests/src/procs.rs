@@ -62,10 +62,10 @@ impl Procs {
         Proc { name: name.to_string(), child, log }
     }
 
-    /// Starts `mur coordinator --config config.yaml` named `name`.
+    /// Starts `mur coordinator --config config.yaml --id NAME`.
     pub fn coordinator(&self, name: &str) -> Proc {
         let config = self.config.to_string_lossy().into_owned();
-        self.spawn(name, &["coordinator", "--config", &config])
+        self.spawn(name, &["coordinator", "--config", &config, "--id", name])
     }
 
     /// Starts `mur worker --id ID --slots N` with its workdir in the cluster's folder.
@@ -123,10 +123,8 @@ impl Procs {
 
     /// Waits until `task_id`'s record satisfies `ok`, at most `timeout`.
     pub async fn wait_record(&self, task_id: &str, timeout: Duration, ok: impl Fn(&TaskRecord) -> bool) -> TaskRecord {
-        until(&format!("the record of {task_id}"), timeout, || async {
-            self.record(task_id).await.filter(|r| ok(r))
-        })
-        .await
+        until(&format!("the record of {task_id}"), timeout, || async { self.record(task_id).await.filter(|r| ok(r)) })
+            .await
     }
 
     /// Every trace line of the cluster (stream `MUR_TRACE`) whose `task_id` is `task_id`,

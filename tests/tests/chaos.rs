@@ -251,3 +251,109 @@ async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flo
     assert_eq!((after.state, after.result.as_deref()), (TaskState::Completed, Some("ran: echo fine")));
     drop(worker);
 }
+
+/// Invariants 3 and 8: a task that outlives several ack waits while its worker is alive
+/// and sends in-progress acks is never delivered to a second worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_task_with_a_live_worker_is_never_delivered_twice() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _a = cluster.worker("wkr-a", 1);
+    let _b = cluster.worker("wkr-b", 1);
+    let capsule = shell_capsule("slow");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(2).await;
+    // 7 s: three and a half ack waits.
+    let task = cluster.submit("slow", "sleep 7", Origin::User).await;
+    let record = cluster.wait_record(&task, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+    let starts = local_task_starts(cluster.dir(), &task);
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    let trace = cluster.trace_of(&task).await;
+    assert!(of_type(&trace, "task_takeover").is_empty());
+    assert_eq!(of_type(&trace, "task_start").len(), 1);
+    assert_eq!(of_type(&trace, "task_end").len(), 1);
+}
+
+/// Invariant 3 with the broker itself killed: nats-server is killed (SIGKILL) and started
+/// again on the same store while 30 tasks flow through two workers; every task reaches
+/// one terminal record, `completed`, and the workers and coordinator go on by themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_task_finishes_across_a_nats_server_restart() {
+    let mut cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _a = cluster.worker("wkr-a", 4);
+    let _b = cluster.worker("wkr-b", 4);
+    let capsule = shell_capsule("steady");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(2).await;
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        ids.push(cluster.submit("steady", &format!("sleep 0.2; echo {i}"), Origin::User).await);
+    }
+    // Restart the server once some tasks have finished and others are running or waiting.
+    until("5 tasks done", WAIT, || async {
+        let mut done = 0;
+        for id in &ids {
+            if cluster.record(id).await.is_some_and(|r| r.state.is_terminal()) {
+                done += 1;
+            }
+        }
+        (done >= 5).then_some(())
+    })
+    .await;
+    cluster.nats.restart();
+    for (i, id) in ids.iter().enumerate() {
+        let r = cluster.wait_record(id, WAIT, |r| r.state.is_terminal()).await;
+        assert_eq!(r.state, TaskState::Completed, "{r:?}");
+        assert_eq!(r.result.as_deref(), Some(format!("ran: sleep 0.2; echo {i}").as_str()));
+    }
+    for id in &ids {
+        let ends = of_type(&cluster.trace_of(id).await, "task_end").len();
+        assert!(ends <= 1, "{id}: {ends} task_end lines");
+    }
+}
+
+/// Invariants 3 and 2 across a coordinator failover (issue #8 §Standby coordinators): two
+/// coordinators, one leads; SIGKILL the leader while 50 tasks are queued; the standby
+/// takes the lease when it expires, restores from the buckets, and all 50 tasks reach one
+/// terminal record, `completed`, each run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finish_once() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\n").await;
+    let mut first = cluster.coordinator("coordinator-1");
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let leader = until("coordinator-1 leads", WAIT, || async {
+        let kv = js.get_key_value(cluster::LEADER_BUCKET).await.ok()?;
+        mur_coordinator::lease::Lease::holder(&kv).await.ok().flatten()
+    })
+    .await;
+    assert_eq!(leader.instance, "coordinator-1");
+    let _second = cluster.coordinator("coordinator-2");
+    let capsule = shell_capsule("many");
+    cluster.push(capsule.dir()).await;
+    // No worker yet: the 50 tasks queue up behind the leader.
+    let mut ids = Vec::new();
+    for i in 0..50 {
+        ids.push(
+            cluster
+                .submit("many", &format!("echo {i} >> {}", capsule.dir().join("ran.txt").display()), Origin::User)
+                .await,
+        );
+    }
+    first.kill9();
+    let _w1 = cluster.worker("wkr-1", 4);
+    let _w2 = cluster.worker("wkr-2", 4);
+    for id in &ids {
+        let r = cluster.wait_record(id, WAIT, |r| r.state.is_terminal()).await;
+        assert_eq!(r.state, TaskState::Completed, "{r:?}");
+    }
+    let kv = js.get_key_value(cluster::LEADER_BUCKET).await.unwrap();
+    let now = mur_coordinator::lease::Lease::holder(&kv).await.unwrap().expect("a leader");
+    assert_eq!(now.instance, "coordinator-2");
+    assert!(now.term > leader.term);
+    // Each task ran exactly once.
+    let mut ran = ran_turns(&capsule);
+    ran.sort_unstable();
+    assert_eq!(ran, (0..50).collect::<Vec<u32>>());
+}

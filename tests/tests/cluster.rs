@@ -109,10 +109,14 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("KV_mur_workers", Action::Created),
             ("KV_mur_sessions", Action::Created),
             ("KV_mur_capsule_index", Action::Created),
+            ("KV_mur_leader", Action::Created),
             ("OBJ_mur_capsules", Action::Created),
             ("MUR_DISPATCH/workers", Action::Created),
         ]
     );
+    // The leader's lease lives `leader_lease_secs` (10) without a renewal.
+    let leader = js.get_stream("KV_mur_leader").await?.get_info().await?.config;
+    assert_eq!((leader.max_age, leader.max_messages_per_subject), (Duration::from_secs(10), 1));
 
     let dispatch = js.get_stream(cluster::DISPATCH_STREAM).await?.get_info().await?.config;
     assert_eq!(dispatch.subjects, [cluster::DISPATCH_SUBJECT]);
@@ -663,7 +667,8 @@ impl Coordinator {
     async fn start(server: &NatsServer, name: &str) -> Coordinator {
         let client = server.connect().await;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let config = service::Config::new(Settings::default(), name);
+        // A short lease, so a crashed coordinator's successor takes over soon.
+        let config = service::Config::new(Settings { leader_lease_secs: 2, ..Settings::default() }, name);
         let handle = tokio::spawn(service::run(client.clone(), config, async move {
             let _ = stopped.await;
         }));

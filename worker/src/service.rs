@@ -58,14 +58,14 @@ use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
 use futures::StreamExt;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, TaskRecord, WorkerInfo, checkpoint_key};
+use mur_proto::ids::{Id, IdKind};
 use mur_proto::manifest::Conversation;
 use mur_proto::message::Message;
 use mur_proto::task::Origin;
-use mur_proto::ids::{Id, IdKind};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_proto::trace::Line;
-use std::future::Future;
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -535,9 +535,9 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
     });
     let (exit, result, error) =
         match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel).await {
-        Ok((exit, result)) => (exit, result, None),
-        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
-    };
+            Ok((exit, result)) => (exit, result, None),
+            Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
+        };
     let answer = finished(
         cas(&sh.tasks, key, current, |r| {
             if r.state.is_terminal() {
@@ -690,12 +690,7 @@ fn takeover_from(
             reopens: r.last.reopens,
         }
     });
-    Takeover {
-        checkpoint,
-        delivery,
-        previous_session_id,
-        previous_worker,
-    }
+    Takeover { checkpoint, delivery, previous_session_id, previous_worker }
 }
 
 /// Writes a task's per-turn checkpoints to `mur_sessions` ([`checkpoint_key`]).

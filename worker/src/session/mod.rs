@@ -9,4 +9,4 @@ pub mod seed;
 pub mod spend;
 
 pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
-pub use runner::{Checkpoints, Durable, Resumed, Session, SessionConfig, TaskReport, Takeover, TurnCheckpoint};
+pub use runner::{Checkpoints, Durable, Resumed, Session, SessionConfig, Takeover, TaskReport, TurnCheckpoint};

@@ -16,7 +16,9 @@
 //! §5.1): `invoke_agent {capsule}` around a task, `chat {model}` around a model call,
 //! `execute_tool {tool}` around a tool call.
 
-use super::machine::{Action, CompactionReply, CompactionRule, Counters, Delta, Outcome, Reopen, TaskMachine, TaskSpec};
+use super::machine::{
+    Action, CompactionReply, CompactionRule, Counters, Delta, Outcome, Reopen, TaskMachine, TaskSpec,
+};
 use super::seed::{self, Plan};
 use super::spend::{Position, Spend};
 use crate::clock::Clock;

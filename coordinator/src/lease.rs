@@ -1,0 +1,168 @@
+//! The leader lease (issue #8 §Standby coordinators; DESIGN.md `mur_leader`): several
+//! coordinators may run; the one holding the lease releases tasks, the others stand by.
+//!
+//! - The lease is the key [`cluster::LEADER_KEY`] of [`cluster::LEADER_BUCKET`], whose max
+//!   age is the lease's time to live: a value not renewed within it expires, whoever wrote
+//!   it.
+//! - **Acquire**: create the key (only succeeds when it is absent: never held, or
+//!   expired). The key's revision then is the holder's *term*, kept in the value.
+//! - **Renew**: every third of the time to live, update the key with compare-and-set on
+//!   the last revision the holder wrote. A failed compare-and-set means someone else
+//!   wrote it: the lease is lost.
+//! - **Fence**: the holder acts (releases a task) only while [`Held::is_valid`]: a
+//!   renewal (or the acquisition) was *sent* less than three quarters of the time to live
+//!   ago. The server ages the value from when it stored it, which is after the holder sent
+//!   it, so the value cannot expire — and no standby can take the lease — while the holder
+//!   still believes it valid. A holder that cannot renew in time (partitioned, stalled)
+//!   stops acting before the lease can pass to another; two never act as leader at once.
+
+use async_nats::jetstream::kv;
+use mur_proto::cluster::{self, LeaderLease};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A coordinator's handle on the lease.
+pub struct Lease {
+    kv: kv::Store,
+    instance: String,
+    ttl: Duration,
+}
+
+/// The lease while this coordinator holds it.
+pub struct Held {
+    /// The term: the key's revision at acquisition.
+    pub term: u64,
+    since: u64,
+    state: Mutex<(u64, Instant)>,
+    valid_for: Duration,
+}
+
+impl Held {
+    /// Whether this holder may act now (see the module docs: fencing).
+    pub fn is_valid(&self) -> bool {
+        self.state.lock().expect("lease lock").1.elapsed() < self.valid_for
+    }
+
+    fn revision(&self) -> u64 {
+        self.state.lock().expect("lease lock").0
+    }
+}
+
+/// Why the lease was given up.
+#[derive(Debug, thiserror::Error)]
+pub enum Lost {
+    /// Another coordinator wrote the key.
+    #[error("the lease was taken by another coordinator")]
+    Taken,
+    /// No renewal got through in time.
+    #[error("the lease could not be renewed in time: {0}")]
+    Expired(String),
+}
+
+impl Lease {
+    /// A handle for `instance` on `kv` (the `mur_leader` bucket) with time to live `ttl`
+    /// (the bucket's max age).
+    pub fn new(kv: kv::Store, instance: impl Into<String>, ttl: Duration) -> Lease {
+        Lease { kv, instance: instance.into(), ttl }
+    }
+
+    /// How often the holder renews, and a standby tries to take the lease.
+    pub fn renew_every(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// Tries once to take the lease; `Ok(None)` when another coordinator holds it.
+    ///
+    /// # Errors
+    /// A NATS error other than "the key exists".
+    pub async fn try_acquire(&self) -> Result<Option<Held>, String> {
+        let sent = Instant::now();
+        // The term is the revision the create gets; write it in a second step, fenced.
+        let since = now_ms();
+        let value = |term: u64| {
+            serde_json::to_vec(&LeaderLease { instance: self.instance.clone(), term, since }).expect("lease JSON")
+        };
+        match self.kv.create(cluster::LEADER_KEY, value(0).into()).await {
+            Ok(revision) => {
+                let held = Held {
+                    term: revision,
+                    since,
+                    state: Mutex::new((revision, sent)),
+                    valid_for: self.ttl.mul_f64(0.75),
+                };
+                // Stamp the term into the value (a renewal).
+                let sent = Instant::now();
+                match self.kv.update(cluster::LEADER_KEY, value(revision).into(), revision).await {
+                    Ok(r) => *held.state.lock().expect("lease lock") = (r, sent),
+                    Err(e) => return Err(format!("{}: stamping the term: {e}", cluster::LEADER_BUCKET)),
+                }
+                Ok(Some(held))
+            }
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(format!("{}: create: {e}", cluster::LEADER_BUCKET)),
+        }
+    }
+
+    /// Renews `held` once.
+    ///
+    /// # Errors
+    /// [`Lost::Taken`] when the key moved on; [`Lost::Expired`] when the renewal failed
+    /// and the lease is no longer valid.
+    pub async fn renew(&self, held: &Held) -> Result<(), Lost> {
+        let sent = Instant::now();
+        let value =
+            serde_json::to_vec(&LeaderLease { instance: self.instance.clone(), term: held.term, since: held.since })
+                .expect("lease JSON");
+        match self.kv.update(cluster::LEADER_KEY, value.into(), held.revision()).await {
+            Ok(revision) => {
+                *held.state.lock().expect("lease lock") = (revision, sent);
+                Ok(())
+            }
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(Lost::Taken),
+            Err(e) if held.is_valid() => {
+                tracing::warn!(instance = %self.instance, "renewing the lease failed, will retry: {e}");
+                Ok(())
+            }
+            Err(e) => Err(Lost::Expired(e.to_string())),
+        }
+    }
+
+    /// Keeps `held` renewed until it is lost (returns why) — never returns otherwise.
+    pub async fn keep(&self, held: &Held) -> Lost {
+        let mut tick = tokio::time::interval(self.renew_every());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(lost) = self.renew(held).await {
+                return lost;
+            }
+            if !held.is_valid() {
+                return Lost::Expired("renewals are late".into());
+            }
+        }
+    }
+
+    /// Gives the lease up at once (a clean shutdown), so a standby need not wait for it
+    /// to expire. Only deletes the key if this holder wrote its last revision.
+    pub async fn release(&self, held: &Held) {
+        if let Err(e) = self.kv.delete_expect_revision(cluster::LEADER_KEY, Some(held.revision())).await {
+            tracing::debug!(instance = %self.instance, "giving up the lease: {e}");
+        }
+    }
+
+    /// Who holds the lease now, if anyone.
+    ///
+    /// # Errors
+    /// The bucket's error.
+    pub async fn holder(kv: &kv::Store) -> Result<Option<LeaderLease>, String> {
+        match kv.get(cluster::LEADER_KEY).await.map_err(|e| e.to_string())? {
+            Some(v) if !v.is_empty() => Ok(serde_json::from_slice(&v).ok()),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
