@@ -26,6 +26,135 @@ pub struct CoordinatorArgs {
     conn: Connection,
 }
 
+/// `mur cluster …`
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// The queue per capsule and lane (pending, oldest age), tasks in flight with their
+    /// worker and attempt, dead letters, workers with free slots, and the leader.
+    Status {
+        #[command(flatten)]
+        conn: Connection,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a `mur cluster` command.
+pub fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
+    let ClusterCommand::Status { conn, json } = cmd;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let status: mur_proto::cluster::ClusterStatus = rt.block_on(async {
+        let client = conn.connect("mur cluster status").await?;
+        mur_coordinator::api::call(&client, mur_proto::cluster::api::CLUSTER_STATUS, Vec::new())
+            .await
+            .map_err(|e| anyhow::anyhow!("mur cluster status: {e}"))
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&status)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", render_status(&status));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn secs(ms: u64) -> String {
+    format!("{:.1}s", ms as f64 / 1000.0)
+}
+
+/// The human form of `mur cluster status`.
+fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
+    use comfy_table::{Table, presets::NOTHING};
+    let mut out = String::new();
+    match &s.leader {
+        Some(l) => out.push_str(&format!("leader    {} (term {})\n", l.instance, l.term)),
+        None => out.push_str("leader    none (no coordinator holds the lease)\n"),
+    }
+    let table = |header: Vec<&str>, rows: Vec<Vec<String>>| {
+        let mut t = Table::new();
+        t.load_preset(NOTHING).set_header(header);
+        for r in rows {
+            t.add_row(r);
+        }
+        format!("{t}\n")
+    };
+    out.push_str(&format!("\nqueue     {} waiting\n", s.lanes.iter().map(|l| l.pending).sum::<u64>()));
+    if !s.lanes.is_empty() {
+        out.push_str(&table(
+            vec!["CAPSULE", "LANE", "PENDING", "OLDEST"],
+            s.lanes
+                .iter()
+                .map(|l| vec![l.capsule.clone(), l.lane.to_string(), l.pending.to_string(), secs(l.oldest_age_ms)])
+                .collect(),
+        ));
+    }
+    out.push_str(&format!("\nin flight {}\n", s.in_flight.len()));
+    if !s.in_flight.is_empty() {
+        out.push_str(&table(
+            vec!["TASK", "CAPSULE", "LANE", "STATE", "WORKER", "ATTEMPT", "AGE"],
+            s.in_flight
+                .iter()
+                .map(|t| {
+                    let state = if t.cancel_requested {
+                        format!("{} (cancel)", t.state.as_str())
+                    } else {
+                        t.state.as_str().to_string()
+                    };
+                    vec![
+                        t.task_id.clone(),
+                        t.capsule.clone(),
+                        t.lane.to_string(),
+                        state,
+                        t.worker.clone().unwrap_or_else(|| "-".into()),
+                        t.attempt.to_string(),
+                        secs(t.age_ms),
+                    ]
+                })
+                .collect(),
+        ));
+    }
+    out.push_str(&format!("\ndead letters {}\n", s.dead_letters.len()));
+    if !s.dead_letters.is_empty() {
+        out.push_str(&table(
+            vec!["TASK", "CAPSULE", "DELIVERIES", "REASON"],
+            s.dead_letters
+                .iter()
+                .map(|d| {
+                    vec![
+                        d.task_id.clone(),
+                        d.capsule.clone(),
+                        d.dead_letter.deliveries.to_string(),
+                        d.dead_letter.reason.clone(),
+                    ]
+                })
+                .collect(),
+        ));
+    }
+    out.push_str(&format!(
+        "\nworkers   {} ({} of {} slots free)\n",
+        s.workers.len(),
+        s.workers.iter().map(|w| w.free).sum::<u32>(),
+        s.workers.iter().map(|w| w.slots).sum::<u32>()
+    ));
+    if !s.workers.is_empty() {
+        out.push_str(&table(
+            vec!["WORKER", "SLOTS", "FREE", "HEARTBEAT"],
+            s.workers
+                .iter()
+                .map(|w| {
+                    vec![
+                        w.worker_id.clone(),
+                        w.slots.to_string(),
+                        w.free.to_string(),
+                        format!("{} ago", secs(w.heartbeat_age_ms)),
+                    ]
+                })
+                .collect(),
+        ));
+    }
+    out
+}
+
 /// `mur worker [--slots N] [--workdir DIR]`
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {

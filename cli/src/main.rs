@@ -29,6 +29,9 @@ enum Command {
     Coordinator(cluster::CoordinatorArgs),
     /// Run a worker: pulls capsule tasks and runs their sessions.
     Worker(cluster::WorkerArgs),
+    /// Look at the cluster: `mur cluster status`.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Push and list capsule bundles on the cluster.
     #[command(subcommand)]
     Capsule(capsule::Command),
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Dev(args) => cluster::dev(args),
         Command::Coordinator(args) => cluster::coordinator(args),
         Command::Worker(args) => cluster::worker(args),
+        Command::Cluster(cmd) => cluster::cluster(cmd),
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
     };

@@ -384,10 +384,12 @@ enum Endpoint {
     List,
     Cancel,
     Capsules,
+    Status,
 }
 
 impl Endpoint {
-    const ALL: [Endpoint; 5] = [Endpoint::Submit, Endpoint::Get, Endpoint::List, Endpoint::Cancel, Endpoint::Capsules];
+    const ALL: [Endpoint; 6] =
+        [Endpoint::Submit, Endpoint::Get, Endpoint::List, Endpoint::Cancel, Endpoint::Capsules, Endpoint::Status];
 
     fn subject(self) -> &'static str {
         match self {
@@ -396,6 +398,7 @@ impl Endpoint {
             Endpoint::List => cluster::api::TASK_LIST,
             Endpoint::Cancel => cluster::api::TASK_CANCEL,
             Endpoint::Capsules => cluster::api::CAPSULE_LIST,
+            Endpoint::Status => cluster::api::CLUSTER_STATUS,
         }
     }
 }
@@ -438,6 +441,7 @@ impl Ctx {
             Endpoint::List => self.list(body).await.and_then(|r| to_json(&r)),
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
+            Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
         };
         let sent = match result {
             Ok(reply) => request.respond(Ok(reply)).await,
@@ -490,13 +494,8 @@ impl Ctx {
         Ok((entry.revision, record))
     }
 
-    /// `task.list`: newest first, at most [`LIST_LIMIT`].
-    async fn list(&self, body: &[u8]) -> Result<Vec<TaskRecord>, ApiError> {
-        let filter: ListRequest = if body.iter().all(u8::is_ascii_whitespace) {
-            ListRequest::default()
-        } else {
-            serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("request: {e}")))?
-        };
+    /// Every task record (malformed ones are logged and skipped).
+    async fn all_records(&self) -> Result<Vec<TaskRecord>, ApiError> {
         let keys: Vec<String> = self
             .tasks
             .keys()
@@ -511,11 +510,22 @@ impl Ctx {
                 continue;
             };
             match serde_json::from_slice::<TaskRecord>(&value) {
-                Ok(record) if filter.state.is_none_or(|s| s == record.state) => records.push(record),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(instance = %self.instance, key, "task.list: skipping a malformed record: {e}"),
+                Ok(record) => records.push(record),
+                Err(e) => tracing::warn!(instance = %self.instance, key, "skipping a malformed record: {e}"),
             }
         }
+        Ok(records)
+    }
+
+    /// `task.list`: newest first, at most [`LIST_LIMIT`].
+    async fn list(&self, body: &[u8]) -> Result<Vec<TaskRecord>, ApiError> {
+        let filter: ListRequest = if body.iter().all(u8::is_ascii_whitespace) {
+            ListRequest::default()
+        } else {
+            serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("request: {e}")))?
+        };
+        let mut records = self.all_records().await?;
+        records.retain(|r| filter.state.is_none_or(|s| s == r.state));
         records.sort_by(|a, b| (b.submitted_at, &b.task_id).cmp(&(a.submitted_at, &a.task_id)));
         records.truncate(LIST_LIMIT);
         Ok(records)
@@ -568,6 +578,32 @@ impl Ctx {
             }
         }
         Err(ApiError::new(ErrorCode::Unavailable, format!("task {task_id}: changed too often to cancel, retry")))
+    }
+
+    /// `cluster.status`: read from the buckets, so any coordinator answers the same.
+    async fn status(&self) -> Result<cluster::ClusterStatus, ApiError> {
+        let records = self.all_records().await?;
+        let workers_kv =
+            self.js.get_key_value(cluster::WORKERS_BUCKET).await.map_err(|e| unavailable("mur_workers", e))?;
+        let keys: Vec<String> = workers_kv
+            .keys()
+            .await
+            .map_err(|e| unavailable("mur_workers: keys", e))?
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_workers: keys", e))?;
+        let mut workers = Vec::new();
+        for key in keys {
+            if let Some(v) = workers_kv.get(&key).await.map_err(|e| unavailable("mur_workers: read", e))?
+                && let Ok(w) = serde_json::from_slice::<WorkerInfo>(&v)
+            {
+                workers.push(w);
+            }
+        }
+        let leader_kv =
+            self.js.get_key_value(cluster::LEADER_BUCKET).await.map_err(|e| unavailable("mur_leader", e))?;
+        let leader = Lease::holder(&leader_kv).await.map_err(|e| unavailable("mur_leader: read", e))?;
+        Ok(cluster::ClusterStatus::build(&records, &workers, leader, now_ms()))
     }
 
     /// `capsule.list`.

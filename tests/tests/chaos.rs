@@ -243,6 +243,19 @@ async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flo
         mur_tests::mur::mur().args(["task", "status", &poison]).env("NATS_URL", cluster.nats.url()),
     );
     assert!(out.stdout.contains("dead letter: the dispatch was delivered 3 times"), "{out:?}");
+    // `mur cluster status` lists it, names the leader, and the workers.
+    let out = mur_tests::mur::Run::of(
+        mur_tests::mur::mur().args(["cluster", "status", "--json"]).env("NATS_URL", cluster.nats.url()),
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let status = out.last_json();
+    assert_eq!(status["leader"]["instance"], "coordinator-1");
+    assert_eq!(status["dead_letters"][0]["task_id"], poison.as_str());
+    assert_eq!(status["dead_letters"][0]["dead_letter"]["deliveries"], 3);
+    let out =
+        mur_tests::mur::Run::of(mur_tests::mur::mur().args(["cluster", "status"]).env("NATS_URL", cluster.nats.url()));
+    assert!(out.stdout.contains("leader    coordinator-1"), "{out:?}");
+    assert!(out.stdout.contains("dead letters 1"), "{out:?}");
 
     if !worker.is_running() {
         worker = cluster.worker("wkr-last", 1);
@@ -356,4 +369,53 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     let mut ran = ran_turns(&capsule);
     ran.sort_unstable();
     assert_eq!(ran, (0..50).collect::<Vec<u32>>());
+}
+
+/// Issue #8 §Observability of the queue: `mur cluster status --json` shows each capsule's
+/// lane with its pending count and oldest age, what is in flight with its worker and
+/// attempt, the workers' free slots and the leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_status_shows_lanes_in_flight_workers_and_the_leader() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 1);
+    let capsule = shell_capsule("busy");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let running = cluster.submit("busy", "sleep 30", Origin::User).await;
+    cluster.wait_record(&running, WAIT, |r| r.state == TaskState::Working).await;
+    for origin in [Origin::User, Origin::Peer, Origin::Peer, Origin::Event] {
+        cluster.submit("busy", "echo later", origin).await;
+    }
+    let status = until("a status with the worker's slot taken", WAIT, || async {
+        let out = mur_tests::mur::Run::of(
+            mur_tests::mur::mur().args(["cluster", "status", "--json"]).env("NATS_URL", cluster.nats.url()),
+        );
+        let v = out.last_json();
+        (v["workers"][0]["free"] == 0).then_some(v)
+    })
+    .await;
+    assert_eq!(status["leader"]["instance"], "coordinator-1");
+    let lanes: Vec<(String, String, u64)> = status["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (l["capsule"].as_str().unwrap().into(), l["lane"].as_str().unwrap().into(), l["pending"].as_u64().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        lanes,
+        [("busy".into(), "user".into(), 1), ("busy".into(), "peer".into(), 2), ("busy".into(), "bg".into(), 1)]
+    );
+    assert!(status["lanes"][0]["oldest_age_ms"].is_u64());
+    let in_flight = status["in_flight"].as_array().unwrap();
+    assert_eq!(in_flight.len(), 1);
+    assert_eq!(
+        (in_flight[0]["task_id"].as_str(), in_flight[0]["worker"].as_str(), in_flight[0]["attempt"].as_u64()),
+        (Some(running.as_str()), Some("wkr-1"), Some(1))
+    );
+    assert_eq!(status["workers"][0]["worker_id"], "wkr-1");
+    assert_eq!(status["workers"][0]["slots"], 1);
+    assert_eq!(status["dead_letters"], serde_json::json!([]));
 }
