@@ -359,7 +359,7 @@ impl ClusterStatus {
         }
         lanes.sort_by(|a, b| (&a.capsule, a.lane).cmp(&(&b.capsule, b.lane)));
         in_flight.sort_by(|a, b| b.age_ms.cmp(&a.age_ms).then_with(|| a.task_id.cmp(&b.task_id)));
-        dead_letters.sort_by(|a, b| b.dead_letter.at.cmp(&a.dead_letter.at));
+        dead_letters.sort_by_key(|d| std::cmp::Reverse(d.dead_letter.at));
         let mut workers: Vec<WorkerStatus> = workers
             .iter()
             .map(|w| WorkerStatus {
