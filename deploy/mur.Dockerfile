@@ -12,7 +12,7 @@ RUN ["/bin/sh", "-c", "mkdir -p /tmp && chmod 1777 /tmp"]
 ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/bin:/usr/sbin:/bin:/sbin \
     HOME=/data \
     SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
-    MUR_LOG=info
+    NO_COLOR=1
 USER 10001:10001
 WORKDIR /data
 ENTRYPOINT ["/usr/local/bin/mur"]
