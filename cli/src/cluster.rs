@@ -240,7 +240,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     let settings = settings(args.config.as_deref())?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let client = args.conn.connect("mur coordinator").await?;
+        let client = args.conn.connect_patiently("mur coordinator").await?;
         eprintln!("coordinator connected to {}", args.conn.server);
         let stop = tokio_util::sync::CancellationToken::new();
         let http = match &args.http {
@@ -266,7 +266,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
 pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let client = args.conn.connect("mur worker").await?;
+        let client = args.conn.connect_patiently("mur worker").await?;
         let workdir = args.workdir.unwrap_or_else(|| default_data_dir().join("worker"));
         let mut config = mur_worker::service::Config::new(workdir);
         config.slots = args.slots;

@@ -56,4 +56,28 @@ impl Connection {
             format!("cannot reach NATS at {} (start a cluster with `mur dev`, or set --server / NATS_URL)", self.server)
         })
     }
+
+    /// [`Connection::connect`] for long-running processes (`mur coordinator`, `mur
+    /// worker`): while the server cannot be reached, says so once on stderr and tries
+    /// again every second (services start in any order under docker-compose). A bad
+    /// credentials or certificate file still fails at once.
+    ///
+    /// # Errors
+    /// The credentials or certificates cannot be read.
+    pub async fn connect_patiently(&self, name: &str) -> Result<async_nats::Client> {
+        let mut said = false;
+        loop {
+            match self.connect(name).await {
+                Ok(client) => return Ok(client),
+                Err(e) if e.chain().any(|c| c.to_string().starts_with("--creds")) => return Err(e),
+                Err(e) => {
+                    if !said {
+                        eprintln!("{name}: {e:#}; retrying every second");
+                        said = true;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
 }
