@@ -204,3 +204,97 @@ async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_i
     stop.cancel();
     sb.shutdown().await;
 }
+
+/// Issue #7 §Lifecycle on the cluster (`seeds/session-loop.md` §Detached shell): a shell
+/// command still running after the grace period moves to the background of its worker;
+/// when it ends, its completion is submitted to the coordinator as a `completion` task
+/// (bg lane) for the same capsule and context, its log goes to the object store, and the
+/// original session's trace gets `shell_completed` naming the completion task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_detached_command_comes_back_as_a_completion_task_in_the_same_context() {
+    let sb = Sandbox::start(2, 2).await;
+    let c = TestCapsule::new(
+        "name: bg\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\nlifecycle:\n  shell_grace_secs: 1\n",
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"{{tool_result}}\"\n",
+        )],
+    );
+    sb.push(c.dir()).await;
+    let first = sb.submit("bg", "sleep 2; echo bg-$((40+2))", Origin::User).await;
+    let record = sb.wait_all(std::slice::from_ref(&first), WAIT).await.remove(0);
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+    let handle = record.result.clone().unwrap();
+    assert!(handle.contains("wrk_"), "the tool result names the handle: {handle}");
+
+    // The completion task appears and runs.
+    let deadline = std::time::Instant::now() + WAIT;
+    let completion = loop {
+        let all: Vec<TaskRecord> =
+            mur_coordinator::api::call(&sb.client, mur_proto::cluster::api::TASK_LIST, "").await.unwrap();
+        if let Some(r) = all.into_iter().find(|r| r.origin == Origin::Completion && r.state.is_terminal()) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no completion task");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!((completion.capsule.as_str(), completion.lane), ("bg", mur_proto::Lane::Bg));
+    assert_eq!(completion.context_id, record.context_id);
+    assert!(completion.text.starts_with("A detached shell command has ended.\nwork_id: wrk_"), "{}", completion.text);
+    assert!(completion.text.contains("status: ok\nexit_code: 0\n"), "{}", completion.text);
+    assert!(!completion.text.contains("bg-42"), "the output is never in the text");
+    let work_id = completion.text.lines().nth(1).unwrap().trim_start_matches("work_id: ").to_string();
+
+    // The log is in the object store.
+    let js = async_nats::jetstream::new(sb.client.clone());
+    let store = js.get_object_store(mur_proto::cluster::CAPSULES_STORE).await.unwrap();
+    let mut object = store.get(format!("logs/{work_id}.log").as_str()).await.unwrap();
+    let mut log = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut object, &mut log).await.unwrap();
+    assert_eq!(log, "bg-42\n");
+
+    // The first session's trace: shell_detached, then shell_completed naming the task.
+    let session = record.session_id.clone().unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let lines = trace_of_session(&sb, &session).await;
+        let types: Vec<&str> = lines.iter().filter_map(|l| l["event_type"].as_str()).collect();
+        if let Some(done) = lines.iter().find(|l| l["event_type"] == "shell_completed") {
+            assert!(types.contains(&"shell_detached"));
+            assert_eq!(done["completion_task_id"], completion.task_id.as_str());
+            assert_eq!(done["work_id"], work_id.as_str());
+            assert_eq!(done["exit_code"], 0);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no shell_completed in {types:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    sb.shutdown().await;
+}
+
+/// Every line of `mur.trace.<session>` in `MUR_TRACE`.
+async fn trace_of_session(sb: &Sandbox, session: &str) -> Vec<serde_json::Value> {
+    use async_nats::jetstream::consumer::pull;
+    use futures::StreamExt;
+    let js = async_nats::jetstream::new(sb.client.clone());
+    let stream = js.get_stream(mur_proto::cluster::TRACE_STREAM).await.unwrap();
+    let mut consumer = stream
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: mur_proto::cluster::trace_subject(session),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    if consumer.info().await.unwrap().num_pending == 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut messages = consumer.messages().await.unwrap();
+    while let Some(Ok(m)) = messages.next().await {
+        out.push(serde_json::from_slice(&m.payload).unwrap());
+        if m.info().unwrap().pending == 0 {
+            break;
+        }
+    }
+    out
+}

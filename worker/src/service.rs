@@ -41,8 +41,9 @@
 //! is taken over: a new session resumes after the last checkpoint and writes
 //! `task_takeover`. A finished task's checkpoints are purged.
 //!
-//! Not done here: detached shell commands (the toolbox has no background host, so a
-//! command runs in the foreground to its end).
+//! A shell command still running after `lifecycle.shell_grace_secs` moves to the
+//! background ([`detached`]); its end comes back as a `completion` task submitted to the
+//! coordinator for the same capsule and context.
 
 use crate::bundle;
 use crate::capsule::{self, Capsule};
@@ -50,6 +51,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
+use crate::tools::background::DetachSink;
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
 use crate::workdir::Layout;
@@ -73,6 +75,8 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+
+pub mod detached;
 
 /// How often the worker re-puts its registration in `mur_workers`.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -188,6 +192,11 @@ struct Shared {
     hard_stop: CancellationToken,
     /// The stop of every task in hand, by task id.
     running: std::sync::Mutex<HashMap<String, CancellationToken>>,
+    /// The hosts of sessions' detached commands ([`detached::Host`]); they outlive their
+    /// task, until their commands end or the worker stops.
+    detached: tokio_util::task::TaskTracker,
+    /// Fired at shutdown: detached commands still running are abandoned.
+    detached_stop: CancellationToken,
 }
 
 /// Runs the worker until `shutdown` resolves, then drains it (see the module docs).
@@ -264,6 +273,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         config,
         hard_stop: CancellationToken::new(),
         running: std::sync::Mutex::new(HashMap::new()),
+        detached: tokio_util::task::TaskTracker::new(),
+        detached_stop: CancellationToken::new(),
     });
     let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
     let mut running = JoinSet::new();
@@ -300,6 +311,9 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         shared.hard_stop.cancel();
         while running.join_next().await.is_some() {}
     }
+    shared.detached_stop.cancel();
+    shared.detached.close();
+    shared.detached.wait().await;
     heartbeat_stop.cancel();
     cancel_listener.abort();
     let _ = heartbeat.await;
@@ -765,7 +779,23 @@ async fn run_session(
     layout.create().map_err(|e| e.to_string())?;
     let capsule_dir = std::path::absolute(&capsule.dir).map_err(|e| e.to_string())?;
     let driver = capsule.driver(&layout.workdir).map_err(|e| e.to_string())?;
-    let tools = Arc::new(Toolbox::from_manifest(&capsule.manifest));
+    let (sink, notices) = DetachSink::channel();
+    let grace = Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
+    let tools = Arc::new(Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()));
+    if task.origin == Origin::Completion {
+        detached::fetch_logs(&sh.capsules, &task.text, &layout.session_dir).await;
+    }
+    let session_done = CancellationToken::new();
+    let host = detached::Host {
+        client: sh.client.clone(),
+        store: sh.capsules.clone(),
+        capsule: task.capsule.clone(),
+        task_id: task.task_id.clone(),
+        context_id: task.context_id.clone(),
+        session_id: session_id.to_string(),
+        session_dir: layout.session_dir.clone(),
+    };
+    sh.detached.spawn(host.serve(notices, sink.clone(), session_done.clone(), sh.detached_stop.clone()));
     std::fs::write(
         layout.murmur_md(),
         capsule::onboarding(&capsule.manifest, &capsule.model_label(), &layout, tools.specs()),
@@ -806,12 +836,17 @@ async fn run_session(
             }
             Err(e) => (ExitStatus::Failed, format!("error: {e}")),
         };
+        if outcome.0 == ExitStatus::Canceled {
+            // murmur itself stops a cancelled task's commands, whole process groups.
+            sink.kill_all().await;
+        }
         if let Err(e) = session.end(None).await {
             tracing::warn!(session_id, error = %e, "ending the session failed");
         }
         Ok(outcome)
     }
     .await;
+    session_done.cancel();
     // The session and its sink are gone: every line is queued; send them all.
     publisher.finish().await;
     outcome
