@@ -18,6 +18,11 @@ pub struct CoordinatorArgs {
     /// `http://HOST:PORT/capsules/<name>/` (off by default).
     #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
+    /// The base URL the agent cards advertise (default: `http://` + the bound address),
+    /// e.g. `https://agents.example.com` behind a proxy, or the host's address when bound
+    /// to 0.0.0.0 in a container.
+    #[arg(long, value_name = "URL", requires = "http")]
+    public_url: Option<String>,
     /// This coordinator's name in the leader lease and the logs (default: a fresh
     /// `crd_…`). Several coordinators may run: one leads, the others stand by.
     #[arg(long)]
@@ -203,12 +208,19 @@ pub struct DevArgs {
 async fn start_http(
     client: async_nats::Client,
     addr: &str,
+    public_url: Option<&str>,
     stop: tokio_util::sync::CancellationToken,
 ) -> Result<(String, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http {addr}"))?;
-    let base = format!("http://{}", listener.local_addr()?);
+    let base = match public_url {
+        Some(url) => url.trim_end_matches('/').to_string(),
+        None => format!("http://{}", listener.local_addr()?),
+    };
+    let served = base.clone();
     let task = tokio::spawn(async move {
-        if let Err(e) = mur_coordinator::http::serve(client, listener, async move { stop.cancelled().await }).await {
+        if let Err(e) =
+            mur_coordinator::http::serve_at(client, listener, served, async move { stop.cancelled().await }).await
+        {
             eprintln!("a2a http: {e}");
         }
     });
@@ -245,7 +257,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
         let stop = tokio_util::sync::CancellationToken::new();
         let http = match &args.http {
             Some(addr) => {
-                let (base, task) = start_http(client.clone(), addr, stop.clone()).await?;
+                let (base, task) = start_http(client.clone(), addr, args.public_url.as_deref(), stop.clone()).await?;
                 eprintln!("a2a endpoints at {base}/capsules/<name>/");
                 Some(task)
             }
@@ -390,7 +402,7 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
         }
         let http = match &args.http {
             Some(addr) => {
-                let (base, task) = start_http(client.clone(), addr, shutdown.clone()).await?;
+                let (base, task) = start_http(client.clone(), addr, None, shutdown.clone()).await?;
                 tasks.push(task);
                 Some(base)
             }

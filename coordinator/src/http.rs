@@ -17,7 +17,7 @@
 use async_trait::async_trait;
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Request};
+use axum::extract::{Path, Request, State};
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
@@ -52,13 +52,38 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let base = format!("http://{}", listener.local_addr()?);
-    axum::serve(listener, app(client, base)).with_graceful_shutdown(shutdown).await
+    serve_at(client, listener, base, shutdown).await
+}
+
+/// [`serve`] with the base URL the agent cards advertise given (`--public-url`: the
+/// address clients reach, when it is not the bound one, as behind a proxy or in a
+/// container bound to `0.0.0.0`).
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve_at(
+    client: async_nats::Client,
+    listener: TcpListener,
+    base: String,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    axum::serve(listener, app(client, base.trim_end_matches('/').to_string())).with_graceful_shutdown(shutdown).await
+}
+
+/// `GET /healthz`: 200 `ok` while the coordinator's NATS connection is up, 503 otherwise
+/// (for container health checks).
+async fn healthz(State(state): State<Arc<Endpoints>>) -> (axum::http::StatusCode, &'static str) {
+    match state.client.connection_state() {
+        async_nats::connection::State::Connected => (axum::http::StatusCode::OK, "ok\n"),
+        _ => (axum::http::StatusCode::SERVICE_UNAVAILABLE, "nats: not connected\n"),
+    }
 }
 
 /// The endpoint's routes; cards advertise `<base>/capsules/<name>/`.
 pub fn app(client: async_nats::Client, base: impl Into<String>) -> Router {
     let state = Arc::new(Endpoints { client, base: base.into(), routers: Mutex::new(HashMap::new()) });
     Router::new()
+        .route("/healthz", axum::routing::get(healthz))
         .route("/capsules/{name}", any(capsule_root))
         .route("/capsules/{name}/", any(capsule_root))
         .route("/capsules/{name}/{*rest}", any(capsule_path))

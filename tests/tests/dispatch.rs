@@ -298,3 +298,32 @@ async fn trace_of_session(sb: &Sandbox, session: &str) -> Vec<serde_json::Value>
     }
     out
 }
+
+/// `mur coordinator --http ADDR --public-url URL`: agent cards advertise the public URL,
+/// not the bound address; `GET /healthz` answers 200 while NATS is connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_cards_advertise_the_public_url_and_healthz_answers() {
+    let sb = Sandbox::start(1, 1).await;
+    sb.push(shell_capsule("pub", "").dir()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let bound = format!("http://{}", listener.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let client = sb.client.clone();
+    let until = stop.clone();
+    let server = tokio::spawn(async move {
+        mur_coordinator::http::serve_at(client, listener, "https://agents.example.com/".into(), async move {
+            until.cancelled().await
+        })
+        .await
+        .unwrap();
+    });
+    let card: serde_json::Value =
+        reqwest::get(format!("{bound}/capsules/pub/.well-known/agent-card.json")).await.unwrap().json().await.unwrap();
+    assert_eq!(card["url"], "https://agents.example.com/capsules/pub/");
+    let health = reqwest::get(format!("{bound}/healthz")).await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert_eq!(health.text().await.unwrap(), "ok\n");
+    stop.cancel();
+    server.await.unwrap();
+    sb.shutdown().await;
+}
