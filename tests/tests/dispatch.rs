@@ -327,3 +327,59 @@ async fn agent_cards_advertise_the_public_url_and_healthz_answers() {
     server.await.unwrap();
     sb.shutdown().await;
 }
+
+/// Issue #7 §Worker: a worker restores the conversation of the task's context id. A
+/// `threaded` capsule's second task in a context is sent to the model with the first
+/// task's messages ahead of its own, whichever worker runs it; a task of another context
+/// starts empty. The model is the fake OpenAI server, over a real socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_threaded_capsule_continues_its_context_across_workers() {
+    use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
+    use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
+    let fake = FakeOpenAi::start(vec![FakeReply::text("one done"), FakeReply::text("two done"), FakeReply::text("x")]);
+    let sb = Sandbox::start(2, 1).await;
+    let c = TestCapsule::new(
+        &format!(
+            "name: thread\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\nlifecycle:\n  conversation: threaded\n",
+            fake.url()
+        ),
+        &[],
+    );
+    sb.push(c.dir()).await;
+    let submit = |text: &'static str, context: &'static str| {
+        let client = sb.client.clone();
+        async move {
+            let request = SubmitRequest {
+                capsule: "thread".into(),
+                text: text.into(),
+                origin: Origin::User,
+                context_id: Some(context.into()),
+            };
+            let reply: SubmitReply =
+                mur_coordinator::api::call(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
+                    .await
+                    .unwrap();
+            reply.task_id
+        }
+    };
+    for (text, context) in [("first", "conv-a"), ("second", "conv-a"), ("other", "conv-b")] {
+        let id = submit(text, context).await;
+        let r = sb.wait_all(&[id], WAIT).await.remove(0);
+        assert_eq!(r.state, TaskState::Completed, "{r:?}");
+    }
+    let requests = fake.requests();
+    let texts = |i: usize| -> Vec<(String, String)> {
+        requests[i]["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] != "system")
+            .map(|m| (m["role"].as_str().unwrap().to_string(), m["content"].as_str().unwrap_or_default().to_string()))
+            .collect()
+    };
+    let pair = |r: &str, t: &str| (r.to_string(), t.to_string());
+    assert_eq!(texts(0), [pair("user", "first")]);
+    assert_eq!(texts(1), [pair("user", "first"), pair("assistant", "one done"), pair("user", "second")]);
+    assert_eq!(texts(2), [pair("user", "other")]);
+    sb.shutdown().await;
+}

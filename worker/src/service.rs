@@ -84,6 +84,9 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 const FETCH_EXPIRY: Duration = Duration::from_secs(1);
 /// How long to wait before pulling again after a failed pull.
 const PULL_BACKOFF: Duration = Duration::from_millis(500);
+/// How long a worker keeps trying to write a finished task's terminal record (through a
+/// broker restart, say) before it gives the task back for redelivery.
+const TERMINAL_WRITE_PATIENCE: Duration = Duration::from_secs(60);
 /// Compare-and-set attempts on a task record before giving up.
 const CAS_ATTEMPTS: usize = 10;
 /// The `source` of every task the worker runs (`task_start.source`).
@@ -552,17 +555,38 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
             Ok((exit, result)) => (exit, result, None),
             Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
         };
-    let answer = finished(
-        cas(&sh.tasks, key, current, |r| {
-            if r.state.is_terminal() {
-                return false;
+    // The terminal record must be written (a nak would run the task again): keep trying
+    // through a broker outage, with in-progress acks still going out, for up to a minute.
+    let mut written = Err(String::new());
+    let mut backoff = Duration::from_millis(100);
+    let give_up = tokio::time::Instant::now() + TERMINAL_WRITE_PATIENCE;
+    let mut current = Some(current);
+    while tokio::time::Instant::now() < give_up {
+        let base = match current.take() {
+            Some(c) => Ok(c),
+            None => read(&sh.tasks, key).await.and_then(|c| c.ok_or_else(|| format!("task record {key} disappeared"))),
+        };
+        written = match base {
+            Ok(base) => {
+                cas(&sh.tasks, key, base, |r| {
+                    if r.state.is_terminal() {
+                        return false;
+                    }
+                    end_record(r, exit, &result, error.as_deref());
+                    true
+                })
+                .await
             }
-            end_record(r, exit, &result, error.as_deref());
-            true
-        })
-        .await,
-        key,
-    );
+            Err(e) => Err(e),
+        };
+        if written.is_ok() {
+            break;
+        }
+        tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+    let answer = finished(written, key);
     if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
         drop_checkpoints(&sh.sessions, key).await;
     }
@@ -870,14 +894,21 @@ async fn save_conversation(sh: &Shared, task: &TaskRecord, history: &[Message]) 
 /// the session's trace subject with the core client: no per-line round trip, and a slow
 /// server never blocks the loop.
 struct PublishedSink {
-    lines: mpsc::UnboundedSender<Bytes>,
+    lines: mpsc::UnboundedSender<(Bytes, Option<String>)>,
 }
 
 impl Sink for PublishedSink {
     fn write(&mut self, line: &Line) -> Result<(), trace::Error> {
         let json = serde_json::to_vec(line).map_err(|e| trace::Error(e.to_string()))?;
+        // `task_end` is written once per task (DESIGN.md invariant 4): a task run again
+        // after a crash publishes it with the same message id, which MUR_TRACE drops
+        // within its duplicate window.
+        let msg_id = match &line.event {
+            mur_proto::trace::Event::TaskEnd { task_id, .. } => Some(format!("{task_id}:task_end")),
+            _ => None,
+        };
         // The publisher only stops after every sender is gone.
-        let _ = self.lines.send(json.into());
+        let _ = self.lines.send((json.into(), msg_id));
         Ok(())
     }
 }
@@ -889,11 +920,19 @@ struct TracePublisher {
 
 impl TracePublisher {
     fn start(client: async_nats::Client, subject: String) -> (PublishedSink, TracePublisher) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Bytes>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Bytes, Option<String>)>();
         let subject = async_nats::Subject::from(subject);
         let task = tokio::spawn(async move {
-            while let Some(line) = rx.recv().await {
-                if let Err(e) = client.publish(subject.clone(), line).await {
+            while let Some((line, msg_id)) = rx.recv().await {
+                let published = match msg_id {
+                    Some(id) => {
+                        let mut headers = async_nats::HeaderMap::new();
+                        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+                        client.publish_with_headers(subject.clone(), headers, line).await
+                    }
+                    None => client.publish(subject.clone(), line).await,
+                };
+                if let Err(e) = published {
                     tracing::warn!(%subject, error = %e, "publishing a trace line failed");
                 }
             }
