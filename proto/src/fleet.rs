@@ -55,6 +55,8 @@ pub const MAX_ITERATIONS_NOTICE: &str = "is ignored: loops are bounded by deadli
 
 const DURATION_RULE: &str = "must be a duration such as 30s, 5m, 2h, 1d or 1h30m";
 const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_'";
+const CAPSULE_NAME_RULE: &str =
+    "must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit)";
 
 // ---------------------------------------------------------------------------------------
 // The validated definition.
@@ -974,7 +976,7 @@ fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<
     for (i, m) in members.iter().enumerate() {
         let path = format!("members[{i}]");
         if !crate::manifest::is_valid_name(m) {
-            r.fail(&path, format_args!("must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit), got {m:?}"));
+            r.fail(&path, format_args!("{CAPSULE_NAME_RULE}, got {m:?}"));
         } else if !seen.insert(m.as_str()) {
             r.fail(&path, format_args!("duplicate member {m:?}"));
         }
@@ -982,7 +984,7 @@ fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<
     if let Some(router) = &raw.router
         && !crate::manifest::is_valid_name(router)
     {
-        r.fail("router", format_args!("must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit), got {router:?}"));
+        r.fail("router", format_args!("{CAPSULE_NAME_RULE}, got {router:?}"));
     }
 
     let r#loop = validate_loop(raw.r#loop.unwrap_or_default(), &mut r);
