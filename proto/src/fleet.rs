@@ -859,9 +859,10 @@ impl Fleet {
         }
         // The limits block is read on its own: one that does not parse leaves the fleet
         // loadable but unbounded-by-choice, so it never resolves (§Unattended runs).
-        let stored_limits = map.remove("limits").map(|v| match serde_yaml_ng::from_value::<RawLimits>(v) {
+        let stored_limits = map.remove("limits").map(|v| match serde_yaml_ng::from_value::<Option<RawLimits>>(v) {
+            Ok(None) => LimitsBlock::Absent,
             Err(e) => LimitsBlock::Invalid(vec![format!("limits: {e}")]),
-            Ok(raw) => {
+            Ok(Some(raw)) => {
                 let mut errors = Vec::new();
                 let limits = validate_limits(raw, &mut errors);
                 if errors.is_empty() { LimitsBlock::Set(limits) } else { LimitsBlock::Invalid(errors) }

@@ -580,6 +580,16 @@ fn stored_limits_that_do_not_parse_load_but_never_resolve() {
 }
 
 #[test]
+fn empty_limits_key_reads_the_same_strict_and_stored() {
+    let y = format!("{MINIMAL}limits:\n");
+    assert_eq!(Fleet::parse(&y).unwrap().limits, LimitsBlock::Absent);
+    assert_eq!(Fleet::load_stored(&y).unwrap().limits, LimitsBlock::Absent);
+    let y = format!("{MINIMAL}limits: {{}}\n");
+    assert_eq!(Fleet::parse(&y).unwrap().limits, LimitsBlock::Set(Limits::default()));
+    assert_eq!(Fleet::load_stored(&y).unwrap().limits, LimitsBlock::Set(Limits::default()));
+}
+
+#[test]
 fn stored_loading_still_refuses_a_bad_name() {
     assert_eq!(
         Fleet::load_stored("name: ../x\n"),
