@@ -1,8 +1,9 @@
 //! murmur's wire and file formats: capsule manifests, messages, trace events, task
-//! vocabulary and ids, the cluster's resource names and API records. Pure: no IO, no async,
-//! no clock reads (callers pass time in).
+//! vocabulary and ids, the cluster's resource names and API records, fleet definitions and
+//! jobs. Pure: no IO, no async, no clock reads (callers pass time in).
 
 pub mod cluster;
+pub mod fleet;
 pub mod hook;
 pub mod ids;
 pub mod lanes;
@@ -11,6 +12,7 @@ pub mod message;
 pub mod task;
 pub mod trace;
 
+pub use fleet::Fleet;
 pub use ids::{Id, IdKind};
 pub use manifest::Manifest;
 pub use message::{Block, Message, Role};

@@ -1,0 +1,1888 @@
+//! Fleets: the `fleet.yaml` definition, its validation, the loop's bounds and fan-out cap,
+//! jobs and their statuses, run ids, stop reasons and the pure rules a loop applies.
+//!
+//! The behaviour comes from `seeds/fleet-loops.md` (the specification: §Three ways a loop
+//! ends, §The bounds, §Settings that used to mean something else, §A fixed step graph,
+//! §Unattended runs, §Watching a run) and, where the seed is silent, from
+//! `reference/mur-fleet.md` (§1 schema, §2 limits, §3 loop, §4 jobs); the keys follow
+//! issue #10. `docs/fleet.md` is the user-facing reference.
+//!
+//! Two loaders share one validator:
+//! - [`Fleet::parse`] is strict (`mur fleet create` / `apply`): unknown keys, wrong types and
+//!   every broken rule are refused, each as `path: rule`, all at once.
+//! - [`Fleet::load_stored`] reads a definition already stored. Values an older version
+//!   accepted (a calendar-date deadline, an unfirable cron, a negative budget, a bare
+//!   `done_when`, an unknown key, a bad `fanout:`, a `limits:` block that does not parse)
+//!   load, each with a notice in [`Fleet::notices`], so the fleet still accepts an unrelated
+//!   edit ([`apply_loop_edit`]). Rules the seed applies "when the fleet loads" (the name, the
+//!   `procedure:` rules) are refused by both.
+//!
+//! Pure: no IO, no clock reads (callers pass unix milliseconds and the environment in).
+
+use serde::{Deserialize, Serialize};
+use serde_yaml_ng::{Mapping, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+#[cfg(test)]
+mod tests;
+
+/// Built-in loop deadline (`seeds/fleet-loops.md` §The bounds: "built-in 1h").
+pub const BUILTIN_DEADLINE: &str = "1h";
+/// Built-in stuck window (§The bounds: "built-in 10m").
+pub const BUILTIN_STUCK: &str = "10m";
+/// Delegated steps in flight at once by default (§The bounds, fan-out bound).
+pub const DEFAULT_FANOUT: u32 = 3;
+/// The environment variable that raises the fan-out cap.
+pub const FANOUT_ENV: &str = "MUR_FLEET_FANOUT";
+/// The environment variable that lets unattended (triggered) runs start (§Unattended runs).
+pub const AUTORUN_ENV: &str = "MUR_FLEET_AUTORUN";
+/// Most steps a `procedure:` may have (§A fixed step graph).
+pub const MAX_PROCEDURE_STEPS: usize = 32;
+/// The diagnostic iteration ceiling that replaced the iteration cap (§The bounds).
+pub const ITERATION_CEILING: u64 = 10_000;
+/// Longest `--run-id` (reference §3, setup step 7).
+pub const MAX_RUN_ID_LEN: usize = 96;
+/// The prefix of a fleet's channel id: `fleet-<name>`.
+pub const CHANNEL_PREFIX: &str = "fleet-";
+/// A job created by `mur fleet send` or a job argument of `mur fleet run`.
+pub const SOURCE_CLI: &str = "cli";
+
+/// The notice printed when an iteration cap is given (§The bounds: "Iteration cap — gone").
+pub const MAX_ITERATIONS_NOTICE: &str = "is ignored: loops are bounded by deadline, stuck and cost \
+     (a 10000-iteration diagnostic ceiling remains)";
+
+const DURATION_RULE: &str = "must be a duration such as 30s, 5m, 2h, 1d or 1h30m";
+const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_'";
+const CAPSULE_NAME_RULE: &str =
+    "must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit)";
+
+// ---------------------------------------------------------------------------------------
+// The validated definition.
+
+/// A validated `fleet.yaml`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fleet {
+    /// 1–64 chars of `a-z 0-9 - _` ([`is_valid_fleet_name`]).
+    pub name: String,
+    /// The standing goal: used when no job is queued and no job is given. Default empty.
+    pub goal: String,
+    /// Capsule names on the cluster, in order, without duplicates. Default empty (a run
+    /// refuses an empty list, see [`Fleet::check_runnable`]).
+    pub members: Vec<String>,
+    /// A capsule that plans (and judges DONE, and writes the marker synthesis). Absent: a
+    /// single member gets every job, and several members each get it ([`Fleet::plan_kind`]).
+    pub router: Option<String>,
+    /// The `loop:` block.
+    pub r#loop: Loop,
+    /// The `limits:` block.
+    pub limits: LimitsBlock,
+    /// The `fanout:` key: a positive cap on delegated steps at once; see [`resolve_fanout`].
+    pub fanout: Option<u32>,
+    /// The `hitl:` approval policy.
+    pub hitl: Hitl,
+    /// A fixed step graph; when non-empty the fleet runs it with no router call.
+    pub procedure: Vec<Step>,
+    /// Speculative or partitioned parallel tracks.
+    pub parallel: Option<Parallel>,
+    /// Tools the work needs, passed to each delegated step for its preflight.
+    pub needs: Vec<String>,
+    /// One line per value read but not used as written (`path: what happened`): an ignored
+    /// `loop.max_iterations`, and in [`Fleet::load_stored`] every value an older version
+    /// accepted that the strict loader refuses.
+    pub notices: Vec<String>,
+}
+
+/// The `loop:` block (§Three ways a loop ends; reference §1 FleetLoop). Every field
+/// defaults, so a block with only `trigger` is complete.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Loop {
+    /// When unattended runs start. Default [`Trigger::Manual`].
+    pub trigger: Trigger,
+    /// When a loop has converged. Default [`DoneWhen::Router`].
+    pub done_when: DoneWhen,
+    /// Legacy spelling of `limits.deadline`, used only when `limits:` is absent.
+    pub deadline: Option<DurationText>,
+    /// Legacy spelling of `limits.cost_usd` (0 = none), used only when `limits:` is absent.
+    pub budget_usd: f64,
+    /// Ignored since iteration caps went away; a non-zero value only adds a notice.
+    pub max_iterations: u64,
+}
+
+impl Default for Loop {
+    fn default() -> Self {
+        Loop {
+            trigger: Trigger::Manual,
+            done_when: DoneWhen::Router,
+            deadline: None,
+            budget_usd: 0.0,
+            max_iterations: 0,
+        }
+    }
+}
+
+/// A duration kept with the text it was written as (`1h30m`), for display.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DurationText {
+    /// The text, trimmed.
+    pub text: String,
+    /// Its length.
+    pub duration: Duration,
+}
+
+impl DurationText {
+    /// Parses `text` with [`parse_duration`], keeping the trimmed text.
+    ///
+    /// # Errors
+    /// The rule broken, as [`parse_duration`] gives it.
+    pub fn parse(text: &str) -> Result<DurationText, String> {
+        parse_duration(text).map(|duration| DurationText { text: text.trim().to_string(), duration })
+    }
+}
+
+impl fmt::Display for DurationText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// `loop.trigger`: `manual` | `interval:<duration>` | `cron:<5-field expression>`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Trigger {
+    /// Runs only when asked (default; an empty value means the same).
+    Manual,
+    /// Due when never run or when the duration has passed since the last run.
+    Interval(DurationText),
+    /// Due at the expression's boundaries (local time).
+    Cron(Cron),
+    /// A stored value that no longer parses (for example an unfirable cron); never fires.
+    /// Only [`Fleet::load_stored`] produces it.
+    Never(String),
+}
+
+impl Trigger {
+    /// Parses a trigger value (trimmed).
+    ///
+    /// # Errors
+    /// The rule broken, without the field path.
+    pub fn parse(text: &str) -> Result<Trigger, String> {
+        let t = text.trim();
+        if t.is_empty() || t == "manual" {
+            return Ok(Trigger::Manual);
+        }
+        if let Some(d) = t.strip_prefix("interval:") {
+            let d = DurationText::parse(d).map_err(|rule| format!("interval: {rule}"))?;
+            if d.duration.is_zero() {
+                return Err(format!("interval: must be longer than zero, got {:?}", d.text));
+            }
+            return Ok(Trigger::Interval(d));
+        }
+        if let Some(expr) = t.strip_prefix("cron:") {
+            return Cron::parse(expr).map(Trigger::Cron).map_err(|rule| format!("cron: {rule}"));
+        }
+        Err(format!(
+            "must be manual, interval:<duration> or cron:<minute hour day-of-month month day-of-week>, got {t:?}"
+        ))
+    }
+
+    /// The value as written in `fleet.yaml`.
+    pub fn as_text(&self) -> String {
+        match self {
+            Trigger::Manual => "manual".to_string(),
+            Trigger::Interval(d) => format!("interval:{}", d.text),
+            Trigger::Cron(c) => format!("cron:{}", c.text),
+            Trigger::Never(t) => t.clone(),
+        }
+    }
+}
+
+/// `loop.done_when` (§Three ways a loop ends).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DoneWhen {
+    /// Empty: the router judges DONE each iteration (one model call per iteration).
+    Router,
+    /// `queue-empty`: an iteration that finds nothing queued ends the loop, before any
+    /// model call.
+    QueueEmpty,
+    /// `marker:<TEXT>`: a member emits TEXT alone on a line ([`marker_matches`]).
+    Marker(String),
+}
+
+impl DoneWhen {
+    /// Parses a `done_when` value (trimmed).
+    ///
+    /// # Errors
+    /// A value that is none of the three forms; a bare word is refused with the
+    /// `marker:` spelling it probably meant (§Settings that used to mean something else).
+    pub fn parse(text: &str) -> Result<DoneWhen, String> {
+        let t = text.trim();
+        if t.is_empty() {
+            return Ok(DoneWhen::Router);
+        }
+        if t == "queue-empty" {
+            return Ok(DoneWhen::QueueEmpty);
+        }
+        if let Some(m) = t.strip_prefix("marker:") {
+            let m = m.trim();
+            if m.is_empty() {
+                return Err("marker: needs the text a member emits alone on a line, got \"marker:\"".to_string());
+            }
+            if m.contains('\n') {
+                return Err(format!("marker: must be one line, got {m:?}"));
+            }
+            return Ok(DoneWhen::Marker(m.to_string()));
+        }
+        Err(format!(
+            "must be empty (the router judges), queue-empty or marker:<TEXT>; the marker: prefix is required \
+             (marker:{t}), got {t:?}"
+        ))
+    }
+
+    /// The value as written in `fleet.yaml` (`""` for the router).
+    pub fn as_text(&self) -> String {
+        match self {
+            DoneWhen::Router => String::new(),
+            DoneWhen::QueueEmpty => "queue-empty".to_string(),
+            DoneWhen::Marker(m) => format!("marker:{m}"),
+        }
+    }
+}
+
+/// A `limits:` block, from `fleet.yaml` or the cluster's `config.yaml`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LimitsBlock {
+    /// No `limits:` key (a fleet's legacy `loop.deadline` / `loop.budget_usd` then apply).
+    Absent,
+    /// A block that parsed; an empty block (`limits: {}`) still suppresses the legacy keys.
+    Set(Limits),
+    /// A stored block that does not parse: the fleet loads, but its bounds do not resolve,
+    /// so it never auto-runs and a run refuses (§Unattended runs). One `path: rule` each.
+    Invalid(Vec<String>),
+}
+
+/// The three knobs of Execution Limits (§The bounds; reference §2).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Limits {
+    /// Wall clock for the whole loop, relative to its start.
+    pub deadline: Option<DurationText>,
+    /// Window without agent-authored progress, or off.
+    pub stuck: Option<Stuck>,
+    /// Spend ceiling in USD (metered models only); 0 means no ceiling.
+    pub cost_usd: Option<f64>,
+}
+
+/// `limits.stuck`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stuck {
+    /// `off` (any case): no stuck detection.
+    Off,
+    /// Stop when no agent-authored channel event arrived for this long.
+    After(DurationText),
+}
+
+impl Stuck {
+    /// Parses `off` or a duration.
+    ///
+    /// # Errors
+    /// The rule broken.
+    pub fn parse(text: &str) -> Result<Stuck, String> {
+        if text.trim().eq_ignore_ascii_case("off") {
+            return Ok(Stuck::Off);
+        }
+        DurationText::parse(text)
+            .map(Stuck::After)
+            .map_err(|_| format!("{DURATION_RULE}, or off, got {:?}", text.trim()))
+    }
+
+    /// `off` or the duration's text.
+    pub fn as_text(&self) -> &str {
+        match self {
+            Stuck::Off => "off",
+            Stuck::After(d) => &d.text,
+        }
+    }
+
+    /// The window, `None` when off.
+    pub fn window(&self) -> Option<Duration> {
+        match self {
+            Stuck::Off => None,
+            Stuck::After(d) => Some(d.duration),
+        }
+    }
+}
+
+impl Limits {
+    /// Parses a `limits:` block given alone (the value of the `limits:` key of a
+    /// `config.yaml`), strictly: unknown keys refused, every rule at once.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] or [`Error::Invalid`], paths starting `limits.`.
+    pub fn from_yaml(text: &str) -> Result<Limits, Error> {
+        let raw: RawLimits = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(format!("limits: {e}")))?;
+        let mut errors = Vec::new();
+        let limits = validate_limits(raw, &mut errors);
+        if errors.is_empty() { Ok(limits) } else { Err(Error::Invalid(errors)) }
+    }
+}
+
+/// The `hitl:` block (reference §1 FleetHitl, §7).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Hitl {
+    /// Absent: wait on a terminal, defer without one (decided at run time).
+    pub mode: Option<HitlMode>,
+    /// Risk tiers approved without asking (recorded on the channel); only `read` and
+    /// `write` are permitted.
+    pub auto_approve_tiers: Vec<RiskTier>,
+}
+
+/// `hitl.mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HitlMode {
+    /// Park the request; the step is reported blocked and the loop stops awaiting-approval.
+    Defer,
+    /// Block until someone answers.
+    Wait,
+    /// Refuse every request.
+    Deny,
+}
+
+/// A tool call's risk tier, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RiskTier {
+    /// Reads only.
+    Read,
+    /// Writes files in granted places: the highest tier a fleet may auto-approve.
+    Write,
+    /// Reaches the network.
+    NetworkEgress,
+    /// Spends money.
+    Spend,
+    /// Deletes or overwrites beyond recovery.
+    Destructive,
+    /// Needs elevated rights.
+    Privileged,
+}
+
+impl RiskTier {
+    /// The highest tier `hitl.auto_approve_tiers` may name.
+    pub const AUTO_APPROVE_CEILING: RiskTier = RiskTier::Write;
+
+    /// The `fleet.yaml` spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RiskTier::Read => "read",
+            RiskTier::Write => "write",
+            RiskTier::NetworkEgress => "network-egress",
+            RiskTier::Spend => "spend",
+            RiskTier::Destructive => "destructive",
+            RiskTier::Privileged => "privileged",
+        }
+    }
+}
+
+/// One step of a `procedure:` (§A fixed step graph).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Unique, non-empty; the only label later steps see on its output.
+    pub id: String,
+    /// A name in `members:`.
+    pub member: String,
+    /// The step's own task, given with the full goal. Default empty.
+    pub task: String,
+    /// Ids of steps whose output this step receives and waits for.
+    pub depends_on: Vec<String>,
+}
+
+/// `parallel.mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParallelMode {
+    /// Several tracks attempt the same goal by different approaches; a judge picks.
+    Speculative,
+    /// The work is split into regions, one per track.
+    Partition,
+}
+
+/// The `parallel:` block (reference §1: carried for the executor, not interpreted here).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parallel {
+    /// Speculative or partition.
+    pub mode: ParallelMode,
+    /// The tracks, members assigned round-robin.
+    pub tracks: Vec<Track>,
+    /// Who picks the winning track.
+    pub judge: Option<Judge>,
+    /// A filter applied before judging, passed through as written.
+    pub pre_filter: Option<String>,
+    /// Partition mode: what is split.
+    pub partition: Option<Partition>,
+}
+
+/// One `parallel.tracks[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Track {
+    /// Unique track name.
+    pub name: String,
+    /// Appended to the goal as "Approach:".
+    #[serde(default)]
+    pub approach: String,
+    /// A model for this track.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+/// `parallel.judge`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Judge {
+    /// The judging model.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// What the judge scores against.
+    #[serde(default)]
+    pub rubric: Option<String>,
+}
+
+/// `parallel.partition`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Partition {
+    /// The file whose regions are split between tracks.
+    pub target_file: String,
+}
+
+/// How a run turns its goal into steps ([`Fleet::plan_kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanKind {
+    /// The fleet's `procedure:`, with no router call; never replaced by anything else.
+    Procedure,
+    /// The router plans (it is set and there are several members).
+    Router,
+    /// Every member gets the goal (one member: it gets every job).
+    Broadcast,
+}
+
+/// Why a fleet definition (or a flag, or an edit) was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum Error {
+    /// Not YAML of the fleet's shape (an unknown key, a wrong type, an enum value outside
+    /// its set); the message names the field path.
+    #[error("{0}")]
+    Parse(String),
+    /// The shape is right but values break rules; one `path: rule` line per broken rule.
+    #[error("{}", .0.join("\n"))]
+    Invalid(Vec<String>),
+}
+
+// ---------------------------------------------------------------------------------------
+// Names, durations, cron.
+
+/// Whether `name` is a valid fleet name (reference §1 `valid_fleet_name`): 1–64 chars, only
+/// `a-z`, `0-9`, `-`, `_` — no uppercase, dot, slash or space.
+pub fn is_valid_fleet_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// The fleet's channel id, `fleet-<name>`.
+pub fn channel_id(name: &str) -> String {
+    format!("{CHANNEL_PREFIX}{name}")
+}
+
+/// The fleet a channel id belongs to: only when the rest after `fleet-` is a valid name.
+pub fn fleet_of_channel(channel: &str) -> Option<&str> {
+    channel.strip_prefix(CHANNEL_PREFIX).filter(|n| is_valid_fleet_name(n))
+}
+
+/// Parses a relative duration: `30s`, `5m`, `2h`, `1d`, compounds such as `1h30m`, or a
+/// bare integer of seconds; surrounding whitespace is trimmed (reference §2). The units are
+/// checked here and the arithmetic is `humantime`'s. Refused: empty, `off`, `2 hours`,
+/// `1h3`, `h`, `-5m`, `1.5h`, other units, and calendar dates (a deadline is relative to
+/// when the loop started, §The bounds; an older version read `2026-12-31` as no deadline).
+///
+/// # Errors
+/// The rule broken, with the value.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    if looks_like_date(t) {
+        return Err(format!(
+            "must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, got {t:?}"
+        ));
+    }
+    let bad = || format!("{DURATION_RULE}, got {t:?}");
+    if t.is_empty() {
+        return Err(bad());
+    }
+    if t.bytes().all(|b| b.is_ascii_digit()) {
+        return t.parse::<u64>().map(Duration::from_secs).map_err(|_| bad());
+    }
+    // Each part is digits followed by exactly one of s, m, h, d.
+    let mut digits = 0usize;
+    for b in t.bytes() {
+        match b {
+            b'0'..=b'9' => digits += 1,
+            b's' | b'm' | b'h' | b'd' if digits > 0 => digits = 0,
+            _ => return Err(bad()),
+        }
+    }
+    if digits > 0 {
+        return Err(bad());
+    }
+    humantime::parse_duration(t).map_err(|_| bad())
+}
+
+fn looks_like_date(t: &str) -> bool {
+    let b = t.as_bytes();
+    b.len() >= 10
+        && b[..4].iter().all(u8::is_ascii_digit)
+        && b[4] == b'-'
+        && b[5..7].iter().all(u8::is_ascii_digit)
+        && b[7] == b'-'
+        && b[8..10].iter().all(u8::is_ascii_digit)
+}
+
+/// A parsed 5-field POSIX cron expression (`minute hour day-of-month month day-of-week`),
+/// as sets of values. Names (`jan`, `mon`) are accepted, day-of-week 7 is Sunday, and an
+/// expression that can never fire is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cron {
+    /// The expression, trimmed, fields separated by single spaces.
+    pub text: String,
+    /// Bit n set: minute n (0–59).
+    pub minutes: u64,
+    /// Bit n set: hour n (0–23).
+    pub hours: u64,
+    /// Bit n set: day of month n (1–31).
+    pub days_of_month: u64,
+    /// Bit n set: month n (1–12).
+    pub months: u64,
+    /// Bit n set: weekday n (0 = Sunday … 6).
+    pub days_of_week: u64,
+    /// Whether the day-of-month field was `*…` (POSIX: when both day fields are
+    /// restricted, a day matching either fires).
+    pub any_day_of_month: bool,
+    /// Whether the day-of-week field was `*…`.
+    pub any_day_of_week: bool,
+}
+
+const MONTH_NAMES: [&str; 12] = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"];
+const DAY_NAMES: [&str; 7] = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"];
+const MONTH_FULL: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
+impl Cron {
+    /// Parses an expression.
+    ///
+    /// # Errors
+    /// A field out of range or malformed, a wrong field count, or an expression that
+    /// never fires (`0 9 31 2 *`: February has no 31st).
+    pub fn parse(expr: &str) -> Result<Cron, String> {
+        let fields: Vec<&str> = expr.split_whitespace().collect();
+        if fields.len() != 5 {
+            return Err(format!(
+                "needs 5 fields (minute hour day-of-month month day-of-week), got {} in {:?}",
+                fields.len(),
+                expr.trim()
+            ));
+        }
+        let minutes = cron_field(fields[0], "minute", 0, 59, &[])?;
+        let hours = cron_field(fields[1], "hour", 0, 23, &[])?;
+        let days_of_month = cron_field(fields[2], "day-of-month", 1, 31, &[])?;
+        let months = cron_field(fields[3], "month", 1, 12, &MONTH_NAMES)?;
+        let mut days_of_week = cron_field(fields[4], "day-of-week", 0, 7, &DAY_NAMES)?;
+        if days_of_week & (1 << 7) != 0 {
+            days_of_week = (days_of_week & !(1 << 7)) | 1;
+        }
+        let cron = Cron {
+            text: fields.join(" "),
+            minutes,
+            hours,
+            days_of_month,
+            months,
+            days_of_week,
+            any_day_of_month: fields[2].starts_with('*'),
+            any_day_of_week: fields[4].starts_with('*'),
+        };
+        if !cron.can_fire() {
+            let dom = (1..=31).find(|d| days_of_month & (1 << d) != 0).unwrap_or(31);
+            let month = (1..=12).find(|m| months & (1 << m) != 0).unwrap_or(2);
+            return Err(format!("never fires: {} has no {}, got {:?}", MONTH_FULL[month - 1], ordinal(dom), cron.text));
+        }
+        Ok(cron)
+    }
+
+    /// Whether some date matches: always, unless only the day-of-month restricts the day
+    /// and none of its days occurs in any of its months (February counted with 29 days).
+    pub fn can_fire(&self) -> bool {
+        if self.any_day_of_month || !self.any_day_of_week {
+            return true;
+        }
+        const DAYS: [u32; 12] = [31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+        (1..=12u32)
+            .filter(|m| self.months & (1 << m) != 0)
+            .any(|m| (1..=DAYS[m as usize - 1]).any(|d| self.days_of_month & (1 << d) != 0))
+    }
+}
+
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+fn cron_field(field: &str, what: &str, min: u32, max: u32, names: &[&str]) -> Result<u64, String> {
+    let value = |s: &str| -> Result<u32, String> {
+        if let Some(i) = names.iter().position(|n| n.eq_ignore_ascii_case(s)) {
+            // Months are 1-based, weekdays 0-based.
+            return Ok(i as u32 + min);
+        }
+        let v: u32 = s.parse().map_err(|_| format!("{what} {s:?} is not a number"))?;
+        if v < min || v > max {
+            return Err(format!("{what} {v} is out of range {min}-{max}"));
+        }
+        Ok(v)
+    };
+    let mut bits = 0u64;
+    for part in field.split(',') {
+        let (range, step) = match part.split_once('/') {
+            Some((r, s)) => {
+                let step: u32 = s
+                    .parse()
+                    .ok()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| format!("{what} step {s:?} must be a positive number"))?;
+                (r, Some(step))
+            }
+            None => (part, None),
+        };
+        let (lo, hi) = if range == "*" {
+            (min, max)
+        } else if let Some((a, b)) = range.split_once('-') {
+            let (a, b) = (value(a)?, value(b)?);
+            if a > b {
+                return Err(format!("{what} range {range:?} runs backwards"));
+            }
+            (a, b)
+        } else if range.is_empty() {
+            return Err(format!("{what} field {field:?} has an empty part"));
+        } else {
+            let a = value(range)?;
+            (a, if step.is_some() { max } else { a })
+        };
+        let mut v = lo;
+        while v <= hi {
+            bits |= 1 << v;
+            v += step.unwrap_or(1);
+        }
+    }
+    Ok(bits)
+}
+
+// ---------------------------------------------------------------------------------------
+// Raw shape: every field optional, unknown keys refused (strict) or stripped with a notice
+// (stored).
+
+const TOP_KEYS: &[&str] =
+    &["name", "goal", "members", "router", "loop", "limits", "fanout", "hitl", "procedure", "parallel", "needs"];
+const LOOP_KEYS: &[&str] = &["trigger", "done_when", "deadline", "budget_usd", "max_iterations"];
+const HITL_KEYS: &[&str] = &["mode", "auto_approve_tiers"];
+const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on"];
+const PARALLEL_KEYS: &[&str] = &["mode", "tracks", "judge", "pre_filter", "partition"];
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    name: Option<String>,
+    goal: Option<String>,
+    members: Option<Vec<String>>,
+    router: Option<String>,
+    r#loop: Option<RawLoop>,
+    limits: Option<RawLimits>,
+    fanout: Option<Value>,
+    hitl: Option<RawHitl>,
+    procedure: Option<Vec<RawStep>>,
+    parallel: Option<RawParallel>,
+    needs: Option<Vec<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLoop {
+    trigger: Option<String>,
+    done_when: Option<String>,
+    deadline: Option<Text>,
+    budget_usd: Option<f64>,
+    max_iterations: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    deadline: Option<Text>,
+    stuck: Option<Text>,
+    cost_usd: Option<f64>,
+}
+
+/// A duration written unquoted as a bare number of seconds (`deadline: 90`) or as text.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Text {
+    S(String),
+    U(u64),
+}
+
+impl Text {
+    fn into_string(self) -> String {
+        match self {
+            Text::S(s) => s,
+            Text::U(n) => n.to_string(),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawHitl {
+    mode: Option<HitlMode>,
+    auto_approve_tiers: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStep {
+    id: Option<String>,
+    member: Option<String>,
+    task: Option<String>,
+    depends_on: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawParallel {
+    mode: ParallelMode,
+    tracks: Option<Vec<Track>>,
+    judge: Option<Judge>,
+    pre_filter: Option<String>,
+    partition: Option<Partition>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Strict,
+    Stored,
+}
+
+/// Collects broken rules; in stored mode the softened ones become notices.
+struct Rules {
+    mode: Mode,
+    errors: Vec<String>,
+    notices: Vec<String>,
+}
+
+impl Rules {
+    fn fail(&mut self, path: &str, rule: impl fmt::Display) {
+        self.errors.push(format!("{path}: {rule}"));
+    }
+
+    /// A rule older versions did not apply: refused when strict, a notice (saying what is
+    /// used instead) when stored.
+    fn soft(&mut self, path: &str, rule: impl fmt::Display, instead: &str) {
+        match self.mode {
+            Mode::Strict => self.fail(path, rule),
+            Mode::Stored => self.notices.push(format!("{path}: {rule} (stored by an older version; {instead})")),
+        }
+    }
+}
+
+impl Fleet {
+    /// Parses and validates `fleet.yaml` text strictly, as `mur fleet create` and `apply`
+    /// do.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] for text that does not fit the shape (an unknown key, a wrong type,
+    /// an enum value outside its set), naming the field path; [`Error::Invalid`] listing
+    /// every broken rule, one `path: rule` line each.
+    pub fn parse(text: &str) -> Result<Fleet, Error> {
+        let raw: Raw = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
+        validate(raw, None, Mode::Strict)
+    }
+
+    /// Loads a definition already stored, accepting what older versions accepted (see the
+    /// module header); every such value is recorded in [`Fleet::notices`].
+    ///
+    /// # Errors
+    /// Text that is not a YAML mapping, a wrong type outside `limits:`, or a rule that
+    /// applies when any fleet loads (the name, the `procedure:` rules).
+    pub fn load_stored(text: &str) -> Result<Fleet, Error> {
+        let mut value: Value = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
+        let Some(map) = value.as_mapping_mut() else {
+            return Err(Error::Parse("fleet.yaml must be a mapping of keys".to_string()));
+        };
+        let mut notices = Vec::new();
+        strip_unknown(map, TOP_KEYS, "", &mut notices);
+        if let Some(Value::Mapping(m)) = map.get_mut("loop") {
+            strip_unknown(m, LOOP_KEYS, "loop.", &mut notices);
+        }
+        if let Some(Value::Mapping(m)) = map.get_mut("hitl") {
+            strip_unknown(m, HITL_KEYS, "hitl.", &mut notices);
+        }
+        if let Some(Value::Mapping(m)) = map.get_mut("parallel") {
+            strip_unknown(m, PARALLEL_KEYS, "parallel.", &mut notices);
+        }
+        if let Some(Value::Sequence(steps)) = map.get_mut("procedure") {
+            for (i, step) in steps.iter_mut().enumerate() {
+                if let Value::Mapping(m) = step {
+                    strip_unknown(m, STEP_KEYS, &format!("procedure[{i}]."), &mut notices);
+                }
+            }
+        }
+        // The limits block is read on its own: one that does not parse leaves the fleet
+        // loadable but unbounded-by-choice, so it never resolves (§Unattended runs).
+        let stored_limits = map.remove("limits").map(|v| match serde_yaml_ng::from_value::<Option<RawLimits>>(v) {
+            Ok(None) => LimitsBlock::Absent,
+            Err(e) => LimitsBlock::Invalid(vec![format!("limits: {e}")]),
+            Ok(Some(raw)) => {
+                let mut errors = Vec::new();
+                let limits = validate_limits(raw, &mut errors);
+                if errors.is_empty() { LimitsBlock::Set(limits) } else { LimitsBlock::Invalid(errors) }
+            }
+        });
+        let raw: Raw = serde_yaml_ng::from_value(value).map_err(|e| Error::Parse(e.to_string()))?;
+        let mut fleet = validate(raw, stored_limits, Mode::Stored)?;
+        if let LimitsBlock::Invalid(errors) = &fleet.limits {
+            for e in errors {
+                fleet.notices.push(format!("{e} (stored by an older version; the fleet's bounds do not resolve)"));
+            }
+        }
+        notices.append(&mut fleet.notices);
+        fleet.notices = notices;
+        Ok(fleet)
+    }
+
+    /// How a run plans (§A fixed step graph; issue #10 `router`): the procedure if there is
+    /// one, else the router when set and there are several members, else every member.
+    pub fn plan_kind(&self) -> PlanKind {
+        if !self.procedure.is_empty() {
+            PlanKind::Procedure
+        } else if self.router.is_some() && self.members.len() > 1 {
+            PlanKind::Router
+        } else {
+            PlanKind::Broadcast
+        }
+    }
+
+    /// What a run needs that loading does not: at least one member.
+    ///
+    /// # Errors
+    /// A line naming the fleet and the missing piece.
+    pub fn check_runnable(&self) -> Result<(), String> {
+        if self.members.is_empty() {
+            return Err(format!("fleet '{}': members: is empty; add capsule names to run it", self.name));
+        }
+        Ok(())
+    }
+
+    /// The fleet's channel id, `fleet-<name>`.
+    pub fn channel_id(&self) -> String {
+        channel_id(&self.name)
+    }
+
+    /// The limits the fleet contributes to bounds resolution: its `limits:` block, or when
+    /// that is absent the legacy `loop.deadline` / `loop.budget_usd` (> 0).
+    fn fleet_scope(&self) -> Result<(Limits, Source), Vec<String>> {
+        match &self.limits {
+            LimitsBlock::Set(l) => Ok((l.clone(), Source::FleetLimits)),
+            LimitsBlock::Invalid(errors) => Err(errors.clone()),
+            LimitsBlock::Absent => Ok((
+                Limits {
+                    deadline: self.r#loop.deadline.clone(),
+                    stuck: None,
+                    cost_usd: (self.r#loop.budget_usd > 0.0).then_some(self.r#loop.budget_usd),
+                },
+                Source::FleetLoop,
+            )),
+        }
+    }
+}
+
+fn strip_unknown(map: &mut Mapping, allowed: &[&str], prefix: &str, notices: &mut Vec<String>) {
+    let unknown: Vec<Value> =
+        map.keys().filter(|k| !k.as_str().is_some_and(|k| allowed.contains(&k))).cloned().collect();
+    for k in unknown {
+        map.remove(&k);
+        let shown = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
+        notices.push(format!("{prefix}{shown}: unknown key (stored by an older version; ignored)"));
+    }
+}
+
+fn validate_limits(raw: RawLimits, errors: &mut Vec<String>) -> Limits {
+    let deadline = raw
+        .deadline
+        .map(Text::into_string)
+        .and_then(|d| DurationText::parse(&d).map_err(|rule| errors.push(format!("limits.deadline: {rule}"))).ok());
+    let stuck = raw
+        .stuck
+        .map(Text::into_string)
+        .and_then(|s| Stuck::parse(&s).map_err(|rule| errors.push(format!("limits.stuck: {rule}"))).ok());
+    let cost_usd = raw.cost_usd.and_then(|c| {
+        if c.is_finite() && c >= 0.0 {
+            Some(c)
+        } else {
+            errors.push(format!("limits.cost_usd: must be a non-negative number (0 for no ceiling), got {c}"));
+            None
+        }
+    });
+    Limits { deadline, stuck, cost_usd }
+}
+
+fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<Fleet, Error> {
+    let mut r = Rules { mode, errors: Vec::new(), notices: Vec::new() };
+
+    let name = match raw.name {
+        None => {
+            r.fail("name", "required");
+            String::new()
+        }
+        Some(n) => {
+            if !is_valid_fleet_name(&n) {
+                r.fail("name", format_args!("{NAME_RULE}, got {n:?}"));
+            }
+            n
+        }
+    };
+
+    let members = raw.members.unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    for (i, m) in members.iter().enumerate() {
+        let path = format!("members[{i}]");
+        if !crate::manifest::is_valid_name(m) {
+            r.fail(&path, format_args!("{CAPSULE_NAME_RULE}, got {m:?}"));
+        } else if !seen.insert(m.as_str()) {
+            r.fail(&path, format_args!("duplicate member {m:?}"));
+        }
+    }
+    if let Some(router) = &raw.router
+        && !crate::manifest::is_valid_name(router)
+    {
+        r.fail("router", format_args!("{CAPSULE_NAME_RULE}, got {router:?}"));
+    }
+
+    let r#loop = validate_loop(raw.r#loop.unwrap_or_default(), &mut r);
+
+    let limits = match stored_limits {
+        Some(block) => block,
+        None => match raw.limits {
+            None => LimitsBlock::Absent,
+            Some(l) => {
+                let mut errors = Vec::new();
+                let limits = validate_limits(l, &mut errors);
+                r.errors.append(&mut errors);
+                LimitsBlock::Set(limits)
+            }
+        },
+    };
+
+    let fanout = raw.fanout.and_then(|v| {
+        let n = match &v {
+            Value::Number(n) => n.as_u64().filter(|&n| n > 0 && n <= u64::from(u32::MAX)).map(|n| n as u32),
+            _ => None,
+        };
+        if n.is_none() {
+            let shown = match &v {
+                Value::String(s) => format!("{s:?}"),
+                other => serde_yaml_ng::to_string(other).unwrap_or_default().trim().to_string(),
+            };
+            r.soft("fanout", format_args!("must be a positive integer, got {shown}"), "the default of 3 applies");
+        }
+        n
+    });
+
+    let hitl = validate_hitl(raw.hitl.unwrap_or_default(), &mut r);
+    let procedure = validate_procedure(raw.procedure.unwrap_or_default(), &members, &mut r);
+
+    let parallel = raw.parallel.map(|p| Parallel {
+        mode: p.mode,
+        tracks: p.tracks.unwrap_or_default(),
+        judge: p.judge,
+        pre_filter: p.pre_filter,
+        partition: p.partition,
+    });
+    if let Some(p) = &parallel {
+        if !procedure.is_empty() {
+            r.fail("procedure", "cannot be used together with parallel: (remove one)");
+        }
+        let mut names = BTreeSet::new();
+        for (i, t) in p.tracks.iter().enumerate() {
+            if t.name.trim().is_empty() {
+                r.fail(&format!("parallel.tracks[{i}].name"), "must not be empty");
+            } else if !names.insert(t.name.as_str()) {
+                r.fail(&format!("parallel.tracks[{i}].name"), format_args!("duplicate track {:?}", t.name));
+            }
+        }
+        if p.mode == ParallelMode::Partition && p.partition.is_none() {
+            r.fail("parallel.partition", "required when parallel.mode is partition");
+        }
+    }
+
+    let needs = raw.needs.unwrap_or_default();
+    for (i, n) in needs.iter().enumerate() {
+        if n.trim().is_empty() {
+            r.fail(&format!("needs[{i}]"), "must not be empty");
+        }
+    }
+
+    if !r.errors.is_empty() {
+        return Err(Error::Invalid(r.errors));
+    }
+    Ok(Fleet {
+        name,
+        goal: raw.goal.unwrap_or_default(),
+        members,
+        router: raw.router,
+        r#loop,
+        limits,
+        fanout,
+        hitl,
+        procedure,
+        parallel,
+        needs,
+        notices: r.notices,
+    })
+}
+
+fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
+    let mut out = Loop::default();
+    if let Some(t) = l.trigger {
+        match Trigger::parse(&t) {
+            Ok(trigger) => out.trigger = trigger,
+            Err(rule) => {
+                r.soft("loop.trigger", rule, "it never fires");
+                out.trigger = Trigger::Never(t.trim().to_string());
+            }
+        }
+    }
+    if let Some(d) = l.done_when {
+        match DoneWhen::parse(&d) {
+            Ok(p) => out.done_when = p,
+            Err(rule) => r.soft("loop.done_when", rule, "the router judges DONE"),
+        }
+    }
+    if let Some(d) = l.deadline.map(Text::into_string)
+        && !d.trim().is_empty()
+    {
+        match DurationText::parse(&d) {
+            Ok(d) => out.deadline = Some(d),
+            Err(rule) => r.soft("loop.deadline", rule, "ignored; the loop is bounded by its other limits"),
+        }
+    }
+    if let Some(b) = l.budget_usd {
+        if b.is_finite() && b >= 0.0 {
+            out.budget_usd = b;
+        } else {
+            r.soft(
+                "loop.budget_usd",
+                format_args!("must be a non-negative number (0 for no ceiling), got {b}"),
+                "ignored",
+            );
+        }
+    }
+    if let Some(n) = l.max_iterations {
+        out.max_iterations = n;
+        if n != 0 {
+            r.notices.push(format!("loop.max_iterations: {MAX_ITERATIONS_NOTICE}"));
+        }
+    }
+    out
+}
+
+fn validate_hitl(h: RawHitl, r: &mut Rules) -> Hitl {
+    let mut tiers = Vec::new();
+    for (i, t) in h.auto_approve_tiers.unwrap_or_default().iter().enumerate() {
+        let path = format!("hitl.auto_approve_tiers[{i}]");
+        let tier: Option<RiskTier> = serde_yaml_ng::from_value(Value::String(t.trim().to_string())).ok();
+        match tier {
+            None => r.fail(
+                &path,
+                format_args!("unknown risk tier {t:?} (read, write, network-egress, spend, destructive, privileged)"),
+            ),
+            Some(tier) if tier > RiskTier::AUTO_APPROVE_CEILING => r.soft(
+                &path,
+                format_args!(
+                    "{:?} is above the auto-approve ceiling write: only read and write may be auto-approved",
+                    tier.as_str()
+                ),
+                "not auto-approved",
+            ),
+            Some(tier) => {
+                if !tiers.contains(&tier) {
+                    tiers.push(tier);
+                }
+            }
+        }
+    }
+    Hitl { mode: h.mode, auto_approve_tiers: tiers }
+}
+
+fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> Vec<Step> {
+    if raw.len() > MAX_PROCEDURE_STEPS {
+        r.fail("procedure", format_args!("at most {MAX_PROCEDURE_STEPS} steps, got {}", raw.len()));
+    }
+    let steps: Vec<Step> = raw
+        .into_iter()
+        .map(|s| Step {
+            id: s.id.unwrap_or_default().trim().to_string(),
+            member: s.member.unwrap_or_default().trim().to_string(),
+            task: s.task.unwrap_or_default(),
+            depends_on: s.depends_on.unwrap_or_default().into_iter().map(|d| d.trim().to_string()).collect(),
+        })
+        .collect();
+    let ids: BTreeSet<&str> = steps.iter().map(|s| s.id.as_str()).collect();
+    let mut seen = BTreeSet::new();
+    for (i, s) in steps.iter().enumerate() {
+        if s.id.is_empty() {
+            r.fail(&format!("procedure[{i}].id"), "must not be empty");
+        } else if !seen.insert(s.id.as_str()) {
+            r.fail(&format!("procedure[{i}].id"), format_args!("duplicate step id {:?}", s.id));
+        }
+        if s.member.is_empty() {
+            r.fail(&format!("procedure[{i}].member"), "required");
+        } else if !members.contains(&s.member) {
+            r.fail(&format!("procedure[{i}].member"), format_args!("{:?} is not in members:", s.member));
+        }
+        for (j, d) in s.depends_on.iter().enumerate() {
+            if !ids.contains(d.as_str()) || d.is_empty() {
+                r.fail(&format!("procedure[{i}].depends_on[{j}]"), format_args!("names no step: {d:?}"));
+            }
+        }
+    }
+    steps
+}
+
+/// The procedure's steps grouped into ranks (a step's rank is its longest dependency
+/// chain), each rank in declaration order. A cycle is refused when the run starts
+/// (§A fixed step graph).
+///
+/// # Errors
+/// `procedure: dependency cycle among steps "a", "b"` naming every step that cannot run.
+pub fn procedure_ranks(steps: &[Step]) -> Result<Vec<Vec<&Step>>, String> {
+    let mut rank: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut left: Vec<&Step> = steps.iter().collect();
+    while !left.is_empty() {
+        let before = left.len();
+        left.retain(|s| {
+            let deps: Option<Vec<usize>> = s.depends_on.iter().map(|d| rank.get(d.as_str()).copied()).collect();
+            match deps {
+                Some(deps) => {
+                    rank.insert(&s.id, deps.iter().map(|r| r + 1).max().unwrap_or(0));
+                    false
+                }
+                None => true,
+            }
+        });
+        if left.len() == before {
+            let names: Vec<String> = left.iter().map(|s| format!("{:?}", s.id)).collect();
+            return Err(format!("procedure: dependency cycle among steps {}", names.join(", ")));
+        }
+    }
+    let depth = rank.values().max().map_or(0, |m| m + 1);
+    let mut ranks = vec![Vec::new(); depth];
+    for s in steps {
+        ranks[rank[s.id.as_str()]].push(s);
+    }
+    Ok(ranks)
+}
+
+// ---------------------------------------------------------------------------------------
+// Editing a stored fleet's loop settings (§Settings that used to mean something else).
+
+/// A `mur fleet set-loop` edit: only the fields given are judged and changed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoopEdit {
+    /// `--trigger`.
+    pub trigger: Option<String>,
+    /// `--done-when` (empty clears it: the router judges).
+    pub done_when: Option<String>,
+    /// `--deadline` (empty clears it).
+    pub deadline: Option<String>,
+    /// `--budget-usd` (0: no ceiling).
+    pub budget_usd: Option<f64>,
+}
+
+/// Applies `edit` to a stored `fleet.yaml` and returns the new text. Each given value is
+/// trimmed and judged by the parser execution uses; values not given are kept as stored,
+/// even ones the strict loader would refuse, so a stale bad value never blocks an
+/// unrelated edit. Other keys keep their values (comments and key order are not kept).
+///
+/// # Errors
+/// [`Error::Invalid`] with one `--flag: rule` line per refused value; or the stored text
+/// does not load ([`Fleet::load_stored`]).
+pub fn apply_loop_edit(stored: &str, edit: &LoopEdit) -> Result<String, Error> {
+    Fleet::load_stored(stored)?;
+    let mut errors = Vec::new();
+    let mut set: Vec<(&str, Value)> = Vec::new();
+    if let Some(t) = &edit.trigger {
+        match Trigger::parse(t) {
+            Ok(_) => set.push(("trigger", Value::String(t.trim().to_string()))),
+            Err(rule) => errors.push(format!("--trigger: {rule}")),
+        }
+    }
+    if let Some(d) = &edit.done_when {
+        match DoneWhen::parse(d) {
+            Ok(p) => set.push(("done_when", Value::String(p.as_text()))),
+            Err(rule) => errors.push(format!("--done-when: {rule}")),
+        }
+    }
+    if let Some(d) = &edit.deadline {
+        if d.trim().is_empty() {
+            set.push(("deadline", Value::String(String::new())));
+        } else {
+            match DurationText::parse(d) {
+                Ok(d) => set.push(("deadline", Value::String(d.text))),
+                Err(rule) => errors.push(format!("--deadline: {rule}")),
+            }
+        }
+    }
+    if let Some(b) = edit.budget_usd {
+        if b.is_finite() && b >= 0.0 {
+            set.push(("budget_usd", Value::from(b)));
+        } else {
+            errors.push(format!("--budget-usd: must be a non-negative number (0 for no ceiling), got {b}"));
+        }
+    }
+    if !errors.is_empty() {
+        return Err(Error::Invalid(errors));
+    }
+    let mut value: Value = serde_yaml_ng::from_str(stored).map_err(|e| Error::Parse(e.to_string()))?;
+    let map = value.as_mapping_mut().ok_or_else(|| Error::Parse("fleet.yaml must be a mapping of keys".to_string()))?;
+    let lp = map.entry(Value::String("loop".to_string())).or_insert_with(|| Value::Mapping(Mapping::new()));
+    if !lp.is_mapping() {
+        *lp = Value::Mapping(Mapping::new());
+    }
+    let lp = lp.as_mapping_mut().expect("loop is a mapping");
+    for (k, v) in set {
+        lp.insert(Value::String(k.to_string()), v);
+    }
+    serde_yaml_ng::to_string(&value).map_err(|e| Error::Parse(e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------
+// Bounds (§The bounds).
+
+/// Where a bound's value came from, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A `mur fleet run` flag; the flag's spelling.
+    Flag(&'static str),
+    /// The fleet's `limits:` block.
+    FleetLimits,
+    /// The fleet's legacy `loop.deadline` / `loop.budget_usd` (only without `limits:`).
+    FleetLoop,
+    /// The cluster's `config.yaml` `limits:` block.
+    Config,
+    /// The built-in default.
+    BuiltIn,
+}
+
+impl Source {
+    /// The label printed after `←`.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Source::Flag(f) => f,
+            Source::FleetLimits => "fleet.yaml",
+            Source::FleetLoop => "fleet.yaml loop",
+            Source::Config => "config.yaml",
+            Source::BuiltIn => "built-in",
+        }
+    }
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// One resolved bound: its value, its text as given, and where it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bound<T> {
+    /// The value.
+    pub value: T,
+    /// The text as given (`2m`, `off`, `5`), for display.
+    pub text: String,
+    /// Where it came from.
+    pub source: Source,
+}
+
+/// The flags of `mur fleet run NAME [JOB] [--loop] [--deadline D] [--budget-usd N]
+/// [--run-id ID]`, plus the ignored `--max-iterations`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunFlags {
+    /// `--loop`.
+    pub r#loop: bool,
+    /// `--deadline D`.
+    pub deadline: Option<String>,
+    /// `--budget-usd N` (0: no ceiling).
+    pub budget_usd: Option<f64>,
+    /// `--run-id ID`.
+    pub run_id: Option<String>,
+    /// `--max-iterations N`: ignored with a notice.
+    pub max_iterations: Option<u64>,
+}
+
+/// A run's resolved bounds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bounds {
+    /// Wall clock for the loop, from its start.
+    pub deadline: Bound<Duration>,
+    /// No-progress window; `None` when off.
+    pub stuck: Bound<Option<Duration>>,
+    /// Spend ceiling in USD; `None` when there is none (absent or 0).
+    pub cost_usd: Bound<Option<f64>>,
+    /// Notices to print before the run (ignored iteration caps).
+    pub notices: Vec<String>,
+}
+
+impl Bounds {
+    /// The line printed at start: `bounds: deadline 2m ← --deadline; stuck 10m ← built-in`.
+    pub fn line(&self) -> String {
+        format!(
+            "bounds: deadline {} ← {}; stuck {} ← {}",
+            self.deadline.text, self.deadline.source, self.stuck.text, self.stuck.source
+        )
+    }
+}
+
+/// Resolves a run's bounds per key, narrowest first: flag → the fleet's `limits:` (or its
+/// legacy `loop.*` keys when `limits:` is absent) → the cluster's `config.yaml` `limits:` →
+/// built-in (deadline 1h, stuck 10m, no cost ceiling). Scopes replace a key, they never
+/// combine. Every scope is validated first and every error reported.
+///
+/// # Errors
+/// [`Error::Invalid`], one line per broken value, each starting `fleet '<name>': ` and the
+/// scope (`--deadline: `, `fleet.yaml: limits.stuck: `, `config.yaml: limits.deadline: `).
+pub fn resolve_bounds(fleet: &Fleet, flags: &RunFlags, config: &LimitsBlock) -> Result<Bounds, Error> {
+    let prefix = format!("fleet '{}': ", fleet.name);
+    let mut errors = Vec::new();
+    let mut notices = Vec::new();
+
+    let flag_deadline = flags
+        .deadline
+        .as_deref()
+        .and_then(|d| DurationText::parse(d).map_err(|rule| errors.push(format!("{prefix}--deadline: {rule}"))).ok());
+    let flag_cost = flags.budget_usd.and_then(|b| {
+        if b.is_finite() && b >= 0.0 {
+            Some(b)
+        } else {
+            errors.push(format!("{prefix}--budget-usd: must be a non-negative number (0 for no ceiling), got {b}"));
+            None
+        }
+    });
+    let fleet_scope = fleet.fleet_scope().map_err(|e| {
+        errors.extend(e.into_iter().map(|e| format!("{prefix}fleet.yaml: {e}")));
+    });
+    let config_scope = match config {
+        LimitsBlock::Absent => Some(Limits::default()),
+        LimitsBlock::Set(l) => Some(l.clone()),
+        LimitsBlock::Invalid(e) => {
+            errors.extend(e.iter().map(|e| format!("{prefix}config.yaml: {e}")));
+            None
+        }
+    };
+    if flags.max_iterations.is_some() {
+        notices.push(format!("--max-iterations {MAX_ITERATIONS_NOTICE}"));
+    }
+    if fleet.r#loop.max_iterations != 0 {
+        notices.push(format!("loop.max_iterations {MAX_ITERATIONS_NOTICE}"));
+    }
+    let (Ok((fleet_limits, fleet_source)), Some(config_limits)) = (fleet_scope, config_scope) else {
+        return Err(Error::Invalid(errors));
+    };
+    if !errors.is_empty() {
+        return Err(Error::Invalid(errors));
+    }
+
+    let builtin_deadline = DurationText::parse(BUILTIN_DEADLINE).expect("built-in deadline parses");
+    let (d, source) = [
+        (flag_deadline, Source::Flag("--deadline")),
+        (fleet_limits.deadline, fleet_source),
+        (config_limits.deadline, Source::Config),
+    ]
+    .into_iter()
+    .find_map(|(d, s)| d.map(|d| (d, s)))
+    .unwrap_or((builtin_deadline, Source::BuiltIn));
+    let deadline = Bound { value: d.duration, text: d.text, source };
+
+    let builtin_stuck = Stuck::After(DurationText::parse(BUILTIN_STUCK).expect("built-in stuck parses"));
+    let (s, source) = [(fleet_limits.stuck, fleet_source), (config_limits.stuck, Source::Config)]
+        .into_iter()
+        .find_map(|(s, src)| s.map(|s| (s, src)))
+        .unwrap_or((builtin_stuck, Source::BuiltIn));
+    let stuck = Bound { value: s.window(), text: s.as_text().to_string(), source };
+
+    let (c, source) = [
+        (flag_cost, Source::Flag("--budget-usd")),
+        (fleet_limits.cost_usd, fleet_source),
+        (config_limits.cost_usd, Source::Config),
+    ]
+    .into_iter()
+    .find_map(|(c, s)| c.map(|c| (c, s)))
+    .map_or((None, Source::BuiltIn), |(c, s)| (Some(c), s));
+    let cost_usd =
+        Bound { value: c.filter(|&c| c > 0.0), text: c.map_or_else(|| "none".to_string(), |c| c.to_string()), source };
+
+    Ok(Bounds { deadline, stuck, cost_usd, notices })
+}
+
+/// The fan-out cap: how many delegated steps may run at once, cluster-wide.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fanout {
+    /// At least 1.
+    pub cap: u32,
+    /// Where it came from.
+    pub source: FanoutSource,
+    /// Set when `MUR_FLEET_FANOUT` was given but not used because it is not a positive
+    /// integer.
+    pub notice: Option<String>,
+}
+
+/// Where the fan-out cap came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FanoutSource {
+    /// The fleet's `fanout:` key.
+    Fleet,
+    /// `MUR_FLEET_FANOUT`.
+    Env,
+    /// The default, 3.
+    BuiltIn,
+}
+
+impl Fanout {
+    /// Steps to run at once for a rank of `steps` steps: the cap, but never more than
+    /// there are steps and never below 1.
+    pub fn for_steps(&self, steps: usize) -> usize {
+        (self.cap as usize).min(steps).max(1)
+    }
+}
+
+/// Resolves the fan-out cap (§The bounds, fan-out bound; issue #10): the fleet's
+/// `fanout:` key, else `MUR_FLEET_FANOUT` (read through `env`), else 3. A value that is 0
+/// or not a positive integer falls back to the default, never to unbounded.
+pub fn resolve_fanout(fleet_fanout: Option<u32>, env: &dyn Fn(&str) -> Option<String>) -> Fanout {
+    if let Some(cap) = fleet_fanout.filter(|&c| c > 0) {
+        return Fanout { cap, source: FanoutSource::Fleet, notice: None };
+    }
+    match env(FANOUT_ENV) {
+        None => Fanout { cap: DEFAULT_FANOUT, source: FanoutSource::BuiltIn, notice: None },
+        Some(v) => match v.trim().parse::<u32>() {
+            Ok(cap) if cap > 0 => Fanout { cap, source: FanoutSource::Env, notice: None },
+            _ => Fanout {
+                cap: DEFAULT_FANOUT,
+                source: FanoutSource::BuiltIn,
+                notice: Some(format!(
+                    "{FANOUT_ENV}={v:?} is not a positive integer; at most {DEFAULT_FANOUT} delegated steps run at once"
+                )),
+            },
+        },
+    }
+}
+
+/// Whether unattended runs may start (§Unattended runs): `MUR_FLEET_AUTORUN` is `1`,
+/// `true` or `yes` (any case), or the cluster config's `fleet.autorun` is true.
+pub fn autorun_enabled(env: &dyn Fn(&str) -> Option<String>, config_autorun: bool) -> bool {
+    config_autorun
+        || env(AUTORUN_ENV).is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Run ids (§Watching a run).
+
+/// Checks a `--run-id`: 1–96 characters of letters, digits, `-` and `_`.
+///
+/// # Errors
+/// The rule, naming the flag.
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    let ok = (1..=MAX_RUN_ID_LEN).contains(&id.len())
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("--run-id: must be 1-{MAX_RUN_ID_LEN} letters, digits, '-' or '_', got {id:?}"))
+    }
+}
+
+/// A loop's default run id: `fleet-<name>-<uuidv7>`.
+pub fn loop_run_id(fleet: &str, uuid: uuid::Uuid) -> String {
+    format!("fleet-{fleet}-{}", uuid.hyphenated())
+}
+
+/// A one-shot run's default run id: `run-<uuidv7>`.
+pub fn one_shot_run_id(uuid: uuid::Uuid) -> String {
+    format!("run-{}", uuid.hyphenated())
+}
+
+/// The run id of a loop's iteration `n` (from 0): `<run-id>-<n>`.
+pub fn iteration_run_id(run_id: &str, n: u64) -> String {
+    format!("{run_id}-{n}")
+}
+
+/// Whether a job's run id is selected by `--since <run-id>`: a prefix match, so a loop's
+/// id also selects every iteration (`<id>-0`, `<id>-1`, …).
+pub fn run_id_matches(job_run_id: Option<&str>, since: &str) -> bool {
+    job_run_id.is_some_and(|r| r.starts_with(since))
+}
+
+// ---------------------------------------------------------------------------------------
+// Jobs (reference §4; issue #10).
+
+/// A job's status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobStatus {
+    /// Waiting to be claimed.
+    Queued,
+    /// Claimed by a run.
+    Running,
+    /// Paused awaiting approval; approval resumes it (not terminal).
+    Blocked,
+    /// Finished with a result.
+    Done,
+    /// Finished with an error.
+    Failed,
+    /// Canceled before it finished.
+    Canceled,
+}
+
+impl JobStatus {
+    /// The stored spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Running => "running",
+            JobStatus::Blocked => "blocked",
+            JobStatus::Done => "done",
+            JobStatus::Failed => "failed",
+            JobStatus::Canceled => "canceled",
+        }
+    }
+
+    /// Done, failed and canceled are terminal.
+    pub const fn is_terminal(self) -> bool {
+        matches!(self, JobStatus::Done | JobStatus::Failed | JobStatus::Canceled)
+    }
+
+    /// Whether `self → next` is a legal transition: queued → running | canceled;
+    /// running → done | failed | canceled | blocked; blocked → running | canceled.
+    /// Nothing leaves a terminal status.
+    pub const fn can_become(self, next: JobStatus) -> bool {
+        use JobStatus::*;
+        matches!(
+            (self, next),
+            (Queued, Running | Canceled)
+                | (Running, Done | Failed | Canceled | Blocked)
+                | (Blocked, Running | Canceled)
+        )
+    }
+
+    /// The A2A task state: submitted, working, input-required, completed, failed, canceled.
+    pub const fn a2a_state(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "submitted",
+            JobStatus::Running => "working",
+            JobStatus::Blocked => "input-required",
+            JobStatus::Done => "completed",
+            JobStatus::Failed => "failed",
+            JobStatus::Canceled => "canceled",
+        }
+    }
+}
+
+impl fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A refused job transition.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("job {id}: cannot go from {from} to {to}")]
+pub struct TransitionError {
+    /// The job.
+    pub id: String,
+    /// Its status.
+    pub from: JobStatus,
+    /// The status asked for.
+    pub to: JobStatus,
+}
+
+/// One unit of work queued on a fleet. Times are unix milliseconds. Serialized as JSON
+/// with every field present (`null` when unset), as `mur fleet jobs --json` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    /// A UUIDv7 (hyphenated): lexical order is creation order.
+    pub id: String,
+    /// Queued, running, blocked, done, failed or canceled.
+    pub status: JobStatus,
+    /// The work, as sent.
+    pub text: String,
+    /// The output of the run that finished it.
+    #[serde(default)]
+    pub result: Option<String>,
+    /// Why it failed (or was canceled).
+    #[serde(default)]
+    pub error: Option<String>,
+    /// The run (a loop's iteration run id, `<id>-<n>`) that claimed it.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// Who queued it: `cli`, or `a2a:<agent>`.
+    pub source: String,
+    /// When it was queued.
+    pub created_at: u64,
+    /// When a run claimed it.
+    #[serde(default)]
+    pub started_at: Option<u64>,
+    /// When it reached a terminal status.
+    #[serde(default)]
+    pub finished_at: Option<u64>,
+}
+
+impl Job {
+    /// A queued job with a fresh UUIDv7 id.
+    pub fn new(text: impl Into<String>, source: impl Into<String>, now_ms: u64) -> Job {
+        Job::with_id(uuid::Uuid::now_v7(), text, source, now_ms)
+    }
+
+    /// A queued job with the given id.
+    pub fn with_id(id: uuid::Uuid, text: impl Into<String>, source: impl Into<String>, now_ms: u64) -> Job {
+        Job {
+            id: id.hyphenated().to_string(),
+            status: JobStatus::Queued,
+            text: text.into(),
+            result: None,
+            error: None,
+            run_id: None,
+            source: source.into(),
+            created_at: now_ms,
+            started_at: None,
+            finished_at: None,
+        }
+    }
+
+    /// Moves the job to `next`, stamping `started_at` on its first claim and `finished_at`
+    /// on a terminal status.
+    ///
+    /// # Errors
+    /// A transition [`JobStatus::can_become`] refuses; the job is unchanged.
+    pub fn transition(&mut self, next: JobStatus, now_ms: u64) -> Result<(), TransitionError> {
+        if !self.status.can_become(next) {
+            return Err(TransitionError { id: self.id.clone(), from: self.status, to: next });
+        }
+        self.status = next;
+        if next == JobStatus::Running && self.started_at.is_none() {
+            self.started_at = Some(now_ms);
+        }
+        if next.is_terminal() {
+            self.finished_at = Some(now_ms);
+        }
+        Ok(())
+    }
+
+    /// Claims the job for a run: → running, with the run id.
+    ///
+    /// # Errors
+    /// As [`Job::transition`].
+    pub fn claim(&mut self, run_id: &str, now_ms: u64) -> Result<(), TransitionError> {
+        self.transition(JobStatus::Running, now_ms)?;
+        self.run_id = Some(run_id.to_string());
+        Ok(())
+    }
+}
+
+/// Which jobs `mur fleet jobs` lists.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobFilter {
+    /// `--all`: include terminal jobs.
+    pub all: bool,
+    /// `--since <run-id>`: only jobs whose run id starts with it (any status).
+    pub since: Option<String>,
+}
+
+impl JobFilter {
+    /// Whether `job` is listed: with `--since`, by run-id prefix; otherwise non-terminal
+    /// jobs, or every job with `--all`.
+    pub fn matches(&self, job: &Job) -> bool {
+        match &self.since {
+            Some(since) => run_id_matches(job.run_id.as_deref(), since),
+            None => self.all || !job.status.is_terminal(),
+        }
+    }
+}
+
+/// The oldest queued job (ids are UUIDv7, so the smallest id is the oldest).
+pub fn next_queued(jobs: &[Job]) -> Option<&Job> {
+    jobs.iter().filter(|j| j.status == JobStatus::Queued).min_by(|a, b| a.id.cmp(&b.id))
+}
+
+// ---------------------------------------------------------------------------------------
+// Loop rules (§Three ways a loop ends, §The bounds).
+
+/// Whether `text` converges a `marker:` loop: some line equals the marker after trimming.
+/// Whole-line, not substring: prose that mentions the marker does not count.
+pub fn marker_matches(text: &str, marker: &str) -> bool {
+    let marker = marker.trim();
+    !marker.is_empty() && text.lines().any(|l| l.trim() == marker)
+}
+
+/// Whether the router's answer to "DONE or CONTINUE?" says done: a standalone word `done`
+/// and none of `continue`, `not`, `incomplete` (any case). Anything else keeps going.
+pub fn router_says_done(reply: &str) -> bool {
+    let words: Vec<String> =
+        reply.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect();
+    words.iter().any(|w| w == "done") && !words.iter().any(|w| matches!(w.as_str(), "continue" | "not" | "incomplete"))
+}
+
+/// Why a loop stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// `done_when` was met (router judgment or marker).
+    Converged,
+    /// `queue-empty`: an iteration found nothing queued.
+    QueueDrained,
+    /// A step needs approval; the request is parked and the job is blocked.
+    AwaitingApproval,
+    /// The kill-switch is set (or could not be read: fail closed).
+    Stopped,
+    /// The deadline passed.
+    Deadline,
+    /// No agent-authored progress within the stuck window.
+    Stuck,
+    /// The next iteration could not be afforded.
+    Budget,
+    /// The 10 000-iteration diagnostic ceiling.
+    MaxIterations,
+    /// An iteration's steps failed.
+    IterationFailed,
+}
+
+impl Stop {
+    /// The outcome label (`awaiting-approval`, `queue-drained`, …).
+    pub const fn label(self) -> &'static str {
+        match self {
+            Stop::Converged => "converged",
+            Stop::QueueDrained => "queue-drained",
+            Stop::AwaitingApproval => "awaiting-approval",
+            Stop::Stopped => "stopped",
+            Stop::Deadline => "deadline",
+            Stop::Stuck => "stuck",
+            Stop::Budget => "budget",
+            Stop::MaxIterations => "max-iterations",
+            Stop::IterationFailed => "iteration-failed",
+        }
+    }
+
+    /// The channel state the loop ends in: completed, input-required, canceled or failed.
+    pub const fn channel_state(self) -> &'static str {
+        match self {
+            Stop::Converged | Stop::QueueDrained => "completed",
+            Stop::AwaitingApproval => "input-required",
+            Stop::Stopped => "canceled",
+            _ => "failed",
+        }
+    }
+
+    /// The run record's state: done, blocked, stopped or failed.
+    pub const fn run_state(self) -> &'static str {
+        match self {
+            Stop::Converged | Stop::QueueDrained => "done",
+            Stop::AwaitingApproval => "blocked",
+            Stop::Stopped => "stopped",
+            _ => "failed",
+        }
+    }
+
+    /// A one-line remedy naming the fleet; none for a loop that finished its work.
+    pub fn remedy(self, fleet: &str) -> Option<String> {
+        Some(match self {
+            Stop::Converged | Stop::QueueDrained => return None,
+            Stop::AwaitingApproval => format!("approve the parked request on channel fleet-{fleet}, then run it again"),
+            Stop::Stopped => format!("mur fleet start {fleet} clears the kill-switch"),
+            Stop::Deadline => {
+                format!("raise the deadline: mur fleet run {fleet} --loop --deadline <D>, or limits.deadline")
+            }
+            Stop::Stuck => format!(
+                "no agent progress within the stuck window; check the members, or raise limits.stuck of {fleet}"
+            ),
+            Stop::Budget => {
+                format!("raise the budget: mur fleet run {fleet} --loop --budget-usd <N>, or limits.cost_usd")
+            }
+            Stop::MaxIterations => {
+                format!("fleet {fleet} reached the {ITERATION_CEILING}-iteration diagnostic ceiling; set done_when")
+            }
+            Stop::IterationFailed => format!("see the failed step in mur fleet jobs {fleet} --all"),
+        })
+    }
+}
+
+impl fmt::Display for Stop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// What the guards see between iterations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuardInput {
+    /// Time since the loop started.
+    pub elapsed: Duration,
+    /// The resolved deadline.
+    pub deadline: Duration,
+    /// The resolved stuck window (`None`: off).
+    pub stuck: Option<Duration>,
+    /// Time since the last agent-authored channel event (or the loop's start).
+    pub since_progress: Duration,
+    /// Iterations already run.
+    pub iteration: u64,
+}
+
+/// The guards checked before each iteration (they never interrupt one): the deadline
+/// first, then stuck (never before the first iteration), then the diagnostic ceiling.
+pub fn check_guards(g: GuardInput) -> Option<Stop> {
+    if g.elapsed >= g.deadline {
+        return Some(Stop::Deadline);
+    }
+    if let Some(window) = g.stuck
+        && g.iteration > 0
+        && g.since_progress >= window
+    {
+        return Some(Stop::Stuck);
+    }
+    if g.iteration >= ITERATION_CEILING {
+        return Some(Stop::MaxIterations);
+    }
+    None
+}
+
+/// The time a delegated step inherits: what is left of the loop's deadline, at least 1 s.
+pub fn inherited_deadline(deadline: Duration, elapsed: Duration) -> Duration {
+    deadline.saturating_sub(elapsed).max(Duration::from_secs(1))
+}
