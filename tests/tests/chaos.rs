@@ -419,3 +419,90 @@ async fn cluster_status_shows_lanes_in_flight_workers_and_the_leader() {
     assert_eq!(status["workers"][0]["slots"], 1);
     assert_eq!(status["dead_letters"], serde_json::json!([]));
 }
+
+/// Invariant 2 across a takeover: a `queue` capsule's worker is killed in the middle of its
+/// first task; the task is taken over on the other worker, and no other task of the
+/// capsule starts until it has ended — every run's "start" is followed by its own "end",
+/// but for the killed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let capsule = TestCapsule::new(
+        "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\nlifecycle:\n  task_acceptance: queue\n",
+        &[],
+    );
+    let log = capsule.dir().join("log.txt");
+    std::fs::write(
+        capsule.dir().join("r.yaml"),
+        format!(
+            "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"echo start {{{{task}}}} >> {l} && sleep 1 && echo end {{{{task}}}} >> {l}\" }} }}]\n  - text: done\n",
+            l = log.display()
+        ),
+    )
+    .unwrap();
+    cluster.push(capsule.dir()).await;
+    let mut first = cluster.worker("wkr-first", 2);
+    cluster.wait_workers(1).await;
+    let mut ids = Vec::new();
+    for i in 1..=3 {
+        ids.push(cluster.submit("serial", &i.to_string(), Origin::User).await);
+    }
+    until("task 1 started", WAIT, || async {
+        std::fs::read_to_string(&log).ok().filter(|t| t.contains("start 1")).map(drop)
+    })
+    .await;
+    first.kill9();
+    let _second = cluster.worker("wkr-second", 2);
+    for id in &ids {
+        let r = cluster.wait_record(id, WAIT, |r| r.state.is_terminal()).await;
+        assert_eq!(r.state, TaskState::Completed, "{r:?}");
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    // The killed worker's command runs on as an orphan and may still write "end 1"
+    // (before the takeover, which waits for the ack wait). Past the killed run, every
+    // run is "start N" then its own "end N", in order: never two at once.
+    assert_eq!(lines[0], "start 1", "{lines:?}");
+    let skip = if lines.get(1..3) == Some(&["end 1", "start 1"][..]) { 2 } else { 1 };
+    let paired: Vec<(&str, &str)> = lines[skip..].chunks(2).map(|c| (c[0], *c.get(1).unwrap_or(&""))).collect();
+    assert_eq!(paired, [("start 1", "end 1"), ("start 2", "end 2"), ("start 3", "end 3")], "{lines:?}");
+}
+
+/// Invariant 7 with a crash in the middle: a malformed dispatch (not JSON) and a dispatch
+/// naming no task are terminated without touching any record; the worker that met them
+/// is then killed, and the tasks around them still complete on another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_dispatches_are_dropped_and_change_nothing_stored() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let mut first = cluster.worker("wkr-first", 1);
+    let capsule = shell_capsule("plain");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let before = cluster.submit("plain", "echo before", Origin::User).await;
+    cluster.wait_record(&before, WAIT, |r| r.state.is_terminal()).await;
+    let stored_before = cluster.record(&before).await.unwrap();
+
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    for payload in [&b"{not json"[..], br#"{"task_id":"tsk_00000000000000000000000000000000","attempt":1}"#] {
+        js.publish(cluster::DISPATCH_SUBJECT, payload.to_vec().into()).await.unwrap().await.unwrap();
+    }
+    // Both are taken off the work queue (terminated), not redelivered forever.
+    let stream = js.get_stream(cluster::DISPATCH_STREAM).await.unwrap();
+    until("the malformed dispatches are gone", WAIT, || {
+        let mut stream = stream.clone();
+        async move { (stream.info().await.ok()?.state.messages == 0).then_some(()) }
+    })
+    .await;
+    first.kill9();
+    let _second = cluster.worker("wkr-second", 1);
+    let after = cluster.submit("plain", "echo after", Origin::User).await;
+    let r = cluster.wait_record(&after, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!((r.state, r.result.as_deref()), (TaskState::Completed, Some("ran: echo after")));
+    assert_eq!(cluster.record(&before).await.unwrap(), stored_before, "nothing stored changed");
+    let out = mur_tests::mur::Run::of(
+        mur_tests::mur::mur().args(["task", "ls", "--json"]).env("NATS_URL", cluster.nats.url()),
+    );
+    assert_eq!(out.last_json().as_array().unwrap().len(), 2, "no record was made for the bogus dispatches");
+}
