@@ -20,6 +20,7 @@ pub struct Procs {
     pub client: async_nats::Client,
     dir: tempfile::TempDir,
     config: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 /// A `mur` child process; killed (SIGKILL) when dropped.
@@ -40,7 +41,20 @@ impl Procs {
         let dir = tempfile::Builder::new().prefix("mur-procs-").tempdir().expect("temp dir");
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).expect("write config.yaml");
-        Procs { nats, client, dir, config: path }
+        Procs { nats, client, dir, config: path, env: Vec::new() }
+    }
+
+    /// Sets `key` = `value` in the environment of every `mur` process started after this
+    /// (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_string(), value.to_string()));
+    }
+
+    /// A `mur` command against the cluster's server, with the cluster's environment.
+    pub fn command(&self) -> Command {
+        let mut cmd = crate::mur::mur();
+        cmd.env("NATS_URL", self.nats.url()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd
     }
 
     /// The cluster's folder (workers' workdirs, logs).
@@ -51,9 +65,9 @@ impl Procs {
     fn spawn(&self, name: &str, args: &[&str]) -> Proc {
         let log = self.dir.path().join(format!("{name}.log"));
         let file = std::fs::File::create(&log).expect("log file");
-        let child = crate::mur::mur()
+        let child = self
+            .command()
             .args(args)
-            .env("NATS_URL", self.nats.url())
             .env("MUR_LOG", "info")
             .stdout(Stdio::null())
             .stderr(file)
