@@ -270,8 +270,13 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     };
     let options = SendOptions { origin: Some(origin), context_id: args.context.clone() };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`
+    // goes in the HTTP headers).
+    let span = tracing::info_span!("submit_task", otel.kind = "client", url.full = %url);
     let task = runtime
-        .block_on(client::send_task(&url, text, &options, args.wait.then_some(Duration::from_millis(200))))
+        .block_on(
+            client::send_task(&url, text, &options, args.wait.then_some(Duration::from_millis(200))).instrument(span),
+        )
         .with_context(|| format!("sending to {url}"))?;
     let rec = record(&task);
     if args.json {

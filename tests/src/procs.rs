@@ -82,6 +82,21 @@ impl Procs {
         self.spawn(name, &["coordinator", "--config", &config, "--id", name])
     }
 
+    /// Starts `mur coordinator` as [`Procs::coordinator`] does, with its A2A endpoint on a
+    /// free port; returns it and the endpoint's base URL (`http://127.0.0.1:PORT`), read
+    /// from its log.
+    pub async fn coordinator_with_http(&self, name: &str) -> (Proc, String) {
+        let config = self.config.to_string_lossy().into_owned();
+        let proc = self.spawn(name, &["coordinator", "--config", &config, "--id", name, "--http", "127.0.0.1:0"]);
+        let base = until("the coordinator's A2A endpoint", Duration::from_secs(30), || async {
+            let log = proc.log();
+            let rest = &log[log.find("a2a endpoints at ")? + "a2a endpoints at ".len()..];
+            Some(rest[..rest.find("/capsules/")?].to_string())
+        })
+        .await;
+        (proc, base)
+    }
+
     /// Starts `mur worker --id ID --slots N` with its workdir in the cluster's folder.
     pub fn worker(&self, id: &str, slots: u32) -> Proc {
         let workdir = self.dir.path().join(id).to_string_lossy().into_owned();

@@ -7,7 +7,7 @@ use mur_proto::cluster::api;
 use mur_proto::task::TaskState;
 use mur_tests::capsule::TestCapsule;
 use mur_tests::fake_otlp::{FakeOtlp, Span};
-use mur_tests::procs::{Procs, until};
+use mur_tests::procs::{Proc, Procs, until};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -49,15 +49,15 @@ fn child_of(child: &Span, parent: &Span) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_task_is_one_trace_from_the_client_through_the_coordinator_to_the_worker() {
-    let collector = FakeOtlp::start();
+/// A cluster whose processes export to `collector`, with the capsule `traced` pushed; the
+/// coordinator's A2A endpoint base URL.
+async fn traced_cluster(collector: &FakeOtlp) -> (Procs, Vec<Proc>, String, TestCapsule) {
     let mut cluster = Procs::start("").await;
     cluster.set_env("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url());
     // Long-running processes export a batch every 100 ms rather than every 5 s.
     cluster.set_env("OTEL_BSP_SCHEDULE_DELAY", "100");
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker("wkr-traced", 1);
+    let (coordinator, base) = cluster.coordinator_with_http("coordinator-1").await;
+    let worker = cluster.worker("wkr-traced", 1);
     let capsule = shell_capsule("traced");
     cluster.push(capsule.dir()).await;
     cluster.wait_workers(1).await;
@@ -65,12 +65,24 @@ async fn a_task_is_one_trace_from_the_client_through_the_coordinator_to_the_work
         mur_coordinator::api::call::<serde_json::Value>(&cluster.client, api::CAPSULE_LIST, "").await.ok()
     })
     .await;
+    (cluster, vec![coordinator, worker], base, capsule)
+}
 
+/// Runs `mur task send ARGS --wait --json` with the cluster's environment; the task id.
+async fn send(cluster: &Procs, args: &[&str]) -> String {
     let mut send = cluster.command();
-    send.args(["task", "send", "traced", "echo traced", "--wait", "--json"]);
+    send.args(["task", "send"]).args(args).args(["--wait", "--json"]);
     let run = tokio::task::spawn_blocking(move || mur_tests::mur::Run::of(&mut send)).await.unwrap();
     assert_eq!(run.code, 0, "mur task send: {run:?}");
-    let task_id = run.last_json()["task_id"].as_str().expect("task_id in the --json record").to_string();
+    run.last_json()["task_id"].as_str().expect("task_id in the --json record").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_is_one_trace_from_the_client_through_the_coordinator_to_the_worker() {
+    let collector = FakeOtlp::start();
+    let (cluster, _procs, _, _capsule) = traced_cluster(&collector).await;
+
+    let task_id = send(&cluster, &["traced", "echo traced"]).await;
     let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
     assert_eq!(record.state, TaskState::Completed, "{record:?}");
 
@@ -113,4 +125,38 @@ async fn a_task_is_one_trace_from_the_client_through_the_coordinator_to_the_work
     // The record keeps the coordinator's span, for a worker that finds no header.
     let stored = record.traceparent.as_deref().expect("the record's traceparent");
     assert_eq!(stored, format!("00-{}-{}-01", accept.trace_id, accept.span_id));
+}
+
+/// Over the A2A endpoint: the client's `traceparent` HTTP header is honoured, so the
+/// endpoint's request span, the submit and the worker's spans are in the client's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_message_over_http_joins_the_callers_trace() {
+    let collector = FakeOtlp::start();
+    let (cluster, _procs, base, _capsule) = traced_cluster(&collector).await;
+
+    let url = format!("{base}/capsules/traced/");
+    let task_id = send(&cluster, &["--url", &url, "echo over http"]).await;
+    let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+
+    let spans = until("the spans of every process", WAIT, || async {
+        let spans = collector.spans();
+        let has = |service: &str, name: &str| spans.iter().any(|s| s.service == service && s.name == name);
+        (has("mur", "submit_task")
+            && has("mur-coordinator", "process mur.api.task.submit")
+            && has("mur-worker", "invoke_agent traced"))
+        .then_some(spans)
+    })
+    .await;
+    let submit = one(&spans, "mur", "submit_task");
+    let accept = one(&spans, "mur-coordinator", "process mur.api.task.submit");
+    let request = spans
+        .iter()
+        .find(|s| s.span_id == accept.parent_span_id)
+        .unwrap_or_else(|| panic!("the parent of the coordinator's submit span: {spans:#?}"));
+    assert_eq!((request.service.as_str(), request.name.as_str()), ("mur-coordinator", "POST /capsules/{name}/"));
+    assert_eq!(request.kind, SERVER);
+    child_of(request, submit);
+    let agent = one(&spans, "mur-worker", "invoke_agent traced");
+    assert_eq!(agent.trace_id, submit.trace_id, "the worker's spans are in the client's trace");
 }

@@ -49,6 +49,20 @@ pub fn headers(span: &tracing::Span) -> async_nats::HeaderMap {
     headers
 }
 
+/// The context of `span` as `(header, value)` pairs for an HTTP request (`traceparent`,
+/// and `tracestate` when set); empty when it has none.
+pub fn pairs(span: &tracing::Span) -> Vec<(String, String)> {
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return Vec::new();
+    }
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    let mut pairs: Vec<(String, String)> = carrier.into_iter().collect();
+    pairs.sort();
+    pairs
+}
+
 /// The remote context in NATS message `headers`, if they hold a valid `traceparent`.
 pub fn extract(headers: Option<&async_nats::HeaderMap>) -> Option<Context> {
     let headers = headers?;
