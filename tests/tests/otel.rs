@@ -122,6 +122,11 @@ async fn a_task_is_one_trace_from_the_client_through_the_coordinator_to_the_work
         child_of(chat, agent);
     }
 
+    // The trace names the trace, for finding the task on a dashboard.
+    let lines = cluster.trace_of(&task_id).await;
+    let start = lines.iter().find(|l| l["event_type"] == "task_start").expect("a task_start line");
+    assert_eq!(start["trace_id"], submit.trace_id.as_str(), "{start}");
+
     // The record keeps the coordinator's span, for a worker that finds no header.
     let stored = record.traceparent.as_deref().expect("the record's traceparent");
     assert_eq!(stored, format!("00-{}-{}-01", accept.trace_id, accept.span_id));
