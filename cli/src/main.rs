@@ -6,6 +6,7 @@ mod cluster;
 mod nats;
 mod run;
 mod task;
+mod telemetry;
 mod trace;
 
 use clap::{Parser, Subcommand};
@@ -45,13 +46,11 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MUR_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let telemetry = telemetry::init(match cli.command {
+        Command::Coordinator(_) => "mur-coordinator",
+        Command::Worker(_) => "mur-worker",
+        _ => "mur",
+    });
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Task(cmd) => task::run(cmd),
@@ -62,6 +61,7 @@ fn main() -> ExitCode {
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
     };
+    telemetry.shutdown();
     match result {
         Ok(code) => code,
         Err(err) => {

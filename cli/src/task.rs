@@ -11,6 +11,7 @@ use mur_worker::a2a::v1;
 use serde_json::json;
 use std::process::ExitCode;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// `mur task …`
 #[derive(clap::Subcommand, Debug)]
@@ -207,7 +208,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = args.conn.connect("mur task send").await?;
-        let reply: SubmitReply = call(&client, api::TASK_SUBMIT, serde_json::to_vec(&request)?).await?;
+        let reply = submit(&client, &request).await?;
         if !args.wait {
             if args.json {
                 println!("{}", json!({"task_id": reply.task_id, "state": reply.state}));
@@ -220,6 +221,28 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         print_record(&rec, args.json);
         Ok(if rec.exit_status == Some(mur_proto::task::ExitStatus::Ok) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
     })
+}
+
+/// Submits `request` in a `submit_task` span whose W3C `traceparent` goes along in the
+/// request headers, so the task's spans on the coordinator and the worker join its trace
+/// (issue #7 §Trace context).
+async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<SubmitReply> {
+    let span = tracing::info_span!(
+        "submit_task",
+        otel.kind = "client",
+        messaging.system = "nats",
+        messaging.destination.name = api::TASK_SUBMIT,
+        gen_ai.agent.name = %request.capsule,
+        mur.task_id = tracing::field::Empty,
+    );
+    let headers = mur_worker::trace_context::headers(&span);
+    let body = serde_json::to_vec(request)?;
+    let reply: SubmitReply = mur_coordinator::api::call_with_headers(client, api::TASK_SUBMIT, headers, body)
+        .instrument(span.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    span.record("mur.task_id", reply.task_id.as_str());
+    Ok(reply)
 }
 
 /// Follows a task's record in the tasks bucket until it is terminal.
@@ -247,8 +270,13 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     };
     let options = SendOptions { origin: Some(origin), context_id: args.context.clone() };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`
+    // goes in the HTTP headers).
+    let span = tracing::info_span!("submit_task", otel.kind = "client", url.full = %url);
     let task = runtime
-        .block_on(client::send_task(&url, text, &options, args.wait.then_some(Duration::from_millis(200))))
+        .block_on(
+            client::send_task(&url, text, &options, args.wait.then_some(Duration::from_millis(200))).instrument(span),
+        )
         .with_context(|| format!("sending to {url}"))?;
     let rec = record(&task);
     if args.json {

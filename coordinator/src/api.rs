@@ -1,6 +1,6 @@
 //! Talking to the coordinator's NATS API (`mur.api.*`, see [`mur_proto::cluster::api`]):
 //! the reply scheme the service answers with, and [`call`], which the CLI and the tests
-//! use to send a request and read the answer.
+//! use to send a request and read the answer ([`call_with_headers`] to send headers too).
 //!
 //! The reply scheme, one for every endpoint:
 //! - **success**: the body is the reply value as plain JSON (a [`SubmitReply`], a
@@ -35,7 +35,27 @@ pub async fn call<T: DeserializeOwned>(
     subject: &str,
     body: impl Into<Bytes>,
 ) -> Result<T, ApiError> {
-    let reply = client.request(subject.to_string(), body.into()).await.map_err(|e| match e.kind() {
+    call_with_headers(client, subject, HeaderMap::new(), body).await
+}
+
+/// [`call`] with request headers: the W3C `traceparent` of the caller's span (issue #7
+/// §Trace context; see [`mur_worker::trace_context::headers`]). Empty headers send a
+/// plain request.
+///
+/// # Errors
+/// As [`call`].
+pub async fn call_with_headers<T: DeserializeOwned>(
+    client: &async_nats::Client,
+    subject: &str,
+    headers: HeaderMap,
+    body: impl Into<Bytes>,
+) -> Result<T, ApiError> {
+    let sent = if headers.is_empty() {
+        client.request(subject.to_string(), body.into()).await
+    } else {
+        client.request_with_headers(subject.to_string(), headers, body.into()).await
+    };
+    let reply = sent.map_err(|e| match e.kind() {
         RequestErrorKind::NoResponders => {
             ApiError::new(ErrorCode::Unavailable, format!("{subject}: no coordinator answers (no responders)"))
         }

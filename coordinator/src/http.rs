@@ -31,6 +31,7 @@ use mur_proto::{Id, IdKind};
 use mur_worker::a2a::Backend;
 use mur_worker::a2a::card::{AgentInfo, agent_card};
 use mur_worker::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
+use mur_worker::trace_context;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
@@ -38,6 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tower::ServiceExt;
+use tracing::Instrument;
 
 /// How long a subscription waits for the task's record to show up in the bucket.
 const FIRST_ENTRY_WAIT: Duration = Duration::from_secs(10);
@@ -148,6 +150,7 @@ async fn capsule_path(
 /// Hands `request` to the capsule's router with its path rewritten to `path`.
 async fn forward(state: &Endpoints, name: &str, path: &str, request: Request) -> Response {
     let (mut parts, body) = request.into_parts();
+    let span = request_span(name, &parts);
     let path_and_query = match parts.uri.query() {
         Some(q) => format!("{path}?{q}"),
         None => path.to_string(),
@@ -157,10 +160,27 @@ async fn forward(state: &Endpoints, name: &str, path: &str, request: Request) ->
         Err(_) => return StatusCode::BAD_REQUEST.into_response(),
     };
     let router = state.router(name).await;
-    match router.oneshot(Request::from_parts(parts, Body::new(body))).await {
+    match router.oneshot(Request::from_parts(parts, Body::new(body))).instrument(span).await {
         Ok(response) => response,
         Err(never) => match never {},
     }
+}
+
+/// The server span of one request, a child of its W3C `traceparent` header when it has
+/// one, so a `SendMessage` from a traced caller puts the task in the caller's trace (issue
+/// #7 §Trace context).
+fn request_span(name: &str, parts: &axum::http::request::Parts) -> tracing::Span {
+    let span = tracing::info_span!(
+        "a2a_request",
+        otel.name = %format!("{} /capsules/{{name}}/", parts.method),
+        otel.kind = "server",
+        http.request.method = %parts.method,
+        url.path = %parts.uri.path(),
+        gen_ai.agent.name = name,
+    );
+    let parent = trace_context::extract_with(|h| parts.headers.get(h)?.to_str().ok().map(str::to_string));
+    trace_context::set_parent(&span, parent);
+    span
 }
 
 /// One capsule's tasks, as the coordinator keeps them.
@@ -276,10 +296,13 @@ impl Backend for ClusterBackend {
             context_id: submission.context_id.clone(),
         };
         let body = serde_json::to_vec(&request).expect("a submit request serializes");
-        let reply: SubmitReply = match crate::api::call(&self.client, api::TASK_SUBMIT, body).await {
-            Ok(reply) => reply,
-            Err(err) => return Err(refused(submission, &err)),
-        };
+        // Inside the request's span (see `forward`): the coordinator's span joins its trace.
+        let headers = trace_context::headers(&tracing::Span::current());
+        let reply: SubmitReply =
+            match crate::api::call_with_headers(&self.client, api::TASK_SUBMIT, headers, body).await {
+                Ok(reply) => reply,
+                Err(err) => return Err(refused(submission, &err)),
+            };
         let mut task = match self.record(&reply.task_id).await {
             Ok(record) => to_intake(&record),
             Err(err) => return Err(refused(submission, &err)),

@@ -55,6 +55,7 @@ use mur_proto::cluster::{
 };
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
+use mur_worker::trace_context;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::future::Future;
@@ -62,6 +63,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 
 /// How long a worker may go without a heartbeat before its slots stop counting.
 pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -326,7 +328,7 @@ async fn lead(
         "coordinator restored"
     );
     for dispatch in republish {
-        if let Err(e) = ctx.publish(&dispatch).await {
+        if let Err(e) = ctx.publish(&dispatch, None).await {
             tracing::warn!(instance = %instance, task_id = %dispatch.task_id, "republishing dispatch failed: {e}");
         }
     }
@@ -436,7 +438,7 @@ impl Ctx {
     async fn handle(&self, kind: Endpoint, request: Request) {
         let body = &request.message.payload;
         let result = match kind {
-            Endpoint::Submit => self.submit(body).await.and_then(|r| to_json(&r)),
+            Endpoint::Submit => self.submit(request.message.headers.as_ref(), body).await.and_then(|r| to_json(&r)),
             Endpoint::Get => self.get(body).await.and_then(|r| to_json(&r)),
             Endpoint::List => self.list(body).await.and_then(|r| to_json(&r)),
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
@@ -456,8 +458,21 @@ impl Ctx {
         }
     }
 
-    /// `task.submit`: validates, checks the capsule, creates the record.
-    async fn submit(&self, body: &[u8]) -> Result<SubmitReply, ApiError> {
+    /// `task.submit`: validates, checks the capsule, creates the record. Its span is a
+    /// child of the request's `traceparent` header, and the record keeps the span's own
+    /// `traceparent` (issue #7 §Trace context).
+    async fn submit(&self, headers: Option<&async_nats::HeaderMap>, body: &[u8]) -> Result<SubmitReply, ApiError> {
+        let span = tracing::info_span!(
+            "submit",
+            otel.name = %format!("process {}", cluster::api::TASK_SUBMIT),
+            otel.kind = "server",
+            mur.task_id = tracing::field::Empty,
+        );
+        let traceparent = trace_context::join(&span, headers);
+        self.create_task(body, traceparent).instrument(span).await
+    }
+
+    async fn create_task(&self, body: &[u8], traceparent: Option<String>) -> Result<SubmitReply, ApiError> {
         let request = SubmitRequest::parse(body)?;
         request.validate()?;
         let Some(latest) = self.latest_capsule(&request.capsule).await? else {
@@ -467,7 +482,9 @@ impl Ctx {
             ));
         };
         let task_id = Id::generate(IdKind::Task);
-        let record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
+        tracing::Span::current().record("mur.task_id", task_id.as_str());
+        let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
+        record.traceparent = traceparent;
         let value = to_json(&record)?;
         self.tasks.create(&task_id, value).await.map_err(|e| unavailable("mur_tasks: create", e))?;
         tracing::info!(instance = %self.instance, %task_id, capsule = %record.capsule, lane = %record.lane, "task submitted");
@@ -654,7 +671,7 @@ impl Ctx {
             tracing::warn!(instance = %self.instance, %task_id, "not releasing: not holding a valid lease");
             return Ok(());
         }
-        loop {
+        let traceparent = loop {
             let (revision, mut record) = self.read_task(task_id).await.map_err(|e| e.to_string())?;
             if record.state != TaskState::Submitted || record.attempt != 0 {
                 tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), attempt = record.attempt, "not releasing: the record moved on");
@@ -663,21 +680,25 @@ impl Ctx {
             record.attempt = 1;
             let value = to_json(&record).map_err(|e| e.to_string())?;
             match self.tasks.update(task_id, value, revision).await {
-                Ok(_) => break,
+                Ok(_) => break record.traceparent,
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(e) => return Err(format!("mur_tasks: update: {e}")),
             }
-        }
+        };
         let dispatch = Dispatch { task_id: task_id.to_string(), attempt: 1 };
-        self.publish(&dispatch).await?;
+        self.publish(&dispatch, traceparent.as_deref()).await?;
         tracing::info!(instance = %self.instance, %task_id, attempt = 1, "task released");
         Ok(())
     }
 
-    /// Publishes a dispatch with its message id and waits for the stream's ack.
-    async fn publish(&self, dispatch: &Dispatch) -> Result<(), String> {
+    /// Publishes a dispatch with its message id and waits for the stream's ack. Its
+    /// `traceparent` header names a `send` span under the task's (issue #7 §Trace context),
+    /// or is the task's own when this process exports no spans.
+    async fn publish(&self, dispatch: &Dispatch, traceparent: Option<&str>) -> Result<(), String> {
         let payload = serde_json::to_vec(dispatch).map_err(|e| e.to_string())?;
-        let message = PublishMessage::build().payload(payload.into()).message_id(dispatch.msg_id());
+        // The span ends when the ack is in.
+        let (_send, headers) = trace_context::producer(cluster::DISPATCH_SUBJECT, traceparent);
+        let message = PublishMessage::build().payload(payload.into()).message_id(dispatch.msg_id()).headers(headers);
         let ack = self
             .js
             .send_publish(cluster::DISPATCH_SUBJECT, message)

@@ -171,6 +171,12 @@ pub struct TaskRecord {
     /// tasks): the task is `failed` and this says why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_letter: Option<DeadLetter>,
+    /// The W3C `traceparent` of the coordinator's span that accepted the task (issue #7
+    /// §Trace context: one task is one trace). The dispatch carries it in its headers too;
+    /// a worker that finds no header parents the task's spans on this. Absent when the
+    /// coordinator exports no traces and the client sent no `traceparent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -213,6 +219,7 @@ impl TaskRecord {
             error: None,
             cancel_requested_at: None,
             dead_letter: None,
+            traceparent: None,
         }
     }
 }
@@ -932,6 +939,21 @@ mod tests {
         assert_eq!(json["origin"], "schedule");
         assert_eq!(json["state"], "submitted");
         assert!(json.get("exit_status").is_none(), "unset options are left out: {json}");
+        assert_eq!(serde_json::from_value::<TaskRecord>(json).unwrap(), rec);
+    }
+
+    /// Issue #7 §Trace context: the record keeps the coordinator span's `traceparent`;
+    /// records written before the field existed still read.
+    #[test]
+    fn a_record_round_trips_its_traceparent() {
+        let req = SubmitRequest { capsule: "c".into(), text: "t".into(), origin: Origin::User, context_id: None };
+        let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
+        let json = serde_json::to_value(&rec).unwrap();
+        assert!(json.get("traceparent").is_none(), "no traceparent, no field: {json}");
+        assert_eq!(serde_json::from_value::<TaskRecord>(json).unwrap().traceparent, None);
+        rec.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+        let json = serde_json::to_value(&rec).unwrap();
+        assert_eq!(json["traceparent"], "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
         assert_eq!(serde_json::from_value::<TaskRecord>(json).unwrap(), rec);
     }
 

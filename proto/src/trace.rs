@@ -124,6 +124,11 @@ pub enum Event {
         origin: Origin,
         /// The lane it waited in.
         lane: Lane,
+        /// The OpenTelemetry trace the task's spans belong to (32 hex digits), when the
+        /// process exports spans: a key to find the task on a tracing dashboard (issue #7
+        /// §Trace context).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trace_id: Option<String>,
     },
     /// One model call (a turn).
     Inference {

@@ -4,6 +4,7 @@
 
 pub mod capsule;
 pub mod fake_openai;
+pub mod fake_otlp;
 pub mod mur;
 pub mod nats;
 pub mod procs;

@@ -20,6 +20,7 @@ pub struct Procs {
     pub client: async_nats::Client,
     dir: tempfile::TempDir,
     config: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 /// A `mur` child process; killed (SIGKILL) when dropped.
@@ -40,7 +41,20 @@ impl Procs {
         let dir = tempfile::Builder::new().prefix("mur-procs-").tempdir().expect("temp dir");
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).expect("write config.yaml");
-        Procs { nats, client, dir, config: path }
+        Procs { nats, client, dir, config: path, env: Vec::new() }
+    }
+
+    /// Sets `key` = `value` in the environment of every `mur` process started after this
+    /// (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_string(), value.to_string()));
+    }
+
+    /// A `mur` command against the cluster's server, with the cluster's environment.
+    pub fn command(&self) -> Command {
+        let mut cmd = crate::mur::mur();
+        cmd.env("NATS_URL", self.nats.url()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd
     }
 
     /// The cluster's folder (workers' workdirs, logs).
@@ -51,9 +65,9 @@ impl Procs {
     fn spawn(&self, name: &str, args: &[&str]) -> Proc {
         let log = self.dir.path().join(format!("{name}.log"));
         let file = std::fs::File::create(&log).expect("log file");
-        let child = crate::mur::mur()
+        let child = self
+            .command()
             .args(args)
-            .env("NATS_URL", self.nats.url())
             .env("MUR_LOG", "info")
             .stdout(Stdio::null())
             .stderr(file)
@@ -66,6 +80,21 @@ impl Procs {
     pub fn coordinator(&self, name: &str) -> Proc {
         let config = self.config.to_string_lossy().into_owned();
         self.spawn(name, &["coordinator", "--config", &config, "--id", name])
+    }
+
+    /// Starts `mur coordinator` as [`Procs::coordinator`] does, with its A2A endpoint on a
+    /// free port; returns it and the endpoint's base URL (`http://127.0.0.1:PORT`), read
+    /// from its log.
+    pub async fn coordinator_with_http(&self, name: &str) -> (Proc, String) {
+        let config = self.config.to_string_lossy().into_owned();
+        let proc = self.spawn(name, &["coordinator", "--config", &config, "--id", name, "--http", "127.0.0.1:0"]);
+        let base = until("the coordinator's A2A endpoint", Duration::from_secs(30), || async {
+            let log = proc.log();
+            let rest = &log[log.find("a2a endpoints at ")? + "a2a endpoints at ".len()..];
+            Some(rest[..rest.find("/capsules/")?].to_string())
+        })
+        .await;
+        (proc, base)
     }
 
     /// Starts `mur worker --id ID --slots N` with its workdir in the cluster's folder.

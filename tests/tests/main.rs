@@ -24,3 +24,6 @@ mod dispatch;
 
 /// The cluster survives: real processes killed with SIGKILL; takeover, nothing lost.
 mod chaos;
+
+/// One task is one trace: spans of real processes exported over OTLP/HTTP to a fake collector.
+mod otel;

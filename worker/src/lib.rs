@@ -19,4 +19,5 @@ pub mod session;
 pub mod tokens;
 pub mod tools;
 pub mod trace;
+pub mod trace_context;
 pub mod workdir;

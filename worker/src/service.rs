@@ -54,6 +54,7 @@ use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec,
 use crate::tools::background::DetachSink;
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
+use crate::trace_context;
 use crate::workdir::Layout;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
@@ -75,6 +76,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 pub mod detached;
 
@@ -432,7 +434,8 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
         }
     });
     let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
-    let answer = run_dispatch(&sh, &msg.payload, delivery, cancel).await;
+    let span = dispatch_span(&sh, &msg, task_id.as_deref(), delivery).await;
+    let answer = run_dispatch(&sh, &msg.payload, delivery, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").remove(id);
@@ -591,6 +594,21 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
         drop_checkpoints(&sh.sessions, key).await;
     }
     answer
+}
+
+/// The span one delivery runs in, so the task's spans (`invoke_agent` and below) join the
+/// submitter's trace (issue #7 §Trace context): a child of the dispatch's `traceparent`
+/// header, or of the record's when the header is missing (a dispatch republished by a
+/// restarted coordinator carries none).
+async fn dispatch_span(sh: &Shared, msg: &jetstream::Message, task_id: Option<&str>, delivery: u64) -> tracing::Span {
+    let headers = msg.headers.as_ref();
+    let stored = match task_id {
+        Some(id) if trace_context::extract(headers).is_none() => {
+            read(&sh.tasks, id).await.ok().flatten().and_then(|(record, _)| record.traceparent)
+        }
+        _ => None,
+    };
+    trace_context::consumer(cluster::DISPATCH_SUBJECT, headers, stored.as_deref(), task_id, delivery)
 }
 
 /// Purges a finished task's checkpoints: nothing will take it over any more.

@@ -176,6 +176,7 @@ mod tests {
             message_parts_bytes: 1,
             origin: Origin::User,
             lane: Lane::User,
+            trace_id: None,
         }
     }
 

@@ -125,6 +125,10 @@ impl Client {
         if let Some(origin) = origin {
             request = request.header(ORIGIN_HEADER, origin.as_str());
         }
+        // The caller's span, when it has one (issue #7 §Trace context).
+        for (name, value) in crate::trace_context::pairs(&tracing::Span::current()) {
+            request = request.header(name, value);
+        }
         request
     }
 

@@ -462,6 +462,8 @@ impl Session {
             message_parts_bytes: task.text.len() as u64,
             origin: task.origin,
             lane: task.lane(),
+            // Inside the task's `invoke_agent` span.
+            trace_id: crate::trace_context::trace_id(&tracing::Span::current()),
         })?;
 
         let takeover = durable.as_mut().and_then(|d| d.takeover.take());

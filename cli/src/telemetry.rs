@@ -1,0 +1,97 @@
+//! Logging, and OpenTelemetry span export when it is configured (issue #7 §Trace context:
+//! people "watch it on OpenTelemetry dashboards").
+//!
+//! Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set;
+//! then every `tracing` span of the process is exported over OTLP/HTTP with protobuf
+//! bodies (`<endpoint>/v1/traces`, or the traces endpoint as given), through a batch
+//! processor on a tokio runtime of its own, so every command keeps its own runtime.
+//! `service.name` is `mur-coordinator`, `mur-worker` or `mur`; `OTEL_SERVICE_NAME`
+//! overrides it. The other standard variables apply as the OpenTelemetry SDK reads them
+//! (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_BSP_SCHEDULE_DELAY`,
+//! …; opentelemetry.io/docs/specs/otel/configuration/sdk-environment-variables/).
+//! [`Telemetry::shutdown`] flushes what is left on exit.
+//!
+//! The W3C Trace Context propagator is installed globally either way; murmur's own
+//! processes pass context with [`mur_worker::trace_context`].
+
+use anyhow::{Context as _, Result};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{Protocol, WithExportConfig as _};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{EnvFilter, Layer as _};
+
+/// The variables that turn export on (OpenTelemetry SDK environment variables).
+const ENDPOINT_VARS: [&str; 2] = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
+
+/// The installed exporter; [`Telemetry::shutdown`] flushes it.
+pub struct Telemetry {
+    export: Option<(SdkTracerProvider, tokio::runtime::Runtime)>,
+}
+
+/// Installs the global subscriber: the log lines on stderr (filter `MUR_LOG`, default
+/// `warn`), plus span export when an OTLP endpoint is configured, as `service` unless
+/// `OTEL_SERVICE_NAME` says otherwise. An exporter that cannot be built is reported on
+/// stderr and left out: the command still runs.
+pub fn init(service: &str) -> Telemetry {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    let log_filter = || EnvFilter::try_from_env("MUR_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(log_filter());
+    let configured = ENDPOINT_VARS.iter().any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
+    let export = if configured {
+        match exporter(service) {
+            Ok(export) => Some(export),
+            Err(e) => {
+                eprintln!("mur: OpenTelemetry export is off: {e:#}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let otel = export.as_ref().map(|(provider, _)| {
+        // Every span of murmur's own crates, whatever `MUR_LOG` shows on stderr.
+        let spans = EnvFilter::new("info");
+        tracing_opentelemetry::layer().with_tracer(provider.tracer("mur")).with_filter(spans)
+    });
+    tracing_subscriber::registry().with(logs).with(otel).init();
+    Telemetry { export }
+}
+
+/// The provider exporting over OTLP/HTTP, and the runtime its batch processor runs on.
+fn exporter(service: &str) -> Result<(SdkTracerProvider, tokio::runtime::Runtime)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("mur-otel")
+        .enable_all()
+        .build()
+        .context("starting the exporter's runtime")?;
+    // The processor spawns its task on the runtime it is built in.
+    let _entered = runtime.enter();
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpBinary)
+        .build()
+        .context("building the OTLP/HTTP exporter")?;
+    let processor = BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).build();
+    let name = std::env::var("OTEL_SERVICE_NAME").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| service.into());
+    let resource = Resource::builder().with_service_name(name).build();
+    let provider = SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build();
+    Ok((provider, runtime))
+}
+
+impl Telemetry {
+    /// Exports the spans still queued and stops the exporter (a no-op when export is off).
+    pub fn shutdown(self) {
+        let Some((provider, runtime)) = self.export else { return };
+        // Called outside any runtime: the processor's task runs on `runtime` meanwhile.
+        if let Err(e) = provider.shutdown() {
+            eprintln!("mur: flushing OpenTelemetry spans: {e}");
+        }
+        runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    }
+}
