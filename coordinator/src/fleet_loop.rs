@@ -1,0 +1,379 @@
+//! The fleet run as a pure state machine (issue #10 §Runs and loops; `seeds/fleet-loops.md`
+//! §Three ways a loop ends, §The bounds): what to do next given what the run has seen. No
+//! IO: the coordinator's adapter reads the sentinel, the jobs and the channel, hands them
+//! in as a [`View`], carries out the [`Next`] (claims the job, submits the delegated steps
+//! as `peer` capsule tasks, waits for their records) and reports the replies with
+//! [`Run::iteration_ended`].
+//!
+//! Order of the checks before every iteration (the seed's): the kill-switch (a sentinel
+//! that cannot be read counts as set: fail closed), then deadline → stuck (never before the
+//! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
+//! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
+//! `--loop` makes one iteration. Plans: a fleet without a router sends the work to every
+//! member (one member: it gets every job); router and procedure plans are not run here yet
+//! and are refused when the run starts.
+
+use mur_proto::fleet::{self, DoneWhen, Fleet, GuardInput, Job, PlanKind, Stop};
+use std::time::Duration;
+
+/// What a run was started with.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    /// The run id (`--run-id`, or generated); iterations are `<run id>-<n>` for a loop.
+    pub run_id: String,
+    /// The fleet as loaded.
+    pub fleet: Fleet,
+    /// `--loop`.
+    pub looping: bool,
+    /// The job named on the command line (`mur fleet run NAME JOB`), if any.
+    pub job: Option<String>,
+    /// The resolved deadline.
+    pub deadline: Duration,
+    /// The resolved stuck window (`None`: off).
+    pub stuck: Option<Duration>,
+    /// When the run started, unix ms.
+    pub started_at: u64,
+}
+
+/// What the adapter read just now.
+#[derive(Clone, Debug)]
+pub struct View<'a> {
+    /// Now, unix ms.
+    pub now: u64,
+    /// The kill-switch: `Ok(true)` set, `Ok(false)` clear, `Err` unreadable (counts as set).
+    pub stopped: Result<bool, String>,
+    /// The fleet's jobs (any order).
+    pub jobs: &'a [Job],
+    /// When the channel last had an agent-authored event (router or member), unix ms.
+    pub last_agent_event: Option<u64>,
+}
+
+/// One delegated step: a `peer` task for `member` with `text`; the time left on the
+/// loop's clock travels with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// The member capsule.
+    pub member: String,
+    /// The task's text.
+    pub text: String,
+    /// The time left when it is sent (`fleet::inherited_deadline`: at least 1 s).
+    pub time_left: Duration,
+}
+
+/// What to do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    /// Run iteration `iteration`: claim `job` (when one), then send `steps`.
+    Iterate {
+        /// 0-based.
+        iteration: u64,
+        /// `<run id>-<n>` for a loop, the run id for a single run.
+        iteration_run_id: String,
+        /// The job worked on; `None` for the standing goal.
+        job: Option<String>,
+        /// The delegated steps.
+        steps: Vec<Step>,
+    },
+    /// The run is over.
+    Stop(Stop),
+}
+
+/// How one delegated step ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// The member.
+    pub member: String,
+    /// Whether its task ended `completed` (exit `ok`).
+    pub ok: bool,
+    /// Its result text.
+    pub text: String,
+}
+
+/// What an iteration came to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Iteration {
+    /// The job's new status text: `done` when every step ended ok, else `failed`.
+    pub job_done: bool,
+    /// The job's result: the replies, one per member, in member order.
+    pub result: String,
+    /// The run ends here.
+    pub stop: Option<Stop>,
+}
+
+/// Why a run cannot start.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// The kill-switch is set or unreadable.
+    #[error("fleet '{0}' is stopped (`mur fleet start {0}` clears it)")]
+    Stopped(String),
+    /// Not runnable as defined (`reason` names the fleet).
+    #[error("{reason}")]
+    NotRunnable {
+        /// The fleet.
+        fleet: String,
+        /// Why.
+        reason: String,
+    },
+    /// The job named is not queued.
+    #[error("job {0} is not queued in this fleet")]
+    NoSuchJob(String),
+}
+
+/// A run in progress.
+#[derive(Clone, Debug)]
+pub struct Run {
+    spec: Spec,
+    iteration: u64,
+    over: Option<Stop>,
+}
+
+impl Run {
+    /// Checks that the run may start (`mur fleet run` refuses a stopped fleet and a plan it
+    /// cannot carry out, with the reason) and returns it.
+    ///
+    /// # Errors
+    /// [`Refused`].
+    pub fn start(spec: Spec, view: &View<'_>) -> Result<Run, Refused> {
+        let name = spec.fleet.name.clone();
+        if !matches!(view.stopped, Ok(false)) {
+            return Err(Refused::Stopped(name));
+        }
+        spec.fleet.check_runnable().map_err(|reason| Refused::NotRunnable { fleet: name.clone(), reason })?;
+        if spec.fleet.plan_kind() != PlanKind::Broadcast {
+            return Err(Refused::NotRunnable {
+                reason: format!("fleet '{name}': router and procedure plans do not run on the cluster yet"),
+                fleet: name,
+            });
+        }
+        if let Some(job) = &spec.job
+            && !view.jobs.iter().any(|j| &j.id == job && j.status == fleet::JobStatus::Queued)
+        {
+            return Err(Refused::NoSuchJob(job.clone()));
+        }
+        Ok(Run { spec, iteration: 0, over: None })
+    }
+
+    /// The run's spec.
+    pub fn spec(&self) -> &Spec {
+        &self.spec
+    }
+
+    /// What to do next, after the checks in the module docs.
+    pub fn next(&mut self, view: &View<'_>) -> Next {
+        if let Some(stop) = self.over {
+            return Next::Stop(stop);
+        }
+        let stop = self.check(view);
+        if let Some(stop) = stop {
+            self.over = Some(stop);
+            return Next::Stop(stop);
+        }
+        let job = match &self.spec.job {
+            Some(id) if self.iteration == 0 => view.jobs.iter().find(|j| &j.id == id),
+            _ => fleet::next_queued(view.jobs),
+        };
+        if job.is_none() && self.spec.fleet.r#loop.done_when == DoneWhen::QueueEmpty {
+            self.over = Some(Stop::QueueDrained);
+            return Next::Stop(Stop::QueueDrained);
+        }
+        let text = job.map_or_else(|| self.spec.fleet.goal.clone(), |j| j.text.clone());
+        let elapsed = Duration::from_millis(view.now.saturating_sub(self.spec.started_at));
+        let time_left = fleet::inherited_deadline(self.spec.deadline, elapsed);
+        let steps =
+            self.spec.fleet.members.iter().map(|m| Step { member: m.clone(), text: text.clone(), time_left }).collect();
+        let iteration_run_id = if self.spec.looping {
+            fleet::iteration_run_id(&self.spec.run_id, self.iteration)
+        } else {
+            self.spec.run_id.clone()
+        };
+        Next::Iterate { iteration: self.iteration, iteration_run_id, job: job.map(|j| j.id.clone()), steps }
+    }
+
+    fn check(&self, view: &View<'_>) -> Option<Stop> {
+        if !matches!(view.stopped, Ok(false)) {
+            return Some(Stop::Stopped);
+        }
+        let since = view.last_agent_event.unwrap_or(self.spec.started_at).max(self.spec.started_at);
+        fleet::check_guards(GuardInput {
+            elapsed: Duration::from_millis(view.now.saturating_sub(self.spec.started_at)),
+            deadline: self.spec.deadline,
+            stuck: self.spec.stuck,
+            since_progress: Duration::from_millis(view.now.saturating_sub(since)),
+            iteration: self.iteration,
+        })
+    }
+
+    /// The replies of the iteration just run (in member order): the job's outcome, and
+    /// whether the run ends — a single run after its one iteration (completed when every
+    /// step ended ok), a loop when a `marker:` line came back (converged) or a step failed.
+    pub fn iteration_ended(&mut self, replies: &[Reply]) -> Iteration {
+        self.iteration += 1;
+        let job_done = !replies.is_empty() && replies.iter().all(|r| r.ok);
+        let result = if replies.len() == 1 {
+            replies[0].text.clone()
+        } else {
+            replies.iter().map(|r| format!("[{}]\n{}", r.member, r.text)).collect::<Vec<_>>().join("\n\n")
+        };
+        let marker = match &self.spec.fleet.r#loop.done_when {
+            DoneWhen::Marker(m) => replies.iter().any(|r| fleet::marker_matches(&r.text, m)),
+            _ => false,
+        };
+        let stop = if !job_done {
+            Some(Stop::IterationFailed)
+        } else if marker {
+            Some(Stop::Converged)
+        } else if !self.spec.looping {
+            Some(Stop::Converged)
+        } else {
+            None
+        };
+        self.over = stop;
+        Iteration { job_done, result, stop }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mur_proto::fleet::JobStatus;
+
+    fn fleet(yaml: &str) -> Fleet {
+        Fleet::parse(yaml).unwrap()
+    }
+
+    fn spec(f: Fleet, looping: bool) -> Spec {
+        Spec {
+            run_id: "run1".into(),
+            fleet: f,
+            looping,
+            job: None,
+            deadline: Duration::from_secs(60),
+            stuck: Some(Duration::from_secs(30)),
+            started_at: 1_000_000,
+        }
+    }
+
+    fn job(id: &str, text: &str, status: JobStatus) -> Job {
+        let mut j = Job::new(text, "cli", 0);
+        j.id = id.to_string();
+        j.status = status;
+        j
+    }
+
+    fn view(now: u64, jobs: &[Job]) -> View<'_> {
+        View { now, stopped: Ok(false), jobs, last_agent_event: None }
+    }
+
+    const TWO: &str = "name: pair\ngoal: keep the build green\nmembers: [a, b]\n";
+
+    #[test]
+    fn a_stopped_or_unreadable_sentinel_refuses_the_run() {
+        let jobs = [];
+        let mut v = view(1_000_000, &jobs);
+        v.stopped = Ok(true);
+        let err = Run::start(spec(fleet(TWO), false), &v).unwrap_err();
+        assert_eq!(err.to_string(), "fleet 'pair' is stopped (`mur fleet start pair` clears it)");
+        v.stopped = Err("corrupt".into());
+        assert_eq!(Run::start(spec(fleet(TWO), false), &v).unwrap_err(), Refused::Stopped("pair".into()));
+    }
+
+    #[test]
+    fn every_member_gets_the_oldest_queued_job_with_the_time_left() {
+        let jobs = [job("01b", "second", JobStatus::Queued), job("01a", "first", JobStatus::Queued)];
+        let mut run = Run::start(spec(fleet(TWO), true), &view(1_000_000, &jobs)).unwrap();
+        let next = run.next(&view(1_010_000, &jobs));
+        assert_eq!(
+            next,
+            Next::Iterate {
+                iteration: 0,
+                iteration_run_id: "run1-0".into(),
+                job: Some("01a".into()),
+                steps: vec![
+                    Step { member: "a".into(), text: "first".into(), time_left: Duration::from_secs(50) },
+                    Step { member: "b".into(), text: "first".into(), time_left: Duration::from_secs(50) },
+                ],
+            }
+        );
+    }
+
+    #[test]
+    fn without_a_queued_job_the_standing_goal_is_the_work_and_a_single_run_ends_after_one_iteration() {
+        let mut run = Run::start(spec(fleet(TWO), false), &view(1_000_000, &[])).unwrap();
+        let Next::Iterate { job, steps, iteration_run_id, .. } = run.next(&view(1_000_000, &[])) else { panic!() };
+        assert_eq!((job, iteration_run_id.as_str(), steps[0].text.as_str()), (None, "run1", "keep the build green"));
+        let it = run.iteration_ended(&[
+            Reply { member: "a".into(), ok: true, text: "A".into() },
+            Reply { member: "b".into(), ok: true, text: "B".into() },
+        ]);
+        assert_eq!(it, Iteration { job_done: true, result: "[a]\nA\n\n[b]\nB".into(), stop: Some(Stop::Converged) });
+        assert_eq!(run.next(&view(1_000_000, &[])), Next::Stop(Stop::Converged));
+    }
+
+    #[test]
+    fn queue_empty_ends_the_loop_before_any_step_when_nothing_is_queued() {
+        let f = fleet("name: q\nmembers: [a]\nloop:\n  done_when: queue-empty\n");
+        let jobs = [job("01a", "only", JobStatus::Queued)];
+        let mut run = Run::start(spec(f, true), &view(1_000_000, &jobs)).unwrap();
+        assert!(matches!(run.next(&view(1_000_000, &jobs)), Next::Iterate { .. }));
+        assert_eq!(run.iteration_ended(&[Reply { member: "a".into(), ok: true, text: "ok".into() }]).stop, None);
+        let done = [job("01a", "only", JobStatus::Done)];
+        assert_eq!(run.next(&view(1_001_000, &done)), Next::Stop(Stop::QueueDrained));
+    }
+
+    #[test]
+    fn a_marker_alone_on_a_line_converges_a_loop_and_prose_mentioning_it_does_not() {
+        let f = fleet("name: m\nmembers: [a]\nloop:\n  done_when: \"marker:ALL GREEN\"\n");
+        let mut run = Run::start(spec(f, true), &view(1_000_000, &[])).unwrap();
+        run.next(&view(1_000_000, &[]));
+        let prose = Reply { member: "a".into(), ok: true, text: "not ALL GREEN yet".into() };
+        assert_eq!(run.iteration_ended(&[prose]).stop, None);
+        run.next(&view(1_000_000, &[]));
+        let marker = Reply { member: "a".into(), ok: true, text: "tests pass\n  ALL GREEN  \n".into() };
+        assert_eq!(run.iteration_ended(&[marker]).stop, Some(Stop::Converged));
+    }
+
+    #[test]
+    fn the_deadline_then_stuck_are_checked_between_iterations_and_stuck_never_before_the_first() {
+        let mut run = Run::start(spec(fleet(TWO), true), &view(1_000_000, &[])).unwrap();
+        // 40 s without progress, but no iteration yet: stuck cannot fire.
+        assert!(matches!(run.next(&view(1_040_000, &[])), Next::Iterate { .. }));
+        run.iteration_ended(&[
+            Reply { member: "a".into(), ok: true, text: "x".into() },
+            Reply { member: "b".into(), ok: true, text: "y".into() },
+        ]);
+        let mut v = view(1_040_000, &[]);
+        v.last_agent_event = Some(1_005_000);
+        assert_eq!(run.next(&v), Next::Stop(Stop::Stuck));
+        let mut late = Run::start(spec(fleet(TWO), true), &view(1_000_000, &[])).unwrap();
+        assert_eq!(late.next(&view(1_060_000, &[])), Next::Stop(Stop::Deadline));
+    }
+
+    #[test]
+    fn a_stop_written_during_a_loop_ends_it_before_the_next_iteration() {
+        let mut run = Run::start(spec(fleet(TWO), true), &view(1_000_000, &[])).unwrap();
+        run.next(&view(1_000_000, &[]));
+        run.iteration_ended(&[
+            Reply { member: "a".into(), ok: true, text: "x".into() },
+            Reply { member: "b".into(), ok: true, text: "y".into() },
+        ]);
+        let mut v = view(1_001_000, &[]);
+        v.stopped = Err("unreadable".into());
+        assert_eq!(run.next(&v), Next::Stop(Stop::Stopped));
+    }
+
+    #[test]
+    fn a_failed_step_fails_the_job_and_ends_the_run() {
+        let mut run = Run::start(spec(fleet("name: one\nmembers: [a]\n"), true), &view(1_000_000, &[])).unwrap();
+        run.next(&view(1_000_000, &[]));
+        let it = run.iteration_ended(&[Reply { member: "a".into(), ok: false, text: "error: boom".into() }]);
+        assert_eq!(it, Iteration { job_done: false, result: "error: boom".into(), stop: Some(Stop::IterationFailed) });
+    }
+
+    #[test]
+    fn a_named_job_must_be_queued() {
+        let jobs = [job("01a", "x", JobStatus::Done)];
+        let mut s = spec(fleet(TWO), false);
+        s.job = Some("01a".into());
+        assert_eq!(Run::start(s, &view(1_000_000, &jobs)).unwrap_err(), Refused::NoSuchJob("01a".into()));
+    }
+}
