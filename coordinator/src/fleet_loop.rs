@@ -220,9 +220,7 @@ impl Run {
         };
         let stop = if !job_done {
             Some(Stop::IterationFailed)
-        } else if marker {
-            Some(Stop::Converged)
-        } else if !self.spec.looping {
+        } else if marker || !self.spec.looping {
             Some(Stop::Converged)
         } else {
             None
