@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod dead_letter;
+pub mod fleets;
 pub mod http;
 pub mod lease;
 pub mod resources;

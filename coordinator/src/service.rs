@@ -145,6 +145,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         inputs: no_actor,
         instance: instance.clone(),
         lease: None,
+        fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
     });
     let service = client
         .service_builder()
@@ -154,7 +155,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .map_err(nats("service mur: start"))?;
     let group = service.group(cluster::api::PREFIX);
     let mut endpoints = Vec::new();
-    for kind in Endpoint::ALL {
+    for kind in Endpoint::ALL.into_iter().chain(crate::fleets::Op::ALL.map(Endpoint::Fleet)) {
         let subject = kind.subject();
         let suffix = &subject[cluster::api::PREFIX.len() + 1..];
         let endpoint = group
@@ -292,6 +293,7 @@ async fn lead(
         inputs,
         instance: instance.clone(),
         lease: Some(held),
+        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
     });
 
     // The replay.
@@ -374,6 +376,8 @@ struct Ctx {
     /// The lease under which this coordinator leads; `None` for the API's handlers, which
     /// release nothing.
     lease: Option<Arc<Held>>,
+    /// The fleet API (`mur.api.fleet.*`).
+    fleets: crate::fleets::Fleets,
 }
 
 /// The API endpoints.
@@ -385,6 +389,7 @@ enum Endpoint {
     Cancel,
     Capsules,
     Status,
+    Fleet(crate::fleets::Op),
 }
 
 impl Endpoint {
@@ -399,6 +404,7 @@ impl Endpoint {
             Endpoint::Cancel => cluster::api::TASK_CANCEL,
             Endpoint::Capsules => cluster::api::CAPSULE_LIST,
             Endpoint::Status => cluster::api::CLUSTER_STATUS,
+            Endpoint::Fleet(op) => op.subject(),
         }
     }
 }
@@ -442,6 +448,7 @@ impl Ctx {
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
             Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
+            Endpoint::Fleet(op) => self.fleets.handle(op, body).await,
         };
         let sent = match result {
             Ok(reply) => request.respond(Ok(reply)).await,
