@@ -3,6 +3,7 @@
 
 mod capsule;
 mod cluster;
+mod fleet;
 mod nats;
 mod run;
 mod task;
@@ -36,6 +37,9 @@ enum Command {
     /// Push and list capsule bundles on the cluster.
     #[command(subcommand)]
     Capsule(capsule::Command),
+    /// Define fleets, queue their jobs, stop and start them, read their channels.
+    #[command(subcommand)]
+    Fleet(fleet::Command),
     /// Send tasks to capsules and follow them.
     #[command(subcommand)]
     Task(task::Command),
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Task(cmd) => task::run(cmd),
+        Command::Fleet(cmd) => fleet::run(cmd),
         Command::Dev(args) => cluster::dev(args),
         Command::Coordinator(args) => cluster::coordinator(args),
         Command::Worker(args) => cluster::worker(args),

@@ -17,7 +17,7 @@ use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsum
 use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::{self, ErrorCode, kv, object_store};
-use mur_proto::cluster;
+use mur_proto::{cluster, fleet_store};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::time::Duration;
@@ -199,6 +199,21 @@ impl Settings {
         }
     }
 
+    /// `MUR_FLEET`: every fleet's channel (`mur.fleet.<fleet>.channel`), kept until the
+    /// fleet is removed.
+    pub fn fleet_stream(&self) -> stream::Config {
+        stream::Config {
+            name: fleet_store::FLEET_STREAM.into(),
+            description: Some("murmur: fleet channels, subject mur.fleet.<fleet>.channel".into()),
+            subjects: vec![fleet_store::FLEET_SUBJECTS.into()],
+            retention: RetentionPolicy::Limits,
+            storage: self.storage_type(),
+            num_replicas: self.replicas.into(),
+            allow_direct: true,
+            ..Default::default()
+        }
+    }
+
     /// The `workers` consumer on `MUR_DISPATCH`: durable, pull, explicit ack.
     pub fn dispatch_consumer(&self) -> consumer::pull::Config {
         consumer::pull::Config {
@@ -234,6 +249,12 @@ pub struct Resources {
     pub leader: kv::Store,
     /// `mur_capsules`: capsule bundles.
     pub capsules: object_store::ObjectStore,
+    /// `mur_fleets`: fleet definitions and kill-switch sentinels.
+    pub fleets: kv::Store,
+    /// `mur_jobs`: fleet jobs.
+    pub jobs: kv::Store,
+    /// `MUR_FLEET`: fleet channels.
+    pub fleet_channel: stream::Stream,
     /// What [`ensure`] did to each resource, in the order it went through them.
     pub outcomes: Vec<Outcome>,
 }
@@ -343,6 +364,17 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     });
     streams
         .push(settings.object_stream(cluster::CAPSULES_STORE, "murmur: capsule bundles, object = <capsule>/<digest>"));
+    streams.push(settings.kv_stream(
+        fleet_store::FLEETS_BUCKET,
+        "murmur: fleet definitions (def.<fleet>) and kill-switch sentinels (stopped.<fleet>)",
+        fleet_store::FLEETS_HISTORY,
+    ));
+    streams.push(settings.kv_stream(
+        fleet_store::JOBS_BUCKET,
+        "murmur: fleet jobs, key = <fleet>.<job id>",
+        fleet_store::JOBS_HISTORY,
+    ));
+    streams.push(settings.fleet_stream());
     let mut handles = Vec::with_capacity(streams.len());
     for config in &streams {
         let (stream, action) = ensure_stream(js, config).await?;
@@ -352,6 +384,7 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     let mut handles = handles.into_iter();
     let dispatch = handles.next().expect("dispatch stream");
     let trace = handles.next().expect("trace stream");
+    let fleet_channel = handles.next_back().expect("fleet stream");
 
     let (dispatch_consumer, action) = ensure_consumer(&dispatch, &settings.dispatch_consumer()).await?;
     outcomes.push(Outcome { resource: format!("{}/{}", cluster::DISPATCH_STREAM, cluster::DISPATCH_CONSUMER), action });
@@ -373,6 +406,9 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
         capsule_index: kv(cluster::CAPSULE_INDEX_BUCKET).await?,
         leader: kv(cluster::LEADER_BUCKET).await?,
         capsules,
+        fleets: kv(fleet_store::FLEETS_BUCKET).await?,
+        jobs: kv(fleet_store::JOBS_BUCKET).await?,
+        fleet_channel,
         outcomes,
     })
 }

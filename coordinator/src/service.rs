@@ -147,6 +147,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         inputs: no_actor,
         instance: instance.clone(),
         lease: None,
+        fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
     });
     let service = client
         .service_builder()
@@ -156,7 +157,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .map_err(nats("service mur: start"))?;
     let group = service.group(cluster::api::PREFIX);
     let mut endpoints = Vec::new();
-    for kind in Endpoint::ALL {
+    for kind in Endpoint::ALL.into_iter().chain(crate::fleets::Op::ALL.map(Endpoint::Fleet)) {
         let subject = kind.subject();
         let suffix = &subject[cluster::api::PREFIX.len() + 1..];
         let endpoint = group
@@ -294,6 +295,7 @@ async fn lead(
         inputs,
         instance: instance.clone(),
         lease: Some(held),
+        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
     });
 
     // The replay.
@@ -376,6 +378,8 @@ struct Ctx {
     /// The lease under which this coordinator leads; `None` for the API's handlers, which
     /// release nothing.
     lease: Option<Arc<Held>>,
+    /// The fleet API (`mur.api.fleet.*`).
+    fleets: crate::fleets::Fleets,
 }
 
 /// The API endpoints.
@@ -387,6 +391,7 @@ enum Endpoint {
     Cancel,
     Capsules,
     Status,
+    Fleet(crate::fleets::Op),
 }
 
 impl Endpoint {
@@ -401,6 +406,7 @@ impl Endpoint {
             Endpoint::Cancel => cluster::api::TASK_CANCEL,
             Endpoint::Capsules => cluster::api::CAPSULE_LIST,
             Endpoint::Status => cluster::api::CLUSTER_STATUS,
+            Endpoint::Fleet(op) => op.subject(),
         }
     }
 }
@@ -444,6 +450,7 @@ impl Ctx {
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
             Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
+            Endpoint::Fleet(op) => self.fleets.handle(op, body).await,
         };
         let sent = match result {
             Ok(reply) => request.respond(Ok(reply)).await,

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod fleet;
+pub mod fleet_store;
 pub mod hook;
 pub mod ids;
 pub mod lanes;

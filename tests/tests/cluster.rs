@@ -111,6 +111,9 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("KV_mur_capsule_index", Action::Created),
             ("KV_mur_leader", Action::Created),
             ("OBJ_mur_capsules", Action::Created),
+            ("KV_mur_fleets", Action::Created),
+            ("KV_mur_jobs", Action::Created),
+            ("MUR_FLEET", Action::Created),
             ("MUR_DISPATCH/workers", Action::Created),
         ]
     );
@@ -134,7 +137,20 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
         (&["mur.trace.>".to_string()][..], Duration::from_secs(3600))
     );
 
-    for (bucket, history) in [("mur_tasks", 5), ("mur_workers", 1), ("mur_sessions", 1), ("mur_capsule_index", 64)] {
+    let fleet = js.get_stream(mur_proto::fleet_store::FLEET_STREAM).await?.get_info().await?.config;
+    assert_eq!(
+        (fleet.subjects.as_slice(), fleet.retention),
+        (&["mur.fleet.>".to_string()][..], RetentionPolicy::Limits)
+    );
+
+    for (bucket, history) in [
+        ("mur_tasks", 5),
+        ("mur_workers", 1),
+        ("mur_sessions", 1),
+        ("mur_capsule_index", 64),
+        ("mur_fleets", 5),
+        ("mur_jobs", 5),
+    ] {
         let status = js.get_key_value(bucket).await?.status().await?;
         assert_eq!(status.history(), history, "{bucket}");
     }

@@ -19,6 +19,9 @@ mod cluster;
 /// Detached shell commands and resume: handles, completions, abandonment, loss reports.
 mod detach;
 
+/// `mur fleet …`: definitions, jobs, the kill-switch and the channel in JetStream.
+mod fleet;
+
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;
 

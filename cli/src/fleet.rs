@@ -1,0 +1,367 @@
+//! `mur fleet …`: define fleets, queue jobs, flip the kill-switch and read the channel,
+//! over the coordinator's `mur.api.fleet.*` API (issue #10). Every command takes the
+//! connection options of [`Connection`] and `--json`. Running fleets (`mur fleet run`)
+//! comes with the run engine.
+
+use crate::nats::Connection;
+use crate::task::call;
+use anyhow::{Context, Result};
+use mur_proto::fleet::Job;
+use mur_proto::fleet_store::{
+    CancelRequest, ChannelEvent, DefineReply, DefineRequest, FleetInfo, FleetRef, FleetSummary, JobsRequest,
+    LogRequest, SendRequest, SetLoopRequest, StopRequest, StopState, api,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Options every `mur fleet` command takes.
+#[derive(clap::Args, Debug)]
+pub struct Common {
+    #[command(flatten)]
+    conn: Connection,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+/// `mur fleet …`
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Store a new fleet from a fleet.yaml (refused when it exists). `-` reads stdin.
+    Create {
+        /// The fleet.yaml.
+        file: PathBuf,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Store a fleet from a fleet.yaml, creating it or replacing its definition.
+    Apply {
+        /// The fleet.yaml.
+        file: PathBuf,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// List fleets.
+    Ls {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Print a fleet: its state, job counts, notices and its fleet.yaml as stored.
+    Show {
+        /// The fleet.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Remove a fleet with its jobs, its kill-switch and its channel.
+    Rm {
+        /// The fleet.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Queue a job; prints its id and runs nothing.
+    Send {
+        /// The fleet.
+        name: String,
+        /// The work.
+        text: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// List a fleet's queued, running and blocked jobs, oldest first.
+    Jobs {
+        /// The fleet.
+        name: String,
+        /// Include done, failed and canceled jobs.
+        #[arg(long)]
+        all: bool,
+        /// Only jobs whose run id starts with this (a loop's id selects its iterations).
+        #[arg(long, value_name = "RUN_ID_PREFIX")]
+        since: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Cancel a queued, running or blocked job (by id or a prefix naming one job).
+    Cancel {
+        /// The fleet.
+        name: String,
+        /// The job.
+        job: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Change the loop's settings; only the flags given are judged and changed.
+    SetLoop(SetLoopArgs),
+    /// Set the kill-switch: no loop iteration, trigger or manual run starts.
+    Stop {
+        /// The fleet.
+        name: String,
+        /// Who stops it (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Clear the kill-switch.
+    Start {
+        /// The fleet.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Print the fleet's channel: every event with its author and sequence number.
+    Log {
+        /// The fleet.
+        name: String,
+        /// Only events after this sequence number.
+        #[arg(long, value_name = "SEQ")]
+        since: Option<u64>,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// `mur fleet set-loop NAME [--done-when P] [--trigger T] [--deadline D] [--budget-usd N]`.
+/// Values starting with `-` are taken as values, so the validator judges `--budget-usd -1`.
+#[derive(clap::Args, Debug)]
+pub struct SetLoopArgs {
+    /// The fleet.
+    name: String,
+    /// Empty (the router judges), queue-empty, or marker:<TEXT>.
+    #[arg(long, value_name = "P", allow_hyphen_values = true)]
+    done_when: Option<String>,
+    /// manual, interval:<duration> or cron:<5-field expression>.
+    #[arg(long, value_name = "T", allow_hyphen_values = true)]
+    trigger: Option<String>,
+    /// A duration relative to the loop's start (30m, 2h); empty clears it.
+    #[arg(long, value_name = "D", allow_hyphen_values = true)]
+    deadline: Option<String>,
+    /// A spend ceiling in USD; 0 for none.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    budget_usd: Option<f64>,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Connects, calls `subject` with `body`, decodes the reply.
+fn request<T: DeserializeOwned>(common: &Common, what: &str, subject: &str, body: &impl Serialize) -> Result<T> {
+    let body = serde_json::to_vec(body)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = common.conn.connect(what).await?;
+        call(&client, subject, body).await
+    })
+}
+
+fn print_json(value: &impl Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string(value)?);
+    Ok(())
+}
+
+fn read_file(file: &PathBuf) -> Result<String> {
+    if file.as_os_str() == "-" {
+        return std::io::read_to_string(std::io::stdin()).context("reading fleet.yaml from stdin");
+    }
+    std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))
+}
+
+fn table(header: &[&str]) -> comfy_table::Table {
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING).set_header(header.to_vec());
+    t
+}
+
+/// A job's text cut to 50 characters (49 and `…` when longer), on one line.
+fn cut(text: &str) -> String {
+    let one_line = text.replace('\n', " ");
+    if one_line.chars().count() > 50 {
+        format!("{}…", one_line.chars().take(49).collect::<String>())
+    } else {
+        one_line
+    }
+}
+
+fn print_show(info: &FleetInfo) {
+    let s = &info.summary;
+    println!("fleet     {}", s.name);
+    println!("state     {}", state_line(&s.stop));
+    println!("members   {}", if s.members.is_empty() { "-".to_string() } else { s.members.join(", ") });
+    println!(
+        "loop      trigger {}; done_when {}",
+        s.trigger,
+        if s.done_when.is_empty() { "(router judges)" } else { &s.done_when }
+    );
+    println!("jobs      {} queued, {} running, {} blocked", s.queued, s.running, s.blocked);
+    if let Some(e) = &s.error {
+        println!("error     {}", e.replace('\n', "; "));
+    }
+    for n in &info.notices {
+        println!("notice    {n}");
+    }
+    println!("---");
+    print!("{}", info.yaml);
+    if !info.yaml.ends_with('\n') {
+        println!();
+    }
+}
+
+fn state_line(stop: &StopState) -> String {
+    match stop {
+        StopState::Started => "started".to_string(),
+        StopState::Stopped { sentinel } => format!("stopped by {}", sentinel.by),
+        StopState::Unreadable { error } => format!("stopped (sentinel unreadable: {error})"),
+    }
+}
+
+pub fn run(cmd: Command) -> Result<ExitCode> {
+    match cmd {
+        Command::Create { file, common } => define(&file, &common, api::CREATE, "mur fleet create"),
+        Command::Apply { file, common } => define(&file, &common, api::APPLY, "mur fleet apply"),
+        Command::Ls { common } => {
+            let fleets: Vec<FleetSummary> = request(&common, "mur fleet ls", api::LIST, &serde_json::json!({}))?;
+            if common.json {
+                return print_json(&fleets).map(|()| ExitCode::SUCCESS);
+            }
+            let mut t = table(&["FLEET", "STATE", "MEMBERS", "QUEUED", "RUNNING", "BLOCKED", "TRIGGER", "DONE_WHEN"]);
+            for f in fleets {
+                t.add_row(vec![
+                    f.name,
+                    f.stop.label().to_string(),
+                    if f.error.is_some() { "(does not load)".to_string() } else { f.members.join(",") },
+                    f.queued.to_string(),
+                    f.running.to_string(),
+                    f.blocked.to_string(),
+                    f.trigger,
+                    f.done_when,
+                ]);
+            }
+            println!("{t}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Show { name, common } => {
+            let info: FleetInfo = request(&common, "mur fleet show", api::SHOW, &FleetRef { fleet: name })?;
+            if common.json {
+                print_json(&info)?;
+            } else {
+                print_show(&info);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Rm { name, common } => {
+            let gone: FleetRef = request(&common, "mur fleet rm", api::REMOVE, &FleetRef { fleet: name })?;
+            if common.json {
+                print_json(&gone)?;
+            } else {
+                println!("removed fleet {}", gone.fleet);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Send { name, text, common } => {
+            let job: Job =
+                request(&common, "mur fleet send", api::SEND, &SendRequest { fleet: name, text, source: None })?;
+            if common.json {
+                print_json(&job)?;
+            } else {
+                println!("{}", job.id);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Jobs { name, all, since, common } => {
+            let jobs: Vec<Job> =
+                request(&common, "mur fleet jobs", api::JOBS, &JobsRequest { fleet: name.clone(), all, since })?;
+            if common.json {
+                return print_json(&jobs).map(|()| ExitCode::SUCCESS);
+            }
+            if jobs.is_empty() {
+                eprintln!(
+                    "no jobs to show (queue one with `mur fleet send {name} \"text\"`; --all shows finished ones)"
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            let mut t = table(&["JOB", "STATUS", "RUN", "TEXT", "RESULT"]);
+            for j in jobs {
+                let result = j.error.as_deref().or(j.result.as_deref()).map(cut).unwrap_or_default();
+                t.add_row(vec![j.id, j.status.to_string(), j.run_id.unwrap_or_default(), cut(&j.text), result]);
+            }
+            println!("{t}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cancel { name, job, common } => {
+            let job: Job = request(&common, "mur fleet cancel", api::CANCEL, &CancelRequest { fleet: name, job })?;
+            if common.json {
+                print_json(&job)?;
+            } else {
+                println!("canceled job {}", job.id);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::SetLoop(args) => {
+            let req = SetLoopRequest {
+                fleet: args.name,
+                trigger: args.trigger,
+                done_when: args.done_when,
+                deadline: args.deadline,
+                budget_usd: args.budget_usd,
+            };
+            let info: FleetInfo = request(&args.common, "mur fleet set-loop", api::SET_LOOP, &req)?;
+            if args.common.json {
+                print_json(&info)?;
+            } else {
+                print_show(&info);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Stop { name, by, common } => {
+            let by =
+                by.or_else(|| std::env::var("USER").ok()).filter(|b| !b.is_empty()).unwrap_or_else(|| "cli".into());
+            let info: FleetInfo = request(&common, "mur fleet stop", api::STOP, &StopRequest { fleet: name, by })?;
+            if common.json {
+                print_json(&info)?;
+            } else {
+                println!("fleet {} {}", info.summary.name, state_line(&info.summary.stop));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Start { name, common } => {
+            let info: FleetInfo = request(&common, "mur fleet start", api::START, &FleetRef { fleet: name })?;
+            if common.json {
+                print_json(&info)?;
+            } else {
+                println!("fleet {} {}", info.summary.name, state_line(&info.summary.stop));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Log { name, since, common } => {
+            let events: Vec<ChannelEvent> =
+                request(&common, "mur fleet log", api::LOG, &LogRequest { fleet: name, since })?;
+            if common.json {
+                return print_json(&events).map(|()| ExitCode::SUCCESS);
+            }
+            for e in events {
+                let mut line = format!("#{} {} {}: {}", e.seq, e.author, e.kind, e.text.replace('\n', "\n    "));
+                if let Some(r) = &e.run_id {
+                    line.push_str(&format!(" [run {r}]"));
+                }
+                println!("{line}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn define(file: &PathBuf, common: &Common, subject: &str, what: &str) -> Result<ExitCode> {
+    let yaml = read_file(file)?;
+    let reply: DefineReply = request(common, what, subject, &DefineRequest { yaml })?;
+    if common.json {
+        print_json(&reply)?;
+    } else {
+        println!("{} fleet {}", reply.action.as_str(), reply.fleet);
+        for n in &reply.notices {
+            eprintln!("notice: {n}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

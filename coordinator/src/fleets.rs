@@ -1,0 +1,602 @@
+//! The fleet API (`mur.api.fleet.*`, issue #10): definitions, jobs, the kill-switch and
+//! the channel, kept in JetStream ([`mur_proto::fleet_store`] names every key and subject)
+//! so that any coordinator and any client see one state. Every coordinator serves it,
+//! leader or standby: each handler only reads and writes the buckets and the stream, and
+//! every change of a job or a definition is a compare-and-set on the key's revision.
+//!
+//! The rules are the pure ones of [`mur_proto::fleet`]: [`Fleet::parse`] (strict) for
+//! `create` / `apply`, [`Fleet::load_stored`] (lenient) for everything that reads a stored
+//! definition, [`apply_loop_edit`] for `set-loop`, [`Job::transition`] for `cancel`,
+//! [`JobFilter`] for `jobs`. Nothing is written before the request has passed them, so a
+//! refused request changes nothing stored (DESIGN.md invariant 7).
+//!
+//! The same [`Fleets`] handle gives the run engine what it needs: [`Fleets::stop_state`]
+//! (fail closed), [`Fleets::publish`] and [`Fleets::channel`], [`Fleets::jobs_of`] and
+//! [`Fleets::update_job`].
+
+use crate::resources::Resources;
+use async_nats::jetstream::{self, kv, stream};
+use bytes::Bytes;
+use futures::TryStreamExt;
+use mur_proto::cluster::{ApiError, ErrorCode};
+use mur_proto::fleet::{self, Fleet, Job, JobFilter, JobStatus, LoopEdit, apply_loop_edit};
+use mur_proto::fleet_store::{
+    self, CancelRequest, ChannelEvent, DefineAction, DefineReply, DefineRequest, EventKind, FleetInfo, FleetRef,
+    FleetSummary, JobsRequest, LogRequest, SendRequest, Sentinel, SetLoopRequest, StopRequest, StopState, api,
+};
+use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Compare-and-set attempts on one key before giving up.
+const CAS_ATTEMPTS: usize = 8;
+
+/// The longest `fleet.yaml` accepted, in bytes.
+pub const MAX_DEFINITION_BYTES: usize = 1 << 20;
+
+/// One endpoint of the fleet API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `fleet.create`.
+    Create,
+    /// `fleet.apply`.
+    Apply,
+    /// `fleet.ls`.
+    List,
+    /// `fleet.show`.
+    Show,
+    /// `fleet.rm`.
+    Remove,
+    /// `fleet.send`.
+    Send,
+    /// `fleet.jobs`.
+    Jobs,
+    /// `fleet.cancel`.
+    Cancel,
+    /// `fleet.set_loop`.
+    SetLoop,
+    /// `fleet.stop`.
+    Stop,
+    /// `fleet.start`.
+    Start,
+    /// `fleet.log`.
+    Log,
+}
+
+impl Op {
+    /// Every endpoint.
+    pub const ALL: [Op; 12] = [
+        Op::Create,
+        Op::Apply,
+        Op::List,
+        Op::Show,
+        Op::Remove,
+        Op::Send,
+        Op::Jobs,
+        Op::Cancel,
+        Op::SetLoop,
+        Op::Stop,
+        Op::Start,
+        Op::Log,
+    ];
+
+    /// Its subject.
+    pub const fn subject(self) -> &'static str {
+        match self {
+            Op::Create => api::CREATE,
+            Op::Apply => api::APPLY,
+            Op::List => api::LIST,
+            Op::Show => api::SHOW,
+            Op::Remove => api::REMOVE,
+            Op::Send => api::SEND,
+            Op::Jobs => api::JOBS,
+            Op::Cancel => api::CANCEL,
+            Op::SetLoop => api::SET_LOOP,
+            Op::Stop => api::STOP,
+            Op::Start => api::START,
+            Op::Log => api::LOG,
+        }
+    }
+}
+
+/// Handles on the fleet buckets and stream.
+#[derive(Clone)]
+pub struct Fleets {
+    js: jetstream::Context,
+    defs: kv::Store,
+    jobs: kv::Store,
+    channel: stream::Stream,
+    instance: String,
+}
+
+fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Unavailable, format!("{what}: {e}"))
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("{what}: {e}"))
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<Bytes, ApiError> {
+    serde_json::to_vec(value).map(Bytes::from).map_err(|e| internal("reply", e))
+}
+
+fn request<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("request: {e}")))
+}
+
+fn check_name(fleet: &str) -> Result<(), ApiError> {
+    if fleet::is_valid_fleet_name(fleet) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!("fleet: must be 1-64 characters of a-z, 0-9, '-' or '_', got {fleet:?}")))
+    }
+}
+
+fn not_found(fleet: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("fleet: no fleet named {fleet:?} (create it with `mur fleet create FILE`)"),
+    )
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The summary of a stored definition: what loads of it, its kill-switch and job counts,
+/// and the notices of loading it.
+fn summarize(name: &str, text: &str, stop: StopState, jobs: &[Job]) -> (FleetSummary, Vec<String>) {
+    let mut summary = FleetSummary {
+        name: name.to_string(),
+        members: Vec::new(),
+        stop,
+        queued: 0,
+        running: 0,
+        blocked: 0,
+        trigger: "manual".to_string(),
+        done_when: String::new(),
+        error: None,
+    };
+    summary.count(jobs);
+    let notices = match Fleet::load_stored(text) {
+        Ok(f) => {
+            summary.members = f.members;
+            summary.trigger = f.r#loop.trigger.as_text();
+            summary.done_when = f.r#loop.done_when.as_text();
+            f.notices
+        }
+        Err(e) => {
+            summary.error = Some(e.to_string());
+            Vec::new()
+        }
+    };
+    (summary, notices)
+}
+
+impl Fleets {
+    /// Handles on the resources [`crate::resources::ensure`] set up.
+    pub fn new(js: jetstream::Context, res: &Resources, instance: impl Into<String>) -> Fleets {
+        Fleets {
+            js,
+            defs: res.fleets.clone(),
+            jobs: res.jobs.clone(),
+            channel: res.fleet_channel.clone(),
+            instance: instance.into(),
+        }
+    }
+
+    /// Answers one request of `op`: the reply's JSON, or the error.
+    ///
+    /// # Errors
+    /// The request's [`ApiError`].
+    pub async fn handle(&self, op: Op, body: &[u8]) -> Result<Bytes, ApiError> {
+        match op {
+            Op::Create => self.define(request(body)?, false).await.and_then(|r| to_json(&r)),
+            Op::Apply => self.define(request(body)?, true).await.and_then(|r| to_json(&r)),
+            Op::List => self.list().await.and_then(|r| to_json(&r)),
+            Op::Show => self.show(&request::<FleetRef>(body)?.fleet).await.and_then(|r| to_json(&r)),
+            Op::Remove => self.remove(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Send => self.send(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Jobs => self.list_jobs(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Cancel => self.cancel(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::SetLoop => self.set_loop(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Stop => self.stop(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Start => self.start(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Log => self.log(request(body)?).await.and_then(|r| to_json(&r)),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Reads the run engine shares.
+
+    /// The stored definition of `fleet` and its revision.
+    ///
+    /// # Errors
+    /// `not_found` when there is none; `unavailable` when it cannot be read.
+    pub async fn definition(&self, fleet: &str) -> Result<(u64, String), ApiError> {
+        check_name(fleet)?;
+        let entry =
+            self.defs.entry(fleet_store::def_key(fleet)).await.map_err(|e| unavailable("mur_fleets: read", e))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+            return Err(not_found(fleet));
+        };
+        let text = String::from_utf8(entry.value.to_vec()).map_err(|e| internal("mur_fleets: definition", e))?;
+        Ok((entry.revision, text))
+    }
+
+    /// The kill-switch of `fleet`. A sentinel that cannot be read, or does not parse,
+    /// counts as stopped (fail closed).
+    pub async fn stop_state(&self, fleet: &str) -> StopState {
+        match self.defs.get(fleet_store::stopped_key(fleet)).await {
+            Ok(value) => StopState::from_value(value.as_deref()),
+            Err(e) => StopState::Unreadable { error: format!("mur_fleets: read: {e}") },
+        }
+    }
+
+    /// Every job of `fleet` with its revision, oldest first (malformed ones are logged
+    /// and skipped).
+    ///
+    /// # Errors
+    /// `unavailable` when `mur_jobs` cannot be read.
+    pub async fn jobs_of(&self, fleet: &str) -> Result<Vec<(u64, Job)>, ApiError> {
+        let prefix = format!("{fleet}.");
+        let keys = self.job_keys().await?;
+        let mut jobs = Vec::new();
+        for key in keys.into_iter().filter(|k| k.starts_with(&prefix)) {
+            if let Some(job) = self.read_job(&key).await? {
+                jobs.push(job);
+            }
+        }
+        jobs.sort_by(|a, b| a.1.id.cmp(&b.1.id));
+        Ok(jobs)
+    }
+
+    async fn job_keys(&self) -> Result<Vec<String>, ApiError> {
+        self.jobs
+            .keys()
+            .await
+            .map_err(|e| unavailable("mur_jobs: keys", e))?
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_jobs: keys", e))
+    }
+
+    async fn read_job(&self, key: &str) -> Result<Option<(u64, Job)>, ApiError> {
+        let entry = self.jobs.entry(key).await.map_err(|e| unavailable("mur_jobs: read", e))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else { return Ok(None) };
+        match serde_json::from_slice::<Job>(&entry.value) {
+            Ok(job) => Ok(Some((entry.revision, job))),
+            Err(e) => {
+                tracing::warn!(instance = %self.instance, key, "skipping a malformed job: {e}");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Changes a job with `change` under a compare-and-set, retrying when another writer
+    /// got there first; returns the job as written.
+    ///
+    /// # Errors
+    /// What `change` returns (it sees the current job each attempt); `not_found` when the
+    /// job is gone; `unavailable` when the bucket cannot be read or written.
+    pub async fn update_job(
+        &self,
+        fleet: &str,
+        job_id: &str,
+        mut change: impl FnMut(&mut Job) -> Result<(), ApiError>,
+    ) -> Result<Job, ApiError> {
+        let key = fleet_store::job_key(fleet, job_id);
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((revision, mut job)) = self.read_job(&key).await? else {
+                return Err(ApiError::new(ErrorCode::NotFound, format!("job: no job {job_id} in fleet {fleet}")));
+            };
+            change(&mut job)?;
+            match self.jobs.update(&key, to_json(&job)?, revision).await {
+                Ok(_) => return Ok(job),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable("mur_jobs: update", e)),
+            }
+        }
+        Err(ApiError::new(ErrorCode::Unavailable, format!("job {job_id}: changed too often, retry")))
+    }
+
+    /// Appends `event` to `fleet`'s channel and returns its sequence number (the stream's,
+    /// from the publish ack).
+    ///
+    /// # Errors
+    /// `unavailable` when the stream does not take it.
+    pub async fn publish(&self, fleet: &str, event: &ChannelEvent) -> Result<u64, ApiError> {
+        let subject = fleet_store::channel_subject(fleet);
+        let ack = self
+            .js
+            .publish(subject, to_json(event)?)
+            .await
+            .map_err(|e| unavailable(&format!("{}: publish", fleet_store::FLEET_STREAM), e))?;
+        let ack = ack.await.map_err(|e| unavailable(&format!("{}: publish ack", fleet_store::FLEET_STREAM), e))?;
+        Ok(ack.sequence)
+    }
+
+    /// Publishes a system event, logging (not failing) when the stream does not take it:
+    /// the change it reports is already stored.
+    async fn note(&self, fleet: &str, kind: EventKind, text: String, job_id: Option<&str>) {
+        let mut event = ChannelEvent::system(kind, text, now_ms());
+        event.job_id = job_id.map(str::to_string);
+        if let Err(e) = self.publish(fleet, &event).await {
+            tracing::warn!(instance = %self.instance, fleet, "channel event not written: {e}");
+        }
+    }
+
+    /// The events of `fleet`'s channel with a sequence number above `since`, oldest
+    /// first, at most [`fleet_store::MAX_LOG_EVENTS`].
+    ///
+    /// # Errors
+    /// `unavailable` when the stream cannot be read.
+    pub async fn channel(&self, fleet: &str, since: u64) -> Result<Vec<ChannelEvent>, ApiError> {
+        let subject = fleet_store::channel_subject(fleet);
+        let mut next = since + 1;
+        let mut events = Vec::new();
+        while events.len() < fleet_store::MAX_LOG_EVENTS {
+            let message = match self.channel.direct_get_next_for_subject(subject.as_str(), Some(next)).await {
+                Ok(m) => m,
+                Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => break,
+                Err(e) => return Err(unavailable(&format!("{}: read", fleet_store::FLEET_STREAM), e)),
+            };
+            next = message.sequence + 1;
+            match serde_json::from_slice::<ChannelEvent>(&message.payload) {
+                Ok(mut event) => {
+                    event.seq = message.sequence;
+                    events.push(event);
+                }
+                Err(e) => {
+                    tracing::warn!(instance = %self.instance, fleet, seq = message.sequence, "skipping a malformed channel event: {e}");
+                }
+            }
+        }
+        Ok(events)
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Handlers.
+
+    /// `fleet.create` (`replace` false) and `fleet.apply` (`replace` true): validates
+    /// strictly, then stores the text as given.
+    async fn define(&self, req: DefineRequest, replace: bool) -> Result<DefineReply, ApiError> {
+        if req.yaml.len() > MAX_DEFINITION_BYTES {
+            return Err(ApiError::invalid(format!(
+                "fleet.yaml: at most {MAX_DEFINITION_BYTES} bytes, got {}",
+                req.yaml.len()
+            )));
+        }
+        let fleet = Fleet::parse(&req.yaml).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let key = fleet_store::def_key(&fleet.name);
+        let value = Bytes::from(req.yaml.clone());
+        for _ in 0..CAS_ATTEMPTS {
+            let existing = self.defs.entry(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?;
+            let action = match existing.filter(|e| e.operation == kv::Operation::Put) {
+                Some(_) if !replace => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("fleet {} already exists (replace it with `mur fleet apply FILE`)", fleet.name),
+                    ));
+                }
+                Some(entry) if entry.value == value => DefineAction::Unchanged,
+                Some(entry) => match self.defs.update(&key, value.clone(), entry.revision).await {
+                    Ok(_) => DefineAction::Replaced,
+                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                    Err(e) => return Err(unavailable("mur_fleets: update", e)),
+                },
+                None => match self.defs.create(&key, value.clone()).await {
+                    Ok(_) => DefineAction::Created,
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(unavailable("mur_fleets: create", e)),
+                },
+            };
+            tracing::info!(instance = %self.instance, fleet = %fleet.name, action = action.as_str(), "fleet defined");
+            return Ok(DefineReply { fleet: fleet.name, action, notices: fleet.notices });
+        }
+        Err(ApiError::new(ErrorCode::Unavailable, format!("fleet {}: changed too often, retry", fleet.name)))
+    }
+
+    /// `fleet.ls`: every fleet, by name.
+    async fn list(&self) -> Result<Vec<FleetSummary>, ApiError> {
+        let keys: Vec<String> = self
+            .defs
+            .keys()
+            .await
+            .map_err(|e| unavailable("mur_fleets: keys", e))?
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_fleets: keys", e))?;
+        let mut jobs: BTreeMap<String, Vec<Job>> = BTreeMap::new();
+        for key in self.job_keys().await? {
+            if let Some((fleet, _)) = fleet_store::split_job_key(&key)
+                && let Some((_, job)) = self.read_job(&key).await?
+            {
+                jobs.entry(fleet.to_string()).or_default().push(job);
+            }
+        }
+        let mut out = Vec::new();
+        for name in keys.iter().filter_map(|k| fleet_store::fleet_of_def_key(k)) {
+            let Some(text) =
+                self.defs.get(fleet_store::def_key(name)).await.map_err(|e| unavailable("mur_fleets: read", e))?
+            else {
+                continue;
+            };
+            let text = String::from_utf8_lossy(&text);
+            let stop = self.stop_state(name).await;
+            out.push(summarize(name, &text, stop, jobs.get(name).map_or(&[][..], Vec::as_slice)).0);
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// `fleet.show`.
+    async fn show(&self, fleet: &str) -> Result<FleetInfo, ApiError> {
+        let (revision, yaml) = self.definition(fleet).await?;
+        let stop = self.stop_state(fleet).await;
+        let jobs: Vec<Job> = self.jobs_of(fleet).await?.into_iter().map(|(_, j)| j).collect();
+        let (summary, notices) = summarize(fleet, &yaml, stop, &jobs);
+        Ok(FleetInfo { summary, notices, yaml, revision })
+    }
+
+    /// `fleet.rm`: the definition, the sentinel, the jobs and the channel go.
+    async fn remove(&self, req: FleetRef) -> Result<FleetRef, ApiError> {
+        self.definition(&req.fleet).await?;
+        for (_, job) in self.jobs_of(&req.fleet).await? {
+            self.jobs
+                .purge(fleet_store::job_key(&req.fleet, &job.id))
+                .await
+                .map_err(|e| unavailable("mur_jobs: purge", e))?;
+        }
+        self.channel
+            .purge()
+            .filter(fleet_store::channel_subject(&req.fleet))
+            .await
+            .map_err(|e| unavailable(&format!("{}: purge", fleet_store::FLEET_STREAM), e))?;
+        self.defs.purge(fleet_store::stopped_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        self.defs.purge(fleet_store::def_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet removed");
+        Ok(req)
+    }
+
+    /// `fleet.send`: queues a job; runs nothing.
+    async fn send(&self, req: SendRequest) -> Result<Job, ApiError> {
+        self.definition(&req.fleet).await?;
+        if req.text.trim().is_empty() {
+            return Err(ApiError::invalid("text: must not be empty"));
+        }
+        if req.text.len() > fleet_store::MAX_JOB_BYTES {
+            return Err(ApiError::invalid(format!(
+                "text: at most {} bytes, got {}",
+                fleet_store::MAX_JOB_BYTES,
+                req.text.len()
+            )));
+        }
+        let source = req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string());
+        let job = Job::new(req.text, source, now_ms());
+        self.jobs
+            .create(fleet_store::job_key(&req.fleet, &job.id), to_json(&job)?)
+            .await
+            .map_err(|e| unavailable("mur_jobs: create", e))?;
+        tracing::info!(instance = %self.instance, fleet = %req.fleet, job = %job.id, "job queued");
+        self.note(&req.fleet, EventKind::StateChange, format!("job {} queued", job.id), Some(&job.id)).await;
+        Ok(job)
+    }
+
+    /// `fleet.jobs`.
+    async fn list_jobs(&self, req: JobsRequest) -> Result<Vec<Job>, ApiError> {
+        self.definition(&req.fleet).await?;
+        let filter = JobFilter { all: req.all, since: req.since };
+        Ok(self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j)).collect())
+    }
+
+    /// `fleet.cancel`: a queued, running or blocked job becomes canceled; a finished one is
+    /// a conflict.
+    async fn cancel(&self, req: CancelRequest) -> Result<Job, ApiError> {
+        self.definition(&req.fleet).await?;
+        let wanted = req.job.trim();
+        if wanted.is_empty() {
+            return Err(ApiError::invalid("job: required"));
+        }
+        let jobs = self.jobs_of(&req.fleet).await?;
+        let matching: Vec<&Job> = match jobs.iter().find(|(_, j)| j.id == wanted) {
+            Some((_, j)) => vec![j],
+            None => jobs.iter().map(|(_, j)| j).filter(|j| j.id.starts_with(wanted)).collect(),
+        };
+        let id = match matching.as_slice() {
+            [] => {
+                return Err(ApiError::new(ErrorCode::NotFound, format!("job: no job {wanted} in fleet {}", req.fleet)));
+            }
+            [one] => one.id.clone(),
+            many => {
+                return Err(ApiError::invalid(format!(
+                    "job: {wanted:?} names {} jobs of fleet {}; give more of the id",
+                    many.len(),
+                    req.fleet
+                )));
+            }
+        };
+        let now = now_ms();
+        let job = self
+            .update_job(&req.fleet, &id, |job| {
+                if job.status.is_terminal() {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "job {} has already ended ({}); only a queued, running or blocked job can be canceled",
+                            job.id, job.status
+                        ),
+                    ));
+                }
+                job.transition(JobStatus::Canceled, now).map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+            })
+            .await?;
+        tracing::info!(instance = %self.instance, fleet = %req.fleet, job = %job.id, "job canceled");
+        self.note(&req.fleet, EventKind::StateChange, format!("job {} canceled", job.id), Some(&job.id)).await;
+        Ok(job)
+    }
+
+    /// `fleet.set_loop`: judges only the values given, with the parsers execution uses.
+    async fn set_loop(&self, req: SetLoopRequest) -> Result<FleetInfo, ApiError> {
+        let edit = LoopEdit {
+            trigger: req.trigger,
+            done_when: req.done_when,
+            deadline: req.deadline,
+            budget_usd: req.budget_usd,
+        };
+        if edit == LoopEdit::default() {
+            return Err(ApiError::invalid("give at least one of --done-when, --trigger, --deadline, --budget-usd"));
+        }
+        let key = fleet_store::def_key(&req.fleet);
+        for _ in 0..CAS_ATTEMPTS {
+            let (revision, stored) = self.definition(&req.fleet).await?;
+            let text = apply_loop_edit(&stored, &edit).map_err(|e| ApiError::invalid(e.to_string()))?;
+            match self.defs.update(&key, Bytes::from(text), revision).await {
+                Ok(_) => {
+                    tracing::info!(instance = %self.instance, fleet = %req.fleet, "loop settings changed");
+                    return self.show(&req.fleet).await;
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable("mur_fleets: update", e)),
+            }
+        }
+        Err(ApiError::new(ErrorCode::Unavailable, format!("fleet {}: changed too often, retry", req.fleet)))
+    }
+
+    /// `fleet.stop`: writes the sentinel (a fleet already stopped keeps its sentinel).
+    async fn stop(&self, req: StopRequest) -> Result<FleetInfo, ApiError> {
+        self.definition(&req.fleet).await?;
+        if !matches!(self.stop_state(&req.fleet).await, StopState::Stopped { .. }) {
+            let sentinel = Sentinel { at: now_ms(), by: req.by.clone() };
+            self.defs
+                .put(fleet_store::stopped_key(&req.fleet), to_json(&sentinel)?)
+                .await
+                .map_err(|e| unavailable("mur_fleets: put", e))?;
+            tracing::info!(instance = %self.instance, fleet = %req.fleet, by = %req.by, "fleet stopped");
+            self.note(&req.fleet, EventKind::StateChange, format!("stopped by {}", req.by), None).await;
+        }
+        self.show(&req.fleet).await
+    }
+
+    /// `fleet.start`: clears the sentinel.
+    async fn start(&self, req: FleetRef) -> Result<FleetInfo, ApiError> {
+        self.definition(&req.fleet).await?;
+        let key = fleet_store::stopped_key(&req.fleet);
+        let present = self.defs.get(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?.is_some();
+        if present {
+            self.defs.purge(&key).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+            tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet started");
+            self.note(&req.fleet, EventKind::StateChange, "started: the kill-switch is cleared".to_string(), None)
+                .await;
+        }
+        self.show(&req.fleet).await
+    }
+
+    /// `fleet.log`.
+    async fn log(&self, req: LogRequest) -> Result<Vec<ChannelEvent>, ApiError> {
+        self.definition(&req.fleet).await?;
+        self.channel(&req.fleet, req.since.unwrap_or(0)).await
+    }
+}

@@ -1,0 +1,500 @@
+//! Where fleets live on the cluster, and the `mur.api.fleet.*` API's records: the names of
+//! the `mur_fleets` and `mur_jobs` buckets and of the `MUR_FLEET` stream, their keys and
+//! subjects, the kill-switch sentinel, the fleet channel's events, and the requests and
+//! replies of `mur fleet …`.
+//!
+//! The seed keeps fleets as files under `~/.mur/fleets/<name>/`; the cluster keeps the same
+//! things in JetStream so every coordinator and every client sees one state (issue #10):
+//!
+//! | seed file | here |
+//! |---|---|
+//! | `fleet.yaml` | `mur_fleets` key `def.<fleet>`: the YAML text as stored |
+//! | `.stopped` | `mur_fleets` key `stopped.<fleet>`: a [`Sentinel`] (JSON) |
+//! | `jobs/<uuid>.yaml` | `mur_jobs` key `<fleet>.<uuid>`: a [`crate::fleet::Job`] (JSON); every change a compare-and-set |
+//! | the fleet's channel | stream `MUR_FLEET`, subject `mur.fleet.<fleet>.channel`: [`ChannelEvent`]s |
+//!
+//! Loop settings (`mur fleet set-loop`) are kept in the definition's `loop:` block
+//! ([`crate::fleet::apply_loop_edit`]), so there is one source for what a run reads.
+//!
+//! Pure: no IO, no clock (callers pass unix milliseconds in).
+
+use crate::fleet::{Job, JobStatus};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// KV bucket of fleet definitions and kill-switch sentinels ([`def_key`], [`stopped_key`]).
+pub const FLEETS_BUCKET: &str = "mur_fleets";
+/// KV bucket of fleet jobs ([`job_key`]).
+pub const JOBS_BUCKET: &str = "mur_jobs";
+/// Revisions kept per key of [`FLEETS_BUCKET`]: earlier definitions stay readable.
+pub const FLEETS_HISTORY: u8 = 5;
+/// Revisions kept per key of [`JOBS_BUCKET`].
+pub const JOBS_HISTORY: u8 = 5;
+/// The stream of every fleet's channel ([`channel_subject`]).
+pub const FLEET_STREAM: &str = "MUR_FLEET";
+/// The subjects of [`FLEET_STREAM`].
+pub const FLEET_SUBJECTS: &str = "mur.fleet.>";
+/// The longest job text `mur fleet send` takes, in bytes (as a task's text).
+pub const MAX_JOB_BYTES: usize = 1 << 20;
+/// The most events one `fleet.log` answer holds (the oldest after `since`).
+pub const MAX_LOG_EVENTS: usize = 10_000;
+
+/// The key of a fleet's definition: `def.<fleet>`.
+pub fn def_key(fleet: &str) -> String {
+    format!("def.{fleet}")
+}
+
+/// The key of a fleet's kill-switch sentinel: `stopped.<fleet>`.
+pub fn stopped_key(fleet: &str) -> String {
+    format!("stopped.{fleet}")
+}
+
+/// The fleet a [`FLEETS_BUCKET`] key defines, when it is a `def.` key.
+pub fn fleet_of_def_key(key: &str) -> Option<&str> {
+    key.strip_prefix("def.")
+}
+
+/// The key of a job: `<fleet>.<job id>`. Fleet names have no dot, so the fleet is the part
+/// before the first one.
+pub fn job_key(fleet: &str, job_id: &str) -> String {
+    format!("{fleet}.{job_id}")
+}
+
+/// The fleet and job id of a [`JOBS_BUCKET`] key.
+pub fn split_job_key(key: &str) -> Option<(&str, &str)> {
+    key.split_once('.')
+}
+
+/// The subject of a fleet's channel: `mur.fleet.<fleet>.channel`.
+pub fn channel_subject(fleet: &str) -> String {
+    format!("mur.fleet.{fleet}.channel")
+}
+
+/// The API subjects of `mur fleet …` (endpoints of the `mur` micro service, like
+/// [`crate::cluster::api`]). Each takes a JSON request and answers JSON, or an
+/// [`crate::cluster::ApiError`].
+pub mod api {
+    /// [`super::DefineRequest`] → [`super::DefineReply`]; refused when the fleet exists.
+    pub const CREATE: &str = "mur.api.fleet.create";
+    /// [`super::DefineRequest`] → [`super::DefineReply`]: create or replace.
+    pub const APPLY: &str = "mur.api.fleet.apply";
+    /// Empty → a JSON array of [`super::FleetSummary`], by name.
+    pub const LIST: &str = "mur.api.fleet.ls";
+    /// [`super::FleetRef`] → [`super::FleetInfo`].
+    pub const SHOW: &str = "mur.api.fleet.show";
+    /// [`super::FleetRef`] → [`super::FleetRef`]: the definition, sentinel, jobs and channel go.
+    pub const REMOVE: &str = "mur.api.fleet.rm";
+    /// [`super::SendRequest`] → the queued [`crate::fleet::Job`].
+    pub const SEND: &str = "mur.api.fleet.send";
+    /// [`super::JobsRequest`] → a JSON array of [`crate::fleet::Job`], oldest first.
+    pub const JOBS: &str = "mur.api.fleet.jobs";
+    /// [`super::CancelRequest`] → the canceled [`crate::fleet::Job`].
+    pub const CANCEL: &str = "mur.api.fleet.cancel";
+    /// [`super::SetLoopRequest`] → [`super::FleetInfo`] after the edit.
+    pub const SET_LOOP: &str = "mur.api.fleet.set_loop";
+    /// [`super::StopRequest`] → [`super::FleetInfo`]: writes the sentinel.
+    pub const STOP: &str = "mur.api.fleet.stop";
+    /// [`super::FleetRef`] → [`super::FleetInfo`]: clears the sentinel.
+    pub const START: &str = "mur.api.fleet.start";
+    /// [`super::LogRequest`] → a JSON array of [`super::ChannelEvent`], oldest first.
+    pub const LOG: &str = "mur.api.fleet.log";
+}
+
+// ---------------------------------------------------------------------------------------
+// The kill-switch.
+
+/// The kill-switch sentinel (`mur fleet stop`): who set it and when (unix ms).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sentinel {
+    /// When it was written.
+    pub at: u64,
+    /// Who wrote it (`user@host`, or what `--by` said).
+    pub by: String,
+}
+
+/// Whether a fleet may start work, as its sentinel says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum StopState {
+    /// No sentinel: runs, the loop and the scheduler may start work.
+    Started,
+    /// The sentinel is set.
+    Stopped {
+        /// The sentinel.
+        sentinel: Sentinel,
+    },
+    /// The sentinel could not be read (a read error, or a value that does not parse): the
+    /// fleet counts as stopped (fail closed, DESIGN.md invariant 6).
+    Unreadable {
+        /// Why.
+        error: String,
+    },
+}
+
+impl StopState {
+    /// The state a sentinel key's value gives: absent → started; a [`Sentinel`] →
+    /// stopped; anything else → unreadable.
+    pub fn from_value(value: Option<&[u8]>) -> StopState {
+        match value {
+            None => StopState::Started,
+            Some(bytes) => match serde_json::from_slice::<Sentinel>(bytes) {
+                Ok(sentinel) => StopState::Stopped { sentinel },
+                Err(e) => StopState::Unreadable { error: format!("sentinel: {e}") },
+            },
+        }
+    }
+
+    /// Whether work must not start: stopped, or unreadable (fail closed).
+    pub fn is_stopped(&self) -> bool {
+        !matches!(self, StopState::Started)
+    }
+
+    /// `started`, `stopped` or `stopped (sentinel unreadable)`, as `mur fleet ls` shows it.
+    pub fn label(&self) -> &'static str {
+        match self {
+            StopState::Started => "started",
+            StopState::Stopped { .. } => "stopped",
+            StopState::Unreadable { .. } => "stopped (sentinel unreadable)",
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The channel.
+
+/// Who wrote a channel event.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Author {
+    /// The coordinator: state changes, stop reasons, jobs queued and canceled.
+    System,
+    /// The fleet's router: plans, decisions, the marker synthesis.
+    Router,
+    /// A member capsule, by name: its replies.
+    Member(String),
+}
+
+impl Author {
+    /// Whether the event is agent-authored progress for stuck detection and marker matching:
+    /// a member's (a router-only iteration is not progress, §The bounds).
+    pub fn is_member(&self) -> bool {
+        matches!(self, Author::Member(_))
+    }
+}
+
+impl fmt::Display for Author {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Author::System => f.write_str("system"),
+            Author::Router => f.write_str("router"),
+            Author::Member(m) => write!(f, "member:{m}"),
+        }
+    }
+}
+
+/// What a channel event is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum EventKind {
+    /// A step handed to a member.
+    Delegation,
+    /// A member's reply.
+    Reply,
+    /// A router decision (a plan, DONE or CONTINUE).
+    Decision,
+    /// A change of state: of the fleet (stopped, started), of a loop, or of a job.
+    StateChange,
+    /// Why a loop stopped.
+    Stop,
+    /// Anything else worth reading.
+    Note,
+    /// A kind this version does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+impl EventKind {
+    /// The wire spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Delegation => "delegation",
+            EventKind::Reply => "reply",
+            EventKind::Decision => "decision",
+            EventKind::StateChange => "state-change",
+            EventKind::Stop => "stop",
+            EventKind::Note => "note",
+            EventKind::Unknown => "unknown",
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One event of a fleet's channel. Published as JSON on [`channel_subject`] with the
+/// JetStream publish ack; `seq` is the stream sequence, filled in when read (0 in what is
+/// published).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelEvent {
+    /// The stream sequence: increasing within the channel (not dense: channels share a
+    /// stream).
+    #[serde(default)]
+    pub seq: u64,
+    /// When it was written, unix ms.
+    pub at: u64,
+    /// Who wrote it.
+    pub author: Author,
+    /// What it is.
+    pub kind: EventKind,
+    /// The text: a delegated task, a reply, a decision, a stop reason.
+    pub text: String,
+    /// The run it belongs to (a loop iteration's `<id>-<n>`).
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// The job it is about.
+    #[serde(default)]
+    pub job_id: Option<String>,
+}
+
+impl ChannelEvent {
+    /// A system event (`seq` 0 until read back).
+    pub fn system(kind: EventKind, text: impl Into<String>, at: u64) -> ChannelEvent {
+        ChannelEvent { seq: 0, at, author: Author::System, kind, text: text.into(), run_id: None, job_id: None }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Requests and replies.
+
+/// Names a fleet: `{"fleet": "builder"}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetRef {
+    /// The fleet's name.
+    pub fleet: String,
+}
+
+/// `fleet.create` / `fleet.apply`: the `fleet.yaml` text.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DefineRequest {
+    /// The text, stored as given once it validates strictly.
+    pub yaml: String,
+}
+
+/// What `fleet.create` / `fleet.apply` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DefineAction {
+    /// There was no such fleet.
+    Created,
+    /// The stored definition was replaced.
+    Replaced,
+    /// The stored definition was the same text; nothing was written.
+    Unchanged,
+}
+
+impl DefineAction {
+    /// `created`, `replaced` or `unchanged`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DefineAction::Created => "created",
+            DefineAction::Replaced => "replaced",
+            DefineAction::Unchanged => "unchanged",
+        }
+    }
+}
+
+/// The answer of `fleet.create` / `fleet.apply`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefineReply {
+    /// The fleet.
+    pub fleet: String,
+    /// What was done.
+    pub action: DefineAction,
+    /// Notices of the definition (an ignored `loop.max_iterations`).
+    #[serde(default)]
+    pub notices: Vec<String>,
+}
+
+/// A row of `mur fleet ls`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FleetSummary {
+    /// The fleet.
+    pub name: String,
+    /// Its members, in order (empty when the stored definition does not load).
+    pub members: Vec<String>,
+    /// The kill-switch.
+    pub stop: StopState,
+    /// Jobs per status: queued, running, blocked (terminal ones are not counted).
+    pub queued: u64,
+    /// See `queued`.
+    pub running: u64,
+    /// See `queued`.
+    pub blocked: u64,
+    /// `loop.trigger` as written (`manual` by default).
+    pub trigger: String,
+    /// `loop.done_when` as written (empty: the router judges).
+    pub done_when: String,
+    /// Why the stored definition does not load, if it does not.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// `mur fleet show`: a summary, the notices of loading it, and the stored text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FleetInfo {
+    /// As `ls` shows it.
+    #[serde(flatten)]
+    pub summary: FleetSummary,
+    /// Values stored by an older version and read differently now (`path: what happens`).
+    pub notices: Vec<String>,
+    /// The definition as stored.
+    pub yaml: String,
+    /// The definition's revision in [`FLEETS_BUCKET`].
+    pub revision: u64,
+}
+
+impl FleetSummary {
+    /// Counts the non-terminal jobs by status.
+    pub fn count(&mut self, jobs: &[Job]) {
+        for j in jobs {
+            match j.status {
+                JobStatus::Queued => self.queued += 1,
+                JobStatus::Running => self.running += 1,
+                JobStatus::Blocked => self.blocked += 1,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// `fleet.send`: queue a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// The work.
+    pub text: String,
+    /// Who queues it; default [`crate::fleet::SOURCE_CLI`].
+    #[serde(default)]
+    pub source: Option<String>,
+}
+
+/// `fleet.jobs`: which jobs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobsRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// Include terminal jobs.
+    #[serde(default)]
+    pub all: bool,
+    /// Only jobs whose run id starts with this.
+    #[serde(default)]
+    pub since: Option<String>,
+}
+
+/// `fleet.cancel`: a job by id or by a prefix naming one job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// The job's id, or a prefix of it that names one job.
+    pub job: String,
+}
+
+/// `fleet.set_loop`: only the fields given are judged and changed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetLoopRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// `--trigger`.
+    #[serde(default)]
+    pub trigger: Option<String>,
+    /// `--done-when`.
+    #[serde(default)]
+    pub done_when: Option<String>,
+    /// `--deadline`.
+    #[serde(default)]
+    pub deadline: Option<String>,
+    /// `--budget-usd` (any number: the validator judges it).
+    #[serde(default)]
+    pub budget_usd: Option<f64>,
+}
+
+/// `fleet.stop`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// Who stops it.
+    pub by: String,
+}
+
+/// `fleet.log`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// Only events with a sequence number above this one.
+    #[serde(default)]
+    pub since: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_subjects() {
+        assert_eq!(def_key("builder"), "def.builder");
+        assert_eq!(stopped_key("builder"), "stopped.builder");
+        assert_eq!(fleet_of_def_key("def.builder"), Some("builder"));
+        assert_eq!(fleet_of_def_key("stopped.builder"), None);
+        let key = job_key("dev-team", "0190b6a0-0000-7000-8000-000000000000");
+        assert_eq!(split_job_key(&key), Some(("dev-team", "0190b6a0-0000-7000-8000-000000000000")));
+        assert_eq!(channel_subject("dev_1"), "mur.fleet.dev_1.channel");
+    }
+
+    #[test]
+    fn an_unreadable_sentinel_counts_as_stopped() {
+        assert_eq!(StopState::from_value(None), StopState::Started);
+        assert!(!StopState::Started.is_stopped());
+        let set = StopState::from_value(Some(br#"{"at":5,"by":"ann"}"#));
+        assert_eq!(set, StopState::Stopped { sentinel: Sentinel { at: 5, by: "ann".into() } });
+        assert!(set.is_stopped());
+        let bad = StopState::from_value(Some(b"stopped"));
+        assert!(bad.is_stopped());
+        assert_eq!(bad.label(), "stopped (sentinel unreadable)");
+        assert_eq!(
+            serde_json::to_value(&bad).unwrap(),
+            serde_json::json!({"state": "unreadable", "error": "sentinel: expected value at line 1 column 1"})
+        );
+    }
+
+    #[test]
+    fn channel_events_round_trip_and_unknown_kinds_read() {
+        let mut e = ChannelEvent::system(EventKind::StateChange, "stopped by ann", 7);
+        e.job_id = Some("j".into());
+        let text = serde_json::to_string(&e).unwrap();
+        assert_eq!(
+            text,
+            r#"{"seq":0,"at":7,"author":"system","kind":"state-change","text":"stopped by ann","run_id":null,"job_id":"j"}"#
+        );
+        assert_eq!(serde_json::from_str::<ChannelEvent>(&text).unwrap(), e);
+        let member: ChannelEvent =
+            serde_json::from_str(r#"{"at":1,"author":{"member":"w"},"kind":"telepathy","text":"x"}"#).unwrap();
+        assert_eq!((member.author.to_string(), member.kind), ("member:w".to_string(), EventKind::Unknown));
+        assert!(member.author.is_member() && !Author::Router.is_member());
+    }
+}

@@ -1,0 +1,550 @@
+//! `mur fleet …` against an in-process cluster (issue #10, storage/API/CLI part): the real
+//! `mur` binary talks to the coordinator's `mur.api.fleet.*` endpoints, which keep fleets in
+//! `mur_fleets`, jobs in `mur_jobs` and the channel in `MUR_FLEET`. What a run engine would
+//! write (claimed and finished jobs, member replies) is written here straight into the
+//! buckets and the stream.
+
+use anyhow::Result;
+use mur_coordinator::fleets::Fleets;
+use mur_proto::fleet::{Job, JobStatus};
+use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, Sentinel, StopState};
+use mur_tests::mur::{Run, mur};
+use mur_tests::sandbox::Sandbox;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Runs `mur fleet ARGS` against the sandbox.
+fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
+    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()).env("USER", "tester"))
+}
+
+/// Runs `mur fleet ARGS` and expects success.
+fn ok(sb: &Sandbox, args: &[&str]) -> Run {
+    let run = fleet(sb, args);
+    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
+    run
+}
+
+/// Runs `mur fleet ARGS`, expects it refused, and returns its stderr.
+fn refused(sb: &Sandbox, args: &[&str]) -> String {
+    let run = fleet(sb, args);
+    assert_eq!((run.code, run.stdout.as_str()), (2, ""), "mur fleet {args:?} should be refused: {run:?}");
+    run.stderr
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn example(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+async fn fleets_kv(sb: &Sandbox) -> async_nats::jetstream::kv::Store {
+    async_nats::jetstream::new(sb.client.clone()).get_key_value(fleet_store::FLEETS_BUCKET).await.unwrap()
+}
+
+async fn jobs_kv(sb: &Sandbox) -> async_nats::jetstream::kv::Store {
+    async_nats::jetstream::new(sb.client.clone()).get_key_value(fleet_store::JOBS_BUCKET).await.unwrap()
+}
+
+/// A handle on the fleet state as another coordinator would hold it.
+async fn handle(sb: &Sandbox) -> Fleets {
+    let js = async_nats::jetstream::new(sb.nats.connect().await);
+    let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.unwrap();
+    Fleets::new(js, &res, "test")
+}
+
+const PAIR: &str = "name: pair\ngoal: Answer the question.\nmembers: [writer, critic]\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn definitions_round_trip_through_create_apply_ls_show_and_rm() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let builder = example("examples/fleets/builder.yaml");
+    let builder = builder.to_str().unwrap();
+    let builder_text = std::fs::read_to_string(builder)?;
+
+    assert_eq!(ok(&sb, &["create", builder]).stdout, "created fleet builder\n");
+    assert_eq!(
+        refused(&sb, &["create", builder]),
+        "mur: conflict: fleet builder already exists (replace it with `mur fleet apply FILE`)\n"
+    );
+    assert_eq!(ok(&sb, &["apply", builder]).stdout, "unchanged fleet builder\n");
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    assert_eq!(ok(&sb, &["apply", pair.to_str().unwrap()]).stdout, "created fleet pair\n");
+    let pair2 = write(dir.path(), "pair2.yaml", &format!("{PAIR}loop:\n  trigger: interval:1h\n  max_iterations: 8\n"));
+    let applied = ok(&sb, &["apply", pair2.to_str().unwrap()]);
+    assert_eq!(applied.stdout, "replaced fleet pair\n");
+    assert_eq!(
+        applied.stderr,
+        "notice: loop.max_iterations: is ignored: loops are bounded by deadline, stuck and cost \
+         (a 10000-iteration diagnostic ceiling remains)\n"
+    );
+    assert_eq!(
+        ok(&sb, &["apply", pair.to_str().unwrap(), "--json"]).last_json(),
+        json!({"fleet": "pair", "action": "replaced", "notices": []})
+    );
+
+    let ls = ok(&sb, &["ls"]).stdout;
+    let rows: Vec<Vec<&str>> = ls.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(
+        rows,
+        [
+            vec!["FLEET", "STATE", "MEMBERS", "QUEUED", "RUNNING", "BLOCKED", "TRIGGER", "DONE_WHEN"],
+            vec!["builder", "started", "builder", "0", "0", "0", "manual", "queue-empty"],
+            vec!["pair", "started", "writer,critic", "0", "0", "0", "manual"],
+        ]
+    );
+    let ls = ok(&sb, &["ls", "--json"]).last_json();
+    assert_eq!(
+        ls[1],
+        json!({"name": "pair", "members": ["writer", "critic"], "stop": {"state": "started"}, "queued": 0,
+               "running": 0, "blocked": 0, "trigger": "manual", "done_when": "", "error": null})
+    );
+
+    assert_eq!(
+        ok(&sb, &["show", "builder"]).stdout,
+        format!(
+            "fleet     builder\nstate     started\nmembers   builder\nloop      trigger manual; done_when queue-empty\n\
+             jobs      0 queued, 0 running, 0 blocked\n---\n{builder_text}"
+        )
+    );
+    let show = ok(&sb, &["show", "pair", "--json"]).last_json();
+    assert_eq!((show["yaml"].as_str(), show["notices"].clone()), (Some(PAIR), json!([])));
+
+    assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
+    assert_eq!(
+        refused(&sb, &["show", "pair"]),
+        "mur: not_found: fleet: no fleet named \"pair\" (create it with `mur fleet create FILE`)\n"
+    );
+    assert_eq!(ok(&sb, &["ls", "--json"]).last_json(), json!([ls[0].clone()]));
+    assert_eq!(
+        refused(&sb, &["show", "Bad"]),
+        "mur: invalid_request: fleet: must be 1-64 characters of a-z, 0-9, '-' or '_', got \"Bad\"\n"
+    );
+    sb.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_fleet_yaml_is_refused_naming_the_field_and_nothing_stored_changes() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    let kv = fleets_kv(&sb).await;
+    let before = kv.entry("def.pair").await?.unwrap();
+
+    let broken = write(
+        dir.path(),
+        "broken.yaml",
+        &format!("{PAIR}fanout: 0\nloop:\n  done_when: DONE\n  deadline: 2026-12-31\n"),
+    );
+    assert_eq!(
+        refused(&sb, &["apply", broken.to_str().unwrap()]),
+        "mur: invalid_request: loop.done_when: must be empty (the router judges), queue-empty or marker:<TEXT>; \
+         the marker: prefix is required (marker:DONE), got \"DONE\"\n\
+         loop.deadline: must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, \
+         got \"2026-12-31\"\n\
+         fanout: must be a positive integer, got 0\n"
+    );
+    let unknown = write(dir.path(), "unknown.yaml", &format!("{PAIR}loop:\n  max_iteration: 3\n"));
+    let err = refused(&sb, &["apply", unknown.to_str().unwrap()]);
+    assert!(err.starts_with("mur: invalid_request: loop: unknown field `max_iteration`"), "{err}");
+    let members = write(dir.path(), "members.yaml", "name: pair\nmembers: [Writer, critic, critic]\n");
+    assert_eq!(
+        refused(&sb, &["apply", members.to_str().unwrap()]),
+        "mur: invalid_request: members[0]: must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', \
+         starting with a letter or digit), got \"Writer\"\nmembers[2]: duplicate member \"critic\"\n"
+    );
+    let not_yaml = write(dir.path(), "not.yaml", "name: [pair\n");
+    let err = refused(&sb, &["create", not_yaml.to_str().unwrap()]);
+    assert!(err.starts_with("mur: invalid_request: "), "{err}");
+    let missing = refused(&sb, &["create", dir.path().join("nope.yaml").to_str().unwrap()]);
+    assert!(missing.starts_with("mur: reading "), "{missing}");
+
+    // Nothing stored changed: same text, same revision, no other fleet.
+    let after = kv.entry("def.pair").await?.unwrap();
+    assert_eq!((after.revision, after.value), (before.revision, before.value));
+    assert_eq!(ok(&sb, &["ls", "--json"]).last_json().as_array().unwrap().len(), 1);
+    sb.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_loop_refuses_every_value_that_used_to_mean_something_else() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    let kv = fleets_kv(&sb).await;
+    let before = kv.entry("def.pair").await?.unwrap();
+
+    // seeds/fleet-loops.md §Settings that used to mean something else, row by row.
+    let table: [(&[&str], &str); 4] = [
+        (
+            &["--deadline", "2026-12-31"],
+            "--deadline: must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, \
+             got \"2026-12-31\"",
+        ),
+        (&["--trigger", "cron:0 9 31 2 *"], "--trigger: cron: never fires: February has no 31st, got \"0 9 31 2 *\""),
+        (&["--budget-usd", "-1"], "--budget-usd: must be a non-negative number (0 for no ceiling), got -1"),
+        (
+            &["--done-when", "DONE"],
+            "--done-when: must be empty (the router judges), queue-empty or marker:<TEXT>; the marker: prefix is \
+             required (marker:DONE), got \"DONE\"",
+        ),
+    ];
+    for (flags, message) in table {
+        let mut args = vec!["set-loop", "pair"];
+        args.extend_from_slice(flags);
+        assert_eq!(refused(&sb, &args), format!("mur: invalid_request: {message}\n"), "{flags:?}");
+    }
+    // Every bad flag of one call is reported; a good one beside them is not applied.
+    assert_eq!(
+        refused(&sb, &["set-loop", "pair", "--done-when", "queue-empty", "--budget-usd", "-0.5", "--deadline", "-5m"]),
+        "mur: invalid_request: --deadline: must be a duration such as 30s, 5m, 2h, 1d or 1h30m, got \"-5m\"\n\
+         --budget-usd: must be a non-negative number (0 for no ceiling), got -0.5\n"
+    );
+    assert_eq!(
+        refused(&sb, &["set-loop", "pair"]),
+        "mur: invalid_request: give at least one of --done-when, --trigger, --deadline, --budget-usd\n"
+    );
+    let after = kv.entry("def.pair").await?.unwrap();
+    assert_eq!((after.revision, &after.value), (before.revision, &before.value));
+
+    // Accepted values are stored in the definition's loop: block, as execution reads them.
+    let shown = ok(
+        &sb,
+        &["set-loop", "pair", "--done-when", "marker:ALL DONE", "--trigger", "cron:0 9 * * 1-5", "--budget-usd", "2.5"],
+    );
+    assert!(shown.stdout.contains("loop      trigger cron:0 9 * * 1-5; done_when marker:ALL DONE\n"), "{shown:?}");
+    let stored = String::from_utf8(kv.get("def.pair").await?.unwrap().to_vec())?;
+    let fleet = mur_proto::Fleet::parse(&stored)?;
+    assert_eq!(fleet.r#loop.done_when, mur_proto::fleet::DoneWhen::Marker("ALL DONE".into()));
+    assert_eq!(fleet.r#loop.trigger.as_text(), "cron:0 9 * * 1-5");
+    assert_eq!((fleet.r#loop.budget_usd, fleet.members), (2.5, vec!["writer".to_string(), "critic".to_string()]));
+    ok(&sb, &["set-loop", "pair", "--done-when", ""]);
+    let stored = String::from_utf8(kv.get("def.pair").await?.unwrap().to_vec())?;
+    assert_eq!(mur_proto::Fleet::parse(&stored)?.r#loop.done_when, mur_proto::fleet::DoneWhen::Router);
+    assert_eq!(
+        refused(&sb, &["set-loop", "ghost", "--done-when", "queue-empty"]),
+        "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
+    );
+    sb.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_fleet_with_values_an_older_version_accepted_loads_and_takes_an_unrelated_edit() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let legacy = "name: legacy\nmembers: [worker]\ncolour: blue\nloop:\n  trigger: cron:0 9 31 2 *\n  \
+                  done_when: DONE\n  deadline: 2026-12-31\n  budget_usd: -1\n";
+    let kv = fleets_kv(&sb).await;
+    kv.put("def.legacy", legacy.into()).await?;
+
+    let show = ok(&sb, &["show", "legacy", "--json"]).last_json();
+    assert_eq!(show["yaml"], legacy);
+    assert_eq!((show["members"].clone(), show["error"].clone()), (json!(["worker"]), Value::Null));
+    assert_eq!(
+        show["notices"],
+        json!([
+            "colour: unknown key (stored by an older version; ignored)",
+            "loop.trigger: cron: never fires: February has no 31st, got \"0 9 31 2 *\" (stored by an older version; \
+             it never fires)",
+            "loop.done_when: must be empty (the router judges), queue-empty or marker:<TEXT>; the marker: prefix is \
+             required (marker:DONE), got \"DONE\" (stored by an older version; the router judges DONE)",
+            "loop.deadline: must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, \
+             got \"2026-12-31\" (stored by an older version; ignored; the loop is bounded by its other limits)",
+            "loop.budget_usd: must be a non-negative number (0 for no ceiling), got -1 (stored by an older version; \
+             ignored)",
+        ])
+    );
+    // An unrelated edit goes through; the stale values stay as stored.
+    let edited = ok(&sb, &["set-loop", "legacy", "--done-when", "queue-empty", "--json"]).last_json();
+    assert_eq!(edited["done_when"], "queue-empty");
+    let stored: serde_yaml_ng::Value = serde_yaml_ng::from_str(edited["yaml"].as_str().unwrap())?;
+    assert_eq!(stored["loop"]["done_when"], "queue-empty");
+    assert_eq!(stored["loop"]["deadline"], "2026-12-31");
+    assert_eq!(stored["loop"]["trigger"], "cron:0 9 31 2 *");
+    assert_eq!(edited["notices"].as_array().unwrap().len(), 4);
+    // A job can be queued on it too; the stale value it carries is still refused when given.
+    ok(&sb, &["send", "legacy", "echo hi"]);
+    assert_eq!(
+        refused(&sb, &["set-loop", "legacy", "--trigger", "cron:0 9 31 2 *"]),
+        "mur: invalid_request: --trigger: cron: never fires: February has no 31st, got \"0 9 31 2 *\"\n"
+    );
+    sb.shutdown().await;
+    Ok(())
+}
+
+/// Moves a job as a run would: claims it under `run_id`, then ends it with `end`.
+async fn run_job(kv: &async_nats::jetstream::kv::Store, fleet: &str, id: &str, run_id: &str, end: Option<JobStatus>) {
+    let key = fleet_store::job_key(fleet, id);
+    let entry = kv.entry(&key).await.unwrap().unwrap();
+    let mut job: Job = serde_json::from_slice(&entry.value).unwrap();
+    job.claim(run_id, 1_000).unwrap();
+    if let Some(end) = end {
+        job.transition(end, 2_000).unwrap();
+        job.result = Some(format!("result of {run_id}"));
+    }
+    kv.update(&key, serde_json::to_vec(&job).unwrap().into(), entry.revision).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+
+    let mut ids = Vec::new();
+    for text in ["first", "second", "third", "fourth"] {
+        let out = ok(&sb, &["send", "pair", text]).stdout;
+        let id = out.trim().to_string();
+        let uuid = uuid::Uuid::parse_str(&id)?;
+        assert_eq!((uuid.get_version_num(), uuid.hyphenated().to_string(), out), (7, id.clone(), format!("{id}\n")));
+        ids.push(id);
+    }
+    let sent = ok(&sb, &["send", "pair", "fifth", "--json"]).last_json();
+    assert_eq!(
+        (sent["status"].clone(), sent["text"].clone(), sent["source"].clone()),
+        (json!("queued"), json!("fifth"), json!("cli"))
+    );
+    ids.push(sent["id"].as_str().unwrap().to_string());
+    assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be empty\n");
+    assert_eq!(
+        refused(&sb, &["send", "ghost", "x"]),
+        "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
+    );
+
+    // What a loop with run id `loop1` and a later one `loop2` leave behind.
+    let kv = jobs_kv(&sb).await;
+    run_job(&kv, "pair", &ids[0], "loop1-0", Some(JobStatus::Done)).await;
+    run_job(&kv, "pair", &ids[1], "loop1-1", None).await;
+    run_job(&kv, "pair", &ids[2], "loop2-0", Some(JobStatus::Failed)).await;
+
+    let listed = |args: &[&str]| -> Vec<(String, String, Value)> {
+        let mut all = vec!["jobs", "pair", "--json"];
+        all.extend_from_slice(args);
+        ok(&sb, &all)
+            .last_json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| {
+                (j["id"].as_str().unwrap().to_string(), j["status"].as_str().unwrap().to_string(), j["run_id"].clone())
+            })
+            .collect()
+    };
+    let row = |i: usize, status: &str, run: Value| (ids[i].clone(), status.to_string(), run);
+    assert_eq!(
+        listed(&[]),
+        [row(1, "running", json!("loop1-1")), row(3, "queued", Value::Null), row(4, "queued", Value::Null)]
+    );
+    assert_eq!(
+        listed(&["--all"]),
+        [
+            row(0, "done", json!("loop1-0")),
+            row(1, "running", json!("loop1-1")),
+            row(2, "failed", json!("loop2-0")),
+            row(3, "queued", Value::Null),
+            row(4, "queued", Value::Null),
+        ]
+    );
+    assert_eq!(listed(&["--since", "loop1"]), [row(0, "done", json!("loop1-0")), row(1, "running", json!("loop1-1"))]);
+    assert_eq!(listed(&["--since", "loop2-0"]), [row(2, "failed", json!("loop2-0"))]);
+    // The --json objects carry every field.
+    let done = &ok(&sb, &["jobs", "pair", "--all", "--json"]).last_json()[0];
+    assert_eq!(
+        *done,
+        json!({"id": ids[0], "status": "done", "text": "first", "result": "result of loop1-0", "error": null,
+               "run_id": "loop1-0", "source": "cli", "created_at": done["created_at"], "started_at": 1000,
+               "finished_at": 2000})
+    );
+    // The table.
+    let table = ok(&sb, &["jobs", "pair", "--since", "loop1"]).stdout;
+    let rows: Vec<Vec<&str>> = table.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(
+        rows,
+        [
+            vec!["JOB", "STATUS", "RUN", "TEXT", "RESULT"],
+            vec![ids[0].as_str(), "done", "loop1-0", "first", "result", "of", "loop1-0"],
+            vec![ids[1].as_str(), "running", "loop1-1", "second"],
+        ]
+    );
+    let empty = fleet(&sb, &["jobs", "pair", "--since", "nothing"]);
+    assert_eq!((empty.code, empty.stdout.as_str()), (0, ""));
+    assert_eq!(
+        empty.stderr,
+        "no jobs to show (queue one with `mur fleet send pair \"text\"`; --all shows finished ones)\n"
+    );
+
+    // Cancel: a queued one and a running one; a finished one is refused.
+    assert_eq!(ok(&sb, &["cancel", "pair", &ids[3]]).stdout, format!("canceled job {}\n", ids[3]));
+    let canceled = ok(&sb, &["cancel", "pair", &ids[1], "--json"]).last_json();
+    assert_eq!((canceled["status"].clone(), canceled["run_id"].clone()), (json!("canceled"), json!("loop1-1")));
+    assert!(canceled["finished_at"].as_u64().is_some());
+    assert_eq!(
+        refused(&sb, &["cancel", "pair", &ids[0]]),
+        format!(
+            "mur: conflict: job {} has already ended (done); only a queued, running or blocked job can be canceled\n",
+            ids[0]
+        )
+    );
+    assert_eq!(
+        refused(&sb, &["cancel", "pair", &ids[3]]),
+        format!(
+            "mur: conflict: job {} has already ended (canceled); only a queued, running or blocked job can be \
+             canceled\n",
+            ids[3]
+        )
+    );
+    assert_eq!(refused(&sb, &["cancel", "pair", "ffff"]), "mur: not_found: job: no job ffff in fleet pair\n");
+    // A prefix naming one job works; one naming several is refused.
+    let last = &ids[4];
+    assert_eq!(ok(&sb, &["cancel", "pair", &last[..last.len() - 2]]).stdout, format!("canceled job {last}\n"));
+    let common = common_prefix(&ids);
+    assert_eq!(
+        refused(&sb, &["cancel", "pair", &common]),
+        format!("mur: invalid_request: job: {common:?} names 5 jobs of fleet pair; give more of the id\n")
+    );
+    assert_eq!(listed(&[]), []);
+    // rm takes the jobs with the fleet.
+    ok(&sb, &["rm", "pair"]);
+    assert_eq!(kv.keys().await?.count().await, 0);
+    sb.shutdown().await;
+    Ok(())
+}
+
+fn common_prefix(ids: &[String]) -> String {
+    let first = &ids[0];
+    let n =
+        (0..first.len()).take_while(|&i| ids.iter().all(|id| id.as_bytes().get(i) == first.as_bytes().get(i))).count();
+    first[..n].to_string()
+}
+
+use futures::StreamExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_and_start_flip_the_sentinel_and_an_unreadable_one_counts_as_stopped() -> Result<()> {
+    let mut sb = Sandbox::start(0, 1).await;
+    sb.add_coordinator().await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    // Another coordinator's view.
+    let other = handle(&sb).await;
+    assert_eq!(other.stop_state("pair").await, StopState::Started);
+
+    assert_eq!(ok(&sb, &["stop", "pair", "--by", "ann"]).stdout, "fleet pair stopped by ann\n");
+    let seen = tokio::time::Instant::now();
+    assert!(other.stop_state("pair").await.is_stopped());
+    assert!(seen.elapsed() < Duration::from_secs(1));
+    let kv = fleets_kv(&sb).await;
+    let sentinel: Sentinel = serde_json::from_slice(&kv.get("stopped.pair").await?.unwrap())?;
+    assert_eq!(sentinel.by, "ann");
+    // Stopping again keeps the first sentinel.
+    assert_eq!(ok(&sb, &["stop", "pair"]).stdout, "fleet pair stopped by ann\n");
+    let show = ok(&sb, &["show", "pair", "--json"]).last_json();
+    assert_eq!(show["stop"], json!({"state": "stopped", "sentinel": {"at": sentinel.at, "by": "ann"}}));
+
+    assert_eq!(ok(&sb, &["start", "pair"]).stdout, "fleet pair started\n");
+    assert_eq!(kv.get("stopped.pair").await?, None);
+    assert_eq!(other.stop_state("pair").await, StopState::Started);
+    assert_eq!(ok(&sb, &["start", "pair"]).stdout, "fleet pair started\n");
+    // --by defaults to $USER.
+    assert_eq!(ok(&sb, &["stop", "pair"]).stdout, "fleet pair stopped by tester\n");
+    ok(&sb, &["start", "pair"]);
+
+    // A sentinel that does not parse: the fleet counts as stopped (fail closed).
+    kv.put("stopped.pair", "stopped".into()).await?;
+    let unreadable = StopState::Unreadable { error: "sentinel: expected value at line 1 column 1".into() };
+    assert_eq!(other.stop_state("pair").await, unreadable);
+    assert!(unreadable.is_stopped());
+    let show = ok(&sb, &["show", "pair"]).stdout;
+    assert!(
+        show.contains("\nstate     stopped (sentinel unreadable: sentinel: expected value at line 1 column 1)\n"),
+        "{show}"
+    );
+    let ls = ok(&sb, &["ls"]).stdout;
+    assert!(ls.lines().nth(1).unwrap().starts_with(" pair   stopped (sentinel unreadable)  writer,critic"), "{ls}");
+    // stop writes a good sentinel over it; start clears it.
+    assert_eq!(ok(&sb, &["stop", "pair", "--by", "bob"]).stdout, "fleet pair stopped by bob\n");
+    assert_eq!(ok(&sb, &["start", "pair"]).stdout, "fleet pair started\n");
+    assert_eq!(
+        refused(&sb, &["stop", "ghost"]),
+        "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
+    );
+    sb.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_prints_the_channel_with_authors_and_sequence_numbers() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    let other = write(dir.path(), "other.yaml", "name: other\nmembers: [w]\n");
+    ok(&sb, &["create", other.to_str().unwrap()]);
+    assert_eq!(ok(&sb, &["log", "pair"]).stdout, "");
+
+    let job = ok(&sb, &["send", "pair", "build it"]).stdout.trim().to_string();
+    ok(&sb, &["stop", "pair", "--by", "ann"]);
+    // What a run engine writes: a delegation, a member's reply (another fleet's event between).
+    let fleets = handle(&sb).await;
+    let mut delegation = ChannelEvent::system(EventKind::Delegation, "build it", 5);
+    delegation.author = Author::Router;
+    delegation.run_id = Some("loop1-0".into());
+    let d = fleets.publish("pair", &delegation).await.unwrap();
+    fleets.publish("other", &ChannelEvent::system(EventKind::Note, "elsewhere", 6)).await.unwrap();
+    let mut reply = ChannelEvent::system(EventKind::Reply, "built\nALL DONE", 7);
+    reply.author = Author::Member("writer".into());
+    reply.run_id = Some("loop1-0".into());
+    let r = fleets.publish("pair", &reply).await.unwrap();
+    ok(&sb, &["start", "pair"]);
+
+    let events = ok(&sb, &["log", "pair", "--json"]).last_json();
+    let events = events.as_array().unwrap();
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    assert_eq!((seqs[2], seqs[3]), (d, r));
+    assert_eq!(
+        events.iter().map(|e| (e["author"].clone(), e["kind"].clone(), e["text"].clone())).collect::<Vec<_>>(),
+        [
+            (json!("system"), json!("state-change"), json!(format!("job {job} queued"))),
+            (json!("system"), json!("state-change"), json!("stopped by ann")),
+            (json!("router"), json!("delegation"), json!("build it")),
+            (json!({"member": "writer"}), json!("reply"), json!("built\nALL DONE")),
+            (json!("system"), json!("state-change"), json!("started: the kill-switch is cleared")),
+        ]
+    );
+    assert_eq!(events[0]["job_id"], job.as_str());
+    assert_eq!(
+        events[3],
+        json!({"seq": r, "at": 7, "author": {"member": "writer"}, "kind": "reply",
+                                 "text": "built\nALL DONE", "run_id": "loop1-0", "job_id": null})
+    );
+
+    let text = ok(&sb, &["log", "pair", "--since", &seqs[1].to_string()]).stdout;
+    assert_eq!(
+        text,
+        format!(
+            "#{d} router delegation: build it [run loop1-0]\n#{r} member:writer reply: built\n    ALL DONE [run loop1-0]\n\
+             #{} system state-change: started: the kill-switch is cleared\n",
+            seqs[4]
+        )
+    );
+    assert_eq!(ok(&sb, &["log", "pair", "--since", &seqs[4].to_string(), "--json"]).last_json(), json!([]));
+    // The channel goes with the fleet.
+    ok(&sb, &["rm", "pair"]);
+    assert!(fleets.channel("pair", 0).await.unwrap().is_empty());
+    assert_eq!(fleets.channel("other", 0).await.unwrap().len(), 1);
+    sb.shutdown().await;
+    Ok(())
+}
