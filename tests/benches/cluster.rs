@@ -14,14 +14,18 @@
 //!   reaches the client (on `mur.trace.>`), and its ratio to the raw round trip;
 //! - the sustained throughput of no-op tasks with 1 and 4 in-process workers of 8 slots
 //!   (the default), tasks submitted by 32 concurrent callers;
-//! - the throughput of 4 workers × 16 slots with a fake OpenAI server answering every call
-//!   after 200 ms (over a real socket), against the ideal: slots ÷ 0.2 s;
+//! - the throughput of 4 workers × 16 slots with a model answering every call after 200 ms,
+//!   against the ideal (slots ÷ 0.2 s): a fake OpenAI server over a real socket, and the
+//!   scripted driver's `delay_ms` (the cluster's own overhead, without an HTTP client);
 //! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
 //!   16 sessions running against that fake model (idle = registered, before any task).
 //!
 //! The coordinator, the in-process workers and the client share this process and its
 //! runtime, and the machine with nats-server; on a 2-core box everything competes for the
 //! same two cores, as it would in `mur dev`.
+//!
+//! `MUR_BENCH_PHASES` picks phases, for profiling one: any of `noop` (baseline, round
+//! trips, dispatch, no-op throughput), `slow` and `memory`, comma-separated; all by default.
 //!
 //! Sizes: a release build runs the full counts; a debug build (`cargo test --workspace`,
 //! CI's smoke run) or `MUR_BENCH_QUICK=1` runs a few dozen tasks per figure. Figures and
@@ -74,10 +78,20 @@ fn main() {
     let (sizes, quick) = Sizes::get();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let mut table = Table::default();
+    // `MUR_BENCH_PHASES=noop,slow,memory` (any of them; all by default) runs fewer, for
+    // profiling one.
+    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory".into());
+    let phase = |name: &str| phases.split(',').any(|p| p.trim() == name);
     runtime.block_on(async {
-        latency_and_noop_throughput(&sizes, &mut table).await;
-        slow_model_throughput(&sizes, &mut table).await;
-        worker_memory(&mut table).await;
+        if phase("noop") {
+            latency_and_noop_throughput(&sizes, &mut table).await;
+        }
+        if phase("slow") {
+            slow_model_throughput(&sizes, &mut table).await;
+        }
+        if phase("memory") {
+            worker_memory(&mut table).await;
+        }
     });
     table.print(quick);
 }
@@ -159,24 +173,26 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
         None,
     );
 
-    let rate1 = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
     table.rate(
         &format!("no-op throughput, 1 worker × 8 slots (n={})", sizes.noop_tasks),
-        rate1,
+        one.per_s,
         "≥ 1700 tasks/s",
-        Some(rate1 >= 1700.0),
+        Some(one.per_s >= 1700.0),
     );
+    table.note(&format!("1 worker: {}", one.describe()));
     for i in 1..4 {
         sb.add_worker(&format!("wkr-test-{i}"), 8).await;
     }
     sb.wait_ready(4).await;
-    let rate4 = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
     table.rate(
         &format!("no-op throughput, 4 workers × 8 slots (n={})", sizes.noop_tasks),
-        rate4,
+        four.per_s,
         "≥ 1700 tasks/s",
-        Some(rate4 >= 1700.0),
+        Some(four.per_s >= 1700.0),
     );
+    table.note(&format!("4 workers: {}", four.describe()));
     drop(watcher);
     sb.shutdown().await;
 }
@@ -233,9 +249,23 @@ async fn raw_round_trips(sb: &Sandbox, n: usize) -> Vec<Duration> {
     times
 }
 
-/// Submits `n` tasks from 32 concurrent callers and returns tasks ended per second, from
-/// the first submit to the last end.
-async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) -> f64 {
+/// A throughput run: tasks ended per second, and where a task's time went under that load.
+struct Load {
+    per_s: f64,
+    /// p50 of: submit reply → release seen, release → working, working → terminal.
+    steps: [Duration; 3],
+}
+
+impl Load {
+    fn describe(&self) -> String {
+        let [waiting, dispatch, running] = self.steps.map(ms);
+        format!("p50 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}")
+    }
+}
+
+/// Submits `n` tasks from 32 concurrent callers; the rate counts from the first submit to
+/// the last end.
+async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) -> Load {
     let before = watcher.ended_count();
     let t0 = Instant::now();
     let client = sb.client.clone();
@@ -244,16 +274,29 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) ->
         futures::stream::iter(0..n)
             .map(|_| {
                 let (client, capsule) = (client.clone(), capsule.clone());
-                async move { submit(&client, &capsule).await }
+                async move { (submit(&client, &capsule).await, Instant::now()) }
             })
             .buffer_unordered(32)
-            .collect::<Vec<String>>()
+            .collect::<Vec<(String, Instant)>>()
             .await
     });
     watcher.wait_count(before + n).await;
     let elapsed = t0.elapsed();
-    submitter.await.expect("submitter");
-    n as f64 / elapsed.as_secs_f64()
+    let replies = submitter.await.expect("submitter");
+    let mut steps: [Vec<Duration>; 3] = Default::default();
+    {
+        let seen = watcher.seen.lock().unwrap();
+        for (id, replied) in &replies {
+            let Some(Steps { released: Some(r), working: Some(w), ended: Some(e), .. }) = seen.steps.get(id) else {
+                continue;
+            };
+            steps[0].push(r.saturating_duration_since(*replied));
+            steps[1].push(w.saturating_duration_since(*r));
+            steps[2].push(e.saturating_duration_since(*w));
+        }
+    }
+    let p50 = |xs: &[Duration]| if xs.is_empty() { Duration::ZERO } else { percentile(xs, 0.5) };
+    Load { per_s: n as f64 / elapsed.as_secs_f64(), steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])] }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -264,24 +307,44 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     let fake = FakeOpenAi::repeating(FakeReply::text("done"));
     fake.set_delay(MODEL_DELAY);
     let sb = Sandbox::start(workers, slots).await;
-    let capsule = openai_capsule("slow", &fake.url());
-    sb.push(capsule.dir()).await;
-    let watcher = Watcher::start(&sb.client, false).await;
-    // Warm up every worker's bundle cache with one round.
-    let total_slots = workers * slots as usize;
-    throughput(&sb, &watcher, "slow", total_slots).await;
-    let n = total_slots * sizes.slow_rounds;
-    let rate = throughput(&sb, &watcher, "slow", n).await;
-    let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
-    let share = rate / ideal;
-    table.rate(
-        &format!("slow model (200 ms), 4 workers × 16 slots (n={n})"),
-        rate,
-        &format!("≥ 97 % of ideal {ideal:.0}/s: {:.1} %", share * 100.0),
-        Some(share >= 0.97),
+    let openai = openai_capsule("slow", &fake.url());
+    let scripted = TestCapsule::new(
+        "name: slow-scripted\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", &format!("replies:\n  - text: done\n    delay_ms: {}\n", MODEL_DELAY.as_millis()))],
     );
+    sb.push(openai.dir()).await;
+    sb.push(scripted.dir()).await;
+    let watcher = Watcher::start(&sb.client, false).await;
+    let total_slots = workers * slots as usize;
+    let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
+    let n = total_slots * sizes.slow_rounds;
+    for (capsule, label) in [("slow", "fake OpenAI over HTTP"), ("slow-scripted", "scripted driver's delay")] {
+        // Warm up every worker's bundle cache with one round.
+        throughput(&sb, &watcher, capsule, total_slots).await;
+        let load = throughput(&sb, &watcher, capsule, n).await;
+        let share = load.per_s / ideal;
+        table.rate(
+            &format!("slow model (200 ms, {label}), 4 workers × 16 slots (n={n})"),
+            load.per_s,
+            &format!("≥ 97 % of ideal {ideal:.0}/s: {:.1} %", share * 100.0),
+            Some(share >= 0.97),
+        );
+        table.note(&format!("slow model, {label}: {}", load.describe()));
+    }
     drop(watcher);
     sb.shutdown().await;
+
+    // What the openai driver pays per session today: it builds its HTTP client.
+    let mut builds = Vec::new();
+    for _ in 0..if sizes.slow_rounds > 1 { 20 } else { 3 } {
+        let t = Instant::now();
+        std::hint::black_box(reqwest::Client::new());
+        builds.push(t.elapsed());
+    }
+    table.note(&format!(
+        "reqwest::Client::new() (the openai driver builds one per session): p50 {}",
+        ms(percentile(&builds, 0.5))
+    ));
 }
 
 // ---------------------------------------------------------------------------------------
