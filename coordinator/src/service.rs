@@ -10,9 +10,10 @@
 //!    given to [`Scheduler::restore`]; after that each change is fed to the scheduler as
 //!    it comes.
 //! 2. One actor task owns the scheduler: every input (from the watchers, the worker
-//!    heartbeat tick and `task.cancel`) goes through one mpsc channel, so inputs are
-//!    applied in the order they are sent, and each release is carried out before the next
-//!    input is applied.
+//!    heartbeat tick, `task.submit` and `task.cancel`) goes through one mpsc channel, so
+//!    inputs are applied in the order they are sent. The releases an input produces are
+//!    carried out concurrently (each a compare-and-set and a publish awaiting its ack),
+//!    so that no release waits for another's round trips.
 //! 3. The micro service `mur` ([`cluster::SERVICE_NAME`], discoverable with `$SRV.INFO`)
 //!    has one endpoint per subject of [`cluster::api`]; each request is handled in a task
 //!    of its own. Replies follow the scheme of [`crate::api`] (success = the plain JSON
@@ -21,7 +22,11 @@
 //! Mapping of task records to inputs (the contract with the worker):
 //! - `submitted`, attempt 0 → [`Input::Submitted`] with `seq` = the entry's revision. A
 //!   record still at attempt 0 has never been changed since its creation, so this is its
-//!   creation revision: the task's arrival order.
+//!   creation revision: the task's arrival order. `task.submit` sends the same input itself
+//!   as soon as it has created the record (with the revision the create returned and the
+//!   queue flag of the index entry it read), so a task is released without waiting for the
+//!   watch; the watch's copy is then skipped (or, in a race, ignored by the scheduler as a
+//!   duplicate).
 //! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
 //!   before publishing its dispatch). At a restart it is replayed after its `Submitted`
 //!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
@@ -32,9 +37,10 @@
 //! - `working` → [`Input::Started`] with the record's worker.
 //! - terminal (`completed`, `failed`, `canceled`, `rejected`) → [`Input::Ended`].
 //!
-//! A release: compare-and-set the record from `submitted`/attempt 0 to attempt 1, then
-//! publish [`Dispatch`] to [`cluster::DISPATCH_SUBJECT`] with message id
-//! [`Dispatch::msg_id`], awaiting the ack. A record no longer at attempt 0 or no longer
+//! A release: compare-and-set the record from `submitted`/attempt 0 to attempt 1 (from the
+//! record and revision last seen by the intake or the watch; read afresh only when that
+//! revision has moved on), then publish [`Dispatch`] to [`cluster::DISPATCH_SUBJECT`] with
+//! message id [`Dispatch::msg_id`], awaiting the ack. A record no longer at attempt 0 or no longer
 //! `submitted` (cancelled meanwhile, or released by another coordinator) is left alone:
 //! the watcher reports what happened to it.
 //!
@@ -59,7 +65,7 @@ use mur_worker::trace_context;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -148,6 +154,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         instance: instance.clone(),
         lease: None,
         fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
+        waiting: Mutex::default(),
     });
     let service = client
         .service_builder()
@@ -234,7 +241,9 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 }
                 request = requests.next() => match request {
                     Some((kind, request)) => {
-                        let ctx = api_ctx.clone();
+                        // The leader's own context: a submission goes straight to its
+                        // scheduler.
+                        let ctx = leading.ctx.clone();
                         tokio::spawn(async move { ctx.handle(kind, request).await });
                     }
                     None => {
@@ -258,6 +267,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
 
 /// The loops of a leading coordinator.
 struct Leading {
+    ctx: Arc<Ctx>,
     loops: JoinSet<&'static str>,
     stop: watch::Sender<bool>,
 }
@@ -296,6 +306,7 @@ async fn lead(
         instance: instance.clone(),
         lease: Some(held),
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        waiting: Mutex::default(),
     });
 
     // The replay.
@@ -344,7 +355,7 @@ async fn lead(
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
-    Ok(Leading { loops, stop })
+    Ok(Leading { ctx, loops, stop })
 }
 
 /// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
@@ -380,6 +391,11 @@ struct Ctx {
     lease: Option<Arc<Held>>,
     /// The fleet API (`mur.api.fleet.*`).
     fleets: crate::fleets::Fleets,
+    /// The last known record and revision of each task waiting here at attempt 0, from
+    /// the intake or the watch: a release compare-and-sets from it without reading the
+    /// record first (and reads it when the revision has moved on). Entries leave at the
+    /// release or when the task ends.
+    waiting: Mutex<HashMap<String, (u64, TaskRecord)>>,
 }
 
 /// The API endpoints.
@@ -493,8 +509,14 @@ impl Ctx {
         let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
         record.traceparent = traceparent;
         let value = to_json(&record)?;
-        self.tasks.create(&task_id, value).await.map_err(|e| unavailable("mur_tasks: create", e))?;
+        let revision = self.tasks.create(&task_id, value).await.map_err(|e| unavailable("mur_tasks: create", e))?;
         tracing::info!(instance = %self.instance, %task_id, capsule = %record.capsule, lane = %record.lane, "task submitted");
+        // Straight to the scheduler, with the queue flag just read: the watch brings the
+        // same record later (a duplicate `Submitted`, ignored), after a hop and, for a
+        // task it has not seen here, a capsule index read.
+        let input = submitted_input(&record, revision, latest.queue);
+        self.note_waiting(revision, record);
+        let _ = self.inputs.send(input);
         Ok(SubmitReply { task_id, state: TaskState::Submitted })
     }
 
@@ -647,6 +669,20 @@ impl Ctx {
             .ok()
     }
 
+    /// Notes a task waiting at attempt 0 at `revision`; returns whether it was already
+    /// noted (its `Submitted` input was sent).
+    fn note_waiting(&self, revision: u64, record: TaskRecord) -> bool {
+        let mut waiting = self.waiting.lock().expect("waiting lock");
+        let known = waiting.contains_key(&record.task_id);
+        waiting.insert(record.task_id.clone(), (revision, record));
+        known
+    }
+
+    /// Takes a waiting task's record out (released, or ended while waiting).
+    fn take_waiting(&self, task_id: &str) -> Option<(u64, TaskRecord)> {
+        self.waiting.lock().expect("waiting lock").remove(task_id)
+    }
+
     async fn carry_out(&self, output: Output) {
         match output {
             Output::Release { task_id, .. } => self.release(&task_id).await,
@@ -678,8 +714,12 @@ impl Ctx {
             tracing::warn!(instance = %self.instance, %task_id, "not releasing: not holding a valid lease");
             return Ok(());
         }
+        let mut noted = self.take_waiting(task_id);
         let traceparent = loop {
-            let (revision, mut record) = self.read_task(task_id).await.map_err(|e| e.to_string())?;
+            let (revision, mut record) = match noted.take() {
+                Some(known) => known,
+                None => self.read_task(task_id).await.map_err(|e| e.to_string())?,
+            };
             if record.state != TaskState::Submitted || record.attempt != 0 {
                 tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), attempt = record.attempt, "not releasing: the record moved on");
                 return Ok(());
@@ -786,25 +826,39 @@ impl QueueFlags {
     }
 }
 
-/// The one owner of the scheduler.
+/// The one owner of the scheduler. Inputs are applied one at a time, in order; the
+/// releases they produce are carried out concurrently, so that one release's round trips
+/// (compare-and-set, publish and its ack) hold up neither the next input nor the next
+/// release. Every release was decided by the scheduler, which already counted its slot,
+/// so their order of completion changes no decision.
 async fn actor(
     ctx: Arc<Ctx>,
     mut scheduler: Scheduler,
     mut inputs: mpsc::UnboundedReceiver<Input>,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
+    let mut releases = JoinSet::new();
     loop {
+        while releases.try_join_next().is_some() {}
         tokio::select! {
             _ = stopped.changed() => break,
             input = inputs.recv() => {
                 let Some(input) = input else { break };
                 tracing::trace!(instance = %ctx.instance, ?input, "scheduler input");
                 for output in scheduler.apply(input) {
-                    ctx.carry_out(output).await;
+                    match output {
+                        Output::Release { .. } => {
+                            let ctx = ctx.clone();
+                            releases.spawn(async move { ctx.carry_out(output).await });
+                        }
+                        Output::Ignored(_) => ctx.carry_out(output).await,
+                    }
                 }
             }
         }
     }
+    // Releases under way finish: each has compare-and-set its record already, or will.
+    while releases.join_next().await.is_some() {}
     "the scheduler"
 }
 
@@ -836,10 +890,19 @@ async fn watch_tasks(
         let Some(record) = ctx.record_of(&entry) else { continue };
         let input = match progress_input(&record) {
             None => {
+                if ctx.note_waiting(entry.revision, record.clone()) {
+                    // Taken in here: the intake gave its input to the scheduler already.
+                    continue;
+                }
                 let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
                 submitted_input(&record, entry.revision, queue_capsule)
             }
-            Some(input) => input,
+            Some(input) => {
+                if record.state.is_terminal() {
+                    ctx.take_waiting(&record.task_id);
+                }
+                input
+            }
         };
         if ctx.inputs.send(input).is_err() {
             break;

@@ -6,6 +6,9 @@
 //! `data: [DONE]`), or an HTTP error. It records every request so a test can check what
 //! the driver sent. Other paths get 404; running out of replies gets 500.
 //!
+//! For benchmarks it can answer every request with the same reply ([`FakeOpenAi::repeating`])
+//! and wait before each answer, like a slow model ([`FakeOpenAi::set_delay`]).
+//!
 //! ```no_run
 //! # async fn demo() {
 //! use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
@@ -27,7 +30,9 @@ use axum::routing::post;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// One reply of the fake server.
@@ -71,6 +76,14 @@ pub struct Received {
 struct Shared {
     replies: Mutex<VecDeque<FakeReply>>,
     given: usize,
+    /// Answers every request once `replies` is empty.
+    repeat: Option<FakeReply>,
+    /// Waited before each answer.
+    delay: Mutex<Duration>,
+    /// Whether requests are kept for [`FakeOpenAi::received`].
+    record: bool,
+    /// Requests answered so far.
+    served: AtomicUsize,
     received: Mutex<Vec<Received>>,
 }
 
@@ -88,13 +101,30 @@ impl FakeOpenAi {
     /// # Panics
     /// When no port can be bound, or outside a Tokio runtime.
     pub fn start(replies: Vec<FakeReply>) -> FakeOpenAi {
+        FakeOpenAi::serve(Shared {
+            given: replies.len(),
+            replies: Mutex::new(replies.into()),
+            record: true,
+            ..Shared::default()
+        })
+    }
+
+    /// Binds `127.0.0.1:0` and answers every request with `reply`, for as long as it runs.
+    /// Requests are counted, not kept: [`FakeOpenAi::received`] stays empty.
+    ///
+    /// # Panics
+    /// As [`FakeOpenAi::start`].
+    pub fn repeating(reply: FakeReply) -> FakeOpenAi {
+        FakeOpenAi::serve(Shared { repeat: Some(reply), ..Shared::default() })
+    }
+
+    fn serve(shared: Shared) -> FakeOpenAi {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("fake openai: bind 127.0.0.1:0");
         listener.set_nonblocking(true).expect("fake openai: set the listener non-blocking");
         let addr = listener.local_addr().expect("fake openai: local address");
         let listener =
             tokio::net::TcpListener::from_std(listener).expect("fake openai: must be started inside a tokio runtime");
-        let shared =
-            Arc::new(Shared { given: replies.len(), replies: Mutex::new(replies.into()), received: Mutex::default() });
+        let shared = Arc::new(shared);
         let app = Router::new()
             .route("/v1/chat/completions", post(complete))
             .fallback(not_found)
@@ -110,9 +140,20 @@ impl FakeOpenAi {
         FakeOpenAi { url: format!("http://{addr}/v1"), shared, shutdown: Some(shutdown) }
     }
 
+    /// Waits `delay` before answering each request from now on (a slow model). Requests
+    /// are answered concurrently, so N requests at once all answer after about `delay`.
+    pub fn set_delay(&self, delay: Duration) {
+        *self.shared.delay.lock().unwrap() = delay;
+    }
+
     /// The base URL, up to and including `/v1` (what `inference.endpoint` holds).
     pub fn url(&self) -> String {
         self.url.clone()
+    }
+
+    /// How many requests it has received.
+    pub fn served(&self) -> usize {
+        self.shared.served.load(Ordering::Relaxed)
     }
 
     /// The JSON bodies received so far, oldest first.
@@ -135,15 +176,18 @@ impl Drop for FakeOpenAi {
 }
 
 async fn complete(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let body =
-        serde_json::from_slice(&body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
-    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string);
-    let number = {
-        let mut received = shared.received.lock().unwrap();
-        received.push(Received { authorization, body });
-        received.len()
-    };
-    let reply = shared.replies.lock().unwrap().pop_front();
+    let number = shared.served.fetch_add(1, Ordering::Relaxed) + 1;
+    if shared.record {
+        let body = serde_json::from_slice(&body)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+        let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string);
+        shared.received.lock().unwrap().push(Received { authorization, body });
+    }
+    let delay = *shared.delay.lock().unwrap();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let reply = shared.replies.lock().unwrap().pop_front().or_else(|| shared.repeat.clone());
     match reply {
         Some(FakeReply::Json(value)) => axum::Json(value).into_response(),
         Some(FakeReply::Stream(chunks)) => stream_response(&chunks),

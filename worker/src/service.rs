@@ -16,7 +16,8 @@
 //!    commands run there too, like `mur run` without `--workdir`). Trace lines go both to
 //!    the local `trace.jsonl` and to `mur.trace.<session_id>` (stream `MUR_TRACE`),
 //!    published by a background task with the core client so the loop never waits on
-//!    NATS; they are flushed before the record is finished. While the task runs, an
+//!    NATS; they are all handed to the connection before the record is finished, which
+//!    orders them before it. While the task runs, an
 //!    in-progress ack goes out every [`Config::progress_every`];
 //! 5. compare-and-sets the record to its terminal state (`completed` for exit `ok`,
 //!    `canceled` for `canceled`, `failed` otherwise) with `exit_status`, `result`,
@@ -82,8 +83,12 @@ pub mod detached;
 
 /// How often the worker re-puts its registration in `mur_workers`.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
-/// How long one pull waits for a dispatch before the loop looks around again.
+/// How long one pull request waits for a dispatch at the server before it expires (and is
+/// sent again, while its slot is still free).
 const FETCH_EXPIRY: Duration = Duration::from_secs(1);
+/// How long after its expiry a pull request with no answer at all (a server restart loses
+/// them) is given up on and sent again.
+const LOST_PULL: Duration = Duration::from_secs(5);
 /// How long to wait before pulling again after a failed pull.
 const PULL_BACKOFF: Duration = Duration::from_millis(500);
 /// How long a worker keeps trying to write a finished task's terminal record (through a
@@ -265,6 +270,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let heartbeat_stop = CancellationToken::new();
     let heartbeat = tokio::spawn(registration.clone().beat(heartbeat_stop.clone()));
 
+    let mut puller = Puller::start(&client, js, consumer).await.map_err(open(cluster::DISPATCH_CONSUMER))?;
     // Cancel notes (`mur.cancel.<task_id>`) stop the named task at once if it runs here.
     let cancels = client
         .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
@@ -285,18 +291,24 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let mut running = JoinSet::new();
     loop {
         while running.try_join_next().is_some() {}
-        let permit = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            p = slots.clone().acquire_owned() => p.expect("the slot semaphore is never closed"),
+        puller.forget_lost();
+        let sent = puller.cover(slots.available_permits()).await;
+        let lost_at = puller.lost_at();
+        let pulled = match sent {
+            Err(e) => Err(e),
+            Ok(()) => tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                // A task ended: its slot is free, cover it.
+                Some(_) = running.join_next(), if !running.is_empty() => continue,
+                () = sleep_until(lost_at) => continue,
+                pulled = puller.next() => pulled,
+            },
         };
-        match pull_one(&consumer).await {
-            Ok(Some(msg)) => {
-                running.spawn(handle(shared.clone(), msg, permit));
-            }
-            Ok(None) => drop(permit),
+        match pulled {
+            Ok(Some(msg)) => start(&shared, &slots, &mut running, msg).await,
+            Ok(None) => {}
             Err(e) => {
-                drop(permit);
                 tracing::warn!(error = %e, "pulling a dispatch failed");
                 tokio::select! {
                     biased;
@@ -305,6 +317,20 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 }
             }
         }
+    }
+    // The pull requests still out may yet bring a dispatch each, for a slot kept free for
+    // it: run those too rather than leave them to the ack wait.
+    let answered = tokio::time::timeout(FETCH_EXPIRY + LOST_PULL, async {
+        while puller.waiting() > 0 {
+            match puller.next().await {
+                Ok(Some(msg)) => start(&shared, &slots, &mut running, msg).await,
+                Ok(None) => {}
+                Err(e) => tracing::debug!(error = %e, "a pull request failed during shutdown"),
+            }
+        }
+    });
+    if answered.await.is_err() {
+        tracing::debug!(waiting = puller.waiting(), "pull requests unanswered at shutdown");
     }
 
     // Drain: running tasks get the grace period, then are cancelled and end `canceled`.
@@ -347,14 +373,105 @@ async fn listen_for_cancels(sh: Arc<Shared>, mut notes: async_nats::Subscriber) 
     }
 }
 
-/// Pulls at most one dispatch, waiting at most [`FETCH_EXPIRY`].
-async fn pull_one(consumer: &PullConsumer) -> Result<Option<jetstream::Message>, String> {
-    let mut batch =
-        consumer.fetch().max_messages(1).expires(FETCH_EXPIRY).messages().await.map_err(|e| e.to_string())?;
-    match batch.next().await {
-        Some(Ok(msg)) => Ok(Some(msg)),
-        Some(Err(e)) => Err(e.to_string()),
-        None => Ok(None),
+/// Sleeps until `at`, or forever.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs a pulled dispatch in a free slot. A pull request always stands for a free slot, so
+/// there is one; if not (an answer to a request given up on as lost), the dispatch goes
+/// back at once for another worker: a worker never holds a dispatch it cannot start.
+async fn start(shared: &Arc<Shared>, slots: &Arc<Semaphore>, running: &mut JoinSet<()>, msg: jetstream::Message) {
+    match slots.clone().try_acquire_owned() {
+        Ok(permit) => {
+            running.spawn(handle(shared.clone(), msg, permit));
+        }
+        Err(_) => {
+            tracing::debug!("a dispatch arrived with no free slot: handed back");
+            if let Err(e) = msg.ack_with(AckKind::Nak(None)).await {
+                tracing::warn!(error = %e, "handing back a dispatch failed; it will be redelivered");
+            }
+        }
+    }
+}
+
+/// The worker's pull requests on the `workers` consumer: one request for one message per
+/// free slot, all standing at once, answered on one inbox. A dispatch published while a
+/// slot is free finds a request waiting at the server and goes out at once; a worker never
+/// asks for more messages than it has free slots, so it never hoards work it cannot start.
+///
+/// Each request expires at the server after [`FETCH_EXPIRY`] (the server answers `408`)
+/// and is sent again while its slot is still free; one with no answer at all
+/// [`LOST_PULL`] after that (a restarted server forgets them) is given up on.
+struct Puller {
+    consumer: PullConsumer,
+    context: jetstream::Context,
+    inbox: async_nats::Subject,
+    answers: async_nats::Subscriber,
+    /// When each unanswered request was sent, oldest first.
+    waiting: std::collections::VecDeque<tokio::time::Instant>,
+}
+
+impl Puller {
+    async fn start(
+        client: &async_nats::Client,
+        context: jetstream::Context,
+        consumer: PullConsumer,
+    ) -> Result<Puller, async_nats::SubscribeError> {
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let answers = client.subscribe(inbox.clone()).await?;
+        Ok(Puller { consumer, context, inbox, answers, waiting: Default::default() })
+    }
+
+    /// Requests outstanding.
+    fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sends requests until `free` slots each have one.
+    async fn cover(&mut self, free: usize) -> Result<(), String> {
+        while self.waiting.len() < free {
+            let request =
+                jetstream::consumer::pull::BatchConfig { batch: 1, expires: Some(FETCH_EXPIRY), ..Default::default() };
+            self.consumer.request_batch(request, self.inbox.clone()).await.map_err(|e| e.to_string())?;
+            self.waiting.push_back(tokio::time::Instant::now());
+        }
+        Ok(())
+    }
+
+    /// When the oldest request will count as lost, if one is out.
+    fn lost_at(&self) -> Option<tokio::time::Instant> {
+        self.waiting.front().map(|sent| *sent + FETCH_EXPIRY + LOST_PULL)
+    }
+
+    /// Forgets the requests unanswered for too long.
+    fn forget_lost(&mut self) {
+        let now = tokio::time::Instant::now();
+        while self.lost_at().is_some_and(|at| at <= now) {
+            tracing::debug!("a pull request went unanswered: sending another");
+            self.waiting.pop_front();
+        }
+    }
+
+    /// The next answer to a request: a dispatch, `None` for an expired request, an error
+    /// for any other status. Cancel-safe.
+    async fn next(&mut self) -> Result<Option<jetstream::Message>, String> {
+        let Some(message) = self.answers.next().await else {
+            return Err("the pull subscription ended".into());
+        };
+        let status = message.status.unwrap_or(async_nats::StatusCode::OK);
+        if status == async_nats::StatusCode::IDLE_HEARTBEAT {
+            return Ok(None);
+        }
+        self.waiting.pop_front();
+        match status {
+            async_nats::StatusCode::OK => Ok(Some(jetstream::Message { message, context: self.context.clone() })),
+            async_nats::StatusCode::TIMEOUT => Ok(None),
+            other => Err(format!("pull request answered {other}: {}", message.description.unwrap_or_default())),
+        }
     }
 }
 
@@ -954,14 +1071,15 @@ impl TracePublisher {
                     tracing::warn!(%subject, error = %e, "publishing a trace line failed");
                 }
             }
-            if let Err(e) = client.flush().await {
-                tracing::warn!(%subject, error = %e, "flushing the trace failed");
-            }
         });
         (PublishedSink { lines: tx }, TracePublisher { task })
     }
 
-    /// Waits until every line written before the sink was dropped is sent and flushed.
+    /// Waits until every line written before the sink was dropped is handed to the
+    /// connection. No flush (a round trip to the server) is needed to order them before the
+    /// task's terminal record: a connection delivers in order, and the record goes out on
+    /// the same connection after them and is awaited, so its acknowledgement means the
+    /// server has taken every line before it.
     async fn finish(self) {
         let _ = self.task.await;
     }

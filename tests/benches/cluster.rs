@@ -1,0 +1,746 @@
+//! `cargo bench -p mur-tests --bench cluster`: the cluster's speed (issue #9).
+//!
+//! One run starts its own nats-server (file storage, as deployed) and reports:
+//!
+//! - the baseline: a raw JetStream round trip on that server, measured first: publish a
+//!   message the size of a dispatch into a work-queue stream (awaiting the stream's ack),
+//!   receive it on a waiting batch-1 pull consumer, double-ack it;
+//! - the no-op round trip: submit a task over the NATS API (`mur.api.task.submit`) → its
+//!   terminal record reaches the client, one task at a time, a scripted capsule whose one
+//!   reply ends the task. The client holds one watch on `mur_tasks`, opened before; a
+//!   second figure waits as `mur task send --wait` does (a watch opened per task, after
+//!   the submit reply);
+//! - the dispatch latency of the same tasks: submit → the worker's `task_start` trace line
+//!   reaches the client (on `mur.trace.>`), and its ratio to the raw round trip;
+//! - the sustained throughput of no-op tasks with 1 and 4 in-process workers of 8 slots
+//!   (the default), tasks submitted by 32 concurrent callers;
+//! - the throughput of 4 workers × 16 slots with a model answering every call after 200 ms,
+//!   against the ideal (slots ÷ 0.2 s): a fake OpenAI server over a real socket, and the
+//!   scripted driver's `delay_ms` (the cluster's own overhead, without an HTTP client);
+//! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
+//!   16 sessions running against that fake model (idle = registered, before any task).
+//!
+//! The coordinator, the in-process workers and the client share this process and its
+//! runtime, and the machine with nats-server; on a 2-core box everything competes for the
+//! same two cores, as it would in `mur dev`.
+//!
+//! `MUR_BENCH_PHASES` picks phases, for profiling one: any of `noop` (baseline, round
+//! trips, dispatch, no-op throughput), `slow` and `memory`, comma-separated; all by default.
+//!
+//! Sizes: a release build runs the full counts; a debug build (`cargo test --workspace`,
+//! CI's smoke run) or `MUR_BENCH_QUICK=1` runs a few dozen tasks per figure. Figures and
+//! pass/fail are printed; no target fails the run (only a task that does not finish does).
+//!
+//! The `mur` binary is taken from `MUR_BIN` or next to this benchmark
+//! (`target/<profile>/mur`): `cargo test --workspace` builds it; for the release figures
+//! run `cargo build --release --bin mur` first. Without it the memory figures are skipped.
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt;
+use mur_proto::cluster::{self, Dispatch, SubmitReply, SubmitRequest, api};
+use mur_proto::task::{Origin, TaskState};
+use mur_proto::{Id, IdKind};
+use mur_tests::capsule::TestCapsule;
+use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
+use mur_tests::sandbox::Sandbox;
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+
+/// How long any one phase may take before the run fails (a loaded CI box included).
+const PHASE_DEADLINE: Duration = Duration::from_secs(300);
+/// The fake model's answer time in the slow-model figure.
+const MODEL_DELAY: Duration = Duration::from_millis(200);
+
+/// How many of everything.
+struct Sizes {
+    raw: usize,
+    round_trips: usize,
+    waits: usize,
+    noop_tasks: usize,
+    slow_rounds: usize,
+}
+
+impl Sizes {
+    fn get() -> (Sizes, bool) {
+        let quick = cfg!(debug_assertions) || std::env::var_os("MUR_BENCH_QUICK").is_some_and(|v| v != "0");
+        if quick {
+            (Sizes { raw: 50, round_trips: 30, waits: 10, noop_tasks: 40, slow_rounds: 1 }, true)
+        } else {
+            (Sizes { raw: 3000, round_trips: 1000, waits: 200, noop_tasks: 4000, slow_rounds: 10 }, false)
+        }
+    }
+}
+
+fn main() {
+    let (sizes, quick) = Sizes::get();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let mut table = Table::default();
+    // `MUR_BENCH_PHASES=noop,slow,memory` (any of them; all by default) runs fewer, for
+    // profiling one.
+    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory".into());
+    let phase = |name: &str| phases.split(',').any(|p| p.trim() == name);
+    runtime.block_on(async {
+        if phase("noop") {
+            latency_and_noop_throughput(&sizes, &mut table).await;
+        }
+        if phase("slow") {
+            slow_model_throughput(&sizes, &mut table).await;
+        }
+        if phase("memory") {
+            worker_memory(&mut table).await;
+        }
+    });
+    table.print(quick);
+}
+
+// ---------------------------------------------------------------------------------------
+// Phase 1: raw baseline, round trips, dispatch latency, no-op throughput.
+
+async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
+    let mut sb = Sandbox::start(1, 8).await;
+    let noop = noop_capsule();
+    sb.push(noop.dir()).await;
+
+    let raw = raw_round_trips(&sb, sizes.raw).await;
+    table.row(
+        &format!("raw JetStream publish → pull → ack (n={})", raw.len()),
+        quantiles(&raw),
+        "baseline".into(),
+        None,
+    );
+
+    let watcher = Watcher::start(&sb.client, true).await;
+    // Warm up: the bundle is fetched and unpacked by the first task.
+    for _ in 0..3 {
+        let id = submit(&sb.client, "noop").await;
+        watcher.wait_ended(&id, true).await;
+    }
+    let mut round_trips = Vec::with_capacity(sizes.round_trips);
+    let mut dispatches = Vec::with_capacity(sizes.round_trips);
+    let mut timeline = Timeline::default();
+    for _ in 0..sizes.round_trips {
+        let t0 = Instant::now();
+        let id = submit(&sb.client, "noop").await;
+        let replied = t0.elapsed();
+        let steps = watcher.wait_ended(&id, true).await;
+        let (Some(ended), Some(started)) = (steps.ended, steps.started) else { unreachable!("waited for both") };
+        round_trips.push(ended - t0);
+        dispatches.push(started - t0);
+        timeline.add(t0, replied, &steps);
+    }
+    let (rt50, rt99) = quantiles(&round_trips);
+    table.row(
+        &format!("no-op round trip, submit → result (n={})", round_trips.len()),
+        (rt50, rt99),
+        "p50 < 1.5 ms, p99 < 5 ms".into(),
+        Some(rt50 < Duration::from_micros(1500) && rt99 < Duration::from_millis(5)),
+    );
+    let (d50, d99) = quantiles(&dispatches);
+    let (raw50, raw99) = quantiles(&raw);
+    let (r50, r99) = (ratio(d50, raw50), ratio(d99, raw99));
+    table.row(
+        &format!("dispatch, submit → task_start (n={})", dispatches.len()),
+        (d50, d99),
+        format!("≤ 5× raw: {r50:.1}× / {r99:.1}×"),
+        Some(r50 <= 5.0 && r99 <= 5.0),
+    );
+    table.timeline = Some(timeline);
+    watcher.stop_detail();
+
+    // As `mur task send --wait` waits: a watch of its own per task, after the reply.
+    let js = jetstream::new(sb.client.clone());
+    let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.expect("mur_tasks");
+    let mut waits = Vec::with_capacity(sizes.waits);
+    for _ in 0..sizes.waits {
+        let t0 = Instant::now();
+        let id = submit(&sb.client, "noop").await;
+        let mut watch = tasks.watch_with_history(&id).await.expect("watch a task");
+        while let Some(entry) = watch.next().await {
+            let entry = entry.expect("watch entry");
+            if state_of(&entry.value).is_some_and(TaskState::is_terminal) {
+                break;
+            }
+        }
+        waits.push(t0.elapsed());
+    }
+    table.row(
+        &format!("  round trip waiting as `task send --wait` (n={})", waits.len()),
+        quantiles(&waits),
+        "(a watch per task)".into(),
+        None,
+    );
+
+    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    table.rate(
+        &format!("no-op throughput, 1 worker × 8 slots (n={})", sizes.noop_tasks),
+        one.per_s,
+        "≥ 1700 tasks/s",
+        Some(one.per_s >= 1700.0),
+    );
+    table.note(&format!("1 worker: {}", one.describe()));
+    for i in 1..4 {
+        sb.add_worker(&format!("wkr-test-{i}"), 8).await;
+    }
+    sb.wait_ready(4).await;
+    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    table.rate(
+        &format!("no-op throughput, 4 workers × 8 slots (n={})", sizes.noop_tasks),
+        four.per_s,
+        "≥ 1700 tasks/s",
+        Some(four.per_s >= 1700.0),
+    );
+    table.note(&format!("4 workers: {}", four.describe()));
+    drop(watcher);
+    sb.shutdown().await;
+}
+
+/// Publish → pull → double ack of one dispatch-sized message at a time, on a work-queue
+/// stream like `MUR_DISPATCH`, the puller waiting on a batch-1 pull stream.
+async fn raw_round_trips(sb: &Sandbox, n: usize) -> Vec<Duration> {
+    let js = jetstream::new(sb.client.clone());
+    let stream = js
+        .create_stream(stream::Config {
+            name: "BENCH_RAW".into(),
+            subjects: vec!["bench.raw".into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .expect("raw stream");
+    let consumer: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .expect("raw consumer");
+    // The puller on a client of its own, as a worker has.
+    let puller_client = sb.nats.connect().await;
+    let consumer: consumer::PullConsumer =
+        jetstream::new(puller_client).get_consumer_from_stream("raw", "BENCH_RAW").await.unwrap_or(consumer);
+    let (acked_tx, mut acked) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let puller = tokio::spawn(async move {
+        let mut messages =
+            consumer.stream().max_messages_per_batch(1).expires(Duration::from_secs(5)).messages().await.unwrap();
+        while let Some(msg) = messages.next().await {
+            let msg = msg.expect("raw message");
+            msg.double_ack().await.expect("raw ack");
+            if acked_tx.send(Instant::now()).is_err() {
+                break;
+            }
+        }
+    });
+    let payload = serde_json::to_vec(&Dispatch { task_id: Id::generate(IdKind::Task), attempt: 1 }).unwrap();
+    let mut times = Vec::with_capacity(n);
+    for i in 0..n + 20 {
+        let t0 = Instant::now();
+        js.publish("bench.raw", payload.clone().into()).await.expect("publish").await.expect("publish ack");
+        let done = acked.recv().await.expect("the puller runs");
+        if i >= 20 {
+            times.push(done - t0);
+        }
+    }
+    puller.abort();
+    times
+}
+
+/// A throughput run: tasks ended per second, and where a task's time went under that load.
+struct Load {
+    per_s: f64,
+    /// p50 of: submit reply → release seen, release → working, working → terminal.
+    steps: [Duration; 3],
+}
+
+impl Load {
+    fn describe(&self) -> String {
+        let [waiting, dispatch, running] = self.steps.map(ms);
+        format!("p50 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}")
+    }
+}
+
+/// Submits `n` tasks from 32 concurrent callers; the rate counts from the first submit to
+/// the last end.
+async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) -> Load {
+    let before = watcher.ended_count();
+    let t0 = Instant::now();
+    let client = sb.client.clone();
+    let capsule = capsule.to_string();
+    let submitter = tokio::spawn(async move {
+        futures::stream::iter(0..n)
+            .map(|_| {
+                let (client, capsule) = (client.clone(), capsule.clone());
+                async move { (submit(&client, &capsule).await, Instant::now()) }
+            })
+            .buffer_unordered(32)
+            .collect::<Vec<(String, Instant)>>()
+            .await
+    });
+    watcher.wait_count(before + n).await;
+    let elapsed = t0.elapsed();
+    let replies = submitter.await.expect("submitter");
+    let mut steps: [Vec<Duration>; 3] = Default::default();
+    {
+        let seen = watcher.seen.lock().unwrap();
+        for (id, replied) in &replies {
+            let Some(Steps { released: Some(r), working: Some(w), ended: Some(e), .. }) = seen.steps.get(id) else {
+                continue;
+            };
+            steps[0].push(r.saturating_duration_since(*replied));
+            steps[1].push(w.saturating_duration_since(*r));
+            steps[2].push(e.saturating_duration_since(*w));
+        }
+    }
+    let p50 = |xs: &[Duration]| if xs.is_empty() { Duration::ZERO } else { percentile(xs, 0.5) };
+    Load { per_s: n as f64 / elapsed.as_secs_f64(), steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])] }
+}
+
+// ---------------------------------------------------------------------------------------
+// Phase 2: 4 workers × 16 slots against a model that answers after 200 ms.
+
+async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
+    let (workers, slots) = (4usize, 16u32);
+    let fake = FakeOpenAi::repeating(FakeReply::text("done"));
+    fake.set_delay(MODEL_DELAY);
+    let sb = Sandbox::start(workers, slots).await;
+    let openai = openai_capsule("slow", &fake.url());
+    let scripted = TestCapsule::new(
+        "name: slow-scripted\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", &format!("replies:\n  - text: done\n    delay_ms: {}\n", MODEL_DELAY.as_millis()))],
+    );
+    sb.push(openai.dir()).await;
+    sb.push(scripted.dir()).await;
+    let watcher = Watcher::start(&sb.client, false).await;
+    let total_slots = workers * slots as usize;
+    let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
+    let n = total_slots * sizes.slow_rounds;
+    for (capsule, label) in [("slow", "fake OpenAI over HTTP"), ("slow-scripted", "scripted driver's delay")] {
+        // Warm up every worker's bundle cache with one round.
+        throughput(&sb, &watcher, capsule, total_slots).await;
+        let load = throughput(&sb, &watcher, capsule, n).await;
+        let share = load.per_s / ideal;
+        table.rate(
+            &format!("slow model (200 ms, {label}), 4 workers × 16 slots (n={n})"),
+            load.per_s,
+            &format!("≥ 97 % of ideal {ideal:.0}/s: {:.1} %", share * 100.0),
+            Some(share >= 0.97),
+        );
+        table.note(&format!("slow model, {label}: {}", load.describe()));
+    }
+    drop(watcher);
+    sb.shutdown().await;
+
+    // What the openai driver pays per session today: it builds its HTTP client.
+    let mut builds = Vec::new();
+    for _ in 0..if sizes.slow_rounds > 1 { 20 } else { 3 } {
+        let t = Instant::now();
+        std::hint::black_box(reqwest::Client::new());
+        builds.push(t.elapsed());
+    }
+    table.note(&format!(
+        "reqwest::Client::new() (the openai driver builds one per session): p50 {}",
+        ms(percentile(&builds, 0.5))
+    ));
+}
+
+// ---------------------------------------------------------------------------------------
+// Phase 3: a `mur worker` process's resident memory.
+
+async fn worker_memory(table: &mut Table) {
+    let Some(mur) = mur_binary() else {
+        table.note("worker memory: skipped, no `mur` binary (cargo build --release --bin mur, or set MUR_BIN)");
+        return;
+    };
+    let slots = 16;
+    let fake = FakeOpenAi::repeating(FakeReply::text("done"));
+    let sb = Sandbox::start(0, 1).await;
+    let capsule = openai_capsule("resident", &fake.url());
+    sb.push(capsule.dir()).await;
+    let workdir = tempfile::tempdir().expect("worker dir");
+    let mut child = std::process::Command::new(mur)
+        .args(["worker", "--slots", &slots.to_string(), "--id", "wkr-rss", "--server", &sb.nats.url()])
+        .arg("--workdir")
+        .arg(workdir.path())
+        .env_remove("NATS_URL")
+        .env("MUR_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn mur worker");
+    let pid = child.id();
+    sb.wait_ready(1).await;
+    let watcher = Watcher::start(&sb.client, false).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = vm_rss(pid);
+
+    // 16 sessions at once, each waiting on a model that answers after 3 s.
+    fake.set_delay(Duration::from_secs(3));
+    let before = watcher.ended_count();
+    let mut ids = Vec::new();
+    for _ in 0..slots {
+        ids.push(submit(&sb.client, "resident").await);
+    }
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    while fake.served() < slots {
+        assert!(Instant::now() < deadline, "16 sessions did not reach the model");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut busy = 0;
+    for _ in 0..10 {
+        busy = busy.max(vm_rss(pid).unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watcher.wait_count(before + slots).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = vm_rss(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(watcher);
+    sb.shutdown().await;
+
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    match idle {
+        Some(idle) => table.value(
+            "worker RSS, idle (`mur worker`, 16 slots)",
+            format!("{:.1} MiB", mib(idle)),
+            "< 30 MB".into(),
+            Some(idle < 30_000_000),
+        ),
+        None => table.note("worker RSS: /proc/<pid>/status unreadable"),
+    }
+    table.value(
+        "worker RSS, 16 sessions running",
+        format!("{:.1} MiB", mib(busy)),
+        "< 100 MB".into(),
+        Some(busy > 0 && busy < 100_000_000),
+    );
+    if let Some(after) = after {
+        table.value("  worker RSS, idle again after them", format!("{:.1} MiB", mib(after)), String::new(), None);
+    }
+}
+
+fn mur_binary() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("MUR_BIN") {
+        return Some(p.into());
+    }
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("mur");
+    p.is_file().then_some(p)
+}
+
+/// `VmRSS` of process `pid`, in bytes.
+fn vm_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+// ---------------------------------------------------------------------------------------
+// Capsules, the client side.
+
+/// A scripted capsule whose one reply ends the task.
+fn noop_capsule() -> TestCapsule {
+    TestCapsule::new(
+        "name: noop\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", "replies:\n  - text: ok\n")],
+    )
+}
+
+/// A capsule on the openai driver pointed at the fake server `url`.
+fn openai_capsule(name: &str, url: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {url}\n  model: gpt-4o-mini\n"
+        ),
+        &[],
+    )
+}
+
+async fn submit(client: &async_nats::Client, capsule: &str) -> String {
+    let request = SubmitRequest { capsule: capsule.into(), text: "hi".into(), origin: Origin::User, context_id: None };
+    let reply: SubmitReply =
+        mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
+            .await
+            .expect("submit");
+    reply.task_id
+}
+
+#[derive(Deserialize)]
+struct StateOnly {
+    state: TaskState,
+    #[serde(default)]
+    attempt: u32,
+}
+
+fn state_of(value: &[u8]) -> Option<TaskState> {
+    serde_json::from_slice::<StateOnly>(value).ok().map(|s| s.state)
+}
+
+#[derive(Deserialize)]
+struct TaskStartLine {
+    event_type: String,
+    #[serde(default)]
+    task_id: Option<String>,
+}
+
+/// When the client saw each step of a task: the points of the path submit → result.
+#[derive(Clone, Copy, Debug, Default)]
+struct Steps {
+    /// The record at attempt 1, still `submitted`: the coordinator's release compare-and-set.
+    released: Option<Instant>,
+    /// The dispatch on `mur.dispatch` (a core subscription sees the publish).
+    dispatched: Option<Instant>,
+    /// The record `working`: the worker's first compare-and-set.
+    working: Option<Instant>,
+    /// The `task_start` trace line on `mur.trace.<session>`.
+    started: Option<Instant>,
+    /// The terminal record.
+    ended: Option<Instant>,
+}
+
+/// What a [`Watcher`] saw.
+#[derive(Default)]
+struct Seen {
+    ended: usize,
+    steps: HashMap<String, Steps>,
+}
+
+/// Follows `mur_tasks` (one watch, opened once) and, in detail mode, the dispatches and
+/// the `task_start` trace lines, noting when each step of each task arrived.
+struct Watcher {
+    seen: Arc<Mutex<Seen>>,
+    changed: Arc<Notify>,
+    loops: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Watcher {
+    async fn start(client: &async_nats::Client, detail: bool) -> Watcher {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let changed = Arc::new(Notify::new());
+        let js = jetstream::new(client.clone());
+        let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.expect("mur_tasks");
+        let mut watch = tasks.watch_all().await.expect("watch mur_tasks");
+        let mut loops = vec![tokio::spawn({
+            let (seen, changed) = (seen.clone(), changed.clone());
+            async move {
+                while let Some(Ok(entry)) = watch.next().await {
+                    let at = Instant::now();
+                    let Ok(record) = serde_json::from_slice::<StateOnly>(&entry.value) else { continue };
+                    let mut seen = seen.lock().unwrap();
+                    if record.state.is_terminal() {
+                        seen.ended += 1;
+                    }
+                    let steps = seen.steps.entry(entry.key.clone()).or_default();
+                    match record.state {
+                        TaskState::Submitted if record.attempt >= 1 => steps.released = Some(at),
+                        TaskState::Working => steps.working = Some(at),
+                        state if state.is_terminal() => steps.ended = Some(at),
+                        _ => {}
+                    }
+                    drop(seen);
+                    changed.notify_waiters();
+                }
+            }
+        })];
+        if detail {
+            let mut lines = client.subscribe(format!("{}>", cluster::TRACE_SUBJECT_PREFIX)).await.expect("subscribe");
+            let mut dispatches = client.subscribe(cluster::DISPATCH_SUBJECT).await.expect("subscribe");
+            client.flush().await.expect("flush");
+            loops.push(tokio::spawn({
+                let (seen, changed) = (seen.clone(), changed.clone());
+                async move {
+                    while let Some(msg) = lines.next().await {
+                        let at = Instant::now();
+                        if !msg.payload.windows(12).any(|w| w == b"\"task_start\"") {
+                            continue;
+                        }
+                        if let Ok(TaskStartLine { event_type, task_id: Some(id) }) =
+                            serde_json::from_slice(&msg.payload)
+                            && event_type == "task_start"
+                        {
+                            seen.lock().unwrap().steps.entry(id).or_default().started = Some(at);
+                            changed.notify_waiters();
+                        }
+                    }
+                }
+            }));
+            loops.push(tokio::spawn({
+                let seen = seen.clone();
+                async move {
+                    while let Some(msg) = dispatches.next().await {
+                        let at = Instant::now();
+                        if let Ok(dispatch) = serde_json::from_slice::<Dispatch>(&msg.payload) {
+                            seen.lock().unwrap().steps.entry(dispatch.task_id).or_default().dispatched = Some(at);
+                        }
+                    }
+                }
+            }));
+        }
+        Watcher { seen, changed, loops }
+    }
+
+    /// Stops following the dispatches and the trace (so that throughput runs do not pay
+    /// for it), and forgets the steps seen so far.
+    fn stop_detail(&self) {
+        for l in self.loops.iter().skip(1) {
+            l.abort();
+        }
+        self.seen.lock().unwrap().steps.clear();
+    }
+
+    fn ended_count(&self) -> usize {
+        self.seen.lock().unwrap().ended
+    }
+
+    async fn until<T>(&self, what: &str, mut check: impl FnMut(&Seen) -> Option<T>) -> T {
+        let deadline = tokio::time::Instant::now() + PHASE_DEADLINE;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(found) = check(&self.seen.lock().unwrap()) {
+                return found;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                panic!("{what}: not within {PHASE_DEADLINE:?}");
+            }
+        }
+    }
+
+    /// Waits until `id` has ended and, in detail mode, its `task_start` line arrived;
+    /// returns its steps.
+    async fn wait_ended(&self, id: &str, detail: bool) -> Steps {
+        self.until(&format!("task {id} ended"), |s| {
+            s.steps.get(id).copied().filter(|st| st.ended.is_some() && (!detail || st.started.is_some()))
+        })
+        .await
+    }
+
+    async fn wait_count(&self, n: usize) {
+        self.until(&format!("{n} tasks ended"), |s| (s.ended >= n).then_some(())).await;
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        for l in &self.loops {
+            l.abort();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Figures and the table.
+
+fn percentile(xs: &[Duration], p: f64) -> Duration {
+    let mut xs = xs.to_vec();
+    xs.sort();
+    xs[((xs.len() - 1) as f64 * p).round() as usize]
+}
+
+fn quantiles(xs: &[Duration]) -> (Duration, Duration) {
+    (percentile(xs, 0.5), percentile(xs, 0.99))
+}
+
+fn ratio(a: Duration, b: Duration) -> f64 {
+    a.as_secs_f64() / b.as_secs_f64().max(1e-9)
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+/// When each step of the sequential no-op tasks was seen, after the submit.
+#[derive(Default)]
+struct Timeline {
+    points: [Vec<Duration>; 6],
+}
+
+impl Timeline {
+    const LABELS: [&str; 6] = [
+        "submit reply",
+        "release compare-and-set (record attempt 1, seen on the watch)",
+        "dispatch published (seen on mur.dispatch)",
+        "record working (worker's compare-and-set, seen on the watch)",
+        "task_start trace line",
+        "terminal record (seen on the watch)",
+    ];
+
+    fn add(&mut self, t0: Instant, replied: Duration, steps: &Steps) {
+        let at = |i: Option<Instant>| i.map_or(Duration::ZERO, |i| i.saturating_duration_since(t0));
+        let points =
+            [replied, at(steps.released), at(steps.dispatched), at(steps.working), at(steps.started), at(steps.ended)];
+        for (list, point) in self.points.iter_mut().zip(points) {
+            list.push(point);
+        }
+    }
+
+    fn print(&self) {
+        println!("\nwhere a no-op task's time goes (sequential tasks; p50 of each point, from the submit):");
+        let mut last = Duration::ZERO;
+        for (label, points) in Self::LABELS.iter().zip(&self.points) {
+            let p50 = percentile(points, 0.5);
+            let step = p50.as_secs_f64() - last.as_secs_f64();
+            println!("  +{:>8}  (step {:>+7.3} ms)  {label}", ms(p50), step * 1e3);
+            last = p50;
+        }
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    rows: Vec<(String, String, String, Option<bool>)>,
+    notes: Vec<String>,
+    timeline: Option<Timeline>,
+}
+
+impl Table {
+    fn row(&mut self, label: &str, (p50, p99): (Duration, Duration), target: String, pass: Option<bool>) {
+        self.value(label, format!("p50 {}  p99 {}", ms(p50), ms(p99)), target, pass);
+    }
+
+    fn rate(&mut self, label: &str, per_s: f64, target: &str, pass: Option<bool>) {
+        self.value(label, format!("{per_s:.0} tasks/s"), target.into(), pass);
+    }
+
+    fn value(&mut self, label: &str, measured: String, target: String, pass: Option<bool>) {
+        eprintln!("{label}: {measured}");
+        self.rows.push((label.into(), measured, target, pass));
+    }
+
+    fn note(&mut self, text: &str) {
+        self.notes.push(text.into());
+    }
+
+    fn print(&self, quick: bool) {
+        let cores = std::thread::available_parallelism().map_or(0, usize::from);
+        println!(
+            "\nmurmur cluster benchmark (issue #9): {} build, {cores} cores{}",
+            if cfg!(debug_assertions) { "debug" } else { "release" },
+            if quick { " — smoke run, figures not meaningful" } else { "" }
+        );
+        let w0 = self.rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+        let w1 = self.rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0);
+        let w2 = self.rows.iter().map(|r| r.2.chars().count()).max().unwrap_or(0);
+        println!("{:w0$}  {:w1$}  {:w2$}  result", "figure", "measured", "target");
+        for (label, measured, target, pass) in &self.rows {
+            let result = match pass {
+                Some(true) => "pass",
+                Some(false) => "MISS",
+                None => "",
+            };
+            println!("{label:w0$}  {measured:w1$}  {target:w2$}  {result}");
+        }
+        for note in &self.notes {
+            println!("note: {note}");
+        }
+        if let Some(timeline) = &self.timeline {
+            timeline.print();
+        }
+    }
+}
