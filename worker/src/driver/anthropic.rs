@@ -67,7 +67,7 @@ pub struct Anthropic {
 impl Anthropic {
     /// A driver for `config`.
     pub fn new(config: Config) -> Self {
-        Anthropic { config, client: reqwest::Client::new() }
+        Anthropic { config, client: super::http::shared_client() }
     }
 
     /// One model call, with the log of every HTTP attempt it took ([`Driver::call`] without

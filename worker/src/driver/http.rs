@@ -24,6 +24,15 @@ use reqwest::header::HeaderMap;
 use serde_json::Value;
 use std::time::{Duration, Instant, SystemTime};
 
+/// The process's one HTTP client, shared by every driver: a `reqwest::Client` holds a
+/// connection pool and loads the system's root certificates when built, which costs
+/// milliseconds of CPU (issue #9: per-session clients held the slow-model benchmark at
+/// about half its ideal). Cloning it is cheap and shares the pool.
+pub fn shared_client() -> reqwest::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    CLIENT.get_or_init(reqwest::Client::new).clone()
+}
+
 /// How long a `Retry-After` longer than [`Policy::max_delay`] may still make us wait.
 pub const RETRY_AFTER_CAP: Duration = Duration::from_secs(60);
 

@@ -50,7 +50,7 @@ pub struct OpenAi {
 impl OpenAi {
     /// A driver for `config`.
     pub fn new(config: Config) -> Self {
-        OpenAi { config, client: reqwest::Client::new(), encoder: Mutex::default() }
+        OpenAi { config, client: super::http::shared_client(), encoder: Mutex::default() }
     }
 
     /// The body of `request`, from the encoder's cache. A panic while encoding (never
