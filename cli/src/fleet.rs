@@ -7,6 +7,7 @@ use crate::nats::Connection;
 use crate::task::call;
 use anyhow::{Context, Result};
 use mur_proto::fleet::Job;
+use mur_proto::fleet_store;
 use mur_proto::fleet_store::{
     CancelRequest, ChannelEvent, DefineReply, DefineRequest, FleetInfo, FleetRef, FleetSummary, JobsRequest,
     LogRequest, SendRequest, SetLoopRequest, StopRequest, StopState, api,
@@ -109,6 +110,30 @@ pub enum Command {
     Start {
         /// The fleet.
         name: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Run the fleet on the leading coordinator: one iteration, or a loop with `--loop`,
+    /// until it ends; prints the `bounds:` line and follows the channel (Ctrl-C detaches;
+    /// the run goes on). Exits 0 when the run ended completed, 1 when it ended otherwise,
+    /// 2 when it was refused.
+    Run {
+        /// The fleet.
+        name: String,
+        /// A queued job to work on first (id or unique prefix).
+        job: Option<String>,
+        /// Keep iterating until a bound or `done_when` ends it.
+        #[arg(long = "loop")]
+        looping: bool,
+        /// Wall clock for the run (`30m`, `2h`, …).
+        #[arg(long, allow_hyphen_values = true)]
+        deadline: Option<String>,
+        /// Spend ceiling in USD.
+        #[arg(long, allow_negative_numbers = true)]
+        budget_usd: Option<f64>,
+        /// The run's id (default `run-<uuid>`, or `fleet-<name>-<uuid>` for a loop).
+        #[arg(long)]
+        run_id: Option<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -334,6 +359,10 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Run { name, job, looping, deadline, budget_usd, run_id, common } => {
+            let request = fleet_store::RunRequest { fleet: name, job, looping, deadline, budget_usd, run_id };
+            follow_run(&common, &request)
+        }
         Command::Log { name, since, common } => {
             let events: Vec<ChannelEvent> =
                 request(&common, "mur fleet log", api::LOG, &LogRequest { fleet: name, since })?;
@@ -350,6 +379,77 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `mur fleet run`: asks the leader to start the run, then follows it.
+fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = common.conn.connect("mur fleet run").await?;
+        let body = serde_json::to_vec(request)?;
+        let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("mur fleet run: refused: {e:#}");
+                return Ok(ExitCode::from(2));
+            }
+        };
+        eprintln!("{}", started.bounds);
+        if common.json {
+            print_json(&started)?;
+        } else {
+            println!("{}", started.run_id);
+        }
+        let js = async_nats::jetstream::new(client.clone());
+        let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
+        let key = fleet_store::run_key(&started.run_id);
+        let mut seen = 0u64;
+        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+        loop {
+            let events: Vec<ChannelEvent> = call(
+                &client,
+                api::LOG,
+                serde_json::to_vec(&LogRequest { fleet: started.fleet.clone(), since: Some(seen) })?,
+            )
+            .await
+            .unwrap_or_default();
+            for e in events.iter().filter(|e| e.run_id.as_deref().is_some_and(|r| r.starts_with(&started.run_id))) {
+                if common.json {
+                    println!("{}", serde_json::to_string(e)?);
+                } else {
+                    eprintln!("{} {}: {}", e.author, e.kind, e.text.replace('\n', "\n    "));
+                }
+            }
+            if let Some(last) = events.last() {
+                seen = last.seq;
+            }
+            let record = defs
+                .get(&key)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
+            if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
+                let stop = r.stop.clone().unwrap_or_default();
+                if common.json {
+                    print_json(&r)?;
+                }
+                if r.state == "completed" {
+                    eprintln!("run {} completed ({stop}) after {} iterations", r.run_id, r.iterations);
+                    return Ok(ExitCode::SUCCESS);
+                }
+                eprintln!("run {} ended: {stop}", r.run_id);
+                return Ok(ExitCode::from(1));
+            }
+            tokio::select! {
+                _ = &mut ctrl_c => {
+                    eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
+                    return Ok(ExitCode::SUCCESS);
+                }
+                () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            }
+        }
+    })
 }
 
 fn define(file: &PathBuf, common: &Common, subject: &str, what: &str) -> Result<ExitCode> {

@@ -177,6 +177,12 @@ fn summarize(name: &str, text: &str, stop: StopState, jobs: &[Job]) -> (FleetSum
 
 impl Fleets {
     /// Handles on the resources [`crate::resources::ensure`] set up.
+    /// The `mur_fleets` bucket (definitions, sentinels, run records).
+    pub fn defs(&self) -> &kv::Store {
+        &self.defs
+    }
+
+    /// A handle for `instance` on the fleet buckets and stream that `ensure` set up.
     pub fn new(js: jetstream::Context, res: &Resources, instance: impl Into<String>) -> Fleets {
         Fleets {
             js,

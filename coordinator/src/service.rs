@@ -355,6 +355,13 @@ async fn lead(
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
+    loops.spawn(crate::fleet_run::serve(
+        client.clone(),
+        crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        res.tasks.clone(),
+        instance.clone(),
+        stopped.clone(),
+    ));
     Ok(Leading { ctx, loops, stop })
 }
 

@@ -498,3 +498,73 @@ mod tests {
         assert!(member.author.is_member() && !Author::Router.is_member());
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Runs (issue #10 §Runs and loops).
+
+/// The subject only the leading coordinator listens on for `mur fleet run`: the run
+/// executes there, not in the client.
+pub const RUN_SUBJECT: &str = "mur.leader.fleet.run";
+
+/// The [`FLEETS_BUCKET`] key of a run's record: `run.<run id>`.
+pub fn run_key(run_id: &str) -> String {
+    format!("run.{run_id}")
+}
+
+/// `mur fleet run NAME [JOB] [--loop] [--deadline D] [--budget-usd N] [--run-id ID]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// A queued job to run (id or unique prefix), instead of the oldest queued one.
+    #[serde(default)]
+    pub job: Option<String>,
+    /// `--loop`.
+    #[serde(default, rename = "loop")]
+    pub looping: bool,
+    /// `--deadline`.
+    #[serde(default)]
+    pub deadline: Option<String>,
+    /// `--budget-usd`.
+    #[serde(default)]
+    pub budget_usd: Option<f64>,
+    /// `--run-id`.
+    #[serde(default)]
+    pub run_id: Option<String>,
+}
+
+/// A run's record in [`FLEETS_BUCKET`] ([`run_key`]), kept by the coordinator running it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The run id.
+    pub run_id: String,
+    /// The fleet.
+    pub fleet: String,
+    /// `running`, then `completed` (converged, or the queue drained) or `ended` (any
+    /// other stop).
+    pub state: String,
+    /// The stop's label (`converged`, `queue-drained`, `deadline`, …), once over.
+    #[serde(default)]
+    pub stop: Option<String>,
+    /// The `bounds:` line, as printed.
+    pub bounds: String,
+    /// The coordinator running it.
+    pub coordinator: String,
+    /// Iterations made.
+    pub iterations: u64,
+    /// When it started, unix ms.
+    pub started_at: u64,
+    /// When the coordinator last wrote it (at least every few seconds while it runs).
+    pub updated_at: u64,
+    /// When it ended.
+    #[serde(default)]
+    pub ended_at: Option<u64>,
+}
+
+impl RunRecord {
+    /// Whether the run is over.
+    pub fn is_over(&self) -> bool {
+        self.state != "running"
+    }
+}

@@ -548,3 +548,58 @@ async fn log_prints_the_channel_with_authors_and_sequence_numbers() -> Result<()
     sb.shutdown().await;
     Ok(())
 }
+
+/// Issue #10 §Runs and loops, the seed's own example on real work: the `builder` fleet
+/// drains its queue on the cluster. `mur fleet run builder --loop --deadline 5m` prints
+/// the bounds line, runs on the leading coordinator, each queued job becomes a `peer` task
+/// for the member (run as a shell command by the scripted driver), the job ends `done`
+/// with the command's real output, and the loop ends `queue-drained`: exit 0. A stopped
+/// fleet refuses a run: exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_refuses_a_run() {
+    let sb = Sandbox::start(1, 2).await;
+    sb.push(&example("examples/builder")).await;
+    ok(&sb, &["create", example("examples/fleets/builder.yaml").to_str().unwrap()]);
+    ok(&sb, &["send", "builder", "echo built $((20+3))"]);
+    ok(&sb, &["send", "builder", "echo tested"]);
+    let url = sb.nats.url();
+    let run = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "builder", "--loop", "--deadline", "5m"]).env("NATS_URL", url))
+    })
+    .await
+    .unwrap();
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stderr.starts_with("bounds: deadline 5m ← --deadline; stuck 10m ← built-in\n"), "{}", run.stderr);
+    assert!(run.stderr.contains("completed (queue-drained) after 2 iterations"), "{}", run.stderr);
+    let run_id = run.stdout.trim().to_string();
+    assert!(run_id.starts_with("fleet-builder-"), "{run_id}");
+
+    let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "builder", "--all", "--json"]).stdout.trim()).unwrap();
+    let jobs = jobs.as_array().unwrap();
+    assert_eq!(jobs.len(), 2);
+    let by_text = |t: &str| jobs.iter().find(|j| j["text"] == t).unwrap().clone();
+    let first = by_text("echo built $((20+3))");
+    assert_eq!(first["status"], "done");
+    assert!(first["result"].as_str().unwrap().contains("built 23"), "{first}");
+    assert_eq!(first["run_id"], format!("{run_id}-0"));
+    assert_eq!(by_text("echo tested")["run_id"], format!("{run_id}-1"));
+    // --since selects the loop's iterations' jobs by prefix.
+    let since: Value =
+        serde_json::from_str(ok(&sb, &["jobs", "builder", "--since", &run_id, "--json"]).stdout.trim()).unwrap();
+    assert_eq!(since.as_array().unwrap().len(), 2);
+    // The channel has the delegations, the member's replies and the stop reason.
+    let log = ok(&sb, &["log", "builder"]).stdout;
+    assert!(log.contains("system delegation: builder ← echo tested"), "{log}");
+    assert!(log.contains("member:builder reply:"), "{log}");
+    assert!(log.contains(&format!("system stop: run {run_id} stopped: queue-drained")), "{log}");
+
+    ok(&sb, &["stop", "builder"]);
+    let refused = fleet(&sb, &["run", "builder"]);
+    assert_eq!(refused.code, 2, "{refused:?}");
+    assert!(
+        refused.stderr.contains("fleet 'builder' is stopped (`mur fleet start builder` clears it)"),
+        "{}",
+        refused.stderr
+    );
+    sb.shutdown().await;
+}

@@ -1,0 +1,342 @@
+//! Fleet runs on the leading coordinator (issue #10 §Runs and loops): the IO around the
+//! pure [`crate::fleet_loop::Run`]. Only the leader listens on
+//! [`fleet_store::RUN_SUBJECT`]; a request is checked (the fleet loads, its bounds
+//! resolve, the kill-switch is clear, the plan is one this version runs), answered at once
+//! with the run's record (the client prints the `bounds:` line and follows), and the run
+//! goes on here without the client:
+//!
+//! - each iteration claims its job (`running`, with the iteration's run id), writes a
+//!   `delegation` event per member, submits one `peer` task per member through the task
+//!   API, waits for their terminal records (a step still running when the loop's time is
+//!   up is cancelled), writes each member's `reply` event, and ends the job `done` or
+//!   `failed` with the replies as its result;
+//! - the run's record (`run.<id>` in `mur_fleets`) is rewritten after every iteration and
+//!   at the end with the stop's label; the stop reason is the channel's last event.
+//!
+//! Not here yet: router and procedure plans (refused at the start), cost budgets, the
+//! worker enforcing the step's time left (the coordinator cancels it instead), and a new
+//! leader adopting runs a dead one left `running`.
+
+use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};
+use crate::fleets::{Fleets, now_ms};
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use futures::StreamExt;
+use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord};
+use mur_proto::fleet::{self, Fleet, JobStatus, LimitsBlock, RunFlags, Stop};
+use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, RunRequest};
+use mur_proto::task::{Origin, TaskState};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Serves run requests until `stopped` (the leader stepping down or stopping).
+pub async fn serve(
+    client: async_nats::Client,
+    fleets: Fleets,
+    tasks: kv::Store,
+    instance: String,
+    mut stopped: watch::Receiver<bool>,
+) -> &'static str {
+    let mut requests = match client.subscribe(fleet_store::RUN_SUBJECT).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(%instance, "subscribing to fleet run requests: {e}");
+            return "the fleet run loop";
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = stopped.changed() => return "the fleet run loop",
+            m = requests.next() => match m {
+                Some(m) => m,
+                None => return "the fleet run loop",
+            },
+        };
+        let answer = match start(&fleets, &instance, &msg.payload).await {
+            Ok((run, record)) => {
+                let exec = Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record };
+                let answer = serde_json::to_vec(&exec.record).map(Bytes::from);
+                tokio::spawn(exec.drive(run));
+                answer.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
+            }
+            Err(e) => Err(e),
+        };
+        if let Some(reply) = msg.reply {
+            let (headers, body) = match answer {
+                Ok(body) => (async_nats::HeaderMap::new(), body),
+                Err(e) => crate::api::error_reply(&e),
+            };
+            if let Err(e) = client.publish_with_headers(reply, headers, body).await {
+                tracing::warn!(%instance, "answering a run request: {e}");
+            }
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message)
+}
+
+/// Checks a request and makes the run and its first record.
+async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, RunRecord), ApiError> {
+    let request: RunRequest = serde_json::from_slice(body).map_err(|e| invalid(format!("request: {e}")))?;
+    let (_, text) = fleets.definition(&request.fleet).await?;
+    let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
+    if let Some(id) = &request.run_id {
+        fleet::check_run_id(id).map_err(|rule| invalid(format!("--run-id: {rule}")))?;
+    }
+    let flags = RunFlags {
+        r#loop: request.looping,
+        deadline: request.deadline.clone(),
+        budget_usd: request.budget_usd,
+        run_id: request.run_id.clone(),
+        max_iterations: None,
+    };
+    let bounds = fleet::resolve_bounds(&fleet, &flags, &LimitsBlock::Absent).map_err(|e| invalid(e.to_string()))?;
+    let run_id = request.run_id.clone().unwrap_or_else(|| {
+        let id = uuid::Uuid::now_v7();
+        if request.looping { fleet::loop_run_id(&fleet.name, id) } else { fleet::one_shot_run_id(id) }
+    });
+    let jobs: Vec<_> = fleets.jobs_of(&fleet.name).await?.into_iter().map(|(_, j)| j).collect();
+    let job = match &request.job {
+        Some(prefix) => {
+            let matching: Vec<_> = jobs.iter().filter(|j| j.id.starts_with(prefix.as_str())).collect();
+            match matching.as_slice() {
+                [one] => Some(one.id.clone()),
+                [] => {
+                    return Err(ApiError::new(
+                        ErrorCode::NotFound,
+                        format!("job: no job {prefix} in fleet {}", fleet.name),
+                    ));
+                }
+                _ => return Err(invalid(format!("job: {prefix} names several jobs; give more of the id"))),
+            }
+        }
+        None => None,
+    };
+    let now = now_ms();
+    let stopped = fleets.stop_state(&fleet.name).await;
+    let view = View {
+        now,
+        stopped: if stopped.is_stopped() { Ok(true) } else { Ok(false) },
+        jobs: &jobs,
+        last_agent_event: None,
+    };
+    let spec = Spec {
+        run_id: run_id.clone(),
+        fleet: fleet.clone(),
+        looping: request.looping,
+        job,
+        deadline: bounds.deadline.value,
+        stuck: bounds.stuck.value,
+        started_at: now,
+    };
+    let run = Run::start(spec, &view).map_err(|e| match e {
+        Refused::Stopped(_) => ApiError::new(ErrorCode::Conflict, e.to_string()),
+        other => invalid(other.to_string()),
+    })?;
+    let record = RunRecord {
+        run_id: run_id.clone(),
+        fleet: fleet.name.clone(),
+        state: "running".into(),
+        stop: None,
+        bounds: bounds.line(),
+        coordinator: instance.to_string(),
+        iterations: 0,
+        started_at: now,
+        updated_at: now,
+        ended_at: None,
+    };
+    put_record(fleets, &record).await?;
+    Ok((run, record))
+}
+
+async fn put_record(fleets: &Fleets, record: &RunRecord) -> Result<(), ApiError> {
+    let json = serde_json::to_vec(record).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    fleets
+        .defs()
+        .put(fleet_store::run_key(&record.run_id), json.into())
+        .await
+        .map(drop)
+        .map_err(|e| ApiError::new(ErrorCode::Unavailable, format!("mur_fleets: put: {e}")))
+}
+
+/// One run being carried out.
+struct Exec {
+    client: async_nats::Client,
+    fleets: Fleets,
+    tasks: kv::Store,
+    record: RunRecord,
+}
+
+impl Exec {
+    async fn drive(mut self, mut run: Run) {
+        let fleet = self.record.fleet.clone();
+        self.event(
+            EventKind::StateChange,
+            Author::System,
+            format!("run {} started; {}", self.record.run_id, self.record.bounds),
+            None,
+            None,
+        )
+        .await;
+        let mut last_agent: Option<u64> = None;
+        let stop = loop {
+            let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
+                Ok(j) => j.into_iter().map(|(_, j)| j).collect(),
+                Err(e) => {
+                    tracing::warn!(fleet, "reading jobs: {e}");
+                    Vec::new()
+                }
+            };
+            let stopped = self.fleets.stop_state(&fleet).await;
+            let view = View {
+                now: now_ms(),
+                stopped: if stopped.is_stopped() { Ok(true) } else { Ok(false) },
+                jobs: &jobs,
+                last_agent_event: last_agent,
+            };
+            match run.next(&view) {
+                Next::Stop(stop) => break stop,
+                Next::Iterate { iteration_run_id, job, steps, .. } => {
+                    if let Some(id) = &job {
+                        let claimed = self
+                            .fleets
+                            .update_job(&fleet, id, |j| {
+                                j.claim(&iteration_run_id, now_ms())
+                                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+                            })
+                            .await;
+                        if let Err(e) = claimed {
+                            // Canceled meanwhile, say: the next iteration picks again.
+                            tracing::info!(fleet, job = %id, "job not claimed: {e}");
+                            run.iteration_ended(&[]);
+                            continue;
+                        }
+                    }
+                    let mut replies = Vec::new();
+                    let mut submitted = Vec::new();
+                    for step in &steps {
+                        self.event(
+                            EventKind::Delegation,
+                            Author::System,
+                            format!("{} ← {}", step.member, step.text),
+                            Some(&iteration_run_id),
+                            job.as_deref(),
+                        )
+                        .await;
+                        let task_id = match self.submit(&step.member, &step.text).await {
+                            Ok(task_id) => Some(task_id),
+                            Err(e) => {
+                                tracing::warn!(fleet, member = %step.member, "delegation refused: {e}");
+                                None
+                            }
+                        };
+                        submitted.push((step.clone(), task_id));
+                    }
+                    for (step, task_id) in submitted {
+                        let reply = match task_id {
+                            Some(id) => self.wait(&id, step.time_left).await,
+                            None => (false, "error: the delegated task was refused".to_string()),
+                        };
+                        last_agent = Some(now_ms());
+                        self.event(
+                            EventKind::Reply,
+                            Author::Member(step.member.clone()),
+                            reply.1.clone(),
+                            Some(&iteration_run_id),
+                            job.as_deref(),
+                        )
+                        .await;
+                        replies.push(Reply { member: step.member.clone(), ok: reply.0, text: reply.1 });
+                    }
+                    let it = run.iteration_ended(&replies);
+                    if let Some(id) = &job {
+                        let status = if it.job_done { JobStatus::Done } else { JobStatus::Failed };
+                        let result = it.result.clone();
+                        let ended = self
+                            .fleets
+                            .update_job(&fleet, id, |j| {
+                                if j.status.is_terminal() {
+                                    return Ok(()); // canceled meanwhile: leave it
+                                }
+                                j.transition(status, now_ms())
+                                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+                                j.result = Some(result.clone());
+                                Ok(())
+                            })
+                            .await;
+                        if let Err(e) = ended {
+                            tracing::warn!(fleet, job = %id, "ending the job: {e}");
+                        }
+                    }
+                    self.record.iterations += 1;
+                    self.record.updated_at = now_ms();
+                    if let Err(e) = put_record(&self.fleets, &self.record).await {
+                        tracing::warn!(fleet, "writing the run record: {e}");
+                    }
+                }
+            }
+        };
+        self.finish(stop).await;
+    }
+
+    async fn finish(&mut self, stop: Stop) {
+        let now = now_ms();
+        self.record.state =
+            if matches!(stop, Stop::Converged | Stop::QueueDrained) { "completed" } else { "ended" }.into();
+        self.record.stop = Some(stop.label().into());
+        self.record.ended_at = Some(now);
+        self.record.updated_at = now;
+        let text = format!("run {} stopped: {}", self.record.run_id, stop.label());
+        self.event(EventKind::Stop, Author::System, text, None, None).await;
+        if let Err(e) = put_record(&self.fleets, &self.record).await {
+            tracing::warn!(fleet = %self.record.fleet, "writing the run record: {e}");
+        }
+    }
+
+    async fn event(&self, kind: EventKind, author: Author, text: String, run_id: Option<&str>, job_id: Option<&str>) {
+        let event = ChannelEvent {
+            seq: 0,
+            at: now_ms(),
+            author,
+            kind,
+            text,
+            run_id: Some(run_id.unwrap_or(&self.record.run_id).to_string()),
+            job_id: job_id.map(str::to_string),
+        };
+        if let Err(e) = self.fleets.publish(&self.record.fleet, &event).await {
+            tracing::warn!(fleet = %self.record.fleet, "channel event not written: {e}");
+        }
+    }
+
+    /// Submits a delegated step: a `peer` task for `member`.
+    async fn submit(&self, member: &str, text: &str) -> Result<String, ApiError> {
+        let request =
+            SubmitRequest { capsule: member.into(), text: text.into(), origin: Origin::Peer, context_id: None };
+        let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
+    }
+
+    /// Waits for `task_id`'s terminal record, at most `time_left` (then cancels it):
+    /// `(completed, result text)`.
+    async fn wait(&self, task_id: &str, time_left: Duration) -> (bool, String) {
+        let deadline = tokio::time::Instant::now() + time_left;
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            if let Ok(Some(value)) = self.tasks.get(task_id).await
+                && let Ok(r) = serde_json::from_slice::<TaskRecord>(&value)
+                && r.state.is_terminal()
+            {
+                return (r.state == TaskState::Completed, r.result.unwrap_or_default());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ =
+                    crate::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string()).await;
+                return (false, "error: the step outlived the loop's deadline and was canceled".into());
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(250));
+        }
+    }
+}
