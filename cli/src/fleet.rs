@@ -137,6 +137,13 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// The fleet's latest run: its state, stop reason and liveness verdict.
+    Status {
+        /// The fleet.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Print the fleet's channel: every event with its author and sequence number.
     Log {
         /// The fleet.
@@ -363,6 +370,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             let request = fleet_store::RunRequest { fleet: name, job, looping, deadline, budget_usd, run_id };
             follow_run(&common, &request)
         }
+        Command::Status { name, common } => run_status(&common, RunPick::LatestOf(name)),
         Command::Log { name, since, common } => {
             let events: Vec<ChannelEvent> =
                 request(&common, "mur fleet log", api::LOG, &LogRequest { fleet: name, since })?;
@@ -379,6 +387,121 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `mur job …`
+#[derive(clap::Subcommand, Debug)]
+pub enum JobCommand {
+    /// A run's state plus a liveness verdict (alive, dead: its coordinator stopped
+    /// beating, or over). RUN_ID is a run id or a loop iteration's `<id>-<n>`.
+    Status {
+        /// The run id.
+        run_id: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// Runs a `mur job` command.
+pub fn job(cmd: JobCommand) -> Result<ExitCode> {
+    let JobCommand::Status { run_id, common } = cmd;
+    run_status(&common, RunPick::Id(run_id))
+}
+
+/// Which run `run_status` shows.
+enum RunPick {
+    Id(String),
+    LatestOf(String),
+}
+
+/// Prints a run's record and verdict; exit 0 when found, 2 when not.
+fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = common.conn.connect("mur job status").await?;
+        let js = async_nats::jetstream::new(client);
+        let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await.context("mur_fleets")?;
+        let read = |key: String| {
+            let defs = defs.clone();
+            async move {
+                defs.get(&key)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok())
+            }
+        };
+        let record = match &pick {
+            RunPick::Id(id) => {
+                // A loop iteration's id names its run: strip `-<n>`.
+                let base = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(b, _)| b.to_string());
+                match read(fleet_store::run_key(id)).await {
+                    Some(r) => Some(r),
+                    None => match base {
+                        Some(b) => read(fleet_store::run_key(&b)).await,
+                        None => None,
+                    },
+                }
+            }
+            RunPick::LatestOf(fleet) => {
+                let mut keys = defs.keys().await.context("mur_fleets: keys")?;
+                let mut latest: Option<fleet_store::RunRecord> = None;
+                use futures::StreamExt;
+                while let Some(Ok(key)) = keys.next().await {
+                    if !key.starts_with("run.") {
+                        continue;
+                    }
+                    if let Some(r) = read(key).await.filter(|r| &r.fleet == fleet)
+                        && latest.as_ref().is_none_or(|l| r.started_at > l.started_at)
+                    {
+                        latest = Some(r);
+                    }
+                }
+                latest
+            }
+        };
+        let Some(record) = record else {
+            let what = match pick {
+                RunPick::Id(id) => format!("no run {id}"),
+                RunPick::LatestOf(fleet) => format!("fleet {fleet} has no run yet"),
+            };
+            eprintln!("mur: {what}");
+            return Ok(ExitCode::from(2));
+        };
+        let beat = defs
+            .get(fleet_store::beat_key(&record.run_id))
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
+        let liveness = record.liveness(beat, crate::fleet::now_ms());
+        let status = fleet_store::RunStatus { record, liveness };
+        if common.json {
+            print_json(&status)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        let r = &status.record;
+        println!("run        {}", r.run_id);
+        println!("fleet      {}", r.fleet);
+        println!("state      {}{}", r.state, r.stop.as_ref().map(|s| format!(" ({s})")).unwrap_or_default());
+        println!(
+            "liveness   {}",
+            match &status.liveness {
+                fleet_store::Liveness::Alive { beat_age_ms } => format!("alive (heartbeat {beat_age_ms} ms ago)"),
+                fleet_store::Liveness::Dead { beat_age_ms } =>
+                    format!("dead (no heartbeat for {} s: its coordinator is gone)", beat_age_ms / 1000),
+                fleet_store::Liveness::Over => "over".to_string(),
+            }
+        );
+        println!("iterations {}", r.iterations);
+        println!("{}", r.bounds);
+        println!("coordinator {}", r.coordinator);
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `mur fleet run`: asks the leader to start the run, then follows it.

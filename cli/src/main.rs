@@ -31,6 +31,9 @@ enum Command {
     Coordinator(cluster::CoordinatorArgs),
     /// Run a worker: pulls capsule tasks and runs their sessions.
     Worker(cluster::WorkerArgs),
+    /// A fleet run's state and liveness: `mur job status RUN_ID`.
+    #[command(subcommand)]
+    Job(fleet::JobCommand),
     /// Look at the cluster: `mur cluster status`.
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         Command::Coordinator(args) => cluster::coordinator(args),
         Command::Worker(args) => cluster::worker(args),
         Command::Cluster(cmd) => cluster::cluster(cmd),
+        Command::Job(cmd) => fleet::job(cmd),
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
     };

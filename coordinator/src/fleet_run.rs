@@ -172,6 +172,20 @@ struct Exec {
 impl Exec {
     async fn drive(mut self, mut run: Run) {
         let fleet = self.record.fleet.clone();
+        // The heartbeat `mur job status` judges liveness by.
+        let beat = tokio::spawn({
+            let defs = self.fleets.defs().clone();
+            let key = fleet_store::beat_key(&self.record.run_id);
+            async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(fleet_store::RUN_BEAT_EVERY_MS));
+                loop {
+                    tick.tick().await;
+                    if let Err(e) = defs.put(&key, now_ms().to_string().into()).await {
+                        tracing::debug!(key, "run heartbeat: {e}");
+                    }
+                }
+            }
+        });
         self.event(
             EventKind::StateChange,
             Author::System,
@@ -278,6 +292,7 @@ impl Exec {
                 }
             }
         };
+        beat.abort();
         self.finish(stop).await;
     }
 

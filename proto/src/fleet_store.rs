@@ -568,3 +568,88 @@ impl RunRecord {
         self.state != "running"
     }
 }
+
+/// The [`FLEETS_BUCKET`] key of a running run's heartbeat: `beat.<run id>` = unix ms,
+/// rewritten every [`RUN_BEAT_EVERY_MS`] by the coordinator carrying it out.
+pub fn beat_key(run_id: &str) -> String {
+    format!("beat.{run_id}")
+}
+
+/// How often a running run's heartbeat is written, ms.
+pub const RUN_BEAT_EVERY_MS: u64 = 2_000;
+
+/// A `running` run whose heartbeat is older than this is dead (its coordinator is gone), ms.
+pub const RUN_DEAD_AFTER_MS: u64 = 10_000;
+
+/// `mur job status`'s liveness verdict on a run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "verdict", rename_all = "lowercase")]
+pub enum Liveness {
+    /// Running, with a fresh heartbeat.
+    Alive {
+        /// Since the last heartbeat, ms.
+        beat_age_ms: u64,
+    },
+    /// `running` in its record, but no heartbeat for [`RUN_DEAD_AFTER_MS`]: the coordinator
+    /// carrying it died.
+    Dead {
+        /// Since the last heartbeat (or the last record write), ms.
+        beat_age_ms: u64,
+    },
+    /// It ended.
+    Over,
+}
+
+impl RunRecord {
+    /// The liveness verdict at `now` (unix ms) given the last heartbeat, if any.
+    pub fn liveness(&self, beat: Option<u64>, now: u64) -> Liveness {
+        if self.is_over() {
+            return Liveness::Over;
+        }
+        let last = beat.unwrap_or(self.updated_at).max(self.updated_at);
+        let beat_age_ms = now.saturating_sub(last);
+        if beat_age_ms > RUN_DEAD_AFTER_MS { Liveness::Dead { beat_age_ms } } else { Liveness::Alive { beat_age_ms } }
+    }
+}
+
+/// `mur job status` / `mur fleet status` as JSON: the run's record and its verdict.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunStatus {
+    /// The record.
+    #[serde(flatten)]
+    pub record: RunRecord,
+    /// The verdict.
+    pub liveness: Liveness,
+}
+
+#[cfg(test)]
+mod run_tests {
+    use super::*;
+
+    fn record(state: &str, updated_at: u64) -> RunRecord {
+        RunRecord {
+            run_id: "run-1".into(),
+            fleet: "f".into(),
+            state: state.into(),
+            stop: None,
+            bounds: String::new(),
+            coordinator: "c1".into(),
+            iterations: 0,
+            started_at: 0,
+            updated_at,
+            ended_at: None,
+        }
+    }
+
+    #[test]
+    fn a_running_run_is_alive_while_its_heartbeat_is_fresh_and_dead_after_ten_seconds() {
+        let r = record("running", 1_000);
+        assert_eq!(r.liveness(Some(50_000), 55_000), Liveness::Alive { beat_age_ms: 5_000 });
+        assert_eq!(r.liveness(Some(50_000), 60_000), Liveness::Alive { beat_age_ms: 10_000 });
+        assert_eq!(r.liveness(Some(50_000), 60_001), Liveness::Dead { beat_age_ms: 10_001 });
+        assert_eq!(r.liveness(None, 20_000), Liveness::Dead { beat_age_ms: 19_000 });
+        assert_eq!(record("completed", 1_000).liveness(None, 99_999), Liveness::Over);
+        let json = serde_json::to_value(RunStatus { record: r, liveness: Liveness::Alive { beat_age_ms: 5 } }).unwrap();
+        assert_eq!((json["state"].as_str(), json["liveness"]["verdict"].as_str()), (Some("running"), Some("alive")));
+    }
+}

@@ -593,6 +593,41 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     assert!(log.contains("member:builder reply:"), "{log}");
     assert!(log.contains(&format!("system stop: run {run_id} stopped: queue-drained")), "{log}");
 
+    // `mur job status` (by run id or an iteration's id) and `mur fleet status`.
+    for id in [run_id.clone(), format!("{run_id}-1")] {
+        let status = Run::of(mur().args(["job", "status", &id, "--json"]).env("NATS_URL", sb.nats.url()));
+        assert_eq!(status.code, 0, "{status:?}");
+        let v = status.last_json();
+        assert_eq!((v["run_id"].as_str(), v["state"].as_str()), (Some(run_id.as_str()), Some("completed")));
+        assert_eq!((v["stop"].as_str(), v["iterations"].as_u64()), (Some("queue-drained"), Some(2)));
+        assert_eq!(v["liveness"], json!({"verdict": "over"}));
+    }
+    let latest = ok(&sb, &["status", "builder"]).stdout;
+    assert!(latest.contains(&format!("run        {run_id}\n")), "{latest}");
+    assert!(latest.contains("state      completed (queue-drained)\nliveness   over\n"), "{latest}");
+    // A run left `running` by a coordinator that died: no heartbeat, so the verdict is dead.
+    let orphan = fleet_store::RunRecord {
+        run_id: "run-orphan".into(),
+        fleet: "builder".into(),
+        state: "running".into(),
+        stop: None,
+        bounds: "bounds: deadline 1h ← built-in; stuck 10m ← built-in".into(),
+        coordinator: "gone".into(),
+        iterations: 1,
+        started_at: 1,
+        updated_at: 1,
+        ended_at: None,
+    };
+    fleets_kv(&sb)
+        .await
+        .put(fleet_store::run_key("run-orphan"), serde_json::to_vec(&orphan).unwrap().into())
+        .await
+        .unwrap();
+    let dead = Run::of(mur().args(["job", "status", "run-orphan", "--json"]).env("NATS_URL", sb.nats.url()));
+    assert_eq!(dead.last_json()["liveness"]["verdict"], "dead", "{dead:?}");
+    let missing = Run::of(mur().args(["job", "status", "run-nope"]).env("NATS_URL", sb.nats.url()));
+    assert_eq!((missing.code, missing.stderr.trim()), (2, "mur: no run run-nope"));
+
     ok(&sb, &["stop", "builder"]);
     let refused = fleet(&sb, &["run", "builder"]);
     assert_eq!(refused.code, 2, "{refused:?}");
