@@ -203,8 +203,13 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         );
     };
     let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
-    let request =
-        SubmitRequest { capsule: capsule.clone(), text: text.clone(), origin, context_id: args.context.clone() };
+    let request = SubmitRequest {
+        capsule: capsule.clone(),
+        text: text.clone(),
+        origin,
+        context_id: args.context.clone(),
+        deadline_at: None,
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = args.conn.connect("mur task send").await?;

@@ -29,6 +29,10 @@ use mur_proto::task::{Origin, TaskState};
 use std::time::Duration;
 use tokio::sync::watch;
 
+/// How long past a step's deadline the coordinator waits for its record before it cancels
+/// the task itself.
+const WAIT_SLACK: Duration = Duration::from_secs(10);
+
 /// Serves run requests until `stopped` (the leader stepping down or stopping).
 pub async fn serve(
     client: async_nats::Client,
@@ -239,7 +243,8 @@ impl Exec {
                             job.as_deref(),
                         )
                         .await;
-                        let task_id = match self.submit(&step.member, &step.text).await {
+                        let deadline_at = now_ms() + step.time_left.as_millis() as u64;
+                        let task_id = match self.submit(&step.member, &step.text, deadline_at).await {
                             Ok(task_id) => Some(task_id),
                             Err(e) => {
                                 tracing::warn!(fleet, member = %step.member, "delegation refused: {e}");
@@ -325,18 +330,25 @@ impl Exec {
         }
     }
 
-    /// Submits a delegated step: a `peer` task for `member`.
-    async fn submit(&self, member: &str, text: &str) -> Result<String, ApiError> {
-        let request =
-            SubmitRequest { capsule: member.into(), text: text.into(), origin: Origin::Peer, context_id: None };
+    /// Submits a delegated step: a `peer` task for `member` that must be over by
+    /// `deadline_at` (the time left on the loop's clock; the worker enforces it).
+    async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
+        let request = SubmitRequest {
+            capsule: member.into(),
+            text: text.into(),
+            origin: Origin::Peer,
+            context_id: None,
+            deadline_at: Some(deadline_at),
+        };
         let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
     }
 
-    /// Waits for `task_id`'s terminal record, at most `time_left` (then cancels it):
-    /// `(completed, result text)`.
+    /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends
+    /// the task at its deadline; a task still not over [`WAIT_SLACK`] after it (never
+    /// started: no worker free) is cancelled.
     async fn wait(&self, task_id: &str, time_left: Duration) -> (bool, String) {
-        let deadline = tokio::time::Instant::now() + time_left;
+        let deadline = tokio::time::Instant::now() + time_left + WAIT_SLACK;
         let mut backoff = Duration::from_millis(20);
         loop {
             if let Ok(Some(value)) = self.tasks.get(task_id).await

@@ -294,6 +294,7 @@ impl Backend for ClusterBackend {
             text: submission.text.clone(),
             origin: submission.origin,
             context_id: submission.context_id.clone(),
+            deadline_at: None,
         };
         let body = serde_json::to_vec(&request).expect("a submit request serializes");
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.

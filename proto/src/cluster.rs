@@ -167,6 +167,9 @@ pub struct TaskRecord {
     /// it `canceled`; one that gets it later ends it without running it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel_requested_at: Option<u64>,
+    /// When the task must be over (unix ms), from [`SubmitRequest::deadline_at`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at: Option<u64>,
     /// Set when the task was given up after every delivery failed (issue #8 §Poison
     /// tasks): the task is `failed` and this says why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -218,6 +221,7 @@ impl TaskRecord {
             ended_at: None,
             error: None,
             cancel_requested_at: None,
+            deadline_at: request.deadline_at,
             dead_letter: None,
             traceparent: None,
         }
@@ -550,6 +554,12 @@ pub struct SubmitRequest {
     /// The conversation to continue; a fresh `ctx_…` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_id: Option<String>,
+    /// When the task must be over, unix ms: a fleet step inherits the time left on its
+    /// loop's clock (`seeds/fleet-loops.md` §The bounds: "Every member the loop delegates
+    /// to inherits the remaining time"). The worker stops a task still running then; it
+    /// ends `deadline_exceeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at: Option<u64>,
 }
 
 fn default_origin() -> Origin {
@@ -557,7 +567,7 @@ fn default_origin() -> Origin {
 }
 
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
-const SUBMIT_FIELDS: [&str; 4] = ["capsule", "text", "origin", "context_id"];
+const SUBMIT_FIELDS: [&str; 5] = ["capsule", "text", "origin", "context_id", "deadline_at"];
 
 impl SubmitRequest {
     /// Decodes and validates a submission from the raw request body.
@@ -608,9 +618,17 @@ impl SubmitRequest {
                 None
             }
         };
+        let deadline_at = match map.get("deadline_at") {
+            None | Some(Value::Null) => None,
+            Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64(),
+            Some(other) => {
+                errors.push(format!("deadline_at: must be unix milliseconds (a whole number), got {other}"));
+                None
+            }
+        };
         let request = match (capsule, text, origin) {
             (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
-                SubmitRequest { capsule, text, origin, context_id }
+                SubmitRequest { capsule, text, origin, context_id, deadline_at }
             }
             (capsule, text, _) => {
                 // Still report the value rules of the fields that did decode.
@@ -619,6 +637,7 @@ impl SubmitRequest {
                     text: text.unwrap_or_else(|| "x".into()),
                     origin: Origin::User,
                     context_id,
+                    deadline_at: None,
                 };
                 errors.extend(partial.rule_errors());
                 errors.sort_by_key(|e| field_rank(e));
@@ -826,7 +845,13 @@ mod tests {
         let req = SubmitRequest::parse(br#"{"capsule":"hello","text":"hi"}"#).unwrap();
         assert_eq!(
             req,
-            SubmitRequest { capsule: "hello".into(), text: "hi".into(), origin: Origin::User, context_id: None }
+            SubmitRequest {
+                capsule: "hello".into(),
+                text: "hi".into(),
+                origin: Origin::User,
+                context_id: None,
+                deadline_at: None
+            }
         );
         let req =
             SubmitRequest::parse(br#"{"capsule":"a-1","text":"x","origin":"peer","context_id":"ctx-from-caller"}"#)
@@ -931,7 +956,13 @@ mod tests {
 
     #[test]
     fn a_submitted_record_takes_its_lane_from_the_origin() {
-        let req = SubmitRequest { capsule: "c".into(), text: "t".into(), origin: Origin::Schedule, context_id: None };
+        let req = SubmitRequest {
+            capsule: "c".into(),
+            text: "t".into(),
+            origin: Origin::Schedule,
+            context_id: None,
+            deadline_at: None,
+        };
         let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
         assert!(Id::is_valid(IdKind::Context, &rec.context_id), "{}", rec.context_id);
@@ -946,7 +977,13 @@ mod tests {
     /// records written before the field existed still read.
     #[test]
     fn a_record_round_trips_its_traceparent() {
-        let req = SubmitRequest { capsule: "c".into(), text: "t".into(), origin: Origin::User, context_id: None };
+        let req = SubmitRequest {
+            capsule: "c".into(),
+            text: "t".into(),
+            origin: Origin::User,
+            context_id: None,
+            deadline_at: None,
+        };
         let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         let json = serde_json::to_value(&rec).unwrap();
         assert!(json.get("traceparent").is_none(), "no traceparent, no field: {json}");

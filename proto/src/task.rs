@@ -128,6 +128,10 @@ pub enum ExitStatus {
     SpendCeilingReached,
     /// The task was cancelled, or interrupted by a shutdown.
     Canceled,
+    /// The task outlived the deadline it inherited from its fleet loop (`seeds/fleet-loops.md`
+    /// §The bounds: "Every member the loop delegates to inherits the remaining time"): the
+    /// worker stopped it and its tools.
+    DeadlineExceeded,
 }
 
 impl ExitStatus {
@@ -140,6 +144,7 @@ impl ExitStatus {
             ExitStatus::ReopenBudgetExhausted => "reopen_budget_exhausted",
             ExitStatus::SpendCeilingReached => "spend_ceiling_reached",
             ExitStatus::Canceled => "canceled",
+            ExitStatus::DeadlineExceeded => "deadline_exceeded",
         }
     }
 

@@ -462,7 +462,13 @@ fn openai_capsule(name: &str, url: &str) -> TestCapsule {
 }
 
 async fn submit(client: &async_nats::Client, capsule: &str) -> String {
-    let request = SubmitRequest { capsule: capsule.into(), text: "hi".into(), origin: Origin::User, context_id: None };
+    let request = SubmitRequest {
+        capsule: capsule.into(),
+        text: "hi".into(),
+        origin: Origin::User,
+        context_id: None,
+        deadline_at: None,
+    };
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
             .await

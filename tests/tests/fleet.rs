@@ -638,3 +638,36 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     );
     sb.shutdown().await;
 }
+
+/// `seeds/fleet-loops.md` §The bounds: "Every member the loop delegates to inherits the
+/// remaining time". A step still running when the loop's deadline passes is stopped by its
+/// worker (its shell command killed): the task ends `deadline_exceeded`, the job `failed`,
+/// and the run ends `iteration-failed` (exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
+    let sb = Sandbox::start(1, 1).await;
+    sb.push(&example("examples/builder")).await;
+    ok(&sb, &["create", example("examples/fleets/builder.yaml").to_str().unwrap()]);
+    ok(&sb, &["send", "builder", "sleep 60"]);
+    let url = sb.nats.url();
+    let started = std::time::Instant::now();
+    let run = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "builder", "--deadline", "2s", "--json"]).env("NATS_URL", url))
+    })
+    .await
+    .unwrap();
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(started.elapsed() < Duration::from_secs(30), "the step was stopped, not waited for");
+    assert!(run.stderr.contains("ended: iteration-failed"), "{}", run.stderr);
+    let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "builder", "--all", "--json"]).stdout.trim()).unwrap();
+    let job = &jobs[0];
+    assert_eq!(job["status"], "failed");
+    assert_eq!(job["result"], "stopped: the deadline inherited from the fleet loop passed");
+    let tasks: Vec<mur_proto::cluster::TaskRecord> =
+        mur_coordinator::api::call(&sb.client, mur_proto::cluster::api::TASK_LIST, "").await.unwrap();
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].exit_status, Some(mur_proto::ExitStatus::DeadlineExceeded));
+    assert_eq!(tasks[0].origin, mur_proto::task::Origin::Peer);
+    assert!(tasks[0].deadline_at.is_some());
+    sb.shutdown().await;
+}

@@ -984,7 +984,12 @@ async fn run_session(
             origin: task.origin,
             source: TASK_SOURCE.to_string(),
         };
-        let durable = Durable { takeover, checkpoints };
+        // The deadline a fleet step inherited from its loop (unix ms → the runtime's clock).
+        let deadline = task.deadline_at.map(|at| {
+            let left = at.saturating_sub(SystemClock.now_ms());
+            tokio::time::Instant::now() + Duration::from_millis(left)
+        });
+        let durable = Durable { takeover, checkpoints, deadline };
         let report = session.run_task_durable(spec, prior, cancel, durable).await;
         let outcome = match report {
             Ok(r) => {
@@ -995,7 +1000,7 @@ async fn run_session(
             }
             Err(e) => (ExitStatus::Failed, format!("error: {e}")),
         };
-        if outcome.0 == ExitStatus::Canceled {
+        if matches!(outcome.0, ExitStatus::Canceled | ExitStatus::DeadlineExceeded) {
             // murmur itself stops a cancelled task's commands, whole process groups.
             sink.kill_all().await;
         }

@@ -46,6 +46,15 @@ use tracing::Instrument;
 /// (`reference/murmur-runtime.md` §3, "Async").
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
 
+/// Aborts a spawned task when dropped (the deadline timer goes with its task).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// A task taken over from a session that stopped answering for it (issue #8 §Takeover):
 /// where its last per-turn checkpoint left it, if it wrote one, and who ran it (for the
 /// `task_takeover` line).
@@ -108,6 +117,9 @@ pub struct Durable {
     pub takeover: Option<Takeover>,
     /// Where checkpoints go.
     pub checkpoints: Arc<dyn Checkpoints>,
+    /// When the task must be over: the deadline a fleet step inherits. Then the call under
+    /// way is dropped, no further turn starts, and the task ends `deadline_exceeded`.
+    pub deadline: Option<tokio::time::Instant>,
 }
 
 /// What a session needs besides its collaborators.
@@ -451,6 +463,23 @@ impl Session {
         cancel: CancellationToken,
         mut durable: Option<Durable>,
     ) -> Result<TaskReport, trace::Error> {
+        // The inherited deadline is a cancellation with its own exit status.
+        let deadline_hit = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut timer = None;
+        let cancel = match durable.as_ref().and_then(|d| d.deadline) {
+            Some(at) => {
+                let token = cancel.child_token();
+                let (fire, hit) = (token.clone(), deadline_hit.clone());
+                timer = Some(AbortOnDrop(tokio::spawn(async move {
+                    tokio::time::sleep_until(at).await;
+                    hit.store(true, Ordering::SeqCst);
+                    fire.cancel();
+                })));
+                token
+            }
+            None => cancel,
+        };
+        let _timer = timer;
         let started = Instant::now();
         let m = self.cfg.manifest.clone();
         *self.parts.position.task_id.lock().expect("position lock") = Some(task.task_id.clone());
@@ -522,7 +551,14 @@ impl Session {
         let outcome = loop {
             if cancel.is_cancelled() && !matches!(action, Action::Finish(_)) {
                 canceled = true;
-                action = Action::Finish(machine.abort(ExitStatus::Canceled, "canceled".into()));
+                action = Action::Finish(if deadline_hit.load(Ordering::SeqCst) {
+                    machine.abort(
+                        ExitStatus::DeadlineExceeded,
+                        "stopped: the deadline inherited from the fleet loop passed".into(),
+                    )
+                } else {
+                    machine.abort(ExitStatus::Canceled, "canceled".into())
+                });
             }
             action = match action {
                 Action::Finish(outcome) => {
