@@ -9,9 +9,11 @@
 //! that cannot be read counts as set: fail closed), then deadline → stuck (never before the
 //! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
 //! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
-//! `--loop` makes one iteration. Plans: a fleet without a router sends the work to every
-//! member (one member: it gets every job); router and procedure plans are not run here yet
-//! and are refused when the run starts.
+//! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
+//! the work to every member; with a router and several members the router plans each
+//! iteration ([`Next::Plan`]: every member gets the work followed by the router's
+//! assignment) and, when `done_when` is empty, judges DONE after it (one model call).
+//! Procedure plans are refused when the run starts.
 
 use mur_proto::fleet::{self, DoneWhen, Fleet, GuardInput, Job, PlanKind, Stop};
 use std::time::Duration;
@@ -63,6 +65,22 @@ pub struct Step {
 /// What to do next.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Next {
+    /// Ask the router to plan iteration `iteration`: send `text` to it as a `peer` task,
+    /// then hand its reply to [`Run::planned`], which gives the iteration.
+    Plan {
+        /// 0-based.
+        iteration: u64,
+        /// As in [`Next::Iterate`].
+        iteration_run_id: String,
+        /// The job worked on; `None` for the standing goal.
+        job: Option<String>,
+        /// The router capsule.
+        router: String,
+        /// The planning request.
+        text: String,
+        /// The time left.
+        time_left: Duration,
+    },
     /// Run iteration `iteration`: claim `job` (when one), then send `steps`.
     Iterate {
         /// 0-based.
@@ -92,6 +110,9 @@ pub struct Reply {
 /// What an iteration came to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Iteration {
+    /// With a router and an empty `done_when`, the router judges DONE: send it this text
+    /// and hand its reply to [`Run::judged`] (one model call per iteration).
+    pub judge: Option<(String, String)>,
     /// The job's new status text: `done` when every step ended ok, else `failed`.
     pub job_done: bool,
     /// The job's result: the replies, one per member, in member order.
@@ -125,6 +146,23 @@ pub struct Run {
     spec: Spec,
     iteration: u64,
     over: Option<Stop>,
+    /// The iteration waiting for its plan: `(iteration run id, job, job text, time left)`.
+    planning: Option<(String, Option<String>, String, Duration)>,
+}
+
+/// The text the router gets to plan an iteration.
+pub fn plan_text(members: &[String], work: &str) -> String {
+    format!(
+        "Plan this work for the fleet's members ({}): say what each of them should do.\n\nWork:\n{work}",
+        members.join(", ")
+    )
+}
+
+/// The text the router gets to judge an iteration: the members' replies.
+pub fn judge_text(work: &str, result: &str) -> String {
+    format!(
+        "Is this work DONE, or should the fleet CONTINUE? Answer DONE or CONTINUE.\n\nWork:\n{work}\n\nReplies:\n{result}"
+    )
 }
 
 impl Run {
@@ -139,9 +177,9 @@ impl Run {
             return Err(Refused::Stopped(name));
         }
         spec.fleet.check_runnable().map_err(|reason| Refused::NotRunnable { fleet: name.clone(), reason })?;
-        if spec.fleet.plan_kind() != PlanKind::Broadcast {
+        if spec.fleet.plan_kind() == PlanKind::Procedure {
             return Err(Refused::NotRunnable {
-                reason: format!("fleet '{name}': router and procedure plans do not run on the cluster yet"),
+                reason: format!("fleet '{name}': procedure plans do not run on the cluster yet"),
                 fleet: name,
             });
         }
@@ -150,7 +188,7 @@ impl Run {
         {
             return Err(Refused::NoSuchJob(job.clone()));
         }
-        Ok(Run { spec, iteration: 0, over: None })
+        Ok(Run { spec, iteration: 0, over: None, planning: None })
     }
 
     /// The run's spec.
@@ -179,14 +217,52 @@ impl Run {
         let text = job.map_or_else(|| self.spec.fleet.goal.clone(), |j| j.text.clone());
         let elapsed = Duration::from_millis(view.now.saturating_sub(self.spec.started_at));
         let time_left = fleet::inherited_deadline(self.spec.deadline, elapsed);
-        let steps =
-            self.spec.fleet.members.iter().map(|m| Step { member: m.clone(), text: text.clone(), time_left }).collect();
         let iteration_run_id = if self.spec.looping {
             fleet::iteration_run_id(&self.spec.run_id, self.iteration)
         } else {
             self.spec.run_id.clone()
         };
-        Next::Iterate { iteration: self.iteration, iteration_run_id, job: job.map(|j| j.id.clone()), steps }
+        let job = job.map(|j| j.id.clone());
+        if let (PlanKind::Router, Some(router)) = (self.spec.fleet.plan_kind(), self.spec.fleet.router.clone()) {
+            let plan = plan_text(&self.spec.fleet.members, &text);
+            self.planning = Some((iteration_run_id.clone(), job.clone(), text, time_left));
+            return Next::Plan { iteration: self.iteration, iteration_run_id, job, router, text: plan, time_left };
+        }
+        let steps = self.steps(&text, time_left);
+        Next::Iterate { iteration: self.iteration, iteration_run_id, job, steps }
+    }
+
+    fn steps(&self, text: &str, time_left: Duration) -> Vec<Step> {
+        self.spec.fleet.members.iter().map(|m| Step { member: m.clone(), text: text.to_string(), time_left }).collect()
+    }
+
+    /// The router's plan for the iteration [`Next::Plan`] asked for (`Err` when the
+    /// router's task failed: the run ends `iteration-failed`): every member gets the work
+    /// followed by the router's assignment.
+    pub fn planned(&mut self, plan: Result<&str, &str>) -> Next {
+        let Some((iteration_run_id, job, text, time_left)) = self.planning.take() else {
+            return Next::Stop(self.over.unwrap_or(Stop::IterationFailed));
+        };
+        match plan {
+            Ok(plan) => {
+                let with_plan = format!("{text}\n\nThe router's assignment:\n{}", plan.trim());
+                let steps = self.steps(&with_plan, time_left);
+                Next::Iterate { iteration: self.iteration, iteration_run_id, job, steps }
+            }
+            Err(_) => {
+                self.over = Some(Stop::IterationFailed);
+                Next::Stop(Stop::IterationFailed)
+            }
+        }
+    }
+
+    /// The router's verdict on the iteration just ended ([`Iteration::judge`]): DONE
+    /// converges the loop; anything else goes on.
+    pub fn judged(&mut self, reply: &str) -> Option<Stop> {
+        if fleet::router_says_done(reply) {
+            self.over = Some(Stop::Converged);
+        }
+        self.over
     }
 
     fn check(&self, view: &View<'_>) -> Option<Stop> {
@@ -226,7 +302,13 @@ impl Run {
             None
         };
         self.over = stop;
-        Iteration { job_done, result, stop }
+        let judge = match (&self.spec.fleet.router, &self.spec.fleet.r#loop.done_when, stop) {
+            (Some(router), DoneWhen::Router, None) if self.spec.fleet.plan_kind() == PlanKind::Router => {
+                Some((router.clone(), judge_text(&self.spec.fleet.goal, &result)))
+            }
+            _ => None,
+        };
+        Iteration { judge, job_done, result, stop }
     }
 }
 
@@ -303,7 +385,10 @@ mod tests {
             Reply { member: "a".into(), ok: true, text: "A".into() },
             Reply { member: "b".into(), ok: true, text: "B".into() },
         ]);
-        assert_eq!(it, Iteration { job_done: true, result: "[a]\nA\n\n[b]\nB".into(), stop: Some(Stop::Converged) });
+        assert_eq!(
+            it,
+            Iteration { judge: None, job_done: true, result: "[a]\nA\n\n[b]\nB".into(), stop: Some(Stop::Converged) }
+        );
         assert_eq!(run.next(&view(1_000_000, &[])), Next::Stop(Stop::Converged));
     }
 
@@ -364,7 +449,41 @@ mod tests {
         let mut run = Run::start(spec(fleet("name: one\nmembers: [a]\n"), true), &view(1_000_000, &[])).unwrap();
         run.next(&view(1_000_000, &[]));
         let it = run.iteration_ended(&[Reply { member: "a".into(), ok: false, text: "error: boom".into() }]);
-        assert_eq!(it, Iteration { job_done: false, result: "error: boom".into(), stop: Some(Stop::IterationFailed) });
+        assert_eq!(
+            it,
+            Iteration { judge: None, job_done: false, result: "error: boom".into(), stop: Some(Stop::IterationFailed) }
+        );
+    }
+
+    #[test]
+    fn a_router_plans_each_iteration_and_judges_done_when_done_when_is_empty() {
+        let f = fleet("name: r\ngoal: ship it\nmembers: [a, b]\nrouter: planner\n");
+        let mut run = Run::start(spec(f, true), &view(1_000_000, &[])).unwrap();
+        let Next::Plan { router, text, job, .. } = run.next(&view(1_000_000, &[])) else { panic!("a plan first") };
+        assert_eq!((router.as_str(), job), ("planner", None));
+        assert_eq!(
+            text,
+            "Plan this work for the fleet's members (a, b): say what each of them should do.\n\nWork:\nship it"
+        );
+        let Next::Iterate { steps, .. } = run.planned(Ok("a: build\nb: test\n")) else { panic!("then the steps") };
+        assert_eq!(steps[0].text, "ship it\n\nThe router's assignment:\na: build\nb: test");
+        assert_eq!(steps.len(), 2);
+        let it = run.iteration_ended(&[
+            Reply { member: "a".into(), ok: true, text: "built".into() },
+            Reply { member: "b".into(), ok: true, text: "tested".into() },
+        ]);
+        let (judge, prompt) = it.judge.expect("the router judges");
+        assert_eq!(judge, "planner");
+        assert!(prompt.starts_with("Is this work DONE, or should the fleet CONTINUE?"), "{prompt}");
+        assert_eq!(run.judged("CONTINUE: b must rerun"), None);
+        assert!(matches!(run.next(&view(1_001_000, &[])), Next::Plan { iteration: 1, .. }));
+        run.planned(Ok("again"));
+        run.iteration_ended(&[
+            Reply { member: "a".into(), ok: true, text: "x".into() },
+            Reply { member: "b".into(), ok: true, text: "y".into() },
+        ]);
+        assert_eq!(run.judged("DONE"), Some(Stop::Converged));
+        assert_eq!(run.next(&view(1_002_000, &[])), Next::Stop(Stop::Converged));
     }
 
     #[test]

@@ -13,9 +13,12 @@
 //! - the run's record (`run.<id>` in `mur_fleets`) is rewritten after every iteration and
 //!   at the end with the stop's label; the stop reason is the channel's last event.
 //!
-//! Not here yet: router and procedure plans (refused at the start), cost budgets, the
-//! worker enforcing the step's time left (the coordinator cancels it instead), and a new
-//! leader adopting runs a dead one left `running`.
+//! With a router, its plan is a `peer` task too (a `decision` event), and so is its DONE
+//! judgment when `done_when` is empty. Every step carries the loop's time left as
+//! `deadline_at`; the worker stops it then.
+//!
+//! Not here yet: procedure plans (refused at the start), cost budgets, and a new leader
+//! adopting runs a dead one left `running`.
 
 use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};
 use crate::fleets::{Fleets, now_ms};
@@ -214,23 +217,41 @@ impl Exec {
                 jobs: &jobs,
                 last_agent_event: last_agent,
             };
-            match run.next(&view) {
+            let mut next = run.next(&view);
+            let mut claimed: Option<String> = None;
+            if let Next::Plan { iteration_run_id, job, router, text, time_left, .. } = &next {
+                if let Some(id) = job {
+                    if !self.claim(&fleet, id, iteration_run_id).await {
+                        continue;
+                    }
+                    claimed = Some(id.clone());
+                }
+                self.event(
+                    EventKind::Delegation,
+                    Author::System,
+                    format!("{router} ← plan"),
+                    Some(iteration_run_id),
+                    job.as_deref(),
+                )
+                .await;
+                let deadline_at = now_ms() + time_left.as_millis() as u64;
+                let (ok, reply) = match self.submit(router, text, deadline_at).await {
+                    Ok(task_id) => self.wait(&task_id, *time_left).await,
+                    Err(e) => (false, format!("error: the router's task was refused: {e}")),
+                };
+                self.event(EventKind::Decision, Author::Router, reply.clone(), Some(iteration_run_id), job.as_deref())
+                    .await;
+                next = run.planned(if ok { Ok(&reply) } else { Err(&reply) });
+            }
+            match next {
                 Next::Stop(stop) => break stop,
+                Next::Plan { .. } => break Stop::IterationFailed,
                 Next::Iterate { iteration_run_id, job, steps, .. } => {
-                    if let Some(id) = &job {
-                        let claimed = self
-                            .fleets
-                            .update_job(&fleet, id, |j| {
-                                j.claim(&iteration_run_id, now_ms())
-                                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
-                            })
-                            .await;
-                        if let Err(e) = claimed {
-                            // Canceled meanwhile, say: the next iteration picks again.
-                            tracing::info!(fleet, job = %id, "job not claimed: {e}");
-                            run.iteration_ended(&[]);
-                            continue;
-                        }
+                    if let Some(id) = &job
+                        && claimed.as_deref() != Some(id.as_str())
+                        && !self.claim(&fleet, id, &iteration_run_id).await
+                    {
+                        continue;
                     }
                     let mut replies = Vec::new();
                     let mut submitted = Vec::new();
@@ -270,6 +291,26 @@ impl Exec {
                         replies.push(Reply { member: step.member.clone(), ok: reply.0, text: reply.1 });
                     }
                     let it = run.iteration_ended(&replies);
+                    if let Some((router, text)) = &it.judge {
+                        let left = run
+                            .spec()
+                            .deadline
+                            .saturating_sub(Duration::from_millis(now_ms().saturating_sub(run.spec().started_at)));
+                        let left = left.max(Duration::from_secs(1));
+                        let (_, verdict) = match self.submit(router, text, now_ms() + left.as_millis() as u64).await {
+                            Ok(task_id) => self.wait(&task_id, left).await,
+                            Err(e) => (false, format!("error: {e}")),
+                        };
+                        self.event(
+                            EventKind::Decision,
+                            Author::Router,
+                            verdict.clone(),
+                            Some(&iteration_run_id),
+                            job.as_deref(),
+                        )
+                        .await;
+                        run.judged(&verdict);
+                    }
                     if let Some(id) = &job {
                         let status = if it.job_done { JobStatus::Done } else { JobStatus::Failed };
                         let result = it.result.clone();
@@ -299,6 +340,21 @@ impl Exec {
         };
         beat.abort();
         self.finish(stop).await;
+    }
+
+    /// Claims `job` for `iteration_run_id`; false when it cannot be (canceled meanwhile, say:
+    /// the next iteration picks again).
+    async fn claim(&self, fleet: &str, job: &str, iteration_run_id: &str) -> bool {
+        let claimed = self
+            .fleets
+            .update_job(fleet, job, |j| {
+                j.claim(iteration_run_id, now_ms()).map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+            })
+            .await;
+        if let Err(e) = &claimed {
+            tracing::info!(fleet, job, "job not claimed: {e}");
+        }
+        claimed.is_ok()
     }
 
     async fn finish(&mut self, stop: Stop) {

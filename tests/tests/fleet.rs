@@ -671,3 +671,42 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     assert!(tasks[0].deadline_at.is_some());
     sb.shutdown().await;
 }
+
+/// `seeds/fleet-loops.md` with a router: the `pair` example (router `planner`, members
+/// `builder` and `reviewer`). The router plans the iteration (a `decision` on the channel),
+/// each member gets the job followed by the router's assignment, and with `done_when`
+/// empty the router judges DONE after the iteration: the loop converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_router_says_done() {
+    let sb = Sandbox::start(1, 4).await;
+    for capsule in ["examples/builder", "examples/planner", "examples/reviewer"] {
+        sb.push(&example(capsule)).await;
+    }
+    ok(&sb, &["create", example("examples/fleets/pair.yaml").to_str().unwrap()]);
+    ok(&sb, &["send", "pair", "echo paired"]);
+    let url = sb.nats.url();
+    let run = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "pair", "--loop", "--deadline", "5m"]).env("NATS_URL", url))
+    })
+    .await
+    .unwrap();
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stderr.contains("completed (converged) after 1 iterations"), "{}", run.stderr);
+    let log = ok(&sb, &["log", "pair"]).stdout;
+    assert!(log.contains("system delegation: planner ← plan"), "{log}");
+    assert!(
+        log.contains("router decision: DONE when both report: builder runs the job, reviewer reads it back."),
+        "{log}"
+    );
+    let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "pair", "--all", "--json"]).stdout.trim()).unwrap();
+    let result = jobs[0]["result"].as_str().unwrap();
+    assert_eq!(jobs[0]["status"], "done");
+    assert!(result.starts_with("[builder]\n$ echo paired\n"), "{result}");
+    assert!(
+        result.contains(
+            "[reviewer]\nreviewed: echo paired\n\nThe router's assignment:\nDONE when both report: builder runs the job, reviewer reads it back."
+        ),
+        "{result}"
+    );
+    sb.shutdown().await;
+}
