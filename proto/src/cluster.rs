@@ -925,7 +925,7 @@ mod tests {
     fn every_broken_rule_is_listed_in_field_order() {
         assert_eq!(
             invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
-            "extra: unknown field, expected one of capsule, text, origin, context_id; \
+            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at; \
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
@@ -1005,5 +1005,17 @@ mod tests {
         for subject in [api::TASK_SUBMIT, api::TASK_GET, api::TASK_LIST, api::TASK_CANCEL, api::CAPSULE_LIST] {
             assert!(subject.starts_with(api::PREFIX), "{subject}");
         }
+    }
+
+    #[test]
+    fn a_deadline_is_unix_milliseconds_and_reaches_the_record() {
+        let r = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":1700000000000}"#).unwrap();
+        assert_eq!(r.deadline_at, Some(1_700_000_000_000));
+        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        assert_eq!(record.deadline_at, Some(1_700_000_000_000));
+        let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":"soon"}"#).unwrap_err();
+        assert_eq!(err.message, "deadline_at: must be unix milliseconds (a whole number), got \"soon\"");
+        let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":-5}"#).unwrap_err();
+        assert_eq!(err.message, "deadline_at: must be unix milliseconds (a whole number), got -5");
     }
 }

@@ -155,7 +155,7 @@ pub enum Trigger {
     /// Due when never run or when the duration has passed since the last run.
     Interval(DurationText),
     /// Due at the expression's boundaries (local time).
-    Cron(Cron),
+    Cron(Box<Cron>),
     /// A stored value that no longer parses (for example an unfirable cron); never fires.
     /// Only [`Fleet::load_stored`] produces it.
     Never(String),
@@ -179,7 +179,7 @@ impl Trigger {
             return Ok(Trigger::Interval(d));
         }
         if let Some(expr) = t.strip_prefix("cron:") {
-            return Cron::parse(expr).map(Trigger::Cron).map_err(|rule| format!("cron: {rule}"));
+            return Cron::parse(expr).map(|c| Trigger::Cron(Box::new(c))).map_err(|rule| format!("cron: {rule}"));
         }
         Err(format!(
             "must be manual, interval:<duration> or cron:<minute hour day-of-month month day-of-week>, got {t:?}"
@@ -545,32 +545,28 @@ fn looks_like_date(t: &str) -> bool {
         && b[8..10].iter().all(u8::is_ascii_digit)
 }
 
-/// A parsed 5-field POSIX cron expression (`minute hour day-of-month month day-of-week`),
-/// as sets of values. Names (`jan`, `mon`) are accepted, day-of-week 7 is Sunday, and an
-/// expression that can never fire is refused.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A 5-field POSIX cron expression (`minute hour day-of-month month day-of-week`), parsed
+/// and evaluated by the `croner` crate (POSIX/Vixie semantics: names, ranges, steps,
+/// day-of-week 7 = Sunday, either day field matching when both are restricted). An
+/// expression that can never fire is refused (§Settings that used to mean something
+/// else: `cron:0 9 31 2 *` — "February has no 31st").
+#[derive(Clone, Debug)]
 pub struct Cron {
     /// The expression, trimmed, fields separated by single spaces.
     pub text: String,
-    /// Bit n set: minute n (0–59).
-    pub minutes: u64,
-    /// Bit n set: hour n (0–23).
-    pub hours: u64,
-    /// Bit n set: day of month n (1–31).
-    pub days_of_month: u64,
-    /// Bit n set: month n (1–12).
-    pub months: u64,
-    /// Bit n set: weekday n (0 = Sunday … 6).
-    pub days_of_week: u64,
-    /// Whether the day-of-month field was `*…` (POSIX: when both day fields are
-    /// restricted, a day matching either fires).
-    pub any_day_of_month: bool,
-    /// Whether the day-of-week field was `*…`.
-    pub any_day_of_week: bool,
+    schedule: croner::Cron,
 }
 
+impl PartialEq for Cron {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Cron {}
+
+const FIELD_NAMES: [&str; 5] = ["minute", "hour", "day-of-month", "month", "day-of-week"];
 const MONTH_NAMES: [&str; 12] = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"];
-const DAY_NAMES: [&str; 7] = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"];
 const MONTH_FULL: [&str; 12] = [
     "January",
     "February",
@@ -590,9 +586,10 @@ impl Cron {
     /// Parses an expression.
     ///
     /// # Errors
-    /// A field out of range or malformed, a wrong field count, or an expression that
-    /// never fires (`0 9 31 2 *`: February has no 31st).
+    /// A wrong field count; a field croner refuses (named: `minute: "60" is not valid
+    /// (…)`); an expression that never fires (`0 9 31 2 *`: February has no 31st).
     pub fn parse(expr: &str) -> Result<Cron, String> {
+        use std::str::FromStr;
         let fields: Vec<&str> = expr.split_whitespace().collect();
         if fields.len() != 5 {
             return Err(format!(
@@ -601,42 +598,55 @@ impl Cron {
                 expr.trim()
             ));
         }
-        let minutes = cron_field(fields[0], "minute", 0, 59, &[])?;
-        let hours = cron_field(fields[1], "hour", 0, 23, &[])?;
-        let days_of_month = cron_field(fields[2], "day-of-month", 1, 31, &[])?;
-        let months = cron_field(fields[3], "month", 1, 12, &MONTH_NAMES)?;
-        let mut days_of_week = cron_field(fields[4], "day-of-week", 0, 7, &DAY_NAMES)?;
-        if days_of_week & (1 << 7) != 0 {
-            days_of_week = (days_of_week & !(1 << 7)) | 1;
-        }
-        let cron = Cron {
-            text: fields.join(" "),
-            minutes,
-            hours,
-            days_of_month,
-            months,
-            days_of_week,
-            any_day_of_month: fields[2].starts_with('*'),
-            any_day_of_week: fields[4].starts_with('*'),
-        };
-        if !cron.can_fire() {
-            let dom = (1..=31).find(|d| days_of_month & (1 << d) != 0).unwrap_or(31);
-            let month = (1..=12).find(|m| months & (1 << m) != 0).unwrap_or(2);
-            return Err(format!("never fires: {} has no {}, got {:?}", MONTH_FULL[month - 1], ordinal(dom), cron.text));
+        let text = fields.join(" ");
+        let schedule = croner::Cron::from_str(&text).map_err(|e| {
+            // Name the field: the first one croner refuses on its own.
+            (0..5)
+                .find_map(|i| {
+                    let mut probe = ["*"; 5];
+                    probe[i] = fields[i];
+                    croner::Cron::from_str(&probe.join(" "))
+                        .err()
+                        .map(|e| format!("{}: {:?} is not valid ({e})", FIELD_NAMES[i], fields[i]))
+                })
+                .unwrap_or_else(|| format!("{e}, got {text:?}"))
+        })?;
+        let cron = Cron { text, schedule };
+        if cron.next_after(0).is_none() {
+            return Err(format!("never fires: {}, got {:?}", never_reason(&fields), cron.text));
         }
         Ok(cron)
     }
 
-    /// Whether some date matches: always, unless only the day-of-month restricts the day
-    /// and none of its days occurs in any of its months (February counted with 29 days).
+    /// Whether some date matches.
     pub fn can_fire(&self) -> bool {
-        if self.any_day_of_month || !self.any_day_of_week {
-            return true;
+        self.next_after(now_unix_ms()).is_some()
+    }
+
+    /// The first time after `unix_ms` the expression fires (UTC), unix ms; `None` when it
+    /// never does.
+    pub fn next_after(&self, unix_ms: u64) -> Option<u64> {
+        let from = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(i64::try_from(unix_ms).ok()?)?;
+        self.schedule.find_next_occurrence(&from, false).ok().map(|t| t.timestamp_millis().max(0) as u64)
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Why an expression croner finds no date for never fires, in the seed's words when the
+/// day and month fields are plain: "February has no 31st".
+fn never_reason(fields: &[&str]) -> String {
+    let days: Option<Vec<usize>> = fields[2].split(',').map(|d| d.parse().ok()).collect();
+    let month = fields[3].split(',').next().and_then(|m| {
+        m.parse::<usize>().ok().or_else(|| MONTH_NAMES.iter().position(|n| n.eq_ignore_ascii_case(m)).map(|i| i + 1))
+    });
+    match (days.and_then(|d| d.into_iter().min()), month) {
+        (Some(day), Some(month)) if (1..=12).contains(&month) => {
+            format!("{} has no {}", MONTH_FULL[month - 1], ordinal(day))
         }
-        const DAYS: [u32; 12] = [31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
-        (1..=12u32)
-            .filter(|m| self.months & (1 << m) != 0)
-            .any(|m| (1..=DAYS[m as usize - 1]).any(|d| self.days_of_month & (1 << d) != 0))
+        _ => "no date matches it".into(),
     }
 }
 
@@ -649,54 +659,6 @@ fn ordinal(n: usize) -> String {
         _ => "th",
     };
     format!("{n}{suffix}")
-}
-
-fn cron_field(field: &str, what: &str, min: u32, max: u32, names: &[&str]) -> Result<u64, String> {
-    let value = |s: &str| -> Result<u32, String> {
-        if let Some(i) = names.iter().position(|n| n.eq_ignore_ascii_case(s)) {
-            // Months are 1-based, weekdays 0-based.
-            return Ok(i as u32 + min);
-        }
-        let v: u32 = s.parse().map_err(|_| format!("{what} {s:?} is not a number"))?;
-        if v < min || v > max {
-            return Err(format!("{what} {v} is out of range {min}-{max}"));
-        }
-        Ok(v)
-    };
-    let mut bits = 0u64;
-    for part in field.split(',') {
-        let (range, step) = match part.split_once('/') {
-            Some((r, s)) => {
-                let step: u32 = s
-                    .parse()
-                    .ok()
-                    .filter(|&s| s > 0)
-                    .ok_or_else(|| format!("{what} step {s:?} must be a positive number"))?;
-                (r, Some(step))
-            }
-            None => (part, None),
-        };
-        let (lo, hi) = if range == "*" {
-            (min, max)
-        } else if let Some((a, b)) = range.split_once('-') {
-            let (a, b) = (value(a)?, value(b)?);
-            if a > b {
-                return Err(format!("{what} range {range:?} runs backwards"));
-            }
-            (a, b)
-        } else if range.is_empty() {
-            return Err(format!("{what} field {field:?} has an empty part"));
-        } else {
-            let a = value(range)?;
-            (a, if step.is_some() { max } else { a })
-        };
-        let mut v = lo;
-        while v <= hi {
-            bits |= 1 << v;
-            v += step.unwrap_or(1);
-        }
-    }
-    Ok(bits)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -300,20 +300,28 @@ fn unfirable_cron_is_refused() {
         Cron::parse("0 9 * *"),
         Err("needs 5 fields (minute hour day-of-month month day-of-week), got 4 in \"0 9 * *\"".to_string())
     );
-    assert_eq!(Cron::parse("60 * * * *"), Err("minute 60 is out of range 0-59".to_string()));
-    assert_eq!(Cron::parse("* * * * 1-x"), Err("day-of-week \"x\" is not a number".to_string()));
-    assert_eq!(Cron::parse("*/0 * * * *"), Err("minute step \"0\" must be a positive number".to_string()));
+    assert_eq!(
+        Cron::parse("60 * * * *"),
+        Err("minute: \"60\" is not valid (Component error: Number out of bounds.)".to_string())
+    );
+    assert!(Cron::parse("* * * * 1-x").unwrap_err().starts_with("day-of-week: \"1-x\" is not valid ("));
+    assert_eq!(
+        Cron::parse("*/0 * * * *"),
+        Err("minute: \"*/0\" is not valid (Component error: Step cannot be zero.)".to_string())
+    );
 }
 
 #[test]
-fn cron_fields_expand_to_sets() {
+fn cron_fires_at_the_next_matching_minute_with_posix_semantics() {
+    // 2026-01-01T00:00:00Z (a Thursday).
+    let t0 = 1_767_225_600_000u64;
     let c = Cron::parse("0,30 9-17/4 1 jan-mar 7").unwrap();
-    assert_eq!(c.minutes, 1 | 1 << 30);
-    assert_eq!(c.hours, 1 << 9 | 1 << 13 | 1 << 17);
-    assert_eq!(c.days_of_month, 1 << 1);
-    assert_eq!(c.months, 1 << 1 | 1 << 2 | 1 << 3);
-    assert_eq!(c.days_of_week, 1, "7 is Sunday");
-    assert!(!c.any_day_of_month && !c.any_day_of_week);
+    // Day 1 of January–March, or any Sunday (either day field), at 9, 13 or 17 h, :00 or :30.
+    assert_eq!(c.next_after(t0), Some(t0 + 9 * 3_600_000));
+    let every_quarter = Cron::parse("*/15 * * * *").unwrap();
+    assert_eq!(every_quarter.next_after(t0), Some(t0 + 15 * 60_000));
+    assert!(every_quarter.can_fire());
+    assert_eq!(Cron::parse("0 0 29 2 *").unwrap().next_after(t0), Some(1_835_395_200_000), "2028-02-29");
 }
 
 #[test]
