@@ -342,7 +342,7 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         builds.push(t.elapsed());
     }
     table.note(&format!(
-        "reqwest::Client::new() (the openai driver builds one per session): p50 {}",
+        "reqwest::Client::new() (what a per-session client would cost; drivers share one): p50 {}",
         ms(percentile(&builds, 0.5))
     ));
 }
