@@ -46,6 +46,20 @@ impl TestCapsule {
     }
 }
 
+/// A scripted capsule named `name` whose task's text is run as one shell command (the
+/// `sh` tool), then reported as `ran: <text>`.
+pub fn shell_capsule(name: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
+        ),
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"ran: {{task}}\"\n",
+        )],
+    )
+}
+
 /// The repository's root folder.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()

@@ -4,7 +4,7 @@
 
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
-use mur_tests::capsule::TestCapsule;
+use mur_tests::capsule::{TestCapsule, shell_capsule};
 use mur_tests::procs::{Procs, until};
 use serde_json::Value;
 use std::time::Duration;
@@ -156,19 +156,6 @@ async fn cancel_reaches_a_running_task_within_one_progress_interval() {
     // The task cancelled while it waited never started.
     let w = cluster.record(&waiting).await.unwrap();
     assert_eq!((w.state, w.session_id, w.started_at), (TaskState::Canceled, None, None));
-}
-
-/// A capsule whose task text is run as one shell command, then reported.
-fn shell_capsule(name: &str) -> TestCapsule {
-    TestCapsule::new(
-        &format!(
-            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
-        ),
-        &[(
-            "r.yaml",
-            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"ran: {{task}}\"\n",
-        )],
-    )
 }
 
 /// Every local `task_start` line of `task_id` in the workers' session folders under `dir`.

@@ -5,7 +5,7 @@
 
 use mur_proto::cluster::api;
 use mur_proto::task::TaskState;
-use mur_tests::capsule::TestCapsule;
+use mur_tests::capsule::{TestCapsule, shell_capsule};
 use mur_tests::fake_otlp::{FakeOtlp, Span};
 use mur_tests::procs::{Proc, Procs, until};
 use std::time::Duration;
@@ -17,19 +17,6 @@ const SERVER: i32 = 2;
 const CLIENT: i32 = 3;
 const PRODUCER: i32 = 4;
 const CONSUMER: i32 = 5;
-
-/// A capsule whose task text is run as one shell command, then reported.
-fn shell_capsule(name: &str) -> TestCapsule {
-    TestCapsule::new(
-        &format!(
-            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
-        ),
-        &[(
-            "r.yaml",
-            "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"ran: {{task}}\"\n",
-        )],
-    )
-}
 
 fn one<'a>(spans: &'a [Span], service: &str, name: &str) -> &'a Span {
     let found: Vec<&Span> = spans.iter().filter(|s| s.service == service && s.name == name).collect();

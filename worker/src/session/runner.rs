@@ -415,7 +415,13 @@ impl Session {
         prior: Vec<Message>,
         cancel: CancellationToken,
     ) -> Result<TaskReport, trace::Error> {
-        let span = tracing::info_span!(
+        let span = self.task_span(&task);
+        self.run_task_inner(task, prior, cancel, None).instrument(span).await
+    }
+
+    /// The `invoke_agent {capsule}` span around a task (OpenTelemetry GenAI conventions).
+    fn task_span(&self, task: &TaskSpec) -> tracing::Span {
+        tracing::info_span!(
             "invoke_agent",
             otel.name = %format!("invoke_agent {}", self.cfg.manifest.name),
             gen_ai.operation.name = "invoke_agent",
@@ -424,8 +430,7 @@ impl Session {
             gen_ai.conversation.id = %task.context_id,
             mur.task_id = %task.task_id,
             mur.lane = %task.lane(),
-        );
-        self.run_task_inner(task, prior, cancel, None).instrument(span).await
+        )
     }
 
     /// [`Session::run_task_until`] for the cluster worker (issue #8 §Checkpoints,
@@ -443,16 +448,7 @@ impl Session {
         cancel: CancellationToken,
         durable: Durable,
     ) -> Result<TaskReport, trace::Error> {
-        let span = tracing::info_span!(
-            "invoke_agent",
-            otel.name = %format!("invoke_agent {}", self.cfg.manifest.name),
-            gen_ai.operation.name = "invoke_agent",
-            gen_ai.agent.name = %self.cfg.manifest.name,
-            gen_ai.agent.version = %self.cfg.manifest.version,
-            gen_ai.conversation.id = %task.context_id,
-            mur.task_id = %task.task_id,
-            mur.lane = %task.lane(),
-        );
+        let span = self.task_span(&task);
         self.run_task_inner(task, prior, cancel, Some(durable)).instrument(span).await
     }
 
