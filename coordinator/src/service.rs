@@ -521,9 +521,13 @@ impl Ctx {
         // Straight to the scheduler, with the queue flag just read: the watch brings the
         // same record later (a duplicate `Submitted`, ignored), after a hop and, for a
         // task it has not seen here, a capsule index read.
-        let input = submitted_input(&record, revision, latest.queue);
-        self.note_waiting(revision, record);
-        let _ = self.inputs.send(input);
+        // Only a leader's context has a scheduler (a standby's would note the task in a
+        // map nothing ever drains); the leader's watch brings it there either way.
+        if self.lease.is_some() {
+            let input = submitted_input(&record, revision, latest.queue);
+            self.note_waiting(revision, record);
+            let _ = self.inputs.send(input);
+        }
         Ok(SubmitReply { task_id, state: TaskState::Submitted })
     }
 
