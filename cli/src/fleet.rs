@@ -474,7 +474,7 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             .ok()
             .flatten()
             .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
-        let liveness = record.liveness(beat, crate::fleet::now_ms());
+        let liveness = record.liveness(beat, mur_coordinator::fleets::now_ms());
         let status = fleet_store::RunStatus { record, liveness };
         if common.json {
             print_json(&status)?;
@@ -498,10 +498,6 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         println!("coordinator {}", r.coordinator);
         Ok(ExitCode::SUCCESS)
     })
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `mur fleet run`: asks the leader to start the run, then follows it.

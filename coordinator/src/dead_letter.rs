@@ -90,8 +90,7 @@ pub async fn mark(tasks: &kv::Store, task_id: &str, reason: &str, deliveries: u6
         if record.state.is_terminal() {
             return Ok(());
         }
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let now = crate::fleets::now_ms();
         record.state = TaskState::Failed;
         record.exit_status = Some(ExitStatus::Failed);
         record.result = Some(format!("error: {reason}"));

@@ -123,12 +123,7 @@ async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, Run
     };
     let now = now_ms();
     let stopped = fleets.stop_state(&fleet.name).await;
-    let view = View {
-        now,
-        stopped: if stopped.is_stopped() { Ok(true) } else { Ok(false) },
-        jobs: &jobs,
-        last_agent_event: None,
-    };
+    let view = View { now, stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: None };
     let spec = Spec {
         run_id: run_id.clone(),
         fleet: fleet.clone(),
@@ -211,12 +206,8 @@ impl Exec {
                 }
             };
             let stopped = self.fleets.stop_state(&fleet).await;
-            let view = View {
-                now: now_ms(),
-                stopped: if stopped.is_stopped() { Ok(true) } else { Ok(false) },
-                jobs: &jobs,
-                last_agent_event: last_agent,
-            };
+            let view =
+                View { now: now_ms(), stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: last_agent };
             let mut next = run.next(&view);
             let mut claimed: Option<String> = None;
             if let Next::Plan { iteration_run_id, job, router, text, time_left, .. } = &next {
@@ -292,11 +283,8 @@ impl Exec {
                     }
                     let it = run.iteration_ended(&replies);
                     if let Some((router, text)) = &it.judge {
-                        let left = run
-                            .spec()
-                            .deadline
-                            .saturating_sub(Duration::from_millis(now_ms().saturating_sub(run.spec().started_at)));
-                        let left = left.max(Duration::from_secs(1));
+                        let elapsed = Duration::from_millis(now_ms().saturating_sub(run.spec().started_at));
+                        let left = fleet::inherited_deadline(run.spec().deadline, elapsed);
                         let (_, verdict) = match self.submit(router, text, now_ms() + left.as_millis() as u64).await {
                             Ok(task_id) => self.wait(&task_id, left).await,
                             Err(e) => (false, format!("error: {e}")),

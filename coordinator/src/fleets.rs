@@ -26,7 +26,6 @@ use mur_proto::fleet_store::{
 };
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Compare-and-set attempts on one key before giving up.
 const CAS_ATTEMPTS: usize = 8;
@@ -142,7 +141,7 @@ fn not_found(fleet: &str) -> ApiError {
 
 /// Unix milliseconds now.
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    mur_worker::clock::Clock::now_ms(&mur_worker::clock::SystemClock)
 }
 
 /// The summary of a stored definition: what loads of it, its kill-switch and job counts,

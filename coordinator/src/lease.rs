@@ -16,6 +16,7 @@
 //!   still believes it valid. A holder that cannot renew in time (partitioned, stalled)
 //!   stops acting before the lease can pass to another; two never act as leader at once.
 
+use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
 use mur_proto::cluster::{self, LeaderLease};
 use std::sync::Mutex;
@@ -161,8 +162,4 @@ impl Lease {
             _ => Ok(None),
         }
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }

@@ -319,3 +319,29 @@ fn log_tail(log: &Path) -> String {
         Err(e) => format!("(no log at {}: {e})", log.display()),
     }
 }
+
+/// Every message of `stream` (only `filter` subjects when given), in stream order, parsed
+/// as JSON (`null` for what is not): an ordered consumer read until nothing is pending.
+///
+/// # Panics
+/// When the stream cannot be read.
+pub async fn stream_json(client: &async_nats::Client, stream: &str, filter: Option<String>) -> Vec<serde_json::Value> {
+    use async_nats::jetstream::consumer::pull;
+    use futures::StreamExt;
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = js.get_stream(stream).await.expect("stream");
+    let config = pull::OrderedConfig { filter_subject: filter.unwrap_or_default(), ..Default::default() };
+    let mut consumer = stream.create_consumer(config).await.expect("ordered consumer");
+    let mut out = Vec::new();
+    if consumer.info().await.expect("consumer info").num_pending == 0 {
+        return out;
+    }
+    let mut messages = consumer.messages().await.expect("messages");
+    while let Some(Ok(msg)) = messages.next().await {
+        out.push(serde_json::from_slice(&msg.payload).unwrap_or(serde_json::Value::Null));
+        if msg.info().map(|i| i.pending).unwrap_or(0) == 0 {
+            break;
+        }
+    }
+    out
+}

@@ -160,27 +160,8 @@ impl Procs {
     /// Every trace line of the cluster (stream `MUR_TRACE`) whose `task_id` is `task_id`,
     /// in stream order.
     pub async fn trace_of(&self, task_id: &str) -> Vec<Value> {
-        use async_nats::jetstream::consumer::pull;
-        let js = async_nats::jetstream::new(self.client.clone());
-        let stream = js.get_stream(cluster::TRACE_STREAM).await.expect("trace stream");
-        let mut consumer =
-            stream.create_consumer(pull::OrderedConfig { ..Default::default() }).await.expect("ordered consumer");
-        let pending = consumer.info().await.expect("consumer info").num_pending;
-        let mut out = Vec::new();
-        if pending == 0 {
-            return out;
-        }
-        let mut messages = consumer.messages().await.expect("messages");
-        while let Some(Ok(msg)) = messages.next().await {
-            let line: Value = serde_json::from_slice(&msg.payload).unwrap_or(Value::Null);
-            if line["task_id"] == task_id {
-                out.push(line);
-            }
-            if msg.info().map(|i| i.pending).unwrap_or(0) == 0 {
-                break;
-            }
-        }
-        out
+        let all = crate::nats::stream_json(&self.client, cluster::TRACE_STREAM, None).await;
+        all.into_iter().filter(|line| line["task_id"] == task_id).collect()
     }
 }
 

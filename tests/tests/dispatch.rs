@@ -274,29 +274,8 @@ async fn a_detached_command_comes_back_as_a_completion_task_in_the_same_context(
 
 /// Every line of `mur.trace.<session>` in `MUR_TRACE`.
 async fn trace_of_session(sb: &Sandbox, session: &str) -> Vec<serde_json::Value> {
-    use async_nats::jetstream::consumer::pull;
-    use futures::StreamExt;
-    let js = async_nats::jetstream::new(sb.client.clone());
-    let stream = js.get_stream(mur_proto::cluster::TRACE_STREAM).await.unwrap();
-    let mut consumer = stream
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: mur_proto::cluster::trace_subject(session),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    if consumer.info().await.unwrap().num_pending == 0 {
-        return Vec::new();
-    }
-    let mut out = Vec::new();
-    let mut messages = consumer.messages().await.unwrap();
-    while let Some(Ok(m)) = messages.next().await {
-        out.push(serde_json::from_slice(&m.payload).unwrap());
-        if m.info().unwrap().pending == 0 {
-            break;
-        }
-    }
-    out
+    let subject = mur_proto::cluster::trace_subject(session);
+    mur_tests::nats::stream_json(&sb.client, mur_proto::cluster::TRACE_STREAM, Some(subject)).await
 }
 
 /// `mur coordinator --http ADDR --public-url URL`: agent cards advertise the public URL,

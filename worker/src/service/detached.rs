@@ -11,6 +11,7 @@
 //! A command still running when the worker shuts down is killed, and recorded
 //! `shell_abandoned` (the worker is stateless: nothing would collect its end).
 
+use crate::clock::Clock;
 use crate::session::detach::{Detached, Work};
 use crate::tools::background::{DetachNotice, DetachSink};
 use async_nats::jetstream::object_store;
@@ -215,5 +216,5 @@ pub async fn fetch_logs(store: &object_store::ObjectStore, text: &str, session_d
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    crate::clock::SystemClock.now_ms()
 }
