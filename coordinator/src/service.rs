@@ -701,11 +701,15 @@ impl Ctx {
         }
     }
 
-    /// Releases a task: attempt 0 → 1 on its record, then its dispatch. Retries NATS
-    /// failures a few times; a task left unreleased is released by the next coordinator.
+    /// Releases a task: attempt 0 → 1 on its record, then its dispatch. A NATS failure (a
+    /// broker restart) is retried with backoff (0.1 s doubling to 2 s) until the release
+    /// goes through or this coordinator no longer holds a valid lease (then the next
+    /// leader releases it from its record): a task the scheduler released is never left
+    /// waiting for a coordinator restart. Releases run concurrently, so the retries hold
+    /// up no other.
     async fn release(&self, task_id: &str) {
         let mut backoff = Duration::from_millis(100);
-        for _ in 0..CAS_ATTEMPTS {
+        loop {
             match self.try_release(task_id).await {
                 Ok(()) => return,
                 Err(e) => {
@@ -715,7 +719,6 @@ impl Ctx {
                 }
             }
         }
-        tracing::error!(instance = %self.instance, %task_id, "release failed; the task waits for a restart");
     }
 
     async fn try_release(&self, task_id: &str) -> Result<(), String> {
