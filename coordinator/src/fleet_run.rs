@@ -26,6 +26,7 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord};
+use mur_proto::fanout::FleetStep;
 use mur_proto::fleet::{self, Fleet, JobStatus, LimitsBlock, RunFlags, Stop};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, RunRequest};
 use mur_proto::task::{Origin, TaskState};
@@ -61,7 +62,9 @@ pub async fn serve(
         };
         let answer = match start(&fleets, &instance, &msg.payload).await {
             Ok((run, record)) => {
-                let exec = Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record };
+                let fanout = fleet::resolve_fanout(run.spec().fleet.fanout, &|k| std::env::var(k).ok()).cap;
+                let exec =
+                    Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record, fanout };
                 let answer = serde_json::to_vec(&exec.record).map(Bytes::from);
                 tokio::spawn(exec.drive(run));
                 answer.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
@@ -169,6 +172,9 @@ struct Exec {
     fleets: Fleets,
     tasks: kv::Store,
     record: RunRecord,
+    /// The fan-out cap every step of this run waits for (issue #11): the fleet's
+    /// `fanout:`, else this coordinator's `MUR_FLEET_FANOUT`, else 3.
+    fanout: u32,
 }
 
 impl Exec {
@@ -375,7 +381,8 @@ impl Exec {
     }
 
     /// Submits a delegated step: a `peer` task for `member` that must be over by
-    /// `deadline_at` (the time left on the loop's clock; the worker enforces it).
+    /// `deadline_at` (the time left on the loop's clock; the worker enforces it) and runs
+    /// only while it holds one of the run's `fanout` permits (issue #11).
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
         let request = SubmitRequest {
             capsule: member.into(),
@@ -383,6 +390,12 @@ impl Exec {
             origin: Origin::Peer,
             context_id: None,
             deadline_at: Some(deadline_at),
+            fleet_step: Some(FleetStep {
+                fleet: self.record.fleet.clone(),
+                run_id: self.record.run_id.clone(),
+                step: member.into(),
+                cap: self.fanout,
+            }),
         };
         let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)

@@ -17,7 +17,7 @@ use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsum
 use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::{self, ErrorCode, kv, object_store};
-use mur_proto::{cluster, fleet_store};
+use mur_proto::{cluster, fanout, fleet_store};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::time::Duration;
@@ -62,6 +62,11 @@ pub struct Settings {
     /// leader dies before a standby takes over (issue #8 §Standby coordinators). At
     /// least 2. Default 10.
     pub leader_lease_secs: u64,
+    /// Seconds a fan-out permit (or a step's place in line for one) in `mur_fanout` lives
+    /// without a renewal (the bucket's max age): how soon a crashed step's permit comes
+    /// back (issue #11 §The fan-out cap; DESIGN.md invariant 5). Holders renew every third
+    /// of it. At least 2. Default 15.
+    pub fanout_lease_secs: u64,
 }
 
 impl Default for Settings {
@@ -78,6 +83,7 @@ impl Default for Settings {
             task_history: 5,
             capsule_history: 64,
             leader_lease_secs: 10,
+            fanout_lease_secs: 15,
         }
     }
 }
@@ -110,6 +116,7 @@ impl Settings {
         at_least("max_ack_pending", self.max_ack_pending.into(), 1);
         at_least("duplicate_window_secs", self.duplicate_window_secs, 1);
         at_least("leader_lease_secs", self.leader_lease_secs, 2);
+        at_least("fanout_lease_secs", self.fanout_lease_secs, 2);
         if let Some(bytes) = self.trace_max_bytes {
             at_least("trace_max_bytes", bytes, 1);
         }
@@ -247,6 +254,8 @@ pub struct Resources {
     pub capsule_index: kv::Store,
     /// `mur_leader`: the leader's lease.
     pub leader: kv::Store,
+    /// `mur_fanout`: the fan-out semaphore's permits and waiting steps.
+    pub fanout: kv::Store,
     /// `mur_capsules`: capsule bundles.
     pub capsules: object_store::ObjectStore,
     /// `mur_fleets`: fleet definitions and kill-switch sentinels.
@@ -362,6 +371,17 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
         max_age: Duration::from_secs(settings.leader_lease_secs),
         ..settings.kv_stream(cluster::LEADER_BUCKET, "murmur: the leading coordinator's lease, key = leader", 1)
     });
+    streams.push(stream::Config {
+        max_age: Duration::from_secs(settings.fanout_lease_secs),
+        // Expiry leaves a marker (kept one second) so that waiters see a permit come back.
+        allow_message_ttl: true,
+        subject_delete_marker_ttl: Some(Duration::from_secs(1)),
+        ..settings.kv_stream(
+            fanout::FANOUT_BUCKET,
+            "murmur: fan-out permits (slot.<n>) and waiting steps (wait.<task>)",
+            1,
+        )
+    });
     streams
         .push(settings.object_stream(cluster::CAPSULES_STORE, "murmur: capsule bundles, object = <capsule>/<digest>"));
     streams.push(settings.kv_stream(
@@ -405,6 +425,7 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
         sessions: kv(cluster::SESSIONS_BUCKET).await?,
         capsule_index: kv(cluster::CAPSULE_INDEX_BUCKET).await?,
         leader: kv(cluster::LEADER_BUCKET).await?,
+        fanout: kv(fanout::FANOUT_BUCKET).await?,
         capsules,
         fleets: kv(fleet_store::FLEETS_BUCKET).await?,
         jobs: kv(fleet_store::JOBS_BUCKET).await?,
@@ -520,6 +541,12 @@ pub fn stream_diffs(want: &stream::Config, got: &stream::Config) -> Vec<Diff> {
     check("deny_delete", want.deny_delete.to_string(), got.deny_delete.to_string());
     check("deny_purge", want.deny_purge.to_string(), got.deny_purge.to_string());
     check("allow_direct", want.allow_direct.to_string(), got.allow_direct.to_string());
+    check("allow_message_ttl", want.allow_message_ttl.to_string(), got.allow_message_ttl.to_string());
+    check(
+        "subject_delete_marker_ttl",
+        format!("{:?}", want.subject_delete_marker_ttl),
+        format!("{:?}", got.subject_delete_marker_ttl),
+    );
     if !want.duplicate_window.is_zero() {
         check("duplicate_window", format!("{:?}", want.duplicate_window), format!("{:?}", got.duplicate_window));
     }

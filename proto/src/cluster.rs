@@ -10,6 +10,7 @@
 //!
 //! Pure: no async-nats, no IO, no clock (callers pass unix milliseconds in).
 
+use crate::fanout::FleetStep;
 use crate::manifest::is_valid_name;
 use crate::task::{ExitStatus, Lane, Origin, TaskState};
 use crate::{Id, IdKind};
@@ -180,6 +181,9 @@ pub struct TaskRecord {
     /// coordinator exports no traces and the client sent no `traceparent`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// Set on a delegated fleet step ([`SubmitRequest::fleet_step`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_step: Option<FleetStep>,
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -222,6 +226,7 @@ impl TaskRecord {
             error: None,
             cancel_requested_at: None,
             deadline_at: request.deadline_at,
+            fleet_step: request.fleet_step,
             dead_letter: None,
             traceparent: None,
         }
@@ -560,6 +565,11 @@ pub struct SubmitRequest {
     /// ends `deadline_exceeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_at: Option<u64>,
+    /// Set on a delegated fleet step (issue #11 §The fan-out cap): the worker runs the
+    /// task only while it holds one of the first `cap` permits of the cluster-wide
+    /// semaphore ([`crate::fanout`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_step: Option<FleetStep>,
 }
 
 fn default_origin() -> Origin {
@@ -567,7 +577,7 @@ fn default_origin() -> Origin {
 }
 
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
-const SUBMIT_FIELDS: [&str; 5] = ["capsule", "text", "origin", "context_id", "deadline_at"];
+const SUBMIT_FIELDS: [&str; 6] = ["capsule", "text", "origin", "context_id", "deadline_at", "fleet_step"];
 
 impl SubmitRequest {
     /// Decodes and validates a submission from the raw request body.
@@ -626,9 +636,23 @@ impl SubmitRequest {
                 None
             }
         };
+        let fleet_step = match map.get("fleet_step") {
+            None | Some(Value::Null) => None,
+            Some(v) => match serde_json::from_value::<FleetStep>(v.clone()) {
+                Ok(step) if step.cap >= 1 => Some(step),
+                Ok(_) => {
+                    errors.push("fleet_step.cap: must be at least 1, got 0".to_string());
+                    None
+                }
+                Err(e) => {
+                    errors.push(format!("fleet_step: {e}"));
+                    None
+                }
+            },
+        };
         let request = match (capsule, text, origin) {
             (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
-                SubmitRequest { capsule, text, origin, context_id, deadline_at }
+                SubmitRequest { capsule, text, origin, context_id, deadline_at, fleet_step }
             }
             (capsule, text, _) => {
                 // Still report the value rules of the fields that did decode.
@@ -638,6 +662,7 @@ impl SubmitRequest {
                     origin: Origin::User,
                     context_id,
                     deadline_at: None,
+                    fleet_step: None,
                 };
                 errors.extend(partial.rule_errors());
                 errors.sort_by_key(|e| field_rank(e));
@@ -850,7 +875,8 @@ mod tests {
                 text: "hi".into(),
                 origin: Origin::User,
                 context_id: None,
-                deadline_at: None
+                deadline_at: None,
+                fleet_step: None
             }
         );
         let req =
@@ -925,7 +951,7 @@ mod tests {
     fn every_broken_rule_is_listed_in_field_order() {
         assert_eq!(
             invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
-            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at; \
+            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, fleet_step; \
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
@@ -962,6 +988,7 @@ mod tests {
             origin: Origin::Schedule,
             context_id: None,
             deadline_at: None,
+            fleet_step: None,
         };
         let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
@@ -983,6 +1010,7 @@ mod tests {
             origin: Origin::User,
             context_id: None,
             deadline_at: None,
+            fleet_step: None,
         };
         let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         let json = serde_json::to_value(&rec).unwrap();
@@ -1017,5 +1045,21 @@ mod tests {
         assert_eq!(err.message, "deadline_at: must be unix milliseconds (a whole number), got \"soon\"");
         let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":-5}"#).unwrap_err();
         assert_eq!(err.message, "deadline_at: must be unix milliseconds (a whole number), got -5");
+    }
+
+    #[test]
+    fn a_fleet_step_reaches_the_record_and_a_bad_one_is_refused_by_field() {
+        let body = br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f","run_id":"r-0","step":"m","cap":3}}"#;
+        let r = SubmitRequest::parse(body).unwrap();
+        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        let step = record.fleet_step.unwrap();
+        assert_eq!((step.fleet.as_str(), step.run_id.as_str(), step.step.as_str(), step.cap), ("f", "r-0", "m", 3));
+        let err = SubmitRequest::parse(
+            br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f","run_id":"r","step":"m","cap":0}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.message, "fleet_step.cap: must be at least 1, got 0");
+        let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f"}}"#).unwrap_err();
+        assert_eq!(err.message, "fleet_step: missing field `run_id`");
     }
 }

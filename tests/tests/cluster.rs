@@ -110,6 +110,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("KV_mur_sessions", Action::Created),
             ("KV_mur_capsule_index", Action::Created),
             ("KV_mur_leader", Action::Created),
+            ("KV_mur_fanout", Action::Created),
             ("OBJ_mur_capsules", Action::Created),
             ("KV_mur_fleets", Action::Created),
             ("KV_mur_jobs", Action::Created),
@@ -120,6 +121,12 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
     // The leader's lease lives `leader_lease_secs` (10) without a renewal.
     let leader = js.get_stream("KV_mur_leader").await?.get_info().await?.config;
     assert_eq!((leader.max_age, leader.max_messages_per_subject), (Duration::from_secs(10), 1));
+    // A fan-out permit lives `fanout_lease_secs` (15); its expiry leaves a marker.
+    let fanout = js.get_stream("KV_mur_fanout").await?.get_info().await?.config;
+    assert_eq!(
+        (fanout.max_age, fanout.max_messages_per_subject, fanout.subject_delete_marker_ttl),
+        (Duration::from_secs(15), 1, Some(Duration::from_secs(1)))
+    );
 
     let dispatch = js.get_stream(cluster::DISPATCH_STREAM).await?.get_info().await?.config;
     assert_eq!(dispatch.subjects, [cluster::DISPATCH_SUBJECT]);
@@ -419,6 +426,7 @@ mod worker_service {
                 origin: Origin::User,
                 context_id: None,
                 deadline_at: None,
+                fleet_step: None,
             };
             let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;

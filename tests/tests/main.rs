@@ -30,3 +30,6 @@ mod chaos;
 
 /// One task is one trace: spans of real processes exported over OTLP/HTTP to a fake collector.
 mod otel;
+
+/// The cluster-wide fan-out cap: the semaphore, and a fleet run while workers die.
+mod fanout;

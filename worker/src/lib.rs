@@ -10,6 +10,7 @@ pub mod bundle;
 pub mod capsule;
 pub mod clock;
 pub mod driver;
+pub mod fanout;
 pub mod hooks;
 pub mod intake;
 pub mod launch;

@@ -49,6 +49,7 @@
 use crate::bundle;
 use crate::capsule::{self, Capsule};
 use crate::clock::{Clock, SystemClock};
+use crate::fanout;
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
@@ -175,6 +176,7 @@ struct Opened {
     sessions: kv::Store,
     capsules: object_store::ObjectStore,
     consumer: PullConsumer,
+    fanout: fanout::Semaphore,
 }
 
 async fn open_resources(js: &jetstream::Context) -> Result<Opened, Error> {
@@ -187,6 +189,7 @@ async fn open_resources(js: &jetstream::Context) -> Result<Opened, Error> {
             .get_consumer_from_stream(cluster::DISPATCH_CONSUMER, cluster::DISPATCH_STREAM)
             .await
             .map_err(open(cluster::DISPATCH_CONSUMER))?,
+        fanout: fanout::Semaphore::open(js).await.map_err(open(mur_proto::fanout::FANOUT_BUCKET))?,
     })
 }
 
@@ -197,6 +200,8 @@ struct Shared {
     /// `mur_sessions`: per-turn checkpoints and threaded conversations.
     sessions: kv::Store,
     capsules: object_store::ObjectStore,
+    /// The cluster-wide fan-out semaphore: a fleet step runs only while it holds a permit.
+    fanout: fanout::Semaphore,
     config: Config,
     /// Fired when the shutdown grace has passed: running tasks are cancelled.
     hard_stop: CancellationToken,
@@ -233,7 +238,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     tokio::pin!(shutdown);
     let js = jetstream::new(client.clone());
     let mut waiting_logged = false;
-    let Opened { tasks, workers, sessions, capsules, consumer } = loop {
+    let Opened { tasks, workers, sessions, capsules, consumer, fanout } = loop {
         match open_resources(&js).await {
             Ok(opened) => break opened,
             Err(e) => {
@@ -281,6 +286,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         tasks,
         sessions,
         capsules,
+        fanout,
         config,
         hard_stop: CancellationToken::new(),
         running: std::sync::Mutex::new(HashMap::new()),
@@ -641,6 +647,118 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
         _ => None,
     };
 
+    // A delegated fleet step runs only while it holds a fan-out permit (issue #11): wait in
+    // line for one, with in-progress acks still going out, until it is free or the task
+    // is cancelled or out of time.
+    let permit = match &current.0.fleet_step {
+        None => None,
+        Some(step) => match hold_permit(sh, &current.0, step, &cancel).await {
+            Ok(permit) => Some(permit),
+            Err(stop) => {
+                let exit = match stop {
+                    PermitWait::Deadline => ExitStatus::DeadlineExceeded,
+                    PermitWait::Cancelled if !sh.hard_stop.is_cancelled() => ExitStatus::Canceled,
+                    // The worker is stopping, or JetStream failed: another delivery waits again.
+                    PermitWait::Cancelled | PermitWait::Failed => return Answer::Nak,
+                };
+                let base = match read(&sh.tasks, key).await {
+                    Ok(Some(c)) => c,
+                    Ok(None) => return Answer::Term,
+                    Err(_) => return Answer::Nak,
+                };
+                return finished(
+                    cas(&sh.tasks, key, base, |r| {
+                        if r.state.is_terminal() {
+                            return false;
+                        }
+                        end_record(r, exit, exit.as_str(), None);
+                        true
+                    })
+                    .await,
+                    key,
+                );
+            }
+        },
+    };
+    let answer = run_working(sh, key, current, capsule, takeover, cancel, permit.as_ref()).await;
+    if let Some((permit, keep_alive)) = permit {
+        keep_alive.abort();
+        if let Err(e) = permit.release().await {
+            tracing::warn!(task_id = key, error = %e, "giving back a fan-out permit failed; it expires with its lease");
+        }
+    }
+    answer
+}
+
+/// Why a step stopped waiting for a fan-out permit.
+enum PermitWait {
+    /// The task's deadline passed first.
+    Deadline,
+    /// The task was cancelled, or the worker is stopping.
+    Cancelled,
+    /// JetStream failed.
+    Failed,
+}
+
+/// Waits for a fan-out permit for `task`, then keeps it alive in the background.
+async fn hold_permit(
+    sh: &Shared,
+    task: &TaskRecord,
+    step: &mur_proto::fanout::FleetStep,
+    cancel: &CancellationToken,
+) -> Result<(Arc<fanout::Permit>, tokio::task::JoinHandle<()>), PermitWait> {
+    let holder = mur_proto::fanout::Holder {
+        task_id: task.task_id.clone(),
+        worker: sh.config.worker_id.clone(),
+        step: step.clone(),
+        since: SystemClock.now_ms(),
+    };
+    let deadline = task
+        .deadline_at
+        .map(|at| tokio::time::Instant::now() + Duration::from_millis(at.saturating_sub(SystemClock.now_ms())));
+    let permit = tokio::select! {
+        r = sh.fanout.acquire(&holder, cancel) => match r {
+            Ok(p) => Arc::new(p),
+            Err(fanout::Error::Cancelled) => return Err(PermitWait::Cancelled),
+            Err(e) => {
+                tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed");
+                return Err(PermitWait::Failed);
+            }
+        },
+        () = sleep_until(deadline) => return Err(PermitWait::Deadline),
+    };
+    tracing::debug!(task_id = %task.task_id, slot = permit.slot(), "fan-out permit held");
+    let keep_alive = permit.keep_alive();
+    Ok((permit, keep_alive))
+}
+
+/// Runs a task that may start now: marks it working, runs its session, writes its end.
+/// A step whose fan-out `permit` is lost meanwhile is stopped and redelivered.
+async fn run_working(
+    sh: &Shared,
+    key: &str,
+    current: (TaskRecord, u64),
+    capsule: Capsule,
+    takeover: Option<Takeover>,
+    cancel: CancellationToken,
+    permit: Option<&(Arc<fanout::Permit>, tokio::task::JoinHandle<()>)>,
+) -> Answer {
+    let worker_id = sh.config.worker_id.clone();
+    let cancel = match permit {
+        None => cancel,
+        Some((permit, _)) => {
+            let session_cancel = cancel.child_token();
+            let lost = permit.lost();
+            let stop = session_cancel.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = lost.cancelled() => stop.cancel(),
+                    () = stop.cancelled() => {}
+                }
+            });
+            session_cancel
+        }
+    };
     let session_id = Id::generate(IdKind::Session);
     let working = cas(&sh.tasks, key, current, |r| {
         if r.state.is_terminal() {
@@ -671,10 +789,18 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
         saved: AtomicBool::new(checkpointed),
     });
     let (exit, result, error) =
-        match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel).await {
+        match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel.clone()).await {
             Ok((exit, result)) => (exit, result, None),
             Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
         };
+    if let Some((permit, _)) = permit
+        && permit.lost().is_cancelled()
+    {
+        // It ran without a permit for a moment (this worker stalled past the lease): its
+        // end is not written; the dispatch goes back and runs again from its checkpoints.
+        cancel.cancel();
+        return Answer::Nak;
+    }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
     let mut written = Err(String::new());

@@ -1,0 +1,247 @@
+//! The cluster-wide fan-out cap (issue #11 §The fan-out cap; DESIGN.md invariant 5): the
+//! semaphore in `mur_fanout` against a real nats-server, and a chaos run of a real fleet
+//! across real worker processes killed with SIGKILL.
+
+use async_nats::jetstream::kv::{self, Operation};
+use futures::StreamExt;
+use mur_coordinator::{Settings, resources};
+use mur_proto::fanout::{FleetStep, Holder, SLOT_PREFIX, slot_key};
+use mur_tests::capsule::shell_capsule;
+use mur_tests::nats::NatsServer;
+use mur_tests::procs::{Procs, until};
+use mur_worker::fanout::{Error as FanoutError, Semaphore};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn holder(task: &str, cap: u32) -> Holder {
+    Holder {
+        task_id: task.into(),
+        worker: format!("wkr-{task}"),
+        step: FleetStep { fleet: "f".into(), run_id: "run-1".into(), step: task.into(), cap },
+        since: 0,
+    }
+}
+
+/// What a watcher of `mur_fanout` saw: every permit write or removal, in order, and the
+/// most permits held at once.
+#[derive(Default)]
+struct Seen {
+    held: BTreeMap<String, String>,
+    max_held: usize,
+    /// `(when, slot key, holder's worker)` for each permit taken or renewed;
+    /// `(when, slot key, "")` for each permit given back or expired.
+    events: Vec<(Instant, String, String)>,
+}
+
+/// Watches the bucket from its start until the test ends: an exact sample of the permit
+/// count at every change, not a periodic one.
+async fn watch_permits(kv: kv::Store) -> Arc<Mutex<Seen>> {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut watch = kv.watch_with_history(">").await.expect("watch mur_fanout");
+    let out = seen.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(entry)) = watch.next().await {
+            if !entry.key.starts_with(SLOT_PREFIX) {
+                continue;
+            }
+            let mut s = out.lock().unwrap();
+            if entry.operation == Operation::Put {
+                let worker = serde_json::from_slice::<Holder>(&entry.value).map(|h| h.worker).unwrap_or_default();
+                s.held.insert(entry.key.clone(), worker.clone());
+                s.events.push((Instant::now(), entry.key.clone(), worker));
+            } else {
+                s.held.remove(&entry.key);
+                s.events.push((Instant::now(), entry.key.clone(), String::new()));
+            }
+            s.max_held = s.max_held.max(s.held.len());
+        }
+    });
+    seen
+}
+
+async fn semaphore(lease_secs: u64) -> (NatsServer, Semaphore, kv::Store) {
+    let server = NatsServer::start();
+    let js = server.jetstream().await;
+    let settings = Settings { fanout_lease_secs: lease_secs, ..Settings::default() };
+    let res = resources::ensure(&js, &settings).await.unwrap();
+    let sem = Semaphore::open(&js).await.unwrap();
+    assert_eq!(sem.lease(), Duration::from_secs(lease_secs));
+    (server, sem, res.fanout)
+}
+
+/// A holder stalls past its lease (stops renewing), another step takes the permit, and
+/// the first one's late renewal and release change nothing: never more than the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_stalled_past_its_lease_loses_the_permit_and_its_late_release_changes_nothing() {
+    let (_server, sem, kv) = semaphore(2).await;
+    let seen = watch_permits(kv.clone()).await;
+    let never = CancellationToken::new();
+
+    let stalled = sem.acquire(&holder("a", 1), &never).await.unwrap();
+    assert_eq!(stalled.slot(), 0);
+    let taken_at = Instant::now();
+    // No keep-alive: `a` stalls. `b` waits in line, and gets the slot once `a`'s expires.
+    let b = sem.acquire(&holder("b", 1), &never).await.unwrap();
+    let waited = taken_at.elapsed();
+    assert_eq!(b.slot(), 0);
+    assert!(waited >= Duration::from_millis(1500), "b took the slot after {waited:?}, before a's lease ended");
+
+    assert!(matches!(stalled.renew().await, Err(FanoutError::Lost(key)) if key == "slot.0"));
+    assert!(stalled.lost().is_cancelled());
+    assert!(!stalled.release().await.unwrap(), "a late release must not free b's permit");
+    assert!(!stalled.release().await.unwrap(), "nor a repeated one");
+    let entry = kv.entry(slot_key(0)).await.unwrap().unwrap();
+    assert_eq!((entry.operation, entry.revision), (Operation::Put, b.revision()));
+
+    // `c` waits while `b` holds the one permit, and gets it once `b` gives it back.
+    let c = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire(&holder("c", 1), &CancellationToken::new()).await }
+    });
+    until("c's ticket is in line", WAIT, || async { kv.get("wait.c").await.ok().flatten() }).await;
+    b.renew().await.unwrap();
+    assert!(b.release().await.unwrap());
+    let c = c.await.unwrap().unwrap();
+    assert_eq!(c.slot(), 0);
+    assert!(c.release().await.unwrap());
+    assert_eq!(seen.lock().unwrap().max_held, 1, "never more than the cap of 1");
+}
+
+/// Steps waiting for a permit are served in the order they came, and a cancelled wait
+/// leaves the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_steps_are_served_in_the_order_they_came_and_a_cancelled_one_leaves_the_line() {
+    let (_server, sem, kv) = semaphore(10).await;
+    let seen = watch_permits(kv.clone()).await;
+    let never = CancellationToken::new();
+    let first = sem.acquire(&holder("first", 2), &never).await.unwrap();
+    let second = sem.acquire(&holder("second", 2), &never).await.unwrap();
+    assert_eq!((first.slot(), second.slot()), (0, 1));
+
+    // Each waiter reports what its wait ended with.
+    let (served_tx, mut served) = tokio::sync::mpsc::unbounded_channel();
+    let quitter = CancellationToken::new();
+    for name in ["w1", "quitter", "w2", "w3"] {
+        let sem = sem.clone();
+        let tx = served_tx.clone();
+        let cancel = if name == "quitter" { quitter.clone() } else { CancellationToken::new() };
+        tokio::spawn(async move { tx.send((name, sem.acquire(&holder(name, 2), &cancel).await)).unwrap() });
+        // The next waiter comes once this one's ticket is in line.
+        let key = format!("wait.{name}");
+        until(&format!("{name}'s ticket"), WAIT, || async { kv.get(&key).await.ok().flatten() }).await;
+    }
+    quitter.cancel();
+    let (name, result) = tokio::time::timeout(WAIT, served.recv()).await.unwrap().unwrap();
+    assert_eq!(name, "quitter");
+    assert!(matches!(result, Err(FanoutError::Cancelled)));
+    assert_eq!(kv.get("wait.quitter").await.unwrap(), None, "a cancelled wait leaves the line");
+
+    let mut order = Vec::new();
+    let mut held = vec![first, second];
+    for _ in 0..3 {
+        let oldest = held.remove(0);
+        assert!(oldest.release().await.unwrap());
+        let (name, permit) = tokio::time::timeout(WAIT, served.recv()).await.unwrap().unwrap();
+        let permit = permit.unwrap();
+        assert_eq!(permit.slot(), oldest.slot(), "the freed slot goes to the next in line");
+        order.push(name);
+        held.push(permit);
+    }
+    assert_eq!(order, ["w1", "w2", "w3"]);
+    assert_eq!(seen.lock().unwrap().max_held, 2);
+}
+
+/// The issue's chaos test: 20 delegated steps (a fleet of 10 members working 2 jobs) with
+/// a cap of 3 across 3 workers with 4 slots each, while a worker holding a permit is killed
+/// twice. The permit count, sampled at every change, never exceeds 3; every step
+/// finishes; each killed holder's permit comes back within its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_while_workers_die() {
+    let lease = Duration::from_secs(3);
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n  fanout_lease_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let mut workers: Vec<_> = (1..=3).map(|n| cluster.worker(&format!("wkr-{n}"), 4)).collect();
+    let members: Vec<String> = (0..10).map(|n| format!("m{n}")).collect();
+    let mut capsules = Vec::new();
+    for m in &members {
+        let capsule = shell_capsule(m);
+        cluster.push(capsule.dir()).await;
+        capsules.push(capsule);
+    }
+    cluster.wait_workers(3).await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.unwrap();
+    let seen = watch_permits(kv.clone()).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("wide.yaml");
+    std::fs::write(
+        &yaml,
+        format!("name: wide\ngoal: Work.\nmembers: [{}]\nloop:\n  done_when: queue-empty\n", members.join(", ")),
+    )
+    .unwrap();
+    let mur = |args: &[&str]| {
+        let out = cluster.command().args(args).output().unwrap();
+        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    mur(&["fleet", "create", yaml.to_str().unwrap()]);
+    mur(&["fleet", "send", "wide", "sleep 2"]);
+    mur(&["fleet", "send", "wide", "sleep 2"]);
+    let run = cluster
+        .command()
+        .args(["fleet", "run", "wide", "--loop", "--deadline", "10m"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+
+    // Kill a worker while it holds a permit, twice; a fresh worker replaces each.
+    let mut kills = Vec::new();
+    for round in 0..2 {
+        let (index, slot) = until("a worker holding a permit", WAIT, || {
+            let seen = seen.clone();
+            let workers = &workers;
+            async move {
+                let s = seen.lock().unwrap();
+                s.held.iter().find_map(|(slot, w)| workers.iter().position(|p| &p.name == w).map(|i| (i, slot.clone())))
+            }
+        })
+        .await;
+        let victim = workers[index].name.clone();
+        workers[index].kill9();
+        kills.push((Instant::now(), slot, victim));
+        workers[index] = cluster.worker(&format!("wkr-new-{round}"), 4);
+    }
+
+    let run = tokio::task::spawn_blocking(move || run.wait_with_output()).await.unwrap().unwrap();
+    assert!(run.status.success(), "the run did not complete: {run:?}");
+    let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "wide", "--all", "--json"])).unwrap();
+    let statuses: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["done", "done"], "{jobs}");
+    let replies = mur(&["fleet", "log", "wide"]);
+    for m in &members {
+        let done = replies.matches(&format!("member:{m} reply:")).count();
+        assert_eq!(done, 2, "every member's two steps finished:\n{replies}");
+    }
+
+    let s = seen.lock().unwrap();
+    assert!(s.max_held <= 3, "{} permits were held at once", s.max_held);
+    assert_eq!(s.max_held, 3, "the cap was reached: 10 steps at once compete for 3 permits");
+    for (killed_at, slot, victim) in &kills {
+        // The victim's permit is removed (expired) or taken by another step within its
+        // lease of its last renewal; allow the server's expiry timer one second.
+        let back = s.events.iter().find(|(at, key, w)| at > killed_at && key == slot && w != victim);
+        let (at, _, _) = back.unwrap_or_else(|| panic!("{victim}'s permit {slot} never came back"));
+        let after = at.duration_since(*killed_at);
+        assert!(after <= lease + Duration::from_secs(1), "{victim}'s permit came back {after:?} after the kill");
+    }
+    assert!(
+        s.events.iter().all(|(_, key, _)| key.strip_prefix(SLOT_PREFIX).unwrap().parse::<u32>().unwrap() < 3),
+        "only slots 0-2 exist with a cap of 3"
+    );
+}
