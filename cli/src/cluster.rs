@@ -157,6 +157,44 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
                 .collect(),
         ));
     }
+    out.push_str(&render_permits(&s.fanout));
+    out
+}
+
+/// The fan-out semaphore's lines of `mur cluster status` and `mur fleet status` (issue
+/// #11): permits in use, then a table of holders and one of waiting steps, oldest first.
+pub(crate) fn render_permits(f: &mur_proto::fanout::FanoutStatus) -> String {
+    use comfy_table::{Table, presets::NOTHING};
+    let now = mur_coordinator::fleets::now_ms();
+    let mut out = format!(
+        "
+permits   {} in use, {} waiting
+",
+        f.in_use,
+        f.waiting.len()
+    );
+    let mut rows = |header: &str, rows: Vec<(String, &mur_proto::fanout::Holder)>| {
+        if rows.is_empty() {
+            return;
+        }
+        let mut t = Table::new();
+        t.load_preset(NOTHING).set_header(vec![header, "TASK", "FLEET", "RUN", "STEP", "WORKER", "CAP", "FOR"]);
+        for (first, h) in rows {
+            t.add_row(vec![
+                first,
+                h.task_id.clone(),
+                h.step.fleet.clone(),
+                h.step.run_id.clone(),
+                h.step.step.clone(),
+                h.worker.clone(),
+                h.step.cap.to_string(),
+                secs(now.saturating_sub(h.since)),
+            ]);
+        }
+        out.push_str(&format!("{t}\n"));
+    };
+    rows("SLOT", f.holders.iter().map(|h| (h.slot.to_string(), &h.holder)).collect());
+    rows("WAITING", f.waiting.iter().enumerate().map(|(i, h)| ((i + 1).to_string(), h)).collect());
     out
 }
 

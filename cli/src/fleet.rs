@@ -475,7 +475,11 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             .flatten()
             .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
         let liveness = record.liveness(beat, mur_coordinator::fleets::now_ms());
-        let status = fleet_store::RunStatus { record, liveness };
+        let fanout = match js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await {
+            Ok(kv) => mur_worker::fanout::status(&kv).await.unwrap_or_default().of_fleet(&record.fleet),
+            Err(_) => Default::default(),
+        };
+        let status = fleet_store::RunStatus { record, liveness, fanout };
         if common.json {
             print_json(&status)?;
             return Ok(ExitCode::SUCCESS);
@@ -496,6 +500,7 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         println!("iterations {}", r.iterations);
         println!("{}", r.bounds);
         println!("coordinator {}", r.coordinator);
+        print!("{}", crate::cluster::render_permits(&status.fanout));
         Ok(ExitCode::SUCCESS)
     })
 }

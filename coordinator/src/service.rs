@@ -660,7 +660,10 @@ impl Ctx {
         let leader_kv =
             self.js.get_key_value(cluster::LEADER_BUCKET).await.map_err(|e| unavailable("mur_leader", e))?;
         let leader = Lease::holder(&leader_kv).await.map_err(|e| unavailable("mur_leader: read", e))?;
-        Ok(cluster::ClusterStatus::build(&records, &workers, leader, now_ms()))
+        let fanout_kv =
+            self.js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.map_err(|e| unavailable("mur_fanout", e))?;
+        let fanout = mur_worker::fanout::status(&fanout_kv).await.map_err(|e| unavailable("mur_fanout: read", e))?;
+        Ok(cluster::ClusterStatus { fanout, ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms()) })
     }
 
     /// `capsule.list`.

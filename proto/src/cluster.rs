@@ -268,6 +268,9 @@ pub struct ClusterStatus {
     pub dead_letters: Vec<DeadLetterEntry>,
     /// Registered workers.
     pub workers: Vec<WorkerStatus>,
+    /// The fan-out semaphore: permits in use, holders, waiting steps (issue #11).
+    #[serde(default)]
+    pub fanout: crate::fanout::FanoutStatus,
 }
 
 /// One capsule's lane.
@@ -386,7 +389,7 @@ impl ClusterStatus {
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        ClusterStatus { at: now, leader, lanes, in_flight, dead_letters, workers }
+        ClusterStatus { at: now, leader, lanes, in_flight, dead_letters, workers, fanout: Default::default() }
     }
 }
 

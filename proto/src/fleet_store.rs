@@ -620,6 +620,9 @@ pub struct RunStatus {
     pub record: RunRecord,
     /// The verdict.
     pub liveness: Liveness,
+    /// The fleet's permits in use, holders and waiting steps (issue #11 §The fan-out cap).
+    #[serde(default)]
+    pub fanout: crate::fanout::FanoutStatus,
 }
 
 #[cfg(test)]
@@ -649,7 +652,12 @@ mod run_tests {
         assert_eq!(r.liveness(Some(50_000), 60_001), Liveness::Dead { beat_age_ms: 10_001 });
         assert_eq!(r.liveness(None, 20_000), Liveness::Dead { beat_age_ms: 19_000 });
         assert_eq!(record("completed", 1_000).liveness(None, 99_999), Liveness::Over);
-        let json = serde_json::to_value(RunStatus { record: r, liveness: Liveness::Alive { beat_age_ms: 5 } }).unwrap();
+        let json = serde_json::to_value(RunStatus {
+            record: r,
+            liveness: Liveness::Alive { beat_age_ms: 5 },
+            fanout: Default::default(),
+        })
+        .unwrap();
         assert_eq!((json["state"].as_str(), json["liveness"]["verdict"].as_str()), (Some("running"), Some("alive")));
     }
 }

@@ -200,6 +200,21 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
         .spawn()
         .unwrap();
 
+    // `mur cluster status` and `mur fleet status` show the permits in use, their holders
+    // and the steps waiting: 10 steps at once, 3 permits.
+    let status = until("3 permits in use and steps waiting", WAIT, || async {
+        let out = cluster.command().args(["cluster", "status", "--json"]).output().ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        (v["fanout"]["in_use"] == 3 && !v["fanout"]["waiting"].as_array()?.is_empty()).then_some(v)
+    })
+    .await;
+    let holders = status["fanout"]["holders"].as_array().unwrap();
+    assert_eq!(holders.iter().map(|h| h["slot"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert!(holders.iter().all(|h| h["fleet"] == "wide" && h["cap"] == 3), "{status}");
+    let text = mur(&["fleet", "status", "wide"]);
+    assert!(text.contains("\npermits   "), "{text}");
+    assert!(text.contains("SLOT") && text.contains("WAITING"), "{text}");
+
     // Kill a worker while it holds a permit, twice; a fresh worker replaces each.
     let mut kills = Vec::new();
     for round in 0..2 {

@@ -148,6 +148,25 @@ impl Semaphore {
     }
 }
 
+/// Reads permits in use, holders and waiting steps (for `mur cluster status` and
+/// `mur fleet status`, issue #11 §The fan-out cap).
+///
+/// # Errors
+/// [`Error::Nats`] when the bucket cannot be read.
+pub async fn status(kv: &kv::Store) -> Result<fanout::FanoutStatus, Error> {
+    let mut keys = kv.keys().await.map_err(nats)?;
+    let mut entries = Vec::new();
+    while let Some(key) = keys.next().await {
+        let key = key.map_err(nats)?;
+        if let Some(entry) = kv.entry(&key).await.map_err(nats)?
+            && entry.operation == Operation::Put
+        {
+            entries.push((key, entry.revision, entry.value.to_vec()));
+        }
+    }
+    Ok(fanout::FanoutStatus::build(&entries))
+}
+
 /// A held permit: slot `slot` of the semaphore at revision `revision`.
 pub struct Permit {
     kv: kv::Store,
