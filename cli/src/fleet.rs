@@ -431,18 +431,8 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
                     .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok())
             }
         };
-        let record = match &pick {
-            RunPick::Id(id) => {
-                // A loop iteration's id names its run: strip `-<n>`.
-                let base = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(b, _)| b.to_string());
-                match read(fleet_store::run_key(id)).await {
-                    Some(r) => Some(r),
-                    None => match base {
-                        Some(b) => read(fleet_store::run_key(&b)).await,
-                        None => None,
-                    },
-                }
-            }
+        let id = match &pick {
+            RunPick::Id(id) => Some(id.clone()),
             RunPick::LatestOf(fleet) => {
                 let mut keys = defs.keys().await.context("mur_fleets: keys")?;
                 let mut latest: Option<fleet_store::RunRecord> = None;
@@ -457,10 +447,16 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
                         latest = Some(r);
                     }
                 }
-                latest
+                latest.map(|r| r.run_id)
             }
         };
-        let Some(record) = record else {
+        let status = match id {
+            Some(id) => mur_worker::tools::fleet::run_status(&js, &id, mur_coordinator::fleets::now_ms())
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?,
+            None => None,
+        };
+        let Some(status) = status else {
             let what = match pick {
                 RunPick::Id(id) => format!("no run {id}"),
                 RunPick::LatestOf(fleet) => format!("fleet {fleet} has no run yet"),
@@ -468,18 +464,6 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             eprintln!("mur: {what}");
             return Ok(ExitCode::from(2));
         };
-        let beat = defs
-            .get(fleet_store::beat_key(&record.run_id))
-            .await
-            .ok()
-            .flatten()
-            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
-        let liveness = record.liveness(beat, mur_coordinator::fleets::now_ms());
-        let fanout = match js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await {
-            Ok(kv) => mur_worker::fanout::status(&kv).await.unwrap_or_default().of_fleet(&record.fleet),
-            Err(_) => Default::default(),
-        };
-        let status = fleet_store::RunStatus { record, liveness, fanout };
         if common.json {
             print_json(&status)?;
             return Ok(ExitCode::SUCCESS);

@@ -311,7 +311,13 @@ pub struct Hook {
     pub persistent: bool,
 }
 
-/// One entry of `tools:`: a tool implemented by a command.
+/// The built-in tools a manifest may list in `tools:` with `command: builtin:<name>`
+/// (issue #11 §Agents drive fleets too): queue a job on a fleet, start a run (its id comes
+/// back at once), read a run's state and liveness verdict. They work on the cluster only.
+pub const BUILTIN_TOOLS: [&str; 3] = ["fleet_send", "fleet_run", "job_status"];
+
+/// One entry of `tools:`: a tool implemented by a command, or a built-in one
+/// (`command: builtin:fleet_send`, see [`BUILTIN_TOOLS`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolDecl {
     /// Tool name shown to the model.
@@ -926,6 +932,19 @@ fn validate_tool(i: usize, t: RawTool, r: &mut Rules) -> ToolDecl {
         Some(c) => {
             if c.is_empty() || c[0].is_empty() {
                 r.fail(&path("command"), "must name a program");
+            } else if let Some(b) = c[0].strip_prefix("builtin:") {
+                if !BUILTIN_TOOLS.contains(&b) || c.len() > 1 {
+                    r.fail(
+                        &path("command"),
+                        format_args!(
+                            "unknown built-in tool {:?} (builtin:fleet_send, builtin:fleet_run, builtin:job_status)",
+                            c.join(" ")
+                        ),
+                    );
+                }
+                if t.parameters.is_some() {
+                    r.fail(&path("parameters"), "a built-in tool has its own; remove it");
+                }
             }
             c
         }

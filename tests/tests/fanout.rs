@@ -260,3 +260,84 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
         "only slots 0-2 exist with a cap of 3"
     );
 }
+
+/// A router capsule drives another fleet with the built-in tools (issue #11 §Agents drive
+/// fleets too): its planning step starts fleet `inner` with `fleet_run` and waits for it
+/// with `job_status`. The cap is 1 (`MUR_FLEET_FANOUT=1`) and the router's step holds the
+/// one permit, so `inner`'s step can only run because a step that waits on another fleet
+/// gives its permit back meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_starts_another_fleet_with_fleet_run_and_waits_for_it_with_job_status() {
+    let mut cluster = Procs::start("jetstream:\n  ack_wait_secs: 5\n  fanout_lease_secs: 3\n").await;
+    cluster.set_env("MUR_FLEET_FANOUT", "1");
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _workers = [cluster.worker("wkr-1", 4), cluster.worker("wkr-2", 4)];
+    let chief = mur_tests::capsule::TestCapsule::new(
+        "name: chief\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ntrace:\n  capture: content\n\
+         tools:\n  - name: fleet_run\n    command: builtin:fleet_run\n  - name: job_status\n    command: builtin:job_status\n",
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls: [{ name: fleet_run, input: { fleet: inner, run_id: inner-run } }]\n\
+             \x20 - tool_calls: [{ name: job_status, input: { run_id: inner-run, wait_secs: 90 } }]\n\
+             \x20 - text: \"inner is done; everyone do the job\"\n",
+        )],
+    );
+    let members: Vec<_> = ["a", "b", "c"].iter().map(|m| shell_capsule(m)).collect();
+    cluster.push(chief.dir()).await;
+    for m in &members {
+        cluster.push(m.dir()).await;
+    }
+    cluster.wait_workers(2).await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let seen = watch_permits(js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.unwrap()).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let boss = dir.path().join("boss.yaml");
+    std::fs::write(&boss, "name: boss\ngoal: Lead.\nmembers: [a, b]\nrouter: chief\n").unwrap();
+    let inner = dir.path().join("inner.yaml");
+    std::fs::write(&inner, "name: inner\ngoal: Help.\nmembers: [c]\n").unwrap();
+    let mur = |args: &[&str]| {
+        let out = cluster.command().args(args).output().unwrap();
+        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    mur(&["fleet", "create", boss.to_str().unwrap()]);
+    mur(&["fleet", "create", inner.to_str().unwrap()]);
+    mur(&["fleet", "send", "inner", "echo inner-work"]);
+    mur(&["fleet", "send", "boss", "echo outer-work"]);
+    let run = cluster.command().args(["fleet", "run", "boss"]).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+
+    // The inner run completed, and the router saw it completed.
+    let inner_status: serde_json::Value =
+        serde_json::from_str(&mur(&["job", "status", "inner-run", "--json"])).unwrap();
+    assert_eq!((inner_status["state"].as_str(), inner_status["fleet"].as_str()), (Some("completed"), Some("inner")));
+    let inner_jobs: serde_json::Value =
+        serde_json::from_str(&mur(&["fleet", "jobs", "inner", "--all", "--json"])).unwrap();
+    assert_eq!(inner_jobs[0]["status"], "done");
+    assert!(inner_jobs[0]["result"].as_str().unwrap().contains("inner-work"), "{inner_jobs}");
+
+    let tasks = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.unwrap();
+    let mut keys = tasks.keys().await.unwrap();
+    let mut chief_task = None;
+    while let Some(Ok(key)) = keys.next().await {
+        let record: mur_proto::cluster::TaskRecord =
+            serde_json::from_slice(&tasks.get(&key).await.unwrap().unwrap()).unwrap();
+        if record.capsule == "chief" {
+            chief_task = Some(record);
+        }
+    }
+    let chief_task = chief_task.expect("the router's planning task");
+    assert_eq!(chief_task.state, mur_proto::task::TaskState::Completed, "{chief_task:?}");
+    let step = chief_task.fleet_step.as_ref().unwrap();
+    assert_eq!((step.fleet.as_str(), step.cap), ("boss", 1));
+    let trace = cluster.trace_of(&chief_task.task_id).await;
+    let calls: Vec<&serde_json::Value> = trace.iter().filter(|l| l["event_type"] == "tool_call").collect();
+    assert_eq!(calls.len(), 2, "{trace:?}");
+    let started: serde_json::Value = serde_json::from_str(calls[0]["output"].as_str().unwrap()).unwrap();
+    assert_eq!(started["run_id"], "inner-run");
+    let waited: serde_json::Value = serde_json::from_str(calls[1]["output"].as_str().unwrap()).unwrap();
+    assert_eq!((waited["state"].as_str(), waited["liveness"]["verdict"].as_str()), (Some("completed"), Some("over")));
+    assert!(calls[1]["duration_ms"].as_u64().unwrap() < 60_000, "job_status waited for the run, not its time limit");
+    assert_eq!(seen.lock().unwrap().max_held, 1, "the cap of 1 held throughout");
+}

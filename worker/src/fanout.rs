@@ -8,8 +8,8 @@
 //!   [`fanout::candidates`] offers with *create*. It renews its ticket every third of the
 //!   lease while it waits, never gives up on its own (only a cancel ends the wait), and
 //!   removes its ticket once it holds a permit or stops waiting.
-//! - A [`Permit`] is renewed with compare-and-set on its revision ([`Permit::renew`], or
-//!   in the background with [`Permit::keep_alive`]); a renewal that finds another
+//! - A [`Permit`] is renewed with compare-and-set on its revision ([`Permit::renew`]; a
+//!   step's [`StepPermit`] does it in the background); a renewal that finds another
 //!   revision means the lease was lost (the holder stalled past it and the slot expired),
 //!   and [`Permit::lost`] fires so the step can stop.
 //! - [`Permit::release`] deletes the slot expecting the holder's revision: a late or
@@ -112,7 +112,6 @@ impl Semaphore {
                                 slot,
                                 value: value.to_vec(),
                                 revision: AtomicU64::new(revision),
-                                lease: self.lease,
                                 lost: CancellationToken::new(),
                             });
                         }
@@ -148,6 +147,109 @@ impl Semaphore {
     }
 }
 
+/// The permit of one running step, for its whole life: taken before the step starts,
+/// renewed in the background, given back for as long as the step waits on another fleet
+/// (so that a step that delegates cannot deadlock the cap: issue #11), taken again before
+/// it goes on, and released at its end.
+pub struct StepPermit {
+    sem: Semaphore,
+    holder: Holder,
+    current: tokio::sync::Mutex<Option<Permit>>,
+    lost: CancellationToken,
+    renewer: tokio::task::JoinHandle<()>,
+}
+
+impl StepPermit {
+    /// Waits in line for a permit for `holder` (see [`Semaphore::acquire`]) and starts
+    /// renewing it every third of the lease.
+    ///
+    /// # Errors
+    /// As [`Semaphore::acquire`].
+    pub async fn acquire(
+        sem: &Semaphore,
+        holder: Holder,
+        cancel: &CancellationToken,
+    ) -> Result<Arc<StepPermit>, Error> {
+        let permit = sem.acquire(&holder, cancel).await?;
+        Ok(Arc::new_cyclic(|me: &std::sync::Weak<StepPermit>| {
+            let me = me.clone();
+            let every = sem.lease / 3;
+            let renewer = tokio::spawn(async move {
+                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                loop {
+                    tick.tick().await;
+                    let Some(step) = me.upgrade() else { return };
+                    let current = step.current.lock().await;
+                    let Some(permit) = current.as_ref() else { continue };
+                    match permit.renew().await {
+                        Ok(()) => {}
+                        Err(Error::Lost(key)) => {
+                            tracing::warn!(%key, task_id = %step.holder.task_id, "fan-out permit lost: the step stops");
+                            step.lost.cancel();
+                            return;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "renewing a fan-out permit failed; retrying"),
+                    }
+                }
+            });
+            StepPermit {
+                sem: sem.clone(),
+                holder,
+                current: tokio::sync::Mutex::new(Some(permit)),
+                lost: CancellationToken::new(),
+                renewer,
+            }
+        }))
+    }
+
+    /// Fires when the permit was lost (the worker stalled past the lease): the step must
+    /// stop, and its end must not be written.
+    pub fn lost(&self) -> CancellationToken {
+        self.lost.clone()
+    }
+
+    /// The slot held now, if any.
+    pub async fn slot(&self) -> Option<u32> {
+        self.current.lock().await.as_ref().map(Permit::slot)
+    }
+
+    /// Gives the permit back while `work` runs (the step waits on another fleet and makes
+    /// no model call meanwhile), then waits in line for one again.
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] when `cancel` fires while waiting to take a permit again; the
+    /// step must then stop. [`Error::Nats`] as [`Semaphore::acquire`].
+    pub async fn while_away<F: std::future::Future>(
+        &self,
+        cancel: &CancellationToken,
+        work: F,
+    ) -> Result<F::Output, Error> {
+        {
+            let mut current = self.current.lock().await;
+            if let Some(permit) = current.take()
+                && let Err(e) = permit.release().await
+            {
+                tracing::warn!(error = %e, "giving back a fan-out permit failed; it expires with its lease");
+            }
+        }
+        let out = work.await;
+        let permit = self.sem.acquire(&self.holder, cancel).await?;
+        *self.current.lock().await = Some(permit);
+        Ok(out)
+    }
+
+    /// Stops renewing and gives the permit back (a permit that was lost meanwhile is left
+    /// to its new holder).
+    pub async fn release(&self) {
+        self.renewer.abort();
+        if let Some(permit) = self.current.lock().await.take()
+            && let Err(e) = permit.release().await
+        {
+            tracing::warn!(error = %e, "giving back a fan-out permit failed; it expires with its lease");
+        }
+    }
+}
+
 /// Reads permits in use, holders and waiting steps (for `mur cluster status` and
 /// `mur fleet status`, issue #11 §The fan-out cap).
 ///
@@ -174,7 +276,6 @@ pub struct Permit {
     slot: u32,
     value: Vec<u8>,
     revision: AtomicU64,
-    lease: Duration,
     lost: CancellationToken,
 }
 
@@ -211,28 +312,6 @@ impl Permit {
             }
             Err(e) => Err(nats(e)),
         }
-    }
-
-    /// Renews the permit every third of the lease until the returned handle is aborted or
-    /// the permit is lost. A renewal that fails for a broker outage is retried at the next
-    /// tick; one that outlives the lease finds the permit lost.
-    pub fn keep_alive(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
-        let permit = self.clone();
-        tokio::spawn(async move {
-            let every = permit.lease / 3;
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                tick.tick().await;
-                match permit.renew().await {
-                    Ok(()) => {}
-                    Err(Error::Lost(key)) => {
-                        tracing::warn!(%key, "fan-out permit lost: the step stops");
-                        return;
-                    }
-                    Err(e) => tracing::warn!(error = %e, "renewing a fan-out permit failed; retrying"),
-                }
-            }
-        })
     }
 
     /// Gives the permit back. Only the holder's revision is deleted: when the slot expired

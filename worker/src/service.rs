@@ -680,12 +680,9 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
             }
         },
     };
-    let answer = run_working(sh, key, current, capsule, takeover, cancel, permit.as_ref()).await;
-    if let Some((permit, keep_alive)) = permit {
-        keep_alive.abort();
-        if let Err(e) = permit.release().await {
-            tracing::warn!(task_id = key, error = %e, "giving back a fan-out permit failed; it expires with its lease");
-        }
+    let answer = run_working(sh, key, current, capsule, takeover, cancel, permit.clone()).await;
+    if let Some(permit) = permit {
+        permit.release().await;
     }
     answer
 }
@@ -700,13 +697,13 @@ enum PermitWait {
     Failed,
 }
 
-/// Waits for a fan-out permit for `task`, then keeps it alive in the background.
+/// Waits for a fan-out permit for `task` (it is then renewed in the background).
 async fn hold_permit(
     sh: &Shared,
     task: &TaskRecord,
     step: &mur_proto::fanout::FleetStep,
     cancel: &CancellationToken,
-) -> Result<(Arc<fanout::Permit>, tokio::task::JoinHandle<()>), PermitWait> {
+) -> Result<Arc<fanout::StepPermit>, PermitWait> {
     let holder = mur_proto::fanout::Holder {
         task_id: task.task_id.clone(),
         worker: sh.config.worker_id.clone(),
@@ -716,20 +713,17 @@ async fn hold_permit(
     let deadline = task
         .deadline_at
         .map(|at| tokio::time::Instant::now() + Duration::from_millis(at.saturating_sub(SystemClock.now_ms())));
-    let permit = tokio::select! {
-        r = sh.fanout.acquire(&holder, cancel) => match r {
-            Ok(p) => Arc::new(p),
-            Err(fanout::Error::Cancelled) => return Err(PermitWait::Cancelled),
+    tokio::select! {
+        r = fanout::StepPermit::acquire(&sh.fanout, holder, cancel) => match r {
+            Ok(p) => Ok(p),
+            Err(fanout::Error::Cancelled) => Err(PermitWait::Cancelled),
             Err(e) => {
                 tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed");
-                return Err(PermitWait::Failed);
+                Err(PermitWait::Failed)
             }
         },
-        () = sleep_until(deadline) => return Err(PermitWait::Deadline),
-    };
-    tracing::debug!(task_id = %task.task_id, slot = permit.slot(), "fan-out permit held");
-    let keep_alive = permit.keep_alive();
-    Ok((permit, keep_alive))
+        () = sleep_until(deadline) => Err(PermitWait::Deadline),
+    }
 }
 
 /// Runs a task that may start now: marks it working, runs its session, writes its end.
@@ -741,12 +735,12 @@ async fn run_working(
     capsule: Capsule,
     takeover: Option<Takeover>,
     cancel: CancellationToken,
-    permit: Option<&(Arc<fanout::Permit>, tokio::task::JoinHandle<()>)>,
+    permit: Option<Arc<fanout::StepPermit>>,
 ) -> Answer {
     let worker_id = sh.config.worker_id.clone();
-    let cancel = match permit {
+    let cancel = match &permit {
         None => cancel,
-        Some((permit, _)) => {
+        Some(permit) => {
             let session_cancel = cancel.child_token();
             let lost = permit.lost();
             let stop = session_cancel.clone();
@@ -788,12 +782,21 @@ async fn run_working(
         worker: worker_id.clone(),
         saved: AtomicBool::new(checkpointed),
     });
-    let (exit, result, error) =
-        match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel.clone()).await {
-            Ok((exit, result)) => (exit, result, None),
-            Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
-        };
-    if let Some((permit, _)) = permit
+    let (exit, result, error) = match run_session(
+        sh,
+        &task,
+        &capsule,
+        &session_id,
+        takeover,
+        checkpoints.clone(),
+        (cancel.clone(), permit.clone()),
+    )
+    .await
+    {
+        Ok((exit, result)) => (exit, result, None),
+        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
+    };
+    if let Some(permit) = &permit
         && permit.lost().is_cancelled()
     {
         // It ran without a permit for a moment (this worker stalled past the lease): its
@@ -1048,7 +1051,8 @@ fn continues_context(task: &TaskRecord, capsule: &Capsule) -> bool {
 }
 
 /// Runs `task` in a new session `session_id` (taking it over from a checkpoint when
-/// `takeover` says so) and returns its exit status and result.
+/// `takeover` says so) and returns its exit status and result. The session stops when
+/// `cancel` fires; a fleet step's fan-out `permit` reaches its fleet tools.
 async fn run_session(
     sh: &Shared,
     task: &TaskRecord,
@@ -1056,7 +1060,7 @@ async fn run_session(
     session_id: &str,
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
-    cancel: CancellationToken,
+    (cancel, permit): (CancellationToken, Option<Arc<fanout::StepPermit>>),
 ) -> Result<(ExitStatus, String), String> {
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
@@ -1066,7 +1070,15 @@ async fn run_session(
     let driver = capsule.driver(&layout.workdir).map_err(|e| e.to_string())?;
     let (sink, notices) = DetachSink::channel();
     let grace = Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
-    let tools = Arc::new(Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()));
+    let fleet_access = crate::tools::fleet::FleetAccess {
+        client: sh.client.clone(),
+        source: format!("capsule:{}", task.capsule),
+        permit,
+        cancel: cancel.clone(),
+    };
+    let tools = Arc::new(
+        Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()).with_fleet_access(fleet_access),
+    );
     if task.origin == Origin::Completion {
         detached::fetch_logs(&sh.capsules, &task.text, &layout.session_dir).await;
     }

@@ -371,3 +371,19 @@ fn every_broken_rule_is_reported_at_once() {
     let y = "name: demo\nversion: 1\ninference:\n  driver: scripted\n  script: r.yaml\n  max_turns: 0\n  max_tokens: 0\nlifecycle:\n  queue_depth: 0\n";
     assert_eq!(rules(y).len(), 3);
 }
+
+#[test]
+fn a_built_in_tool_must_be_one_of_the_three_and_keeps_its_own_parameters() {
+    let y = format!("{MINIMAL}tools:\n  - name: send\n    command: builtin:fleet_send\n");
+    let m = Manifest::from_yaml(&y, &|_| None).unwrap();
+    assert_eq!(m.tools[0].command, ["builtin:fleet_send"]);
+    let y =
+        format!("{MINIMAL}tools:\n  - name: t\n    command: builtin:fleet_stop\n    parameters: {{type: object}}\n");
+    assert_eq!(
+        rules(&y),
+        [
+            "tools[0].command: unknown built-in tool \"builtin:fleet_stop\" (builtin:fleet_send, builtin:fleet_run, builtin:job_status)",
+            "tools[0].parameters: a built-in tool has its own; remove it",
+        ]
+    );
+}

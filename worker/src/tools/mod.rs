@@ -4,6 +4,7 @@
 
 pub mod background;
 pub mod command;
+pub mod fleet;
 pub(crate) mod process;
 pub mod shell;
 
@@ -96,16 +97,37 @@ pub struct Toolbox {
     specs: Vec<ToolSpec>,
     shell: shell::Shell,
     commands: Vec<command::CommandTool>,
+    fleet_tools: Vec<fleet::FleetTool>,
+    fleet_access: Option<fleet::FleetAccess>,
 }
 
 impl Toolbox {
-    /// The toolbox of `manifest`.
+    /// The toolbox of `manifest`: its shell tools, then its `tools:` entries in order
+    /// (commands, or the built-in fleet tools, [`fleet`]).
     pub fn from_manifest(manifest: &Manifest) -> Self {
         let shell = shell::Shell::new(manifest.capabilities.shell_allow.clone());
-        let commands: Vec<_> = manifest.tools.iter().cloned().map(command::CommandTool::new).collect();
         let mut specs = shell.specs();
-        specs.extend(commands.iter().map(command::CommandTool::spec));
-        Toolbox { specs, shell, commands }
+        let (mut commands, mut fleet_tools) = (Vec::new(), Vec::new());
+        for decl in &manifest.tools {
+            match fleet::FleetTool::from_decl(decl) {
+                Some(tool) => {
+                    specs.push(tool.spec());
+                    fleet_tools.push(tool);
+                }
+                None => {
+                    let tool = command::CommandTool::new(decl.clone());
+                    specs.push(tool.spec());
+                    commands.push(tool);
+                }
+            }
+        }
+        Toolbox { specs, shell, commands, fleet_tools, fleet_access: None }
+    }
+
+    /// Gives the built-in fleet tools their way to the cluster (a worker's sessions).
+    pub fn with_fleet_access(mut self, access: fleet::FleetAccess) -> Self {
+        self.fleet_access = Some(access);
+        self
     }
 
     /// Moves shell commands still running after `grace` to the background, reporting them
@@ -134,6 +156,9 @@ impl Tools for Toolbox {
         }
         if let Some(tool) = self.commands.iter().find(|t| t.name() == name) {
             return tool.run(input, ctx).await;
+        }
+        if let Some(tool) = self.fleet_tools.iter().find(|t| t.name() == name) {
+            return tool.run(input, self.fleet_access.as_ref(), ctx).await;
         }
         let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
         Outcome::error(format!("unknown tool {name:?}; available tools: {}", known.join(", ")))
