@@ -489,11 +489,27 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
     })
 }
 
-/// `mur fleet run`: asks the leader to start the run, then follows it.
+/// `mur fleet run`: asks the leader to start the run, then follows it (issue #11 §Live
+/// follow): milestone lines (the run's channel events), and a status line per member with
+/// the run's permits in use and its spend — redrawn in place on a terminal, printed when it
+/// changes otherwise, and with `--json` all of it as JSON lines on stdout, each with a
+/// `type`: `run` (the record at the start), `event`, `status`, `end` (the final record).
 fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
+        use futures::StreamExt;
         let client = common.conn.connect("mur fleet run").await?;
+        let js = async_nats::jetstream::new(client.clone());
+        // Watch task records from before the run starts, so no step is missed.
+        let tasks_kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.context("mur_tasks")?;
+        let mut task_updates = tasks_kv.watch_all().await.context("mur_tasks: watch")?;
+        let info: Option<FleetInfo> =
+            call(&client, api::SHOW, serde_json::to_vec(&FleetRef { fleet: request.fleet.clone() })?).await.ok();
+        let mut members = Vec::new();
+        if let Some(f) = info.and_then(|i| mur_proto::Fleet::load_stored(&i.yaml).ok()) {
+            members.extend(f.router.clone());
+            members.extend(f.members.clone());
+        }
         let body = serde_json::to_vec(request)?;
         let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
             Ok(r) => r,
@@ -504,16 +520,33 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         };
         eprintln!("{}", started.bounds);
         if common.json {
-            print_json(&started)?;
+            print_typed("run", &started)?;
         } else {
             println!("{}", started.run_id);
         }
-        let js = async_nats::jetstream::new(client.clone());
+        let mut view = Live::new(common.json, crate::follow::Follow::new(&started.run_id, members));
         let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
+        let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.ok();
         let key = fleet_store::run_key(&started.run_id);
         let mut seen = 0u64;
         let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
         loop {
+            tokio::select! {
+                _ = &mut ctrl_c => {
+                    view.finish();
+                    eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
+                    return Ok(ExitCode::SUCCESS);
+                }
+                Some(Ok(entry)) = task_updates.next() => {
+                    if let Ok(r) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
+                        let changed = view.follow.task(&r);
+                        view.changed(changed)?;
+                    }
+                    continue;
+                }
+                _ = tick.tick() => {}
+            }
             let events: Vec<ChannelEvent> = call(
                 &client,
                 api::LOG,
@@ -522,25 +555,54 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             .await
             .unwrap_or_default();
             for e in events.iter().filter(|e| e.run_id.as_deref().is_some_and(|r| r.starts_with(&started.run_id))) {
-                if common.json {
-                    println!("{}", serde_json::to_string(e)?);
-                } else {
-                    eprintln!("{} {}: {}", e.author, e.kind, e.text.replace('\n', "\n    "));
-                }
+                view.milestone(e)?;
             }
             if let Some(last) = events.last() {
                 seen = last.seq;
             }
+            if let Some(kv) = &fanout_kv
+                && let Ok(f) = mur_worker::fanout::status(kv).await
+            {
+                let in_use = f.holders.iter().filter(|h| h.holder.step.run_id.starts_with(&started.run_id)).count();
+                let changed = view.follow.set_permits(in_use);
+                view.changed(changed)?;
+            }
+            let jobs: Vec<Job> = call(
+                &client,
+                api::JOBS,
+                serde_json::to_vec(&JobsRequest {
+                    fleet: started.fleet.clone(),
+                    all: false,
+                    since: Some(started.run_id.clone()),
+                })?,
+            )
+            .await
+            .unwrap_or_default();
+            let blocked = jobs.iter().any(|j| j.status == mur_proto::fleet::JobStatus::Blocked);
+            let changed = view.follow.set_blocked(blocked);
+            view.changed(changed)?;
             let record = defs
                 .get(&key)
                 .await
                 .ok()
                 .flatten()
                 .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
+            if let Some(r) = &record {
+                let changed = view.follow.set_spend(spend_of(r));
+                view.changed(changed)?;
+            }
             if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
+                // The steps' last records were stored before the run's: take those already here.
+                while let Some(Some(Ok(entry))) = futures::FutureExt::now_or_never(task_updates.next()) {
+                    if let Ok(t) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
+                        let changed = view.follow.task(&t);
+                        view.changed(changed)?;
+                    }
+                }
+                view.finish();
                 let stop = r.stop.clone().unwrap_or_default();
                 if common.json {
-                    print_json(&r)?;
+                    print_typed("end", &r)?;
                 }
                 if r.state == "completed" {
                     eprintln!("run {} completed ({stop}) after {} iterations", r.run_id, r.iterations);
@@ -549,15 +611,111 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 eprintln!("run {} ended: {stop}", r.run_id);
                 return Ok(ExitCode::from(1));
             }
-            tokio::select! {
-                _ = &mut ctrl_c => {
-                    eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
-                    return Ok(ExitCode::SUCCESS);
-                }
-                () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
-            }
         }
     })
+}
+
+/// A run's spend so far, USD, when its record reports one.
+fn spend_of(r: &fleet_store::RunRecord) -> Option<f64> {
+    serde_json::to_value(r).ok()?.get("spend_usd")?.as_f64()
+}
+
+/// Prints `value` as one JSON line with a `type` field first.
+fn print_typed(kind: &str, value: &impl Serialize) -> Result<()> {
+    let mut line = serde_json::Map::new();
+    line.insert("type".into(), kind.into());
+    if let serde_json::Value::Object(fields) = serde_json::to_value(value)? {
+        line.extend(fields);
+    }
+    println!("{}", serde_json::Value::Object(line));
+    Ok(())
+}
+
+/// Where the live view goes: JSON lines, bars redrawn on a terminal, or plain lines.
+struct Live {
+    follow: crate::follow::Follow,
+    json: bool,
+    bars: Option<(indicatif::MultiProgress, Vec<indicatif::ProgressBar>, indicatif::ProgressBar)>,
+}
+
+impl Live {
+    fn new(json: bool, follow: crate::follow::Follow) -> Live {
+        use std::io::IsTerminal;
+        let bars = (!json && std::io::stderr().is_terminal()).then(|| {
+            let multi = indicatif::MultiProgress::new();
+            let style = indicatif::ProgressStyle::with_template("{spinner} {prefix:12} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
+            let bars = follow
+                .status()
+                .members
+                .iter()
+                .map(|m| {
+                    let bar = multi.add(indicatif::ProgressBar::new_spinner().with_style(style.clone()));
+                    bar.set_prefix(m.member.clone());
+                    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+                    bar
+                })
+                .collect();
+            let summary = multi.add(indicatif::ProgressBar::new_spinner().with_style(style.clone()));
+            summary.set_prefix("run");
+            (multi, bars, summary)
+        });
+        let mut live = Live { follow, json, bars };
+        let _ = live.changed(true);
+        live
+    }
+
+    /// Shows the status when it changed.
+    fn changed(&mut self, changed: bool) -> Result<()> {
+        if !changed {
+            return Ok(());
+        }
+        let status = self.follow.status();
+        if self.json {
+            return print_typed("status", &status);
+        }
+        let Some((multi, bars, summary)) = &mut self.bars else {
+            eprintln!("status: {}", status.line());
+            return Ok(());
+        };
+        let style = bars.first().map(|b| b.style());
+        for (i, m) in status.members.iter().enumerate() {
+            if i == bars.len() {
+                let bar = multi.insert_before(summary, indicatif::ProgressBar::new_spinner());
+                if let Some(style) = &style {
+                    bar.set_style(style.clone());
+                }
+                bar.set_prefix(m.member.clone());
+                bars.push(bar);
+            }
+            bars[i].set_message(format!("{} ({} done)", m.state.as_str(), m.steps_done));
+        }
+        let spend = status.spend_usd.map_or_else(|| "spend n/a".to_string(), |usd| format!("spend ${usd:.4}"));
+        summary.set_message(format!("permits {} in use · {spend}", status.permits_in_use));
+        Ok(())
+    }
+
+    /// Prints a milestone: a channel event of the run.
+    fn milestone(&self, e: &ChannelEvent) -> Result<()> {
+        if self.json {
+            return print_typed("event", e);
+        }
+        let line = format!("{} {}: {}", e.author, e.kind, e.text.replace('\n', "\n    "));
+        match &self.bars {
+            Some((multi, _, _)) => multi.println(line)?,
+            None => eprintln!("{line}"),
+        }
+        Ok(())
+    }
+
+    /// Leaves the last status on the screen.
+    fn finish(&mut self) {
+        if let Some((_, bars, summary)) = &self.bars {
+            for b in bars.iter().chain(std::iter::once(summary)) {
+                b.finish();
+            }
+        }
+    }
 }
 
 fn define(file: &PathBuf, common: &Common, subject: &str, what: &str) -> Result<ExitCode> {

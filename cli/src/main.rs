@@ -4,6 +4,7 @@
 mod capsule;
 mod cluster;
 mod fleet;
+mod follow;
 mod nats;
 mod run;
 mod task;

@@ -194,7 +194,7 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
     mur(&["fleet", "send", "wide", "sleep 2"]);
     let run = cluster
         .command()
-        .args(["fleet", "run", "wide", "--loop", "--deadline", "10m"])
+        .args(["fleet", "run", "wide", "--loop", "--deadline", "10m", "--json"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -235,6 +235,24 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
 
     let run = tokio::task::spawn_blocking(move || run.wait_with_output()).await.unwrap().unwrap();
     assert!(run.status.success(), "the run did not complete: {run:?}");
+    // The live view (`--json`): the run, its milestones and status lines, then its end.
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&run.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.first().unwrap()["type"], "run");
+    let end = lines.last().unwrap();
+    assert_eq!((end["type"].as_str(), end["state"].as_str()), (Some("end"), Some("completed")), "{end}");
+    let statuses: Vec<&serde_json::Value> = lines.iter().filter(|l| l["type"] == "status").collect();
+    let most = statuses.iter().map(|s| s["permits_in_use"].as_u64().unwrap()).max().unwrap();
+    assert!((1..=3).contains(&most), "the view showed {most} permits in use");
+    assert!(
+        statuses.iter().any(|s| s["members"].as_array().unwrap().iter().any(|m| m["state"] == "running")),
+        "a member was seen running"
+    );
+    let last = statuses.last().unwrap()["members"].as_array().unwrap();
+    assert_eq!(last.len(), 10);
+    assert!(last.iter().all(|m| m["state"] == "done" && m["steps_done"] == 2), "{last:?}");
+    assert!(lines.iter().any(|l| l["type"] == "event" && l["kind"] == "stop"));
+
     let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "wide", "--all", "--json"])).unwrap();
     let statuses: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["status"].as_str().unwrap()).collect();
     assert_eq!(statuses, ["done", "done"], "{jobs}");
