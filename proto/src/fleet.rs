@@ -1237,6 +1237,25 @@ pub fn apply_loop_edit(stored: &str, edit: &LoopEdit) -> Result<String, Error> {
     }
     let mut value: Value = serde_yaml_ng::from_str(stored).map_err(|e| Error::Parse(e.to_string()))?;
     let map = value.as_mapping_mut().ok_or_else(|| Error::Parse("fleet.yaml must be a mapping of keys".to_string()))?;
+    // With a `limits:` block the legacy `loop.deadline` / `loop.budget_usd` are ignored
+    // (§The bounds; reference §9 Limits/resolution): write the bounds where they apply,
+    // `limits.deadline` and `limits.cost_usd`, so a set-loop value never looks set and
+    // does nothing. An empty deadline removes the key.
+    if let Some(limits) = map.get_mut(Value::String("limits".to_string())).and_then(Value::as_mapping_mut) {
+        set.retain(|(k, v)| {
+            let target = match *k {
+                "deadline" => "deadline",
+                "budget_usd" => "cost_usd",
+                _ => return true,
+            };
+            if v.as_str().is_some_and(str::is_empty) {
+                limits.remove(Value::String(target.to_string()));
+            } else {
+                limits.insert(Value::String(target.to_string()), v.clone());
+            }
+            false
+        });
+    }
     let lp = map.entry(Value::String("loop".to_string())).or_insert_with(|| Value::Mapping(Mapping::new()));
     if !lp.is_mapping() {
         *lp = Value::Mapping(Mapping::new());

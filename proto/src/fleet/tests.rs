@@ -561,6 +561,31 @@ fn loop_edit_refuses_values_that_would_be_reinterpreted() {
 }
 
 #[test]
+fn set_loop_bounds_go_to_limits_when_the_fleet_has_a_limits_block() {
+    // Legacy loop.* bounds are ignored beside `limits:`; set-loop writes where they apply.
+    let with_limits = format!("{MINIMAL}limits:\n  deadline: 2h\n  stuck: off\n");
+    let edit = LoopEdit { deadline: Some("30m".into()), budget_usd: Some(2.5), ..LoopEdit::default() };
+    let f = Fleet::parse(&apply_loop_edit(&with_limits, &edit).unwrap()).unwrap();
+    let b = resolve_bounds(&f, &RunFlags::default(), &LimitsBlock::Absent).unwrap();
+    assert_eq!(b.line(), "bounds: deadline 30m ← fleet.yaml; stuck off ← fleet.yaml");
+    assert_eq!((b.cost_usd.value, b.cost_usd.source), (Some(2.5), Source::FleetLimits));
+    assert_eq!((f.r#loop.deadline, f.r#loop.budget_usd), (None, 0.0), "no legacy keys written");
+    // An empty --deadline clears limits.deadline: the built-in applies again.
+    let cleared = apply_loop_edit(
+        &apply_loop_edit(&with_limits, &edit).unwrap(),
+        &LoopEdit { deadline: Some(String::new()), ..LoopEdit::default() },
+    )
+    .unwrap();
+    let f = Fleet::parse(&cleared).unwrap();
+    let b = resolve_bounds(&f, &RunFlags::default(), &LimitsBlock::Absent).unwrap();
+    assert_eq!(b.line(), "bounds: deadline 1h ← built-in; stuck off ← fleet.yaml");
+    // Without `limits:` the loop keys are the ones that apply, and stay where they were.
+    let f = Fleet::parse(&apply_loop_edit(MINIMAL, &edit).unwrap()).unwrap();
+    let b = resolve_bounds(&f, &RunFlags::default(), &LimitsBlock::Absent).unwrap();
+    assert_eq!(b.line(), "bounds: deadline 30m ← fleet.yaml loop; stuck 10m ← built-in");
+}
+
+#[test]
 fn stored_limits_that_do_not_parse_load_but_never_resolve() {
     let y = format!("{MINIMAL}limits:\n  deadline: 2h\n  max_iterations: 5\n");
     assert!(Fleet::parse(&y).is_err());
