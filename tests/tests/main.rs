@@ -33,3 +33,6 @@ mod otel;
 
 /// The cluster-wide fan-out cap: the semaphore, and a fleet run while workers die.
 mod fanout;
+
+/// How a fleet loop ends on the cluster: marker, deadline, kill-switch.
+mod fleet_loop;

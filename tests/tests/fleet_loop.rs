@@ -1,0 +1,128 @@
+//! How a fleet loop ends on the cluster (issue #10 §Runs and loops; `seeds/fleet-loops.md`
+//! §Three ways a loop ends, §Kill-switch; reference §9 Loop termination, Kill-switch):
+//! a marker line converges it, a marker of an earlier run does not, the deadline ends it
+//! between iterations, and a stop reaches it before its next iteration.
+
+use mur_tests::capsule::TestCapsule;
+use mur_tests::mur::{Run, mur};
+use mur_tests::sandbox::Sandbox;
+use serde_json::Value;
+use std::time::Duration;
+
+fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
+    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()))
+}
+
+fn ok(sb: &Sandbox, args: &[&str]) -> Run {
+    let run = fleet(sb, args);
+    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
+    run
+}
+
+/// `mur fleet run ARGS` off the test's runtime threads.
+async fn run(sb: &Sandbox, args: &[&str]) -> Run {
+    let url = sb.nats.url();
+    let args: Vec<String> = ["fleet", "run"].iter().chain(args).map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || Run::of(mur().args(&args).env("NATS_URL", url))).await.unwrap()
+}
+
+/// A member whose reply is its task's text, after `pause` seconds of shell work.
+fn echo_member(name: &str, pause: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sleep]\n"
+        ),
+        &[(
+            "r.yaml",
+            &format!(
+                "replies:\n  - tool_calls: [{{ name: sleep, input: {{ command: \"sleep {pause}\" }} }}]\n  - text: \"{{{{task}}}}\"\n"
+            ),
+        )],
+    )
+}
+
+fn jobs(sb: &Sandbox, fleet_name: &str) -> Vec<Value> {
+    let out = ok(sb, &["jobs", fleet_name, "--all", "--json"]).stdout;
+    serde_json::from_str::<Value>(out.trim()).unwrap().as_array().unwrap().clone()
+}
+
+fn status_of<'a>(jobs: &'a [Value], text: &str) -> &'a str {
+    jobs.iter().find(|j| j["text"] == text).unwrap_or_else(|| panic!("no job {text:?}"))["status"].as_str().unwrap()
+}
+
+/// `marker:TEXT` converges on a member reply with TEXT alone on a line — not on a line
+/// that only contains it — and a marker an earlier run left on the channel does not
+/// converge a new run, which then ends at its deadline, between iterations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_marker_alone_on_a_line_converges_the_loop_and_an_earlier_runs_marker_does_not() {
+    let sb = Sandbox::start(1, 2).await;
+    let member = echo_member("scribe", "0");
+    sb.push(member.dir()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("ship.yaml");
+    std::fs::write(&yaml, "name: ship\ngoal: Ship it.\nmembers: [scribe]\nloop:\n  done_when: \"marker:SHIPPED\"\n")
+        .unwrap();
+    ok(&sb, &["create", yaml.to_str().unwrap()]);
+    ok(&sb, &["send", "ship", "first: not SHIPPED yet"]);
+    ok(&sb, &["send", "ship", "second:\n  SHIPPED  \nall done"]);
+    ok(&sb, &["send", "ship", "third: never reached"]);
+
+    let first = run(&sb, &["ship", "--loop", "--deadline", "5m"]).await;
+    assert_eq!(first.code, 0, "{first:?}");
+    assert!(first.stderr.contains("completed (converged) after 2 iterations"), "{}", first.stderr);
+    let all = jobs(&sb, "ship");
+    assert_eq!(
+        (status_of(&all, "first: not SHIPPED yet"), status_of(&all, "second:\n  SHIPPED  \nall done")),
+        ("done", "done")
+    );
+    assert_eq!(status_of(&all, "third: never reached"), "queued", "the loop stopped when it converged");
+
+    // A new run: the channel still holds the first run's marker, which must not count.
+    // It works the third job, then the standing goal, until its deadline.
+    let started = std::time::Instant::now();
+    let second = run(&sb, &["ship", "--loop", "--deadline", "3s"]).await;
+    assert_eq!(second.code, 1, "{second:?}");
+    assert!(second.stderr.contains("ended: deadline"), "{}", second.stderr);
+    assert!(started.elapsed() < Duration::from_secs(60));
+    assert_eq!(status_of(&jobs(&sb, "ship"), "third: never reached"), "done");
+    sb.shutdown().await;
+}
+
+/// `mur fleet stop` reaches a running loop before its next iteration: the iteration in
+/// flight finishes, no other starts, and the run ends `stopped` (exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
+    let sb = Sandbox::start(1, 2).await;
+    let member = echo_member("plodder", "2");
+    sb.push(member.dir()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("plod.yaml");
+    std::fs::write(&yaml, "name: plod\ngoal: Keep going.\nmembers: [plodder]\nloop:\n  done_when: queue-empty\n")
+        .unwrap();
+    ok(&sb, &["create", yaml.to_str().unwrap()]);
+    for n in 0..5 {
+        ok(&sb, &["send", "plod", &format!("job {n}")]);
+    }
+    let url = sb.nats.url();
+    let looping = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "plod", "--loop", "--deadline", "5m"]).env("NATS_URL", url))
+    });
+    // Stop once the first job is running.
+    mur_tests::procs::until("the first job running", Duration::from_secs(60), || async {
+        jobs(&sb, "plod").iter().any(|j| j["status"] == "running").then_some(())
+    })
+    .await;
+    ok(&sb, &["stop", "plod"]);
+    let looping = looping.await.unwrap();
+    assert_eq!(looping.code, 1, "{looping:?}");
+    assert!(looping.stderr.contains("ended: stopped"), "{}", looping.stderr);
+    let all = jobs(&sb, "plod");
+    let done = all.iter().filter(|j| j["status"] == "done").count();
+    let queued = all.iter().filter(|j| j["status"] == "queued").count();
+    assert_eq!((done, queued), (1, 4), "the iteration in flight finished and no other started: {all:?}");
+    // A stopped fleet refuses a manual run, naming the kill-switch.
+    let refused = run(&sb, &["plod"]).await;
+    assert_eq!(refused.code, 2, "{refused:?}");
+    assert!(refused.stderr.contains("stopped"), "{}", refused.stderr);
+    sb.shutdown().await;
+}
