@@ -583,6 +583,19 @@ fn default_origin() -> Origin {
 const SUBMIT_FIELDS: [&str; 6] = ["capsule", "text", "origin", "context_id", "deadline_at", "fleet_step"];
 
 impl SubmitRequest {
+    /// A submission of `text` to `capsule` from `origin`, in a fresh context, with no
+    /// deadline and not a fleet step.
+    pub fn new(capsule: impl Into<String>, text: impl Into<String>, origin: Origin) -> SubmitRequest {
+        SubmitRequest {
+            capsule: capsule.into(),
+            text: text.into(),
+            origin,
+            context_id: None,
+            deadline_at: None,
+            fleet_step: None,
+        }
+    }
+
     /// Decodes and validates a submission from the raw request body.
     ///
     /// # Errors

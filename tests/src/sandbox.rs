@@ -105,14 +105,7 @@ impl Sandbox {
 
     /// Submits a task over the NATS API; returns its id.
     pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
-        let request = SubmitRequest {
-            capsule: capsule.into(),
-            text: text.into(),
-            origin,
-            context_id: None,
-            deadline_at: None,
-            fleet_step: None,
-        };
+        let request = SubmitRequest::new(capsule, text, origin);
         let reply: SubmitReply =
             mur_coordinator::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
                 .await
