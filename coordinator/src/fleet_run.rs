@@ -17,8 +17,11 @@
 //! judgment when `done_when` is empty. Every step carries the loop's time left as
 //! `deadline_at`; the worker stops it then.
 //!
-//! Not here yet: procedure plans (refused at the start), cost budgets, and a new leader
-//! adopting runs a dead one left `running`.
+//! A fleet with a `procedure:` runs it instead ([`procedure`]: ranks, retries, approvals).
+//!
+//! Not here yet: cost budgets, and a new leader adopting runs a dead one left `running`.
+
+mod procedure;
 
 use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};
 use crate::fleets::{Fleets, now_ms};
@@ -237,6 +240,11 @@ impl Exec {
             match next {
                 Next::Stop(stop) => break stop,
                 Next::Plan { .. } => break Stop::IterationFailed,
+                Next::Procedure { iteration_run_id, job, work, .. } => {
+                    if !self.run_procedure(&mut run, &iteration_run_id, job.as_deref(), &work, &mut last_agent).await {
+                        continue;
+                    }
+                }
                 Next::Iterate { iteration_run_id, job, steps, .. } => {
                     if let Some(id) = &job
                         && claimed.as_deref() != Some(id.as_str())
