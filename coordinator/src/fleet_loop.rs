@@ -197,7 +197,10 @@ impl Run {
             crate::fleet_plan::check(&spec.fleet).map_err(|reason| Refused::NotRunnable { fleet: name, reason })?;
         }
         if let Some(job) = &spec.job
-            && !view.jobs.iter().any(|j| &j.id == job && (j.status == fleet::JobStatus::Queued || fleet::is_answered(j)))
+            && !view
+                .jobs
+                .iter()
+                .any(|j| &j.id == job && (j.status == fleet::JobStatus::Queued || fleet::is_answered(j)))
         {
             return Err(Refused::NoSuchJob(job.clone()));
         }
@@ -301,7 +304,12 @@ impl Run {
     /// otherwise the job is done with `result` and the run goes on as after
     /// [`Run::iteration_ended`] (`outputs`: the completed steps' outputs, where a `marker:`
     /// line is looked for). The router is never asked.
-    pub fn procedure_ended(&mut self, outcome: crate::fleet_plan::Outcome, result: String, outputs: &[String]) -> Iteration {
+    pub fn procedure_ended(
+        &mut self,
+        outcome: crate::fleet_plan::Outcome,
+        result: String,
+        outputs: &[String],
+    ) -> Iteration {
         use crate::fleet_plan::Outcome;
         self.iteration += 1;
         let marker = match &self.spec.fleet.r#loop.done_when {

@@ -471,7 +471,9 @@ mod tests {
 
     #[test]
     fn retry_sends_the_step_up_to_max_retries_more_times_then_aborts() {
-        let f = fleet("  - id: a\n    member: w\n    on_failure: retry\n  - id: b\n    member: w\n    on_failure: retry\n    max_retries: 3\n  - id: c\n    member: w\n    depends_on: [a]\n");
+        let f = fleet(
+            "  - id: a\n    member: w\n    on_failure: retry\n  - id: b\n    member: w\n    on_failure: retry\n    max_retries: 3\n  - id: c\n    member: w\n    depends_on: [a]\n",
+        );
         let mut p = Procedure::new(&f, "w", None).unwrap();
         let r0 = p.next_rank().unwrap();
         assert_eq!(r0.launches.iter().map(|l| l.attempts).collect::<Vec<_>>(), [2, 4]);
@@ -502,11 +504,18 @@ mod tests {
         // Approved: the next run sends the parked step and its dependent, not the done one.
         job.status = JobStatus::Blocked;
         job.steps_done = p.done_outputs();
-        job.approval =
-            Some(Approval { steps: p.parked(), decision: Some(Decision::Approved), by: Some("ann".into()), at: Some(5) });
+        job.approval = Some(Approval {
+            steps: p.parked(),
+            decision: Some(Decision::Approved),
+            by: Some("ann".into()),
+            at: Some(5),
+        });
         let mut again = Procedure::new(&f, "work", Some(&job)).unwrap();
         let r0 = again.next_rank().unwrap();
-        assert_eq!((ids(&r0), r0.notes.clone()), (vec!["draft"], vec!["step draft (destructive) approved by ann".to_string()]));
+        assert_eq!(
+            (ids(&r0), r0.notes.clone()),
+            (vec!["draft"], vec!["step draft (destructive) approved by ann".to_string()])
+        );
         again.step_ended("draft", true, "drafted".into());
         assert_eq!(ids(&again.next_rank().unwrap()), ["review"]);
         again.step_ended("review", true, "ok".into());
@@ -516,7 +525,9 @@ mod tests {
 
     #[test]
     fn a_denied_step_fails_and_its_on_failure_applies() {
-        let f = fleet("  - id: a\n    member: w\n    tier: spend\n  - id: b\n    member: w\n    tier: spend\n    on_failure: skip\n");
+        let f = fleet(
+            "  - id: a\n    member: w\n    tier: spend\n  - id: b\n    member: w\n    tier: spend\n    on_failure: skip\n",
+        );
         let mut job = Job::new("work", "cli", 0);
         job.status = JobStatus::Blocked;
         job.approval = Some(Approval {
@@ -555,7 +566,9 @@ mod tests {
 
     #[test]
     fn a_failed_dependency_is_named_when_its_dependents_do_not_run() {
-        let f = fleet("  - id: a\n    member: w\n    tier: spend\n    on_failure: skip\n  - id: b\n    member: w\n  - id: c\n    member: w\n    depends_on: [a, b]\n  - id: d\n    member: w\n    depends_on: [c]\n");
+        let f = fleet(
+            "  - id: a\n    member: w\n    tier: spend\n    on_failure: skip\n  - id: b\n    member: w\n  - id: c\n    member: w\n    depends_on: [a, b]\n  - id: d\n    member: w\n    depends_on: [c]\n",
+        );
         let mut p = Procedure::new(&f, "work", None).unwrap();
         p.next_rank().unwrap(); // a parked, b sent
         p.step_ended("b", true, "b out".into());

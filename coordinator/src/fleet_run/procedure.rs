@@ -35,7 +35,8 @@ impl Exec {
                 let claimed = self
                     .fleets
                     .update_job(&fleet, id, |j| {
-                        j.claim(iteration_run_id, now_ms()).map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+                        j.claim(iteration_run_id, now_ms())
+                            .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
                     })
                     .await;
                 match claimed {
@@ -61,7 +62,9 @@ impl Exec {
                     let cap = fanout.for_steps(rank.launches.len());
                     let spec = run.spec();
                     let ended: Vec<(String, bool, String)> = futures::stream::iter(
-                        rank.launches.into_iter().map(|launch| self.procedure_step(spec, launch, iteration_run_id, job)),
+                        rank.launches
+                            .into_iter()
+                            .map(|launch| self.procedure_step(spec, launch, iteration_run_id, job)),
                     )
                     .buffer_unordered(cap)
                     .collect()
@@ -124,7 +127,8 @@ impl Exec {
     ) -> (String, bool, String) {
         let mut last = (false, String::new());
         for attempt in 1..=launch.attempts.max(1) {
-            let again = if attempt > 1 { format!(" (attempt {attempt} of {})", launch.attempts) } else { String::new() };
+            let again =
+                if attempt > 1 { format!(" (attempt {attempt} of {})", launch.attempts) } else { String::new() };
             let text = format!("{} ← step {}{again}", launch.member, launch.id);
             self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
             let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));

@@ -447,7 +447,10 @@ procedure:
 #[test]
 fn step_failure_policy_and_tier_default_to_abort_one_retry_and_none() {
     let f = Fleet::parse(PROCEDURE).unwrap();
-    assert_eq!((f.procedure[0].on_failure, f.procedure[0].max_retries, f.procedure[0].tier), (OnFailure::Abort, 1, None));
+    assert_eq!(
+        (f.procedure[0].on_failure, f.procedure[0].max_retries, f.procedure[0].tier),
+        (OnFailure::Abort, 1, None)
+    );
     let y = format!(
         "{PROCEDURE}  - id: last\n    member: critic\n    on_failure: retry\n    max_retries: 3\n    tier: destructive\n"
     );
