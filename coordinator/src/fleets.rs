@@ -551,7 +551,12 @@ impl Fleets {
                     }
                     _ => Err(ApiError::new(
                         ErrorCode::Conflict,
-                        format!("job {} is not awaiting approval (it is {})", job.id, job.status),
+                        match (&job.approval, job.status) {
+                            (Some(fleet::Approval { decision: Some(d), by: Some(who), .. }), JobStatus::Blocked) => {
+                                format!("job {} was already {} by {who}; the next run takes it", job.id, d.as_str())
+                            }
+                            _ => format!("job {} is not awaiting approval (it is {})", job.id, job.status),
+                        },
                     )),
                 }
             })

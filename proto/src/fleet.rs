@@ -1876,7 +1876,9 @@ impl Stop {
     pub fn remedy(self, fleet: &str) -> Option<String> {
         Some(match self {
             Stop::Converged | Stop::QueueDrained => return None,
-            Stop::AwaitingApproval => format!("approve the parked request on channel fleet-{fleet}, then run it again"),
+            Stop::AwaitingApproval => {
+                format!("approve the parked steps: mur fleet approve {fleet} <job>, then run it again")
+            }
             Stop::Stopped => format!("mur fleet start {fleet} clears the kill-switch"),
             Stop::Deadline => {
                 format!("raise the deadline: mur fleet run {fleet} --loop --deadline <D>, or limits.deadline")

@@ -1,0 +1,321 @@
+//! Fleets with a `procedure:` on the cluster (`seeds/fleet-loops.md` §A fixed step graph,
+//! §Unattended runs; `reference/mur-fleet.md` §6, §9 "Procedure / planning / fan-out"): the
+//! real `mur` binary asks the leading coordinator to run; the coordinator sends each step
+//! as a `peer` task to workers running scripted capsules, rank by rank.
+
+use mur_proto::cluster::{TaskRecord, api};
+use mur_tests::capsule::TestCapsule;
+use mur_tests::mur::{Run, mur};
+use mur_tests::sandbox::Sandbox;
+use serde_json::{Value, json};
+
+/// The reply contract every procedure step ends with (reference §6, §8 #595).
+const CONTRACT: &str = "End your reply with a \"Completion:\" checklist: one line per part of your step, \
+                        \"- [x]\" when it is done and \"- [ ]\" when it is not.";
+
+fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
+    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()).env("USER", "tester"))
+}
+
+fn ok(sb: &Sandbox, args: &[&str]) -> Run {
+    let run = fleet(sb, args);
+    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
+    run
+}
+
+/// `mur fleet run ARGS` off the async runtime (the coordinator runs in this process).
+async fn run(sb: &Sandbox, args: &[&str]) -> Run {
+    let url = sb.nats.url();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || Run::of(mur().arg("fleet").arg("run").args(&args).env("NATS_URL", url)))
+        .await
+        .unwrap()
+}
+
+/// A scripted capsule that answers every task with `reply`, or fails every task when
+/// `reply` is `None` (the model reports an error).
+fn capsule(name: &str, reply: Option<&str>) -> TestCapsule {
+    let replies = match reply {
+        Some(text) => format!("replies:\n  - text: {text:?}\n"),
+        None => "replies:\n  - stop_reason: error\n    error: the model broke\n".to_string(),
+    };
+    TestCapsule::new(
+        &format!("name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n"),
+        &[("r.yaml", replies.as_str())],
+    )
+}
+
+async fn push(sb: &Sandbox, capsules: &[TestCapsule]) {
+    for c in capsules {
+        sb.push(c.dir()).await;
+    }
+}
+
+fn define(sb: &Sandbox, yaml: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fleet.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    ok(sb, &["apply", path.to_str().unwrap()]);
+}
+
+async fn tasks(sb: &Sandbox) -> Vec<TaskRecord> {
+    mur_coordinator::api::call(&sb.client, api::TASK_LIST, "").await.unwrap()
+}
+
+fn jobs(sb: &Sandbox, name: &str) -> Vec<Value> {
+    serde_json::from_str::<Value>(ok(sb, &["jobs", name, "--all", "--json"]).stdout.trim())
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+fn task_for<'a>(tasks: &'a [TaskRecord], step: &str) -> &'a TaskRecord {
+    let label = format!("\n\nStep {step}");
+    let found: Vec<&TaskRecord> = tasks.iter().filter(|t| t.text.contains(&label)).collect();
+    assert_eq!(found.len(), 1, "one task for step {step}: {tasks:#?}");
+    found[0]
+}
+
+const ESSAY: &str = "\
+name: essay
+goal: Write about rivers.
+members: [writer, critic]
+router: critic
+procedure:
+  - id: draft
+    member: writer
+    task: Draft the answer.
+  - id: facts
+    member: critic
+    task: List three facts.
+  - id: review
+    member: critic
+    task: Find the weakest claim.
+    depends_on: [draft]
+";
+
+/// A 3-step procedure: `draft` and `facts` (rank 0) run at once, `review` (rank 1) starts
+/// only after both ended and is sent the work, its task, `draft`'s output labelled by the
+/// step id, and the reply contract — exactly. The router is never asked (no task for it
+/// beyond its member steps), and the job is done with every step's output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_procedure_runs_rank_by_rank_and_a_dependent_step_is_sent_its_dependencys_output() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Rivers flow downhill.")), capsule("critic", Some("Noted."))]).await;
+    define(&sb, ESSAY);
+    let job = ok(&sb, &["send", "essay", "Write about the Rhine."]).stdout.trim().to_string();
+
+    let ran = run(&sb, &["essay"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(ran.stderr.contains("completed (converged) after 1 iterations"), "{}", ran.stderr);
+
+    let tasks = tasks(&sb).await;
+    assert_eq!(tasks.len(), 3, "one task per step, none for the router: {tasks:#?}");
+    let (draft, facts, review) = (task_for(&tasks, "draft"), task_for(&tasks, "facts"), task_for(&tasks, "review"));
+    assert_eq!(draft.text, format!("Write about the Rhine.\n\nStep draft: Draft the answer.\n\n{CONTRACT}"));
+    assert_eq!(
+        review.text,
+        format!(
+            "Write about the Rhine.\n\nStep review: Find the weakest claim.\n\nOutput of step draft:\n\
+             Rivers flow downhill.\n\n{CONTRACT}"
+        )
+    );
+    assert_eq!((draft.capsule.as_str(), review.capsule.as_str()), ("writer", "critic"));
+    assert!(draft.deadline_at.is_some() && review.deadline_at.is_some());
+    // Rank 1 was submitted only after both rank-0 steps had ended.
+    let rank0_end = draft.ended_at.unwrap().max(facts.ended_at.unwrap());
+    assert!(review.submitted_at >= rank0_end, "review {} before rank 0 ended {rank0_end}", review.submitted_at);
+    // Rank 0's steps were both submitted before either of them had ended.
+    assert!(facts.submitted_at <= draft.ended_at.unwrap() && draft.submitted_at <= facts.ended_at.unwrap());
+
+    let jobs = jobs(&sb, "essay");
+    assert_eq!(jobs[0]["id"], job.as_str());
+    assert_eq!(jobs[0]["status"], "done");
+    assert_eq!(jobs[0]["result"], "[draft]\nRivers flow downhill.\n\n[facts]\nNoted.\n\n[review]\nNoted.");
+    let log = ok(&sb, &["log", "essay"]).stdout;
+    for line in ["system delegation: writer ← step draft", "system delegation: critic ← step review"] {
+        assert!(log.contains(line), "{line}: {log}");
+    }
+    assert!(!log.contains("← plan"), "the router is not asked: {log}");
+    sb.shutdown().await;
+}
+
+/// A dependency cycle is refused when the run starts, naming the field and the steps;
+/// nothing runs and the job stays queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_procedure_with_a_cycle_is_refused_when_the_run_starts() {
+    let sb = Sandbox::start(1, 2).await;
+    push(&sb, &[capsule("writer", Some("x"))]).await;
+    define(
+        &sb,
+        "name: cyc\nmembers: [writer]\nprocedure:\n  - id: a\n    member: writer\n    depends_on: [b]\n  \
+         - id: b\n    member: writer\n    depends_on: [a]\n",
+    );
+    ok(&sb, &["send", "cyc", "go"]);
+    let ran = run(&sb, &["cyc"]).await;
+    assert_eq!((ran.code, ran.stdout.as_str()), (2, ""), "{ran:?}");
+    assert_eq!(
+        ran.stderr,
+        "mur fleet run: refused: invalid_request: fleet 'cyc': procedure: dependency cycle among steps \"a\", \"b\"\n"
+    );
+    assert_eq!(tasks(&sb).await.len(), 0);
+    assert_eq!(jobs(&sb, "cyc")[0]["status"], "queued");
+    sb.shutdown().await;
+}
+
+fn failing(name: &str, policy: &str) -> String {
+    format!(
+        "name: {name}\nmembers: [writer, broken]\nprocedure:\n  - id: first\n    member: broken\n{policy}  \
+         - id: side\n    member: writer\n  - id: after\n    member: writer\n    depends_on: [side]\n"
+    )
+}
+
+/// `on_failure`: `abort` (the default) lets the failed step's rank finish and starts no
+/// later rank — the run ends `iteration-failed`, the job `failed`; `skip` goes on and the
+/// job is done; `retry` sends the step again `max_retries` times, then aborts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn abort_stops_later_ranks_skip_goes_on_and_retry_sends_the_step_again() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Written.")), capsule("broken", None)]).await;
+
+    define(&sb, &failing("abort", ""));
+    ok(&sb, &["send", "abort", "work"]);
+    let ran = run(&sb, &["abort"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: iteration-failed"), "{}", ran.stderr);
+    let all = tasks(&sb).await;
+    assert_eq!(all.len(), 2, "rank 0 only: {all:#?}");
+    let failure = task_for(&all, "first").result.clone().unwrap_or_default();
+    assert!(failure.contains("the model broke"), "{failure}");
+    let job = &jobs(&sb, "abort")[0];
+    assert_eq!(job["status"], "failed");
+    assert_eq!(
+        job["result"],
+        format!("[first] failed:\n{failure}\n\n[side]\nWritten.\n\n[after] not run: the run stopped first")
+    );
+
+    define(&sb, &failing("skip", "    on_failure: skip\n"));
+    ok(&sb, &["send", "skip", "work"]);
+    let ran = run(&sb, &["skip"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(tasks(&sb).await.len(), 2 + 3);
+    let job = &jobs(&sb, "skip")[0];
+    assert_eq!(job["status"], "done");
+    assert_eq!(
+        job["result"],
+        format!("[first] skipped after failing:\n{failure}\n\n[side]\nWritten.\n\n[after]\nWritten.")
+    );
+
+    define(&sb, &failing("retry", "    on_failure: retry\n    max_retries: 2\n"));
+    ok(&sb, &["send", "retry", "work"]);
+    let ran = run(&sb, &["retry"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    let all = tasks(&sb).await;
+    assert_eq!(all.len(), 5 + 3 + 1, "three tries of first, side; not after: {all:#?}");
+    let log = ok(&sb, &["log", "retry"]).stdout;
+    assert!(log.contains("system delegation: broken ← step first (attempt 3 of 3)"), "{log}");
+    assert_eq!(jobs(&sb, "retry")[0]["status"], "failed");
+    sb.shutdown().await;
+}
+
+const GATE: &str = "\
+name: gate
+members: [writer, critic]
+procedure:
+  - id: deploy
+    member: writer
+    task: Deploy it.
+    tier: destructive
+  - id: check
+    member: critic
+    task: Check it.
+  - id: announce
+    member: critic
+    task: Announce it.
+    depends_on: [deploy]
+";
+
+/// `hitl` (§Unattended runs): a step whose tier is not auto-approved is parked — the job
+/// goes `blocked`, its dependent is not run, the independent branch completes, and the run
+/// ends `awaiting-approval`. `mur fleet approve` answers it; the next run takes the job,
+/// runs the parked step and its dependent (sent the parked step's output), does not run
+/// the completed step again, and the job is done. `mur fleet deny` fails the step instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_step() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Deployed.")), capsule("critic", Some("Checked."))]).await;
+    define(&sb, GATE);
+    let job = ok(&sb, &["send", "gate", "Ship v2."]).stdout.trim().to_string();
+
+    let ran = run(&sb, &["gate"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: awaiting-approval"), "{}", ran.stderr);
+    let all = tasks(&sb).await;
+    assert_eq!(all.iter().map(|t| t.capsule.as_str()).collect::<Vec<_>>(), ["critic"], "only check ran");
+    let parked = &jobs(&sb, "gate")[0];
+    assert_eq!(parked["status"], "blocked");
+    assert_eq!(parked["approval"], json!({"steps": ["deploy"], "decision": null, "by": null, "at": null}));
+    assert_eq!(parked["steps_done"], json!({"check": "Checked."}));
+    assert_eq!(
+        parked["result"],
+        "[deploy] awaits approval\n\n[check]\nChecked.\n\n[announce] not run: depends on step deploy, which awaits approval"
+    );
+    let log = ok(&sb, &["log", "gate"]).stdout;
+    assert!(
+        log.contains(&format!("system note: step deploy (destructive) awaits approval: mur fleet approve gate {job}")),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("system state-change: job {job} blocked: awaiting approval of step deploy")),
+        "{log}"
+    );
+    // Nothing to approve on a job that is not blocked; a blocked job is not taken again
+    // before it is answered.
+    let done_job = ok(&sb, &["send", "gate", "Other work."]).stdout.trim().to_string();
+    let not_blocked = fleet(&sb, &["approve", "gate", &done_job]);
+    assert_eq!(
+        (not_blocked.code, not_blocked.stderr.trim()),
+        (2, format!("mur: conflict: job {done_job} is not awaiting approval (it is queued)").as_str())
+    );
+    ok(&sb, &["cancel", "gate", &done_job]);
+
+    let approved = ok(&sb, &["approve", "gate", &job[..job.len() - 4]]);
+    assert_eq!(approved.stdout, format!("approved job {job} (step deploy); the next run of the fleet takes it\n"));
+    let again = fleet(&sb, &["approve", "gate", &job]);
+    assert_eq!(
+        (again.code, again.stderr.trim()),
+        (2, format!("mur: conflict: job {job} was already approved by tester; the next run takes it").as_str())
+    );
+
+    let ran = run(&sb, &["gate"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let all = tasks(&sb).await;
+    assert_eq!(all.len(), 3, "deploy and announce ran, check did not run again: {all:#?}");
+    assert_eq!(
+        task_for(&all, "announce").text,
+        format!("Ship v2.\n\nStep announce: Announce it.\n\nOutput of step deploy:\nDeployed.\n\n{CONTRACT}")
+    );
+    let finished = jobs(&sb, "gate").into_iter().find(|j| j["id"] == job.as_str()).unwrap();
+    assert_eq!(finished["status"], "done");
+    assert_eq!(finished["result"], "[deploy]\nDeployed.\n\n[check]\nChecked.\n\n[announce]\nChecked.");
+    assert_eq!(finished["approval"]["decision"], "approved");
+    let log = ok(&sb, &["log", "gate"]).stdout;
+    assert!(log.contains("system note: step deploy (destructive) approved by tester"), "{log}");
+
+    // Denied: the parked step fails (on_failure abort), the job fails.
+    let denied_job = ok(&sb, &["send", "gate", "Ship v3."]).stdout.trim().to_string();
+    assert_eq!(run(&sb, &["gate"]).await.code, 1);
+    let denied = ok(&sb, &["deny", "gate", &denied_job, "--by", "ops"]);
+    assert_eq!(denied.stdout, format!("denied job {denied_job} (step deploy); the next run of the fleet takes it\n"));
+    let ran = run(&sb, &["gate"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: iteration-failed"), "{}", ran.stderr);
+    let failed = jobs(&sb, "gate").into_iter().find(|j| j["id"] == denied_job.as_str()).unwrap();
+    assert_eq!(failed["status"], "failed");
+    assert_eq!(
+        failed["result"],
+        "[deploy] failed:\ndenied by ops\n\n[check]\nChecked.\n\n[announce] not run: the run stopped first"
+    );
+    sb.shutdown().await;
+}
