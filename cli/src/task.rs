@@ -209,6 +209,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         origin,
         context_id: args.context.clone(),
         deadline_at: None,
+        needs: Vec::new(),
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {

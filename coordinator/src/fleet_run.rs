@@ -64,7 +64,8 @@ pub async fn serve(
         };
         let answer = match start(&fleets, &instance, &msg.payload).await {
             Ok((run, record)) => {
-                let exec = Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record };
+                let needs = run.spec().fleet.needs.clone();
+                let exec = Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record, needs };
                 let answer = serde_json::to_vec(&exec.record).map(Bytes::from);
                 tokio::spawn(exec.drive(run));
                 answer.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
@@ -172,6 +173,8 @@ struct Exec {
     fleets: Fleets,
     tasks: kv::Store,
     record: RunRecord,
+    /// The fleet's `needs:`, sent with every delegated step.
+    needs: Vec<String>,
 }
 
 impl Exec {
@@ -383,7 +386,8 @@ impl Exec {
     }
 
     /// Submits a delegated step: a `peer` task for `member` that must be over by
-    /// `deadline_at` (the time left on the loop's clock; the worker enforces it).
+    /// `deadline_at` (the time left on the loop's clock; the worker enforces it), carrying
+    /// the fleet's `needs` (the worker checks them before it starts).
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
         let request = SubmitRequest {
             capsule: member.into(),
@@ -391,6 +395,7 @@ impl Exec {
             origin: Origin::Peer,
             context_id: None,
             deadline_at: Some(deadline_at),
+            needs: self.needs.clone(),
         };
         let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)

@@ -468,6 +468,7 @@ async fn submit(client: &async_nats::Client, capsule: &str) -> String {
         origin: Origin::User,
         context_id: None,
         deadline_at: None,
+        needs: Vec::new(),
     };
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())

@@ -131,8 +131,14 @@ impl Procs {
     /// Submits a task over the NATS API, retrying while no coordinator answers; returns
     /// its id.
     pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
-        let request =
-            SubmitRequest { capsule: capsule.into(), text: text.into(), origin, context_id: None, deadline_at: None };
+        let request = SubmitRequest {
+            capsule: capsule.into(),
+            text: text.into(),
+            origin,
+            context_id: None,
+            deadline_at: None,
+            needs: Vec::new(),
+        };
         let body = serde_json::to_vec(&request).unwrap();
         until("a coordinator takes the submission", Duration::from_secs(30), || async {
             mur_coordinator::api::call::<SubmitReply>(&self.client, api::TASK_SUBMIT, body.clone())

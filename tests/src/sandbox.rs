@@ -105,8 +105,14 @@ impl Sandbox {
 
     /// Submits a task over the NATS API; returns its id.
     pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
-        let request =
-            SubmitRequest { capsule: capsule.into(), text: text.into(), origin, context_id: None, deadline_at: None };
+        let request = SubmitRequest {
+            capsule: capsule.into(),
+            text: text.into(),
+            origin,
+            context_id: None,
+            deadline_at: None,
+            needs: Vec::new(),
+        };
         let reply: SubmitReply =
             mur_coordinator::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
                 .await

@@ -319,3 +319,29 @@ async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_st
     );
     sb.shutdown().await;
 }
+
+/// `needs:` travels with every delegated step (reference §1, §9 "Delegates receive … the
+/// fleet's `needs`"), with the loop's time left; the worker checks them before it starts
+/// a session, and a step whose needs are not on its `PATH` fails without running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delegates_receive_the_fleets_needs_and_a_worker_without_one_does_not_start_the_step() {
+    let sb = Sandbox::start(1, 2).await;
+    push(&sb, &[capsule("writer", Some("Written."))]).await;
+    define(&sb, "name: tools\nmembers: [writer]\nneeds: [sh]\n");
+    ok(&sb, &["send", "tools", "first"]);
+    let ran = run(&sb, &["tools"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let all = tasks(&sb).await;
+    assert_eq!((all[0].needs.clone(), all[0].result.as_deref()), (vec!["sh".to_string()], Some("Written.")));
+    let deadline = all[0].deadline_at.expect("the time left travels with the step");
+    assert!(deadline > all[0].submitted_at && deadline <= all[0].submitted_at + 3_600_000, "{deadline}");
+
+    define(&sb, "name: tools\nmembers: [writer]\nneeds: [sh, mur-no-such-tool]\n");
+    ok(&sb, &["send", "tools", "second"]);
+    let ran = run(&sb, &["tools"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    let job = jobs(&sb, "tools").into_iter().find(|j| j["text"] == "second").unwrap();
+    assert_eq!(job["status"], "failed");
+    assert_eq!(job["result"], "needs: mur-no-such-tool not on this worker's PATH; the task did not start");
+    sb.shutdown().await;
+}
