@@ -10,7 +10,8 @@
 //! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
 //! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
 //! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
-//! the work to every member; with a router and several members the router plans each
+//! the work to every member (with `parallel:`, one step per track:
+//! [`crate::fleet_plan::track_steps`]); with a router and several members the router plans each
 //! iteration ([`Next::Plan`]: every member gets the work followed by the router's
 //! assignment) and, when `done_when` is empty, judges DONE after it (one model call). A
 //! fleet with a `procedure:` runs it instead, never the router ([`Next::Procedure`]; the
@@ -247,7 +248,10 @@ impl Run {
             self.planning = Some((iteration_run_id.clone(), job.clone(), text, time_left));
             return Next::Plan { iteration: self.iteration, iteration_run_id, job, router, text: plan, time_left };
         }
-        let steps = self.steps(&text, time_left);
+        let steps = match crate::fleet_plan::track_steps(&self.spec.fleet, &text) {
+            Some(tracks) => tracks.into_iter().map(|(member, text)| Step { member, text, time_left }).collect(),
+            None => self.steps(&text, time_left),
+        };
         Next::Iterate { iteration: self.iteration, iteration_run_id, job, steps }
     }
 

@@ -362,6 +362,42 @@ impl Procedure {
     }
 }
 
+/// The steps of a fleet with `parallel:` and no procedure or router plan (reference §6,
+/// Broadcast: "With parallel: one step per track (member round-robin, 'Approach:'
+/// appended) or partition regions"): `(member, text)` per track, members taken in turn.
+/// Speculative: the work, then `Approach: <approach>` when the track has one. Partition:
+/// the work, then `Your part: region <i> of <n> of <target_file> (track <name>).`, then the
+/// approach. `None` without `parallel:`. The judge, `pre_filter` and a track's `model` are
+/// carried, not used yet.
+pub fn track_steps(fleet: &fleet::Fleet, work: &str) -> Option<Vec<(String, String)>> {
+    let parallel = fleet.parallel.as_ref()?;
+    if fleet.members.is_empty() || parallel.tracks.is_empty() {
+        return None;
+    }
+    let n = parallel.tracks.len();
+    let steps = parallel
+        .tracks
+        .iter()
+        .enumerate()
+        .map(|(i, track)| {
+            let mut text = work.trim_end().to_string();
+            if let (fleet::ParallelMode::Partition, Some(p)) = (parallel.mode, &parallel.partition) {
+                text.push_str(&format!(
+                    "\n\nYour part: region {} of {n} of {} (track {}).",
+                    i + 1,
+                    p.target_file,
+                    track.name
+                ));
+            }
+            if !track.approach.trim().is_empty() {
+                text.push_str(&format!("\n\nApproach: {}", track.approach.trim()));
+            }
+            (fleet.members[i % fleet.members.len()].clone(), text)
+        })
+        .collect();
+    Some(steps)
+}
+
 /// Checks what a procedure run needs when it starts (the fleet has one, and it has no
 /// cycle).
 ///
@@ -562,6 +598,39 @@ mod tests {
         );
         p.step_ended("r", true, "wrote".into());
         assert_eq!(p.outcome(), Outcome::Done);
+    }
+
+    #[test]
+    fn parallel_tracks_go_to_members_in_turn_with_their_approach_or_region() {
+        let spec = Fleet::parse(
+            "name: s\nmembers: [a, b]\nparallel:\n  mode: speculative\n  tracks:\n    - name: one\n      \
+             approach: top-down\n    - name: two\n    - name: three\n      approach: bottom-up\n",
+        )
+        .unwrap();
+        assert_eq!(
+            track_steps(&spec, "Fix the bug.").unwrap(),
+            [
+                ("a".to_string(), "Fix the bug.\n\nApproach: top-down".to_string()),
+                ("b".to_string(), "Fix the bug.".to_string()),
+                ("a".to_string(), "Fix the bug.\n\nApproach: bottom-up".to_string()),
+            ]
+        );
+        let part = Fleet::parse(
+            "name: p\nmembers: [a]\nparallel:\n  mode: partition\n  partition:\n    target_file: src/lib.rs\n  \
+             tracks:\n    - name: head\n    - name: tail\n      approach: carefully\n",
+        )
+        .unwrap();
+        assert_eq!(
+            track_steps(&part, "Tidy.").unwrap(),
+            [
+                ("a".to_string(), "Tidy.\n\nYour part: region 1 of 2 of src/lib.rs (track head).".to_string()),
+                (
+                    "a".to_string(),
+                    "Tidy.\n\nYour part: region 2 of 2 of src/lib.rs (track tail).\n\nApproach: carefully".to_string()
+                ),
+            ]
+        );
+        assert_eq!(track_steps(&Fleet::parse("name: x\nmembers: [a]\n").unwrap(), "w"), None);
     }
 
     #[test]

@@ -345,3 +345,33 @@ async fn delegates_receive_the_fleets_needs_and_a_worker_without_one_does_not_st
     assert_eq!(job["result"], "needs: mur-no-such-tool not on this worker's PATH; the task did not start");
     sb.shutdown().await;
 }
+
+/// `parallel:` (reference §6, Broadcast): one step per track, members taken in turn, each
+/// sent the work with its track's `Approach:`; the job's result has every track's reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_tracks_each_send_the_work_with_their_approach_to_members_in_turn() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Written.")), capsule("critic", Some("Noted."))]).await;
+    define(
+        &sb,
+        "name: spec\nmembers: [writer, critic]\nparallel:\n  mode: speculative\n  tracks:\n    - name: one\n      \
+         approach: top-down\n    - name: two\n      approach: bottom-up\n    - name: three\n",
+    );
+    ok(&sb, &["send", "spec", "Fix the bug."]);
+    let ran = run(&sb, &["spec"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let mut sent: Vec<(String, String)> = tasks(&sb).await.into_iter().map(|t| (t.capsule, t.text)).collect();
+    sent.sort();
+    assert_eq!(
+        sent,
+        [
+            ("critic".to_string(), "Fix the bug.\n\nApproach: bottom-up".to_string()),
+            ("writer".to_string(), "Fix the bug.".to_string()),
+            ("writer".to_string(), "Fix the bug.\n\nApproach: top-down".to_string()),
+        ]
+    );
+    let job = &jobs(&sb, "spec")[0];
+    assert_eq!(job["status"], "done");
+    assert_eq!(job["result"], "[writer]\nWritten.\n\n[critic]\nNoted.\n\n[writer]\nWritten.");
+    sb.shutdown().await;
+}
