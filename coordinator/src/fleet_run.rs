@@ -7,7 +7,7 @@
 //!
 //! - each iteration claims its job (`running`, with the iteration's run id), writes a
 //!   `delegation` event per member, submits one `peer` task per member through the task
-//!   API, waits for their terminal records (a step still running when the loop's time is
+//!   API (at most the fan-out cap at once, [`broadcast`]), waits for their terminal records (a step still running when the loop's time is
 //!   up is cancelled), writes each member's `reply` event, and ends the job `done` or
 //!   `failed` with the replies as its result;
 //! - the run's record (`run.<id>` in `mur_fleets`) is rewritten after every iteration and
@@ -21,9 +21,10 @@
 //!
 //! Not here yet: cost budgets, and a new leader adopting runs a dead one left `running`.
 
+mod broadcast;
 mod procedure;
 
-use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};
+use crate::fleet_loop::{Next, Refused, Run, Spec, View};
 use crate::fleets::{Fleets, now_ms};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
@@ -255,43 +256,8 @@ impl Exec {
                     {
                         continue;
                     }
-                    let mut replies = Vec::new();
-                    let mut submitted = Vec::new();
-                    for step in &steps {
-                        self.event(
-                            EventKind::Delegation,
-                            Author::System,
-                            format!("{} ← {}", step.member, step.text),
-                            Some(&iteration_run_id),
-                            job.as_deref(),
-                        )
-                        .await;
-                        let deadline_at = now_ms() + step.time_left.as_millis() as u64;
-                        let task_id = match self.submit(&step.member, &step.text, deadline_at).await {
-                            Ok(task_id) => Some(task_id),
-                            Err(e) => {
-                                tracing::warn!(fleet, member = %step.member, "delegation refused: {e}");
-                                None
-                            }
-                        };
-                        submitted.push((step.clone(), task_id));
-                    }
-                    for (step, task_id) in submitted {
-                        let reply = match task_id {
-                            Some(id) => self.wait(&id, step.time_left).await,
-                            None => (false, "error: the delegated task was refused".to_string()),
-                        };
-                        last_agent = Some(now_ms());
-                        self.event(
-                            EventKind::Reply,
-                            Author::Member(step.member.clone()),
-                            reply.1.clone(),
-                            Some(&iteration_run_id),
-                            job.as_deref(),
-                        )
-                        .await;
-                        replies.push(Reply { member: step.member.clone(), ok: reply.0, text: reply.1 });
-                    }
+                    let replies = self.send_steps(run.spec(), &steps, &iteration_run_id, job.as_deref()).await;
+                    last_agent = Some(now_ms());
                     let it = run.iteration_ended(&replies);
                     if let Some((router, text)) = &it.judge {
                         let elapsed = Duration::from_millis(now_ms().saturating_sub(run.spec().started_at));

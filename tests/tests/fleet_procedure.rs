@@ -375,3 +375,42 @@ async fn parallel_tracks_each_send_the_work_with_their_approach_to_members_in_tu
     assert_eq!(job["result"], "[writer]\nWritten.\n\n[critic]\nNoted.\n\n[writer]\nWritten.");
     sb.shutdown().await;
 }
+
+/// The fan-out bound (§The bounds): with `fanout: 1` the steps of a rank — a broadcast's
+/// or a procedure's — are sent one after the other, each once the previous one ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_fanout_key_caps_the_steps_in_flight_for_broadcasts_and_procedure_ranks() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Written.")), capsule("critic", Some("Noted."))]).await;
+    let one_at_a_time = |tasks: &mut Vec<TaskRecord>| {
+        tasks.sort_by_key(|t| t.submitted_at);
+        for pair in tasks.windows(2) {
+            assert!(
+                pair[1].submitted_at >= pair[0].ended_at.unwrap(),
+                "{} sent before {} ended: {tasks:#?}",
+                pair[1].task_id,
+                pair[0].task_id
+            );
+        }
+    };
+    define(
+        &sb,
+        "name: wide\ngoal: Go.\nmembers: [writer, critic]\nfanout: 1\nparallel:\n  mode: speculative\n  tracks:\n    \
+         - name: a\n    - name: b\n    - name: c\n",
+    );
+    assert_eq!(run(&sb, &["wide"]).await.code, 0);
+    let mut sent = tasks(&sb).await;
+    assert_eq!(sent.len(), 3);
+    one_at_a_time(&mut sent);
+
+    define(
+        &sb,
+        "name: steps\ngoal: Go.\nmembers: [writer, critic]\nfanout: 1\nprocedure:\n  - id: a\n    member: writer\n  \
+         - id: b\n    member: critic\n  - id: c\n    member: writer\n",
+    );
+    assert_eq!(run(&sb, &["steps"]).await.code, 0);
+    let mut sent: Vec<TaskRecord> = tasks(&sb).await.into_iter().filter(|t| t.text.contains("\n\nStep ")).collect();
+    assert_eq!(sent.len(), 3);
+    one_at_a_time(&mut sent);
+    sb.shutdown().await;
+}
