@@ -19,9 +19,11 @@
 //!   `max_retries` times, then aborts.
 //! - Approval: a step with a `tier` needs it unless `hitl.auto_approve_tiers` lists the
 //!   tier (auto-approved steps are noted on the channel). `hitl.mode: deny` refuses it (a
-//!   failure; its `on_failure` applies); otherwise (`defer`, `wait`, or no mode: the run has
-//!   no terminal to ask on) the request is parked and the step is blocked. An answer given
-//!   with `mur fleet approve` / `deny` (on the job) applies to the next run of that job.
+//!   failure; its `on_failure` applies); otherwise the request is parked and the step is
+//!   blocked. With `wait` (and a job) the run waits for the answer after the step's rank
+//!   ([`Procedure::waits`], [`Procedure::answered`]); with `defer` or no mode (the run has
+//!   no terminal to ask on) it does not, and the answer given with `mur fleet approve` /
+//!   `deny` applies to the next run of that job.
 //! - Dependents of a blocked, failed or not-run step are not run; independent branches
 //!   still complete. Steps already done for the job (before it was parked) are not sent
 //!   again: their outputs are kept on the job.
@@ -193,72 +195,99 @@ impl Procedure {
         self.next += 1;
         let mut rank = Rank { index, launches: Vec::new(), notes: Vec::new() };
         for &i in &self.ranks[index].clone() {
-            if self.state[i] != StepState::Waiting {
-                continue;
+            if self.state[i] == StepState::Waiting {
+                self.consider(i, &mut rank);
             }
-            let step = self.steps[i].clone();
-            if let Some(reason) = self.unmet(&step) {
-                rank.notes.push(format!("step {} not run: {reason}", step.id));
-                self.state[i] = StepState::NotRun(reason);
-                continue;
-            }
-            if let Some(tier) = step.tier {
-                let answered = self.answer.as_ref().filter(|(_, steps, _)| steps.contains(&step.id));
-                match answered {
-                    Some((Decision::Approved, _, by)) => {
-                        rank.notes.push(format!("step {} ({}) approved by {by}", step.id, tier.as_str()));
-                    }
-                    Some((Decision::Denied, _, by)) => {
-                        let why = format!("denied by {by}");
-                        rank.notes.push(format!("step {} ({}) {why}", step.id, tier.as_str()));
-                        self.failed(i, why);
-                        continue;
-                    }
-                    None if self.auto_approve.contains(&tier) => {
-                        rank.notes.push(format!(
-                            "step {} ({}) auto-approved by hitl.auto_approve_tiers",
-                            step.id,
-                            tier.as_str()
-                        ));
-                    }
-                    None if self.mode == Some(HitlMode::Deny) => {
-                        let why = "denied by hitl.mode deny".to_string();
-                        rank.notes.push(format!("step {} ({}) {why}", step.id, tier.as_str()));
-                        self.failed(i, why);
-                        continue;
-                    }
-                    None => {
-                        let how = match &self.job {
-                            Some(job) => format!("mur fleet approve {} {job}", self.fleet),
-                            None => "send the work as a job to approve it".to_string(),
-                        };
-                        rank.notes.push(format!("step {} ({}) awaits approval: {how}", step.id, tier.as_str()));
-                        self.state[i] = StepState::Blocked;
-                        continue;
-                    }
-                }
-            }
-            let deps: Vec<(&str, &str)> = step
-                .depends_on
-                .iter()
-                .filter_map(|d| {
-                    let j = self.steps.iter().position(|s| &s.id == d)?;
-                    match &self.state[j] {
-                        StepState::Done(out) => Some((d.as_str(), out.as_str())),
-                        _ => None,
-                    }
-                })
-                .collect();
-            let attempts = if step.on_failure == OnFailure::Retry { 1 + step.max_retries } else { 1 };
-            rank.launches.push(Launch {
-                id: step.id.clone(),
-                member: step.member.clone(),
-                text: step_text(&self.work, &step.id, &step.task, &deps),
-                attempts,
-            });
-            self.state[i] = StepState::Sent;
         }
         Some(rank)
+    }
+
+    /// Whether the run should wait for an answer now (`hitl.mode: wait`, a step parked,
+    /// and a job to answer on): the adapter waits, then hands the answer to
+    /// [`Procedure::answered`] before it asks for the next rank.
+    pub fn waits(&self) -> bool {
+        self.mode == Some(HitlMode::Wait) && self.job.is_some() && self.state.contains(&StepState::Blocked)
+    }
+
+    /// The answer given while the run waited (`hitl.mode: wait`): the parked steps are
+    /// settled with it as a run that starts after the answer would settle them — approved
+    /// ones are returned to send now, denied ones fail (their `on_failure` applies).
+    pub fn answered(&mut self, decision: Decision, by: &str) -> Rank {
+        let parked: Vec<usize> = (0..self.steps.len()).filter(|&i| self.state[i] == StepState::Blocked).collect();
+        let ids = parked.iter().map(|&i| self.steps[i].id.clone()).collect();
+        self.answer = Some((decision, ids, by.to_string()));
+        let mut rank = Rank { index: self.next.saturating_sub(1), launches: Vec::new(), notes: Vec::new() };
+        for i in parked {
+            self.state[i] = StepState::Waiting;
+            self.consider(i, &mut rank);
+        }
+        rank
+    }
+
+    /// Settles waiting step `i`: not run (a dependency did not complete), approved,
+    /// denied, parked, or added to `rank`'s launches.
+    fn consider(&mut self, i: usize, rank: &mut Rank) {
+        let step = self.steps[i].clone();
+        if let Some(reason) = self.unmet(&step) {
+            rank.notes.push(format!("step {} not run: {reason}", step.id));
+            self.state[i] = StepState::NotRun(reason);
+            return;
+        }
+        if let Some(tier) = step.tier {
+            let answered = self.answer.as_ref().filter(|(_, steps, _)| steps.contains(&step.id));
+            match answered {
+                Some((Decision::Approved, _, by)) => {
+                    rank.notes.push(format!("step {} ({}) approved by {by}", step.id, tier.as_str()));
+                }
+                Some((Decision::Denied, _, by)) => {
+                    let why = format!("denied by {by}");
+                    rank.notes.push(format!("step {} ({}) {why}", step.id, tier.as_str()));
+                    self.failed(i, why);
+                    return;
+                }
+                None if self.auto_approve.contains(&tier) => {
+                    rank.notes.push(format!(
+                        "step {} ({}) auto-approved by hitl.auto_approve_tiers",
+                        step.id,
+                        tier.as_str()
+                    ));
+                }
+                None if self.mode == Some(HitlMode::Deny) => {
+                    let why = "denied by hitl.mode deny".to_string();
+                    rank.notes.push(format!("step {} ({}) {why}", step.id, tier.as_str()));
+                    self.failed(i, why);
+                    return;
+                }
+                None => {
+                    let how = match &self.job {
+                        Some(job) => format!("mur fleet approve {} {job}", self.fleet),
+                        None => "send the work as a job to approve it".to_string(),
+                    };
+                    rank.notes.push(format!("step {} ({}) awaits approval: {how}", step.id, tier.as_str()));
+                    self.state[i] = StepState::Blocked;
+                    return;
+                }
+            }
+        }
+        let deps: Vec<(&str, &str)> = step
+            .depends_on
+            .iter()
+            .filter_map(|d| {
+                let j = self.steps.iter().position(|s| &s.id == d)?;
+                match &self.state[j] {
+                    StepState::Done(out) => Some((d.as_str(), out.as_str())),
+                    _ => None,
+                }
+            })
+            .collect();
+        let attempts = if step.on_failure == OnFailure::Retry { 1 + step.max_retries } else { 1 };
+        rank.launches.push(Launch {
+            id: step.id.clone(),
+            member: step.member.clone(),
+            text: step_text(&self.work, &step.id, &step.task, &deps),
+            attempts,
+        });
+        self.state[i] = StepState::Sent;
     }
 
     /// Why `step` cannot run: a dependency that is blocked, failed or did not run.
@@ -631,6 +660,35 @@ mod tests {
             ]
         );
         assert_eq!(track_steps(&Fleet::parse("name: x\nmembers: [a]\n").unwrap(), "w"), None);
+    }
+
+    #[test]
+    fn with_mode_wait_the_answer_given_during_the_run_settles_the_parked_step() {
+        let f = with_hitl(
+            &THREE.replace("task: Draft it.\n", "task: Draft it.\n    tier: destructive\n"),
+            "  mode: wait\n",
+        );
+        let mut job = Job::new("work", "cli", 0);
+        job.id = "j1".into();
+        assert!(!Procedure::new(&f, "work", None).unwrap().waits(), "no job to answer on: nothing to wait for");
+        let mut p = Procedure::new(&f, "work", Some(&job)).unwrap();
+        assert!(!p.waits());
+        assert_eq!(ids(&p.next_rank().unwrap()), ["side"]);
+        assert!(p.waits());
+        let now = p.answered(Decision::Approved, "ann");
+        assert_eq!(
+            (ids(&now), now.notes.clone()),
+            (vec!["draft"], vec!["step draft (destructive) approved by ann".to_string()])
+        );
+        assert!(!p.waits());
+        p.step_ended("side", true, "noted".into());
+        p.step_ended("draft", true, "drafted".into());
+        assert_eq!(ids(&p.next_rank().unwrap()), ["review"]);
+        let mut denied = Procedure::new(&f, "work", Some(&job)).unwrap();
+        denied.next_rank();
+        let now = denied.answered(Decision::Denied, "bob");
+        assert_eq!((now.launches.len(), now.notes), (0, vec!["step draft (destructive) denied by bob".to_string()]));
+        assert_eq!(denied.next_rank(), None, "abort");
     }
 
     #[test]

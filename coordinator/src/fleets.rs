@@ -269,6 +269,14 @@ impl Fleets {
         Ok(jobs)
     }
 
+    /// One job of `fleet` (`None` when it is gone or malformed).
+    ///
+    /// # Errors
+    /// `unavailable` when `mur_jobs` cannot be read.
+    pub async fn job(&self, fleet: &str, job_id: &str) -> Result<Option<Job>, ApiError> {
+        Ok(self.read_job(&fleet_store::job_key(fleet, job_id)).await?.map(|(_, j)| j))
+    }
+
     async fn job_keys(&self) -> Result<Vec<String>, ApiError> {
         self.jobs
             .keys()

@@ -414,3 +414,46 @@ async fn the_fanout_key_caps_the_steps_in_flight_for_broadcasts_and_procedure_ra
     one_at_a_time(&mut sent);
     sb.shutdown().await;
 }
+
+/// `hitl.mode: wait`: the run parks the step on the job (`blocked`) and waits for the
+/// answer instead of ending; `mur fleet approve` given while it waits lets the same run go
+/// on — the parked step and its dependent run, and the run completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_hitl_mode_wait_the_run_waits_for_the_approval_and_goes_on() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Deployed.")), capsule("critic", Some("Checked."))]).await;
+    define(&sb, &GATE.replace("members: [writer, critic]\n", "members: [writer, critic]\nhitl:\n  mode: wait\n"));
+    let job = ok(&sb, &["send", "gate", "Ship v2."]).stdout.trim().to_string();
+    let url = sb.nats.url();
+    let running = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "gate", "--deadline", "2m"]).env("NATS_URL", url))
+    });
+    let kv =
+        async_nats::jetstream::new(sb.client.clone()).get_key_value(mur_proto::fleet_store::JOBS_BUCKET).await.unwrap();
+    let key = mur_proto::fleet_store::job_key("gate", &job);
+    let parked: Value = mur_tests::procs::until("the job blocked", std::time::Duration::from_secs(30), || async {
+        let v: Value = serde_json::from_slice(&kv.get(&key).await.ok()??).ok()?;
+        (v["status"] == "blocked").then_some(v)
+    })
+    .await;
+    assert_eq!(parked["approval"], json!({"steps": ["deploy"], "decision": null, "by": null, "at": null}));
+    assert_eq!(parked["steps_done"], json!({"check": "Checked."}));
+    ok(&sb, &["approve", "gate", &job]);
+    let ran = running.await.unwrap();
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(ran.stderr.contains("completed (converged) after 1 iterations"), "{}", ran.stderr);
+    let all = tasks(&sb).await;
+    assert_eq!(all.len(), 3, "{all:#?}");
+    let done = &jobs(&sb, "gate")[0];
+    assert_eq!(done["status"], "done");
+    assert_eq!(done["result"], "[deploy]\nDeployed.\n\n[check]\nChecked.\n\n[announce]\nChecked.");
+    let log = ok(&sb, &["log", "gate"]).stdout;
+    assert!(
+        log.contains(&format!(
+            "system state-change: job {job} blocked: waiting for approval of step deploy (hitl.mode wait)"
+        )),
+        "{log}"
+    );
+    assert!(log.contains("system note: step deploy (destructive) approved by tester"), "{log}");
+    sb.shutdown().await;
+}

@@ -6,17 +6,21 @@
 //! and a `note` per step approved, parked, denied or not run, then ends the job: `done` or
 //! `failed` with the steps' outputs as its result, or `blocked` with the parked steps as its
 //! approval request and the completed steps' outputs kept, so the run after an approval
-//! continues from there.
+//! continues from there. With `hitl.mode: wait` it parks the request on the job and waits
+//! for the answer (until the loop's deadline) before the next rank.
 
 use super::{Exec, put_record};
 use crate::fleet_loop::{Run, Spec};
-use crate::fleet_plan::{Launch, Outcome, Procedure};
+use crate::fleet_plan::{Launch, Outcome, Procedure, Rank};
 use crate::fleets::now_ms;
 use futures::StreamExt;
 use mur_proto::cluster::{ApiError, ErrorCode};
-use mur_proto::fleet::{self, Approval, JobStatus};
+use mur_proto::fleet::{self, Approval, Decision, JobStatus};
 use mur_proto::fleet_store::{Author, EventKind};
 use std::time::Duration;
+
+/// How often a run waiting for an approval (`hitl.mode: wait`) reads the job.
+const ANSWER_POLL: Duration = Duration::from_millis(250);
 
 impl Exec {
     /// Runs one iteration by the fleet's procedure; false when `job` could not be claimed
@@ -51,27 +55,14 @@ impl Exec {
         };
         let (outcome, result, outputs, parked, done) = match Procedure::new(&run.spec().fleet, work, claimed.as_ref()) {
             Ok(mut plan) => {
-                let fanout = fleet::resolve_fanout(run.spec().fleet.fanout, &|k| std::env::var(k).ok());
+                let spec = run.spec();
                 while let Some(rank) = plan.next_rank() {
-                    for note in rank.notes {
-                        self.event(EventKind::Note, Author::System, note, Some(iteration_run_id), job).await;
-                    }
-                    if rank.launches.is_empty() {
-                        continue;
-                    }
-                    let cap = fanout.for_steps(rank.launches.len());
-                    let spec = run.spec();
-                    let ended: Vec<(String, bool, String)> = futures::stream::iter(
-                        rank.launches
-                            .into_iter()
-                            .map(|launch| self.procedure_step(spec, launch, iteration_run_id, job)),
-                    )
-                    .buffer_unordered(cap)
-                    .collect()
-                    .await;
-                    *last_agent = Some(now_ms());
-                    for (id, ok, output) in ended {
-                        plan.step_ended(&id, ok, output);
+                    self.run_rank(spec, &mut plan, rank, iteration_run_id, job, last_agent).await;
+                    if let (true, Some(id)) = (plan.waits(), job)
+                        && let Some((decision, by)) = self.await_answer(spec, &plan, id, iteration_run_id).await
+                    {
+                        let now = plan.answered(decision, &by);
+                        self.run_rank(spec, &mut plan, now, iteration_run_id, job, last_agent).await;
                     }
                 }
                 (plan.outcome(), plan.result(), plan.outputs(), plan.parked(), plan.done_outputs())
@@ -91,7 +82,10 @@ impl Exec {
                     if j.status.is_terminal() {
                         return Ok(()); // canceled meanwhile: leave it
                     }
-                    j.transition(status, now_ms()).map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+                    if j.status != status {
+                        j.transition(status, now_ms())
+                            .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+                    }
                     j.result = Some(it.result.clone());
                     j.steps_done = done.clone();
                     if status == JobStatus::Blocked {
@@ -114,6 +108,93 @@ impl Exec {
             tracing::warn!(fleet, "writing the run record: {e}");
         }
         true
+    }
+
+    /// Writes a rank's notes and sends its steps, at most the fan-out cap at once, each
+    /// reported to `plan` as it ends.
+    async fn run_rank(
+        &self,
+        spec: &Spec,
+        plan: &mut Procedure,
+        rank: Rank,
+        iteration_run_id: &str,
+        job: Option<&str>,
+        last_agent: &mut Option<u64>,
+    ) {
+        for note in rank.notes {
+            self.event(EventKind::Note, Author::System, note, Some(iteration_run_id), job).await;
+        }
+        if rank.launches.is_empty() {
+            return;
+        }
+        let cap = fleet::resolve_fanout(spec.fleet.fanout, &|k| std::env::var(k).ok()).for_steps(rank.launches.len());
+        let ended: Vec<(String, bool, String)> = futures::stream::iter(
+            rank.launches.into_iter().map(|launch| self.procedure_step(spec, launch, iteration_run_id, job)),
+        )
+        .buffer_unordered(cap)
+        .collect()
+        .await;
+        *last_agent = Some(now_ms());
+        for (id, ok, output) in ended {
+            plan.step_ended(&id, ok, output);
+        }
+    }
+
+    /// `hitl.mode: wait`: parks the request on the job (`blocked`, so `mur fleet approve`
+    /// / `deny` take it) and waits for the answer until the loop's deadline; the answer and
+    /// who gave it, with the job `running` again. `None` when the time ran out (the job
+    /// stays blocked and the run ends awaiting approval) or the job was canceled.
+    async fn await_answer(
+        &self,
+        spec: &Spec,
+        plan: &Procedure,
+        job: &str,
+        iteration_run_id: &str,
+    ) -> Option<(Decision, String)> {
+        let fleet = &self.record.fleet;
+        let (parked, done) = (plan.parked(), plan.done_outputs());
+        let blocked = self
+            .fleets
+            .update_job(fleet, job, |j| {
+                if j.status != JobStatus::Blocked {
+                    j.transition(JobStatus::Blocked, now_ms())
+                        .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+                }
+                j.approval = Some(Approval { steps: parked.clone(), decision: None, by: None, at: None });
+                j.steps_done = done.clone();
+                Ok(())
+            })
+            .await;
+        if let Err(e) = blocked {
+            tracing::info!(fleet, job, "not waiting for approval: {e}");
+            return None;
+        }
+        let text = format!("job {job} blocked: waiting for approval of step {} (hitl.mode wait)", parked.join(", "));
+        self.event(EventKind::StateChange, Author::System, text, Some(iteration_run_id), Some(job)).await;
+        let until = spec.started_at + spec.deadline.as_millis() as u64;
+        loop {
+            match self.fleets.job(fleet, job).await {
+                Ok(Some(j)) if j.status.is_terminal() => return None,
+                Ok(Some(j)) => {
+                    if let Some(Approval { decision: Some(decision), by, .. }) = j.approval {
+                        let resumed = self
+                            .fleets
+                            .update_job(fleet, job, |j| {
+                                j.transition(JobStatus::Running, now_ms())
+                                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+                            })
+                            .await;
+                        return resumed.ok().map(|_| (decision, by.unwrap_or_else(|| "someone".into())));
+                    }
+                }
+                Ok(None) => return None,
+                Err(e) => tracing::debug!(fleet, job, "reading the job: {e}"),
+            }
+            if now_ms() >= until {
+                return None;
+            }
+            tokio::time::sleep(ANSWER_POLL).await;
+        }
     }
 
     /// Sends one step up to `launch.attempts` times, stopping at the first success:
