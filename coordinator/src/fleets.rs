@@ -269,6 +269,19 @@ impl Fleets {
         Ok(jobs)
     }
 
+    /// Stores a new job of `fleet` as it is (the run engine's job for a parked standing
+    /// goal).
+    ///
+    /// # Errors
+    /// `unavailable` when `mur_jobs` does not take it (or the id is taken).
+    pub async fn create_job(&self, fleet: &str, job: &Job) -> Result<(), ApiError> {
+        self.jobs
+            .create(fleet_store::job_key(fleet, &job.id), to_json(job)?)
+            .await
+            .map(drop)
+            .map_err(|e| unavailable("mur_jobs: create", e))
+    }
+
     /// One job of `fleet` (`None` when it is gone or malformed).
     ///
     /// # Errors

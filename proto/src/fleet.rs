@@ -50,6 +50,9 @@ pub const MAX_RUN_ID_LEN: usize = 96;
 pub const CHANNEL_PREFIX: &str = "fleet-";
 /// A job created by `mur fleet send` or a job argument of `mur fleet run`.
 pub const SOURCE_CLI: &str = "cli";
+/// A job a run made for its standing goal when a procedure step of it was parked for
+/// approval (`seeds/fleet-loops.md` §Unattended runs): the handle to approve it by.
+pub const SOURCE_GOAL: &str = "goal";
 
 /// The notice printed when an iteration cap is given (§The bounds: "Iteration cap — gone").
 pub const MAX_ITERATIONS_NOTICE: &str = "is ignored: loops are bounded by deadline, stuck and cost \

@@ -457,3 +457,37 @@ async fn with_hitl_mode_wait_the_run_waits_for_the_approval_and_goes_on() {
     assert!(log.contains("system note: step deploy (destructive) approved by tester"), "{log}");
     sb.shutdown().await;
 }
+
+/// A parked step of the standing goal (no job queued) still gets a handle: the run stores
+/// a job for the goal (source `goal`, `blocked`), the note names it, and once approved the
+/// next run takes it and continues from the parked step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_parked_standing_goal_becomes_a_blocked_job_that_can_be_approved() {
+    let sb = Sandbox::start(1, 4).await;
+    push(&sb, &[capsule("writer", Some("Deployed.")), capsule("critic", Some("Checked."))]).await;
+    define(&sb, &GATE.replace("name: gate\n", "name: gate\ngoal: Keep prod current.\n"));
+    let ran = run(&sb, &["gate"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: awaiting-approval"), "{}", ran.stderr);
+    let listed = jobs(&sb, "gate");
+    assert_eq!(listed.len(), 1);
+    let job = listed[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        (&listed[0]["status"], &listed[0]["source"], &listed[0]["text"]),
+        (&json!("blocked"), &json!("goal"), &json!("Keep prod current."))
+    );
+    assert_eq!(listed[0]["approval"]["steps"], json!(["deploy"]));
+    let log = ok(&sb, &["log", "gate"]).stdout;
+    assert!(
+        log.contains(&format!("system note: step deploy (destructive) awaits approval: mur fleet approve gate {job}")),
+        "{log}"
+    );
+    ok(&sb, &["approve", "gate", &job]);
+    let ran = run(&sb, &["gate"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let done = &jobs(&sb, "gate")[0];
+    assert_eq!(done["status"], "done");
+    assert_eq!(done["result"], "[deploy]\nDeployed.\n\n[check]\nChecked.\n\n[announce]\nChecked.");
+    assert_eq!(tasks(&sb).await.len(), 3, "check ran once");
+    sb.shutdown().await;
+}

@@ -15,7 +15,7 @@ use crate::fleet_plan::{Launch, Outcome, Procedure, Rank};
 use crate::fleets::now_ms;
 use futures::StreamExt;
 use mur_proto::cluster::{ApiError, ErrorCode};
-use mur_proto::fleet::{self, Approval, Decision, JobStatus};
+use mur_proto::fleet::{self, Approval, Decision, Job, JobStatus};
 use mur_proto::fleet_store::{Author, EventKind};
 use std::time::Duration;
 
@@ -53,23 +53,57 @@ impl Exec {
             }
             None => None,
         };
-        let (outcome, result, outputs, parked, done) = match Procedure::new(&run.spec().fleet, work, claimed.as_ref()) {
-            Ok(mut plan) => {
-                let spec = run.spec();
-                while let Some(rank) = plan.next_rank() {
-                    self.run_rank(spec, &mut plan, rank, iteration_run_id, job, last_agent).await;
-                    if let (true, Some(id)) = (plan.waits(), job)
-                        && let Some((decision, by)) = self.await_answer(spec, &plan, id, iteration_run_id).await
-                    {
-                        let now = plan.answered(decision, &by);
-                        self.run_rank(spec, &mut plan, now, iteration_run_id, job, last_agent).await;
+        // The standing goal has no job to park a request on: one is made for it, and
+        // stored only if a step is parked (its id is the one the notes name).
+        let goal_job = claimed.is_none().then(|| Job::new(work, fleet::SOURCE_GOAL, now_ms()));
+        let (outcome, result, outputs, parked, done) =
+            match Procedure::new(&run.spec().fleet, work, claimed.as_ref().or(goal_job.as_ref())) {
+                Ok(mut plan) => {
+                    let spec = run.spec();
+                    while let Some(rank) = plan.next_rank() {
+                        self.run_rank(spec, &mut plan, rank, iteration_run_id, job, last_agent).await;
+                        if let (true, Some(id)) = (plan.waits(), job)
+                            && let Some((decision, by)) = self.await_answer(spec, &plan, id, iteration_run_id).await
+                        {
+                            let now = plan.answered(decision, &by);
+                            self.run_rank(spec, &mut plan, now, iteration_run_id, job, last_agent).await;
+                        }
                     }
+                    (plan.outcome(), plan.result(), plan.outputs(), plan.parked(), plan.done_outputs())
                 }
-                (plan.outcome(), plan.result(), plan.outputs(), plan.parked(), plan.done_outputs())
-            }
-            Err(e) => (Outcome::Failed, e, Vec::new(), Vec::new(), Default::default()),
-        };
+                Err(e) => (Outcome::Failed, e, Vec::new(), Vec::new(), Default::default()),
+            };
         let it = run.procedure_ended(outcome, result, &outputs);
+        if let (Outcome::Blocked, Some(mut parked_goal)) = (outcome, goal_job) {
+            let stored = parked_goal
+                .claim(iteration_run_id, now_ms())
+                .and_then(|()| parked_goal.transition(JobStatus::Blocked, now_ms()))
+                .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()));
+            parked_goal.result = Some(it.result.clone());
+            parked_goal.steps_done = done.clone();
+            parked_goal.approval = Some(Approval { steps: parked.clone(), decision: None, by: None, at: None });
+            match stored {
+                Ok(()) => match self.fleets.create_job(&fleet, &parked_goal).await {
+                    Ok(()) => {
+                        let text = format!(
+                            "job {} blocked: awaiting approval of step {} (the standing goal)",
+                            parked_goal.id,
+                            parked.join(", ")
+                        );
+                        self.event(
+                            EventKind::StateChange,
+                            Author::System,
+                            text,
+                            Some(iteration_run_id),
+                            Some(&parked_goal.id),
+                        )
+                        .await;
+                    }
+                    Err(e) => tracing::warn!(fleet, "storing the parked goal's job: {e}"),
+                },
+                Err(e) => tracing::warn!(fleet, "parking the goal: {e}"),
+            }
+        }
         if let Some(id) = job {
             let status = match outcome {
                 Outcome::Done => JobStatus::Done,
