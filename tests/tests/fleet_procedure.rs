@@ -491,3 +491,37 @@ async fn a_parked_standing_goal_becomes_a_blocked_job_that_can_be_approved() {
     assert_eq!(tasks(&sb).await.len(), 3, "check ran once");
     sb.shutdown().await;
 }
+
+/// The README's `examples/fleets/release.yaml` with the `examples/reviewer` capsule: the
+/// first run parks `publish` (and so `announce`) while `notes` and the auto-approved
+/// `checks` run; after `mur fleet approve` the next run finishes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_release_example_parks_publish_until_it_is_approved() {
+    let sb = Sandbox::start(1, 4).await;
+    sb.push(&mur_tests::capsule::repo_root().join("examples/reviewer")).await;
+    let file = mur_tests::capsule::repo_root().join("examples/fleets/release.yaml");
+    ok(&sb, &["create", file.to_str().unwrap()]);
+    let job = ok(&sb, &["send", "release", "Release v2.1."]).stdout.trim().to_string();
+    let ran = run(&sb, &["release"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: awaiting-approval"), "{}", ran.stderr);
+    let log = ok(&sb, &["log", "release"]).stdout;
+    assert!(log.contains("system note: step checks (read) auto-approved by hitl.auto_approve_tiers"), "{log}");
+    assert_eq!(jobs(&sb, "release")[0]["approval"]["steps"], json!(["publish"]));
+    ok(&sb, &["approve", "release", &job]);
+    let ran = run(&sb, &["release"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let done = &jobs(&sb, "release")[0];
+    assert_eq!(done["status"], "done");
+    let result = done["result"].as_str().unwrap();
+    let announce = result.split("[announce]\n").nth(1).unwrap();
+    assert!(
+        announce.starts_with(
+            "reviewed: Release v2.1.\n\nStep announce: Announce it.\n\nOutput of step publish:\n\
+             reviewed: Release v2.1.\n\nStep publish: Publish the release."
+        ),
+        "{result}"
+    );
+    assert_eq!(tasks(&sb).await.len(), 4, "each step ran once");
+    sb.shutdown().await;
+}
