@@ -525,3 +525,27 @@ async fn the_release_example_parks_publish_until_it_is_approved() {
     assert_eq!(tasks(&sb).await.len(), 4, "each step ran once");
     sb.shutdown().await;
 }
+
+/// A delegation the task API refuses (here: a member capsule never pushed) fails the step
+/// and is written as a `note`, not as a member's reply (reference §6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_delegation_fails_the_step_and_is_noted() {
+    let sb = Sandbox::start(1, 2).await;
+    define(&sb, "name: ghost\nmembers: [nobody]\nprocedure:\n  - id: a\n    member: nobody\n");
+    ok(&sb, &["send", "ghost", "Go."]);
+    let ran = run(&sb, &["ghost"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: iteration-failed"), "{}", ran.stderr);
+    let refusal = "not_found: capsule: no capsule named \"nobody\" (push it with `mur capsule push`)";
+    let log = ok(&sb, &["log", "ghost"]).stdout;
+    assert!(
+        log.contains(&format!("system note: step a: the delegation to nobody was refused: {refusal} [run ")),
+        "{log}"
+    );
+    assert!(!log.contains("member:nobody"), "no member replied: {log}");
+    assert_eq!(tasks(&sb).await.len(), 0);
+    let job = &jobs(&sb, "ghost")[0];
+    assert_eq!(job["status"], "failed");
+    assert_eq!(job["result"], format!("[a] failed:\nerror: the delegated task was refused: {refusal}"));
+    sb.shutdown().await;
+}

@@ -248,12 +248,20 @@ impl Exec {
             self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
             let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
             let time_left = fleet::inherited_deadline(spec.deadline, elapsed);
-            last = match self.submit(&launch.member, &launch.text, now_ms() + time_left.as_millis() as u64).await {
-                Ok(task_id) => self.wait(&task_id, time_left).await,
-                Err(e) => (false, format!("error: the delegated task was refused: {e}")),
-            };
-            let author = Author::Member(launch.member.clone());
-            self.event(EventKind::Reply, author, last.1.clone(), Some(iteration_run_id), job).await;
+            match self.submit(&launch.member, &launch.text, now_ms() + time_left.as_millis() as u64).await {
+                Ok(task_id) => {
+                    last = self.wait(&task_id, time_left).await;
+                    let author = Author::Member(launch.member.clone());
+                    self.event(EventKind::Reply, author, last.1.clone(), Some(iteration_run_id), job).await;
+                }
+                Err(e) => {
+                    // A transport error fails the step and is noted; no member replied
+                    // (reference §6).
+                    last = (false, format!("error: the delegated task was refused: {e}"));
+                    let text = format!("step {}: the delegation to {} was refused: {e}", launch.id, launch.member);
+                    self.event(EventKind::Note, Author::System, text, Some(iteration_run_id), job).await;
+                }
+            }
             if last.0 {
                 break;
             }
