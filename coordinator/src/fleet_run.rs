@@ -7,9 +7,10 @@
 //!
 //! - each iteration claims its job (`running`, with the iteration's run id), writes a
 //!   `delegation` event per member, submits one `peer` task per member through the task
-//!   API (at most the fan-out cap at once, [`broadcast`]), waits for their terminal records (a step still running when the loop's time is
-//!   up is cancelled), writes each member's `reply` event, and ends the job `done` or
-//!   `failed` with the replies as its result;
+//!   API (at most the fan-out cap at once, [`broadcast`]), waits for their terminal
+//!   records (a step still running when the loop's time is up is cancelled), writes each
+//!   member's `reply` event, and ends the job `done` or `failed` with the replies as its
+//!   result;
 //! - the run's record (`run.<id>` in `mur_fleets`) is rewritten after every iteration and
 //!   at the end with the stop's label; the stop reason is the channel's last event.
 //!
