@@ -9,8 +9,8 @@ use anyhow::{Context, Result};
 use mur_proto::fleet::Job;
 use mur_proto::fleet_store;
 use mur_proto::fleet_store::{
-    CancelRequest, ChannelEvent, DefineReply, DefineRequest, FleetInfo, FleetRef, FleetSummary, JobsRequest,
-    LogRequest, SendRequest, SetLoopRequest, StopRequest, StopState, api,
+    AnswerRequest, CancelRequest, ChannelEvent, DefineReply, DefineRequest, FleetInfo, FleetRef, FleetSummary,
+    JobsRequest, LogRequest, SendRequest, SetLoopRequest, StopRequest, StopState, api,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -91,6 +91,32 @@ pub enum Command {
         name: String,
         /// The job.
         job: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Approve the steps a blocked job is waiting on; the next run takes the job and runs
+    /// them (by id or a prefix naming one job).
+    Approve {
+        /// The fleet.
+        name: String,
+        /// The blocked job.
+        job: String,
+        /// Who approves (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Deny the steps a blocked job is waiting on; the next run fails them (their
+    /// `on_failure` applies).
+    Deny {
+        /// The fleet.
+        name: String,
+        /// The blocked job.
+        job: String,
+        /// Who denies (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -330,6 +356,8 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Approve { name, job, by, common } => answer(&common, "mur fleet approve", api::APPROVE, name, job, by),
+        Command::Deny { name, job, by, common } => answer(&common, "mur fleet deny", api::DENY, name, job, by),
         Command::SetLoop(args) => {
             let req = SetLoopRequest {
                 fleet: args.name,
@@ -400,6 +428,28 @@ pub enum JobCommand {
         #[command(flatten)]
         common: Common,
     },
+}
+
+/// `mur fleet approve` / `deny`: prints `<approved|denied> job <id> (step <ids>)`.
+fn answer(
+    common: &Common,
+    what: &str,
+    subject: &str,
+    fleet: String,
+    job: String,
+    by: Option<String>,
+) -> Result<ExitCode> {
+    let by = by.or_else(|| std::env::var("USER").ok()).filter(|b| !b.is_empty()).unwrap_or_else(|| "cli".into());
+    let job: Job = request(common, what, subject, &AnswerRequest { fleet, job, by })?;
+    if common.json {
+        print_json(&job)?;
+    } else {
+        let approval = job.approval.as_ref();
+        let decision = approval.and_then(|a| a.decision).map_or("answered", |d| d.as_str());
+        let steps = approval.map(|a| a.steps.join(", ")).unwrap_or_default();
+        println!("{decision} job {} (step {steps}); the next run of the fleet takes it", job.id);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Runs a `mur job` command.

@@ -163,12 +163,8 @@ mod tests {
         let mut r = TaskRecord::submitted(
             task.into(),
             mur_proto::cluster::SubmitRequest {
-                capsule: step.into(),
-                text: "t".into(),
-                origin: mur_proto::task::Origin::Peer,
-                context_id: None,
-                deadline_at: None,
                 fleet_step: Some(FleetStep { fleet: "f".into(), run_id: run.into(), step: step.into(), cap: 3 }),
+                ..mur_proto::cluster::SubmitRequest::new(step, "t", mur_proto::task::Origin::Peer)
             },
             "d".into(),
             at,

@@ -210,6 +210,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         context_id: args.context.clone(),
         deadline_at: None,
         fleet_step: None,
+        needs: Vec::new(),
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {

@@ -10,10 +10,14 @@
 //! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
 //! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
 //! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
-//! the work to every member; with a router and several members the router plans each
+//! the work to every member (with `parallel:`, one step per track:
+//! [`crate::fleet_plan::track_steps`]); with a router and several members the router plans each
 //! iteration ([`Next::Plan`]: every member gets the work followed by the router's
-//! assignment) and, when `done_when` is empty, judges DONE after it (one model call).
-//! Procedure plans are refused when the run starts.
+//! assignment) and, when `done_when` is empty, judges DONE after it (one model call). A
+//! fleet with a `procedure:` runs it instead, never the router ([`Next::Procedure`]; the
+//! steps are [`crate::fleet_plan`]'s); a procedure with a cycle refuses the run when it
+//! starts. The work is the oldest blocked job whose approval was answered, else the oldest
+//! queued job ([`fleet::next_job`]).
 
 use mur_proto::fleet::{self, DoneWhen, Fleet, GuardInput, Job, PlanKind, Stop};
 use std::time::Duration;
@@ -91,6 +95,19 @@ pub enum Next {
         job: Option<String>,
         /// The delegated steps.
         steps: Vec<Step>,
+    },
+    /// Run iteration `iteration` by the fleet's procedure: claim `job` (when one), then
+    /// carry out [`crate::fleet_plan::Procedure`] for `work` and report it with
+    /// [`Run::procedure_ended`].
+    Procedure {
+        /// 0-based.
+        iteration: u64,
+        /// As in [`Next::Iterate`].
+        iteration_run_id: String,
+        /// The job worked on; `None` for the standing goal.
+        job: Option<String>,
+        /// The job's text, or the standing goal.
+        work: String,
     },
     /// The run is over.
     Stop(Stop),
@@ -178,13 +195,13 @@ impl Run {
         }
         spec.fleet.check_runnable().map_err(|reason| Refused::NotRunnable { fleet: name.clone(), reason })?;
         if spec.fleet.plan_kind() == PlanKind::Procedure {
-            return Err(Refused::NotRunnable {
-                reason: format!("fleet '{name}': procedure plans do not run on the cluster yet"),
-                fleet: name,
-            });
+            crate::fleet_plan::check(&spec.fleet).map_err(|reason| Refused::NotRunnable { fleet: name, reason })?;
         }
         if let Some(job) = &spec.job
-            && !view.jobs.iter().any(|j| &j.id == job && j.status == fleet::JobStatus::Queued)
+            && !view
+                .jobs
+                .iter()
+                .any(|j| &j.id == job && (j.status == fleet::JobStatus::Queued || fleet::is_answered(j)))
         {
             return Err(Refused::NoSuchJob(job.clone()));
         }
@@ -208,7 +225,7 @@ impl Run {
         }
         let job = match &self.spec.job {
             Some(id) if self.iteration == 0 => view.jobs.iter().find(|j| &j.id == id),
-            _ => fleet::next_queued(view.jobs),
+            _ => fleet::next_job(view.jobs),
         };
         if job.is_none() && self.spec.fleet.r#loop.done_when == DoneWhen::QueueEmpty {
             self.over = Some(Stop::QueueDrained);
@@ -223,12 +240,18 @@ impl Run {
             self.spec.run_id.clone()
         };
         let job = job.map(|j| j.id.clone());
+        if self.spec.fleet.plan_kind() == PlanKind::Procedure {
+            return Next::Procedure { iteration: self.iteration, iteration_run_id, job, work: text };
+        }
         if let (PlanKind::Router, Some(router)) = (self.spec.fleet.plan_kind(), self.spec.fleet.router.clone()) {
             let plan = plan_text(&self.spec.fleet.members, &text);
             self.planning = Some((iteration_run_id.clone(), job.clone(), text, time_left));
             return Next::Plan { iteration: self.iteration, iteration_run_id, job, router, text: plan, time_left };
         }
-        let steps = self.steps(&text, time_left);
+        let steps = match crate::fleet_plan::track_steps(&self.spec.fleet, &text) {
+            Some(tracks) => tracks.into_iter().map(|(member, text)| Step { member, text, time_left }).collect(),
+            None => self.steps(&text, time_left),
+        };
         Next::Iterate { iteration: self.iteration, iteration_run_id, job, steps }
     }
 
@@ -277,6 +300,34 @@ impl Run {
             since_progress: Duration::from_millis(view.now.saturating_sub(since)),
             iteration: self.iteration,
         })
+    }
+
+    /// How the procedure of the iteration just run ended ([`Next::Procedure`]): a failure
+    /// ends the run `iteration-failed` (the job fails), a step awaiting approval ends it
+    /// `awaiting-approval` (the job is blocked: `job_done` is false and `stop` says which),
+    /// otherwise the job is done with `result` and the run goes on as after
+    /// [`Run::iteration_ended`] (`outputs`: the completed steps' outputs, where a `marker:`
+    /// line is looked for). The router is never asked.
+    pub fn procedure_ended(
+        &mut self,
+        outcome: crate::fleet_plan::Outcome,
+        result: String,
+        outputs: &[String],
+    ) -> Iteration {
+        use crate::fleet_plan::Outcome;
+        self.iteration += 1;
+        let marker = match &self.spec.fleet.r#loop.done_when {
+            DoneWhen::Marker(m) => outputs.iter().any(|o| fleet::marker_matches(o, m)),
+            _ => false,
+        };
+        let stop = match outcome {
+            Outcome::Failed => Some(Stop::IterationFailed),
+            Outcome::Blocked => Some(Stop::AwaitingApproval),
+            Outcome::Done if marker || !self.spec.looping => Some(Stop::Converged),
+            Outcome::Done => None,
+        };
+        self.over = stop;
+        Iteration { judge: None, job_done: outcome == Outcome::Done, result, stop }
     }
 
     /// The replies of the iteration just run (in member order): the job's outcome, and
@@ -484,6 +535,46 @@ mod tests {
         ]);
         assert_eq!(run.judged("DONE"), Some(Stop::Converged));
         assert_eq!(run.next(&view(1_002_000, &[])), Next::Stop(Stop::Converged));
+    }
+
+    const PROC: &str = "name: p\ngoal: g\nmembers: [a, b]\nrouter: planner\nprocedure:\n  - id: one\n    member: a\n  - id: two\n    member: b\n    depends_on: [one]\n";
+
+    #[test]
+    fn a_procedure_is_used_instead_of_the_router_and_a_cycle_refuses_the_run() {
+        let mut run = Run::start(spec(fleet(PROC), true), &view(1_000_000, &[])).unwrap();
+        assert_eq!(
+            run.next(&view(1_000_000, &[])),
+            Next::Procedure { iteration: 0, iteration_run_id: "run1-0".into(), job: None, work: "g".into() }
+        );
+        let it = run.procedure_ended(crate::fleet_plan::Outcome::Done, "[one]\nx".into(), &["x".into()]);
+        assert_eq!(it, Iteration { judge: None, job_done: true, result: "[one]\nx".into(), stop: None });
+        let cyclic = PROC.replace("    member: a\n", "    member: a\n    depends_on: [two]\n");
+        assert_eq!(
+            Run::start(spec(fleet(&cyclic), false), &view(1_000_000, &[])).unwrap_err().to_string(),
+            "fleet 'p': procedure: dependency cycle among steps \"one\", \"two\""
+        );
+    }
+
+    #[test]
+    fn a_blocked_procedure_stops_awaiting_approval_and_an_answered_job_is_taken_first() {
+        let mut answered = job("01b", "parked", JobStatus::Blocked);
+        answered.approval = Some(fleet::Approval {
+            steps: vec!["one".into()],
+            decision: Some(fleet::Decision::Approved),
+            by: None,
+            at: None,
+        });
+        let waiting = job("01c", "still parked", JobStatus::Blocked);
+        let jobs = [job("01a", "older but queued", JobStatus::Queued), answered, waiting];
+        let mut run = Run::start(spec(fleet(PROC), true), &view(1_000_000, &jobs)).unwrap();
+        let Next::Procedure { job, work, .. } = run.next(&view(1_000_000, &jobs)) else { panic!("a procedure") };
+        assert_eq!((job.as_deref(), work.as_str()), (Some("01b"), "parked"));
+        let it = run.procedure_ended(crate::fleet_plan::Outcome::Blocked, "[one] awaits approval".into(), &[]);
+        assert_eq!((it.job_done, it.stop), (false, Some(Stop::AwaitingApproval)));
+        assert_eq!(run.next(&view(1_000_000, &jobs)), Next::Stop(Stop::AwaitingApproval));
+        let mut s = spec(fleet(PROC), false);
+        s.job = Some("01c".into());
+        assert_eq!(Run::start(s, &view(1_000_000, &jobs)).unwrap_err(), Refused::NoSuchJob("01c".into()));
     }
 
     #[test]

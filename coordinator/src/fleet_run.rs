@@ -7,9 +7,10 @@
 //!
 //! - each iteration claims its job (`running`, with the iteration's run id), writes a
 //!   `delegation` event per member, submits one `peer` task per member through the task
-//!   API, waits for their terminal records (a step still running when the loop's time is
-//!   up is cancelled), writes each member's `reply` event, and ends the job `done` or
-//!   `failed` with the replies as its result;
+//!   API (at most the fan-out cap at once, [`broadcast`]), waits for their terminal
+//!   records (a step still running when the loop's time is up is cancelled), writes each
+//!   member's `reply` event, and ends the job `done` or `failed` with the replies as its
+//!   result;
 //! - the run's record (`run.<id>` in `mur_fleets`) is rewritten after every iteration and
 //!   at the end with the stop's label; the stop reason is the channel's last event.
 //!
@@ -17,10 +18,14 @@
 //! judgment when `done_when` is empty. Every step carries the loop's time left as
 //! `deadline_at`; the worker stops it then.
 //!
-//! Not here yet: procedure plans (refused at the start), cost budgets, and a new leader
-//! adopting runs a dead one left `running`.
+//! A fleet with a `procedure:` runs it instead ([`procedure`]: ranks, retries, approvals).
+//!
+//! Not here yet: cost budgets, and a new leader adopting runs a dead one left `running`.
 
-use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};
+mod broadcast;
+mod procedure;
+
+use crate::fleet_loop::{Next, Refused, Run, Spec, View};
 use crate::fleets::{Fleets, now_ms};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
@@ -63,8 +68,15 @@ pub async fn serve(
         let answer = match start(&fleets, &instance, &msg.payload).await {
             Ok((run, record)) => {
                 let fanout = fleet::resolve_fanout(run.spec().fleet.fanout, &|k| std::env::var(k).ok()).cap;
-                let exec =
-                    Exec { client: client.clone(), fleets: fleets.clone(), tasks: tasks.clone(), record, fanout };
+                let needs = run.spec().fleet.needs.clone();
+                let exec = Exec {
+                    client: client.clone(),
+                    fleets: fleets.clone(),
+                    tasks: tasks.clone(),
+                    record,
+                    fanout,
+                    needs,
+                };
                 let answer = serde_json::to_vec(&exec.record).map(Bytes::from);
                 tokio::spawn(exec.drive(run));
                 answer.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
@@ -175,6 +187,8 @@ struct Exec {
     /// The fan-out cap every step of this run waits for (issue #11): the fleet's
     /// `fanout:`, else this coordinator's `MUR_FLEET_FANOUT`, else 3.
     fanout: u32,
+    /// The fleet's `needs:`, sent with every delegated step.
+    needs: Vec<String>,
 }
 
 impl Exec {
@@ -243,6 +257,11 @@ impl Exec {
             match next {
                 Next::Stop(stop) => break stop,
                 Next::Plan { .. } => break Stop::IterationFailed,
+                Next::Procedure { iteration_run_id, job, work, .. } => {
+                    if !self.run_procedure(&mut run, &iteration_run_id, job.as_deref(), &work, &mut last_agent).await {
+                        continue;
+                    }
+                }
                 Next::Iterate { iteration_run_id, job, steps, .. } => {
                     if let Some(id) = &job
                         && claimed.as_deref() != Some(id.as_str())
@@ -250,43 +269,8 @@ impl Exec {
                     {
                         continue;
                     }
-                    let mut replies = Vec::new();
-                    let mut submitted = Vec::new();
-                    for step in &steps {
-                        self.event(
-                            EventKind::Delegation,
-                            Author::System,
-                            format!("{} ← {}", step.member, step.text),
-                            Some(&iteration_run_id),
-                            job.as_deref(),
-                        )
-                        .await;
-                        let deadline_at = now_ms() + step.time_left.as_millis() as u64;
-                        let task_id = match self.submit(&step.member, &step.text, deadline_at).await {
-                            Ok(task_id) => Some(task_id),
-                            Err(e) => {
-                                tracing::warn!(fleet, member = %step.member, "delegation refused: {e}");
-                                None
-                            }
-                        };
-                        submitted.push((step.clone(), task_id));
-                    }
-                    for (step, task_id) in submitted {
-                        let reply = match task_id {
-                            Some(id) => self.wait(&id, step.time_left).await,
-                            None => (false, "error: the delegated task was refused".to_string()),
-                        };
-                        last_agent = Some(now_ms());
-                        self.event(
-                            EventKind::Reply,
-                            Author::Member(step.member.clone()),
-                            reply.1.clone(),
-                            Some(&iteration_run_id),
-                            job.as_deref(),
-                        )
-                        .await;
-                        replies.push(Reply { member: step.member.clone(), ok: reply.0, text: reply.1 });
-                    }
+                    let replies = self.send_steps(run.spec(), &steps, &iteration_run_id, job.as_deref()).await;
+                    last_agent = Some(now_ms());
                     let it = run.iteration_ended(&replies);
                     if let Some((router, text)) = &it.judge {
                         let elapsed = Duration::from_millis(now_ms().saturating_sub(run.spec().started_at));
@@ -381,8 +365,9 @@ impl Exec {
     }
 
     /// Submits a delegated step: a `peer` task for `member` that must be over by
-    /// `deadline_at` (the time left on the loop's clock; the worker enforces it) and runs
-    /// only while it holds one of the run's `fanout` permits (issue #11).
+    /// `deadline_at` (the time left on the loop's clock; the worker enforces it), carrying
+    /// the fleet's `needs` (the worker checks them before it starts), and runs only while
+    /// it holds one of the run's `fanout` permits (issue #11).
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
         let request = SubmitRequest {
             capsule: member.into(),
@@ -390,6 +375,7 @@ impl Exec {
             origin: Origin::Peer,
             context_id: None,
             deadline_at: Some(deadline_at),
+            needs: self.needs.clone(),
             fleet_step: Some(FleetStep {
                 fleet: self.record.fleet.clone(),
                 run_id: self.record.run_id.clone(),

@@ -19,10 +19,11 @@ use async_nats::jetstream::{self, kv, stream};
 use bytes::Bytes;
 use futures::TryStreamExt;
 use mur_proto::cluster::{ApiError, ErrorCode};
-use mur_proto::fleet::{self, Fleet, Job, JobFilter, JobStatus, LoopEdit, apply_loop_edit};
+use mur_proto::fleet::{self, Decision, Fleet, Job, JobFilter, JobStatus, LoopEdit, apply_loop_edit};
 use mur_proto::fleet_store::{
-    self, CancelRequest, ChannelEvent, DefineAction, DefineReply, DefineRequest, EventKind, FleetInfo, FleetRef,
-    FleetSummary, JobsRequest, LogRequest, SendRequest, Sentinel, SetLoopRequest, StopRequest, StopState, api,
+    self, AnswerRequest, CancelRequest, ChannelEvent, DefineAction, DefineReply, DefineRequest, EventKind, FleetInfo,
+    FleetRef, FleetSummary, JobsRequest, LogRequest, SendRequest, Sentinel, SetLoopRequest, StopRequest, StopState,
+    api,
 };
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -60,11 +61,15 @@ pub enum Op {
     Start,
     /// `fleet.log`.
     Log,
+    /// `fleet.approve`.
+    Approve,
+    /// `fleet.deny`.
+    Deny,
 }
 
 impl Op {
     /// Every endpoint.
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 14] = [
         Op::Create,
         Op::Apply,
         Op::List,
@@ -77,6 +82,8 @@ impl Op {
         Op::Stop,
         Op::Start,
         Op::Log,
+        Op::Approve,
+        Op::Deny,
     ];
 
     /// Its subject.
@@ -94,6 +101,8 @@ impl Op {
             Op::Stop => api::STOP,
             Op::Start => api::START,
             Op::Log => api::LOG,
+            Op::Approve => api::APPROVE,
+            Op::Deny => api::DENY,
         }
     }
 }
@@ -210,6 +219,8 @@ impl Fleets {
             Op::Stop => self.stop(request(body)?).await.and_then(|r| to_json(&r)),
             Op::Start => self.start(request(body)?).await.and_then(|r| to_json(&r)),
             Op::Log => self.log(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Approve => self.answer(request(body)?, Decision::Approved).await.and_then(|r| to_json(&r)),
+            Op::Deny => self.answer(request(body)?, Decision::Denied).await.and_then(|r| to_json(&r)),
         }
     }
 
@@ -256,6 +267,27 @@ impl Fleets {
         }
         jobs.sort_by(|a, b| a.1.id.cmp(&b.1.id));
         Ok(jobs)
+    }
+
+    /// Stores a new job of `fleet` as it is (the run engine's job for a parked standing
+    /// goal).
+    ///
+    /// # Errors
+    /// `unavailable` when `mur_jobs` does not take it (or the id is taken).
+    pub async fn create_job(&self, fleet: &str, job: &Job) -> Result<(), ApiError> {
+        self.jobs
+            .create(fleet_store::job_key(fleet, &job.id), to_json(job)?)
+            .await
+            .map(drop)
+            .map_err(|e| unavailable("mur_jobs: create", e))
+    }
+
+    /// One job of `fleet` (`None` when it is gone or malformed).
+    ///
+    /// # Errors
+    /// `unavailable` when `mur_jobs` cannot be read.
+    pub async fn job(&self, fleet: &str, job_id: &str) -> Result<Option<Job>, ApiError> {
+        Ok(self.read_job(&fleet_store::job_key(fleet, job_id)).await?.map(|(_, j)| j))
     }
 
     async fn job_keys(&self) -> Result<Vec<String>, ApiError> {
@@ -497,32 +529,70 @@ impl Fleets {
         Ok(self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j)).collect())
     }
 
-    /// `fleet.cancel`: a queued, running or blocked job becomes canceled; a finished one is
-    /// a conflict.
-    async fn cancel(&self, req: CancelRequest) -> Result<Job, ApiError> {
-        self.definition(&req.fleet).await?;
-        let wanted = req.job.trim();
+    /// The id of `fleet`'s job named by `wanted`: its id, or a prefix naming one job.
+    async fn job_id(&self, fleet: &str, wanted: &str) -> Result<String, ApiError> {
+        self.definition(fleet).await?;
+        let wanted = wanted.trim();
         if wanted.is_empty() {
             return Err(ApiError::invalid("job: required"));
         }
-        let jobs = self.jobs_of(&req.fleet).await?;
+        let jobs = self.jobs_of(fleet).await?;
         let matching: Vec<&Job> = match jobs.iter().find(|(_, j)| j.id == wanted) {
             Some((_, j)) => vec![j],
             None => jobs.iter().map(|(_, j)| j).filter(|j| j.id.starts_with(wanted)).collect(),
         };
-        let id = match matching.as_slice() {
-            [] => {
-                return Err(ApiError::new(ErrorCode::NotFound, format!("job: no job {wanted} in fleet {}", req.fleet)));
-            }
-            [one] => one.id.clone(),
-            many => {
-                return Err(ApiError::invalid(format!(
-                    "job: {wanted:?} names {} jobs of fleet {}; give more of the id",
-                    many.len(),
-                    req.fleet
-                )));
-            }
-        };
+        match matching.as_slice() {
+            [] => Err(ApiError::new(ErrorCode::NotFound, format!("job: no job {wanted} in fleet {fleet}"))),
+            [one] => Ok(one.id.clone()),
+            many => Err(ApiError::invalid(format!(
+                "job: {wanted:?} names {} jobs of fleet {fleet}; give more of the id",
+                many.len()
+            ))),
+        }
+    }
+
+    /// `fleet.approve` / `fleet.deny`: answers a blocked job's approval request. A job that
+    /// is not blocked, or whose request is already answered, is a conflict.
+    async fn answer(&self, req: AnswerRequest, decision: Decision) -> Result<Job, ApiError> {
+        let id = self.job_id(&req.fleet, &req.job).await?;
+        let by = req.by.trim();
+        if by.is_empty() {
+            return Err(ApiError::invalid("by: must not be empty"));
+        }
+        let now = now_ms();
+        let job = self
+            .update_job(&req.fleet, &id, |job| {
+                let pending = job.approval.as_mut().filter(|a| a.decision.is_none());
+                match pending {
+                    Some(approval) if job.status == JobStatus::Blocked => {
+                        approval.decision = Some(decision);
+                        approval.by = Some(by.to_string());
+                        approval.at = Some(now);
+                        Ok(())
+                    }
+                    _ => Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        match (&job.approval, job.status) {
+                            (Some(fleet::Approval { decision: Some(d), by: Some(who), .. }), JobStatus::Blocked) => {
+                                format!("job {} was already {} by {who}; the next run takes it", job.id, d.as_str())
+                            }
+                            _ => format!("job {} is not awaiting approval (it is {})", job.id, job.status),
+                        },
+                    )),
+                }
+            })
+            .await?;
+        let steps = job.approval.as_ref().map(|a| a.steps.join(", ")).unwrap_or_default();
+        tracing::info!(instance = %self.instance, fleet = %req.fleet, job = %job.id, by, "job {}", decision.as_str());
+        let text = format!("job {} {} by {by} (step {steps}); the next run takes it", job.id, decision.as_str());
+        self.note(&req.fleet, EventKind::StateChange, text, Some(&job.id)).await;
+        Ok(job)
+    }
+
+    /// `fleet.cancel`: a queued, running or blocked job becomes canceled; a finished one is
+    /// a conflict.
+    async fn cancel(&self, req: CancelRequest) -> Result<Job, ApiError> {
+        let id = self.job_id(&req.fleet, &req.job).await?;
         let now = now_ms();
         let job = self
             .update_job(&req.fleet, &id, |job| {

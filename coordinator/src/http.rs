@@ -296,6 +296,7 @@ impl Backend for ClusterBackend {
             context_id: submission.context_id.clone(),
             deadline_at: None,
             fleet_step: None,
+            needs: Vec::new(),
         };
         let body = serde_json::to_vec(&request).expect("a submit request serializes");
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.

@@ -6,6 +6,7 @@
 pub mod api;
 pub mod dead_letter;
 pub mod fleet_loop;
+pub mod fleet_plan;
 pub mod fleet_run;
 pub mod fleets;
 pub mod http;

@@ -171,6 +171,10 @@ pub struct TaskRecord {
     /// When the task must be over (unix ms), from [`SubmitRequest::deadline_at`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_at: Option<u64>,
+    /// Programs the work needs, from [`SubmitRequest::needs`]: checked by the worker
+    /// before it starts a session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs: Vec<String>,
     /// Set when the task was given up after every delivery failed (issue #8 §Poison
     /// tasks): the task is `failed` and this says why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -227,6 +231,7 @@ impl TaskRecord {
             cancel_requested_at: None,
             deadline_at: request.deadline_at,
             fleet_step: request.fleet_step,
+            needs: request.needs,
             dead_letter: None,
             traceparent: None,
         }
@@ -573,14 +578,23 @@ pub struct SubmitRequest {
     /// semaphore ([`crate::fanout`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_step: Option<FleetStep>,
+    /// Programs the work needs (a fleet's `needs:`, `reference/mur-fleet.md` §1: "passed to
+    /// each delegate for dispatch-time preflight"): the worker that takes the task checks
+    /// each is on its `PATH` before it starts a session, and ends the task `failed` naming
+    /// the missing ones otherwise. At most [`MAX_NEEDS`], each a program name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs: Vec<String>,
 }
+
+/// Most entries of [`SubmitRequest::needs`].
+pub const MAX_NEEDS: usize = 32;
 
 fn default_origin() -> Origin {
     Origin::User
 }
 
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
-const SUBMIT_FIELDS: [&str; 6] = ["capsule", "text", "origin", "context_id", "deadline_at", "fleet_step"];
+const SUBMIT_FIELDS: [&str; 7] = ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step"];
 
 impl SubmitRequest {
     /// A submission of `text` to `capsule` from `origin`, in a fresh context, with no
@@ -593,6 +607,7 @@ impl SubmitRequest {
             context_id: None,
             deadline_at: None,
             fleet_step: None,
+            needs: Vec::new(),
         }
     }
 
@@ -666,9 +681,19 @@ impl SubmitRequest {
                 }
             },
         };
+        let needs = match map.get("needs") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) if items.iter().all(Value::is_string) => {
+                items.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()
+            }
+            Some(other) => {
+                errors.push(format!("needs: must be an array of program names, got {other}"));
+                Vec::new()
+            }
+        };
         let request = match (capsule, text, origin) {
             (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
-                SubmitRequest { capsule, text, origin, context_id, deadline_at, fleet_step }
+                SubmitRequest { capsule, text, origin, context_id, deadline_at, needs, fleet_step }
             }
             (capsule, text, _) => {
                 // Still report the value rules of the fields that did decode.
@@ -679,6 +704,7 @@ impl SubmitRequest {
                     context_id,
                     deadline_at: None,
                     fleet_step: None,
+                    needs,
                 };
                 errors.extend(partial.rule_errors());
                 errors.sort_by_key(|e| field_rank(e));
@@ -721,6 +747,14 @@ impl SubmitRequest {
                 "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
                  not starting or ending with '.', got {ctx:?}"
             ));
+        }
+        if self.needs.len() > MAX_NEEDS {
+            errors.push(format!("needs: at most {MAX_NEEDS} programs, got {}", self.needs.len()));
+        }
+        for (i, need) in self.needs.iter().enumerate() {
+            if need.is_empty() || need.len() > 255 || need.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                errors.push(format!("needs[{i}]: must be a program name (1-255 characters, no spaces), got {need:?}"));
+            }
         }
         errors
     }
@@ -855,7 +889,7 @@ fn json_type(value: &Value) -> &'static str {
 /// Orders error lines by the field they name, in [`SUBMIT_FIELDS`] order (unknown fields
 /// first), so messages are stable whatever the JSON key order.
 fn field_rank(error: &str) -> usize {
-    let field = error.split(':').next().unwrap_or_default();
+    let field = error.split([':', '[']).next().unwrap_or_default();
     SUBMIT_FIELDS.iter().position(|f| *f == field).map_or(0, |i| i + 1)
 }
 
@@ -892,7 +926,8 @@ mod tests {
                 origin: Origin::User,
                 context_id: None,
                 deadline_at: None,
-                fleet_step: None
+                fleet_step: None,
+                needs: Vec::new(),
             }
         );
         let req =
@@ -967,7 +1002,7 @@ mod tests {
     fn every_broken_rule_is_listed_in_field_order() {
         assert_eq!(
             invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
-            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, fleet_step; \
+            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, needs, fleet_step; \
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
@@ -1005,6 +1040,7 @@ mod tests {
             context_id: None,
             deadline_at: None,
             fleet_step: None,
+            needs: Vec::new(),
         };
         let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
@@ -1027,6 +1063,7 @@ mod tests {
             context_id: None,
             deadline_at: None,
             fleet_step: None,
+            needs: Vec::new(),
         };
         let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         let json = serde_json::to_value(&rec).unwrap();
@@ -1077,5 +1114,25 @@ mod tests {
         assert_eq!(err.message, "fleet_step.cap: must be at least 1, got 0");
         let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f"}}"#).unwrap_err();
         assert_eq!(err.message, "fleet_step: missing field `run_id`");
+    }
+
+    #[test]
+    fn needs_are_program_names_and_reach_the_record() {
+        let r = SubmitRequest::parse(br#"{"capsule":"c","text":"t","needs":["cargo","/usr/bin/git"]}"#).unwrap();
+        assert_eq!(r.needs, ["cargo", "/usr/bin/git"]);
+        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        assert_eq!(record.needs, ["cargo", "/usr/bin/git"]);
+        let json = serde_json::to_value(&record).unwrap();
+        assert_eq!(json["needs"], serde_json::json!(["cargo", "/usr/bin/git"]));
+        let none = SubmitRequest::parse(br#"{"capsule":"c","text":"t"}"#).unwrap();
+        assert!(serde_json::to_value(&none).unwrap().get("needs").is_none(), "left out when empty");
+        let err = SubmitRequest::parse(br#"{"capsule":"c","text":"","needs":["ok","two words",""]}"#).unwrap_err();
+        assert_eq!(
+            err.message,
+            "text: must not be empty; needs[1]: must be a program name (1-255 characters, no spaces), got \"two words\"; \
+             needs[2]: must be a program name (1-255 characters, no spaces), got \"\""
+        );
+        let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","needs":"cargo"}"#).unwrap_err();
+        assert_eq!(err.message, "needs: must be an array of program names, got \"cargo\"");
     }
 }

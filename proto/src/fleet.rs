@@ -38,6 +38,8 @@ pub const DEFAULT_FANOUT: u32 = 3;
 pub const FANOUT_ENV: &str = "MUR_FLEET_FANOUT";
 /// The environment variable that lets unattended (triggered) runs start (§Unattended runs).
 pub const AUTORUN_ENV: &str = "MUR_FLEET_AUTORUN";
+/// A retried procedure step's extra attempts when `max_retries` is not given (reference §6).
+pub const DEFAULT_MAX_RETRIES: u32 = 1;
 /// Most steps a `procedure:` may have (§A fixed step graph).
 pub const MAX_PROCEDURE_STEPS: usize = 32;
 /// The diagnostic iteration ceiling that replaced the iteration cap (§The bounds).
@@ -48,6 +50,9 @@ pub const MAX_RUN_ID_LEN: usize = 96;
 pub const CHANNEL_PREFIX: &str = "fleet-";
 /// A job created by `mur fleet send` or a job argument of `mur fleet run`.
 pub const SOURCE_CLI: &str = "cli";
+/// A job a run made for its standing goal when a procedure step of it was parked for
+/// approval (`seeds/fleet-loops.md` §Unattended runs): the handle to approve it by.
+pub const SOURCE_GOAL: &str = "goal";
 
 /// The notice printed when an iteration cap is given (§The bounds: "Iteration cap — gone").
 pub const MAX_ITERATIONS_NOTICE: &str = "is ignored: loops are bounded by deadline, stuck and cost \
@@ -394,6 +399,28 @@ pub struct Step {
     pub task: String,
     /// Ids of steps whose output this step receives and waits for.
     pub depends_on: Vec<String>,
+    /// What a failure of this step does to the run (reference §6). Default abort.
+    pub on_failure: OnFailure,
+    /// With `on_failure: retry`, how many times the step runs again before the run aborts.
+    /// Default [`DEFAULT_MAX_RETRIES`]; ignored otherwise.
+    pub max_retries: u32,
+    /// The risk tier of what the step does. A step with a tier needs approval before it
+    /// runs unless `hitl.auto_approve_tiers` lists it (`seeds/fleet-loops.md` §Unattended
+    /// runs; reference §7); a step without one needs none.
+    pub tier: Option<RiskTier>,
+}
+
+/// A procedure step's `on_failure` (reference §6, "Failure").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// The run ends failed once the step's rank is over; later ranks do not start.
+    #[default]
+    Abort,
+    /// The failure is recorded and the run goes on; dependents run without its output.
+    Skip,
+    /// The step runs again, up to `max_retries` times, then the run aborts.
+    Retry,
 }
 
 /// `parallel.mode`.
@@ -669,7 +696,7 @@ const TOP_KEYS: &[&str] =
     &["name", "goal", "members", "router", "loop", "limits", "fanout", "hitl", "procedure", "parallel", "needs"];
 const LOOP_KEYS: &[&str] = &["trigger", "done_when", "deadline", "budget_usd", "max_iterations"];
 const HITL_KEYS: &[&str] = &["mode", "auto_approve_tiers"];
-const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on"];
+const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on", "on_failure", "max_retries", "tier"];
 const PARALLEL_KEYS: &[&str] = &["mode", "tracks", "judge", "pre_filter", "partition"];
 
 #[derive(Deserialize)]
@@ -737,6 +764,9 @@ struct RawStep {
     member: Option<String>,
     task: Option<String>,
     depends_on: Option<Vec<String>>,
+    on_failure: Option<OnFailure>,
+    max_retries: Option<u32>,
+    tier: Option<RiskTier>,
 }
 
 #[derive(Deserialize)]
@@ -1117,6 +1147,9 @@ fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> V
             member: s.member.unwrap_or_default().trim().to_string(),
             task: s.task.unwrap_or_default(),
             depends_on: s.depends_on.unwrap_or_default().into_iter().map(|d| d.trim().to_string()).collect(),
+            on_failure: s.on_failure.unwrap_or_default(),
+            max_retries: s.max_retries.unwrap_or(DEFAULT_MAX_RETRIES),
+            tier: s.tier,
         })
         .collect();
     let ids: BTreeSet<&str> = steps.iter().map(|s| s.id.as_str()).collect();
@@ -1645,6 +1678,52 @@ pub struct Job {
     /// When it reached a terminal status.
     #[serde(default)]
     pub finished_at: Option<u64>,
+    /// The approval its procedure is waiting for, or the answer given (`hitl`,
+    /// `seeds/fleet-loops.md` §Unattended runs): set when a run parks a step, answered by
+    /// `mur fleet approve` / `mur fleet deny`.
+    #[serde(default)]
+    pub approval: Option<Approval>,
+    /// Outputs of the procedure steps already completed for this job, by step id: the run
+    /// after an approval continues from there instead of running them again.
+    #[serde(default)]
+    pub steps_done: BTreeMap<String, String>,
+}
+
+/// A parked approval request of a job (one per blocked run; it covers every step that run
+/// parked).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Approval {
+    /// The parked steps' ids, in procedure order.
+    pub steps: Vec<String>,
+    /// `None` while waiting.
+    #[serde(default)]
+    pub decision: Option<Decision>,
+    /// Who answered.
+    #[serde(default)]
+    pub by: Option<String>,
+    /// When it was answered, unix ms.
+    #[serde(default)]
+    pub at: Option<u64>,
+}
+
+/// The answer to an approval request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decision {
+    /// The parked steps run when the job runs next.
+    Approved,
+    /// The parked steps fail ("denied") when the job runs next; their `on_failure` applies.
+    Denied,
+}
+
+impl Decision {
+    /// `approved` or `denied`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Decision::Approved => "approved",
+            Decision::Denied => "denied",
+        }
+    }
 }
 
 impl Job {
@@ -1666,6 +1745,8 @@ impl Job {
             created_at: now_ms,
             started_at: None,
             finished_at: None,
+            approval: None,
+            steps_done: BTreeMap::new(),
         }
     }
 
@@ -1717,6 +1798,18 @@ impl JobFilter {
             None => self.all || !job.status.is_terminal(),
         }
     }
+}
+
+/// Whether a blocked job's approval request has been answered, so the next run takes it.
+pub fn is_answered(job: &Job) -> bool {
+    job.status == JobStatus::Blocked && job.approval.as_ref().is_some_and(|a| a.decision.is_some())
+}
+
+/// The job a run works on next: the oldest blocked job whose approval was answered (it
+/// continues from where it was parked, §Unattended runs: "the next run continues from
+/// there"), else the oldest queued one ([`next_queued`]).
+pub fn next_job(jobs: &[Job]) -> Option<&Job> {
+    jobs.iter().filter(|j| is_answered(j)).min_by(|a, b| a.id.cmp(&b.id)).or_else(|| next_queued(jobs))
 }
 
 /// The oldest queued job (ids are UUIDv7, so the smallest id is the oldest).
@@ -1805,7 +1898,9 @@ impl Stop {
     pub fn remedy(self, fleet: &str) -> Option<String> {
         Some(match self {
             Stop::Converged | Stop::QueueDrained => return None,
-            Stop::AwaitingApproval => format!("approve the parked request on channel fleet-{fleet}, then run it again"),
+            Stop::AwaitingApproval => {
+                format!("approve the parked steps: mur fleet approve {fleet} <job>, then run it again")
+            }
             Stop::Stopped => format!("mur fleet start {fleet} clears the kill-switch"),
             Stop::Deadline => {
                 format!("raise the deadline: mur fleet run {fleet} --loop --deadline <D>, or limits.deadline")

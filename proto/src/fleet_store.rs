@@ -98,6 +98,12 @@ pub mod api {
     pub const START: &str = "mur.api.fleet.start";
     /// [`super::LogRequest`] → a JSON array of [`super::ChannelEvent`], oldest first.
     pub const LOG: &str = "mur.api.fleet.log";
+    /// [`super::AnswerRequest`] → the [`crate::fleet::Job`]: approves the steps its last
+    /// run parked; the next run of the fleet takes the job and runs them.
+    pub const APPROVE: &str = "mur.api.fleet.approve";
+    /// [`super::AnswerRequest`] → the [`crate::fleet::Job`]: denies them; the next run
+    /// fails them (their `on_failure` applies).
+    pub const DENY: &str = "mur.api.fleet.deny";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -408,6 +414,20 @@ pub struct CancelRequest {
     pub fleet: String,
     /// The job's id, or a prefix of it that names one job.
     pub job: String,
+}
+
+/// `fleet.approve` / `fleet.deny`: the answer to a blocked job's approval request
+/// (`seeds/fleet-loops.md` §Unattended runs: "Approve it whenever you get to it and the next
+/// run continues from there").
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnswerRequest {
+    /// The fleet.
+    pub fleet: String,
+    /// The job's id, or a prefix of it that names one job.
+    pub job: String,
+    /// Who answers (recorded on the job and the channel).
+    pub by: String,
 }
 
 /// `fleet.set_loop`: only the fields given are judged and changed.

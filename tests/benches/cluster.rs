@@ -469,6 +469,7 @@ async fn submit(client: &async_nats::Client, capsule: &str) -> String {
         context_id: None,
         deadline_at: None,
         fleet_step: None,
+        needs: Vec::new(),
     };
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())

@@ -427,6 +427,7 @@ mod worker_service {
                 context_id: None,
                 deadline_at: None,
                 fleet_step: None,
+                needs: Vec::new(),
             };
             let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;

@@ -335,6 +335,7 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
                 context_id: Some(context.into()),
                 deadline_at: None,
                 fleet_step: None,
+                needs: Vec::new(),
             };
             let reply: SubmitReply =
                 mur_coordinator::api::call(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())

@@ -364,7 +364,7 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
         *done,
         json!({"id": ids[0], "status": "done", "text": "first", "result": "result of loop1-0", "error": null,
                "run_id": "loop1-0", "source": "cli", "created_at": done["created_at"], "started_at": 1000,
-               "finished_at": 2000})
+               "finished_at": 2000, "approval": null, "steps_done": {}})
     );
     // The table.
     let table = ok(&sb, &["jobs", "pair", "--since", "loop1"]).stdout;

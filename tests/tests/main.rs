@@ -21,6 +21,8 @@ mod detach;
 
 /// `mur fleet …`: definitions, jobs, the kill-switch and the channel in JetStream.
 mod fleet;
+/// Fleets with a `procedure:`: ranks, dependency outputs, on_failure, approvals.
+mod fleet_procedure;
 
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;

@@ -15,6 +15,7 @@ pub mod hooks;
 pub mod intake;
 pub mod launch;
 pub mod local;
+pub mod preflight;
 pub mod service;
 pub mod session;
 pub mod tokens;

@@ -1062,6 +1062,10 @@ async fn run_session(
     checkpoints: Arc<KvCheckpoints>,
     (cancel, permit): (CancellationToken, Option<Arc<fanout::StepPermit>>),
 ) -> Result<(ExitStatus, String), String> {
+    let missing = crate::preflight::missing(&task.needs, std::env::var_os("PATH").as_deref());
+    if !missing.is_empty() {
+        return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing)));
+    }
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
     let layout = Layout { workdir: dir.clone(), session_dir: dir };

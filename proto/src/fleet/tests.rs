@@ -445,6 +445,37 @@ procedure:
 }
 
 #[test]
+fn step_failure_policy_and_tier_default_to_abort_one_retry_and_none() {
+    let f = Fleet::parse(PROCEDURE).unwrap();
+    assert_eq!(
+        (f.procedure[0].on_failure, f.procedure[0].max_retries, f.procedure[0].tier),
+        (OnFailure::Abort, 1, None)
+    );
+    let y = format!(
+        "{PROCEDURE}  - id: last\n    member: critic\n    on_failure: retry\n    max_retries: 3\n    tier: destructive\n"
+    );
+    let f = Fleet::parse(&y).unwrap();
+    assert_eq!((f.procedure[3].on_failure, f.procedure[3].max_retries), (OnFailure::Retry, 3));
+    assert_eq!(f.procedure[3].tier, Some(RiskTier::Destructive));
+    let err = parse_err(&format!("{PROCEDURE}  - id: x\n    member: critic\n    on_failure: ignore\n"));
+    assert!(err.starts_with("procedure[3].on_failure: unknown variant `ignore`"), "{err}");
+    let err = parse_err(&format!("{PROCEDURE}  - id: x\n    member: critic\n    tier: scary\n"));
+    assert!(err.starts_with("procedure[3].tier: unknown variant `scary`"), "{err}");
+}
+
+#[test]
+fn the_next_job_is_an_answered_blocked_one_before_the_oldest_queued() {
+    let mut parked = job(2, JobStatus::Blocked, Some("r-0"));
+    let queued = job(1, JobStatus::Queued, None);
+    assert_eq!(next_job(&[queued.clone(), parked.clone()]).map(|j| &j.id), Some(&queued.id));
+    parked.approval = Some(Approval { steps: vec!["a".into()], decision: None, by: None, at: None });
+    assert!(!is_answered(&parked));
+    parked.approval.as_mut().unwrap().decision = Some(Decision::Denied);
+    assert!(is_answered(&parked));
+    assert_eq!(next_job(&[queued, parked.clone()]).map(|j| &j.id), Some(&parked.id));
+}
+
+#[test]
 fn parallel_block_parses_and_checks_tracks() {
     let y = format!(
         "{MINIMAL}parallel:\n  mode: partition\n  tracks:\n    - name: a\n      approach: top-down\n    - name: a\n  \
@@ -844,7 +875,7 @@ fn job_json_has_every_field() {
         serde_json::json!({
             "id": "00000000-0000-0000-0000-000000000001", "status": "queued", "text": "job 1",
             "result": null, "error": null, "run_id": null, "source": "cli",
-            "created_at": 1000, "started_at": null, "finished_at": null
+            "created_at": 1000, "started_at": null, "finished_at": null, "approval": null, "steps_done": {}
         })
     );
     let back: Job = serde_json::from_value(serde_json::json!({

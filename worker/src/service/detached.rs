@@ -153,6 +153,7 @@ impl Host {
             context_id: Some(self.context_id.clone()),
             deadline_at: None,
             fleet_step: None,
+            needs: Vec::new(),
         };
         let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
         let reply = self.client.request(cluster::api::TASK_SUBMIT, body.into()).await.map_err(|e| e.to_string())?;

@@ -1,0 +1,48 @@
+//! Sending the steps of a broadcast or router-planned iteration (issue #10 §Runs and
+//! loops; `seeds/fleet-loops.md` §The bounds, fan-out bound): each step is a `delegation`
+//! event, a `peer` task with the loop's time left at the moment it is sent, and the
+//! member's `reply` event; at most the fan-out cap are in flight at once
+//! ([`fleet::resolve_fanout`]: the fleet's `fanout:`, else `MUR_FLEET_FANOUT`, else 3), and
+//! the replies come back in step order.
+
+use super::Exec;
+use crate::fleet_loop::{Reply, Spec, Step};
+use crate::fleets::now_ms;
+use futures::StreamExt;
+use mur_proto::fleet;
+use mur_proto::fleet_store::{Author, EventKind};
+use std::time::Duration;
+
+impl Exec {
+    /// Sends `steps`, at most the fan-out cap at once; their replies in step order.
+    pub(super) async fn send_steps(
+        &self,
+        spec: &Spec,
+        steps: &[Step],
+        iteration_run_id: &str,
+        job: Option<&str>,
+    ) -> Vec<Reply> {
+        let fanout = fleet::resolve_fanout(spec.fleet.fanout, &|k| std::env::var(k).ok());
+        let sends: Vec<_> = steps.iter().map(|step| self.send_step(spec, step, iteration_run_id, job)).collect();
+        futures::stream::iter(sends).buffered(fanout.for_steps(steps.len())).collect().await
+    }
+
+    async fn send_step(&self, spec: &Spec, step: &Step, iteration_run_id: &str, job: Option<&str>) -> Reply {
+        let text = format!("{} ← {}", step.member, step.text);
+        self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
+        // The time left when it is sent, not when it was planned: a step that waited for a
+        // fan-out slot does not get a longer clock.
+        let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
+        let time_left = fleet::inherited_deadline(spec.deadline, elapsed).min(step.time_left);
+        let (ok, text) = match self.submit(&step.member, &step.text, now_ms() + time_left.as_millis() as u64).await {
+            Ok(task_id) => self.wait(&task_id, time_left).await,
+            Err(e) => {
+                tracing::warn!(fleet = %spec.fleet.name, member = %step.member, "delegation refused: {e}");
+                (false, "error: the delegated task was refused".to_string())
+            }
+        };
+        self.event(EventKind::Reply, Author::Member(step.member.clone()), text.clone(), Some(iteration_run_id), job)
+            .await;
+        Reply { member: step.member.clone(), ok, text }
+    }
+}
