@@ -496,8 +496,25 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         println!("iterations {}", r.iterations);
         println!("{}", r.bounds);
         println!("coordinator {}", r.coordinator);
+        print_spend(r);
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// The spend lines of `mur job status` (issue #11 §Cost): the run's, each job's, each
+/// member's; the budget when one applies; and the run's notices.
+fn print_spend(r: &fleet_store::RunRecord) {
+    let budget = r.budget_usd.map(|b| format!(" of a ${b:.4} budget")).unwrap_or_default();
+    println!("spend      {}{budget}", r.spend.summary());
+    for (job, s) in &r.jobs {
+        println!("  job {job} {}", s.summary());
+    }
+    for (member, s) in &r.members {
+        println!("  member {member} {}", s.summary());
+    }
+    for n in &r.notices {
+        println!("notice     {n}");
+    }
 }
 
 /// `mur fleet run`: asks the leader to start the run, then follows it.
@@ -514,6 +531,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             }
         };
         eprintln!("{}", started.bounds);
+        for n in &started.notices {
+            eprintln!("notice: {n}");
+        }
         if common.json {
             print_json(&started)?;
         } else {
@@ -553,11 +573,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 if common.json {
                     print_json(&r)?;
                 }
+                let spent = format!("; spent {}", r.spend.summary());
                 if r.state == "completed" {
-                    eprintln!("run {} completed ({stop}) after {} iterations", r.run_id, r.iterations);
+                    eprintln!("run {} completed ({stop}) after {} iterations{spent}", r.run_id, r.iterations);
                     return Ok(ExitCode::SUCCESS);
                 }
-                eprintln!("run {} ended: {stop}", r.run_id);
+                eprintln!("run {} ended: {stop} after {} iterations{spent}", r.run_id, r.iterations);
                 return Ok(ExitCode::from(1));
             }
             tokio::select! {

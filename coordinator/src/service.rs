@@ -84,10 +84,12 @@ const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
 const CAS_ATTEMPTS: usize = 8;
 
 /// How the coordinator runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// The cluster's streams and buckets.
     pub settings: Settings,
+    /// The fleet part of the cluster config: `prices:`, `fleet.autorun` (issue #11).
+    pub fleet: crate::fleet_cost::FleetSettings,
     /// This coordinator's name, for logs.
     pub instance: String,
     /// A worker whose heartbeat is older than this is gone ([`DEFAULT_WORKER_TIMEOUT`]).
@@ -97,7 +99,12 @@ pub struct Config {
 impl Config {
     /// A configuration with the default worker timeout.
     pub fn new(settings: Settings, instance: impl Into<String>) -> Config {
-        Config { settings, instance: instance.into(), worker_timeout: DEFAULT_WORKER_TIMEOUT }
+        Config {
+            settings,
+            fleet: crate::fleet_cost::FleetSettings::default(),
+            instance: instance.into(),
+            worker_timeout: DEFAULT_WORKER_TIMEOUT,
+        }
     }
 }
 
@@ -355,13 +362,15 @@ async fn lead(
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
-    loops.spawn(crate::fleet_run::serve(
-        client.clone(),
-        crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
-        res.tasks.clone(),
-        instance.clone(),
-        stopped.clone(),
-    ));
+    let fleet_env = crate::fleet_run::Env {
+        client: client.clone(),
+        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        tasks: res.tasks.clone(),
+        capsule_index: res.capsule_index.clone(),
+        instance: instance.clone(),
+        settings: config.fleet.clone(),
+    };
+    loops.spawn(crate::fleet_run::serve(fleet_env, stopped.clone()));
     Ok(Leading { ctx, loops, stop })
 }
 

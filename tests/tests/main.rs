@@ -21,6 +21,8 @@ mod detach;
 
 /// `mur fleet …`: definitions, jobs, the kill-switch and the channel in JetStream.
 mod fleet;
+/// Fleet cost: prices, per-task usage, budgets, local fleets (issue #11 §Cost).
+mod fleet_cost;
 
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;

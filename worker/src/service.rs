@@ -670,10 +670,10 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
         worker: worker_id.clone(),
         saved: AtomicBool::new(checkpointed),
     });
-    let (exit, result, error) =
+    let (exit, result, error, usage) =
         match run_session(sh, &task, &capsule, &session_id, takeover, checkpoints.clone(), cancel).await {
-            Ok((exit, result)) => (exit, result, None),
-            Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
+            Ok((exit, result, usage)) => (exit, result, None, usage),
+            Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
         };
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
@@ -693,6 +693,7 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
                         return false;
                     }
                     end_record(r, exit, &result, error.as_deref());
+                    r.usage.clone_from(&usage);
                     true
                 })
                 .await
@@ -931,7 +932,9 @@ async fn run_session(
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
     cancel: CancellationToken,
-) -> Result<(ExitStatus, String), String> {
+) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>), String> {
+    // The task's token usage, tallied from its trace for the terminal record (issue #11).
+    let tally = crate::usage::UsageTally::default();
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
     let layout = Layout { workdir: dir.clone(), session_dir: dir };
@@ -969,7 +972,7 @@ async fn run_session(
         session_id,
         driver,
         tools,
-        sink: Box::new(Tee(vec![Box::new(file), Box::new(published)])),
+        sink: Box::new(Tee(vec![Box::new(file), Box::new(published), Box::new(tally.clone())])),
         system_prompt: None,
         resumed_from: takeover.as_ref().map(|t| t.previous_session_id.clone()),
     });
@@ -1013,7 +1016,7 @@ async fn run_session(
     session_done.cancel();
     // The session and its sink are gone: every line is queued; send them all.
     publisher.finish().await;
-    outcome
+    outcome.map(|(exit, result)| (exit, result, tally.usage()))
 }
 
 /// Keeps the context's conversation after a task that ended `ok` (as `mur run` keeps
