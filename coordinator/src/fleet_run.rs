@@ -17,8 +17,12 @@
 //! judgment when `done_when` is empty. Every step carries the loop's time left as
 //! `deadline_at`; the worker stops it then.
 //!
-//! Not here yet: procedure plans (refused at the start), cost budgets, and a new leader
-//! adopting runs a dead one left `running`.
+//! Each iteration's spend (its tasks' `usage` at the cluster's `prices:`) goes into the
+//! record, per job and per member, and a `note` on the channel; the budget is checked by
+//! the pure run before each iteration (issue #11 §Cost, [`crate::fleet_cost`]). A run a dead
+//! coordinator left `running` is taken over by [`crate::fleet_adopt`] through [`resume`].
+//!
+//! Not here yet: procedure plans (refused at the start).
 
 use crate::fleet_cost::FleetSettings;
 use crate::fleet_loop::{Next, Refused, Reply, Run, Spec, View};

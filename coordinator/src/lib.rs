@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod dead_letter;
+pub mod fleet_adopt;
 pub mod fleet_cost;
 pub mod fleet_loop;
 pub mod fleet_run;

@@ -21,6 +21,8 @@ mod detach;
 
 /// `mur fleet …`: definitions, jobs, the kill-switch and the channel in JetStream.
 mod fleet;
+/// Fleet runs that outlive their coordinator: adopted or failed by the new leader (issue #11).
+mod fleet_adopt;
 /// Fleet cost: prices, per-task usage, budgets, local fleets (issue #11 §Cost).
 mod fleet_cost;
 
