@@ -371,6 +371,7 @@ async fn lead(
         settings: config.fleet.clone(),
     };
     loops.spawn(crate::fleet_adopt::serve(fleet_env.clone(), stopped.clone()));
+    loops.spawn(crate::fleet_trigger::serve(fleet_env.clone(), stopped.clone()));
     loops.spawn(crate::fleet_run::serve(fleet_env, stopped.clone()));
     Ok(Leading { ctx, loops, stop })
 }

@@ -25,6 +25,8 @@ mod fleet;
 mod fleet_adopt;
 /// Fleet cost: prices, per-task usage, budgets, local fleets (issue #11 §Cost).
 mod fleet_cost;
+/// Fleet triggers firing unattended on the leader (issue #10).
+mod fleet_trigger;
 
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;
