@@ -94,7 +94,7 @@ async fn scan(env: &Env) -> Result<(), String> {
             continue;
         }
         let Ok(record) = serde_json::from_slice::<RunRecord>(&entry.value) else { continue };
-        if record.is_over() {
+        if record.is_over() || env.active.lock().expect("active runs poisoned").contains(&record.run_id) {
             continue;
         }
         let beat = defs

@@ -7,8 +7,10 @@
 //!
 //! Order of the checks before every iteration (the seed's): the kill-switch (a sentinel
 //! that cannot be read counts as set: fail closed), then deadline → stuck (never before the
-//! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
-//! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
+//! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]) → the budget
+//! (issue #11 §Cost: spent + projected next > budget, [`cost::projected_next`]; only for a
+//! fleet on metered models), then `done_when: queue-empty` (before any model call, so it
+//! costs nothing). A run without
 //! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
 //! the work to every member; with a router and several members the router plans each
 //! iteration ([`Next::Plan`]: every member gets the work followed by the router's

@@ -56,6 +56,20 @@ pub struct Env {
     pub instance: String,
     /// `prices:` and `fleet.autorun` of the cluster config.
     pub settings: FleetSettings,
+    /// The runs this process is carrying out (run ids): never taken over by itself.
+    pub active: Active,
+}
+
+/// Run ids being carried out in this process.
+pub type Active = std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>;
+
+/// Keeps a run id in [`Env::active`] while its executor lives.
+struct ActiveGuard(Active, String);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.lock().expect("active runs poisoned").remove(&self.1);
+    }
 }
 
 /// Serves run requests until `stopped` (the leader stepping down or stopping).
@@ -238,6 +252,7 @@ struct Exec {
     settings: FleetSettings,
     /// Usage of the tasks waited for, by capsule, until the iteration accounts it.
     tally: crate::fleet_cost::Tally,
+    active: Active,
 }
 
 impl Exec {
@@ -249,6 +264,18 @@ impl Exec {
             record,
             settings: env.settings.clone(),
             tally: Default::default(),
+            active: env.active.clone(),
+        }
+    }
+
+    /// Whether the run's record still names this coordinator: a coordinator that was
+    /// thought dead (its heartbeat stopped, [`crate::fleet_adopt`]) and comes back must not
+    /// drive a run another one took over. A record that cannot be read is taken as ours.
+    async fn still_ours(&self) -> bool {
+        match self.fleets.defs().get(fleet_store::run_key(&self.record.run_id)).await {
+            Ok(Some(v)) => serde_json::from_slice::<RunRecord>(&v)
+                .map_or(true, |r| r.coordinator == self.record.coordinator && !r.is_over()),
+            _ => true,
         }
     }
 
@@ -275,6 +302,8 @@ impl Exec {
 
     async fn drive(mut self, mut run: Run) {
         let fleet = self.record.fleet.clone();
+        self.active.lock().expect("active runs poisoned").insert(self.record.run_id.clone());
+        let _active = ActiveGuard(self.active.clone(), self.record.run_id.clone());
         // The heartbeat `mur job status` judges liveness by.
         let beat = tokio::spawn({
             let defs = self.fleets.defs().clone();
@@ -304,6 +333,11 @@ impl Exec {
         }
         let mut last_agent: Option<u64> = None;
         let stop = loop {
+            if !self.still_ours().await {
+                tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
+                beat.abort();
+                return;
+            }
             let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
                 Ok(j) => j.into_iter().map(|(_, j)| j).collect(),
                 Err(e) => {
@@ -453,6 +487,11 @@ impl Exec {
     }
 
     async fn finish(&mut self, stop: Stop) {
+        // Tasks waited for since the last iteration (a router's plan that failed).
+        let rest = self.tally.take();
+        if !rest.is_empty() {
+            crate::fleet_cost::account(&mut self.record, &self.settings.prices, None, &rest);
+        }
         let now = now_ms();
         self.record.state =
             if matches!(stop, Stop::Converged | Stop::QueueDrained) { "completed" } else { "ended" }.into();

@@ -185,6 +185,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let mut requests = futures::stream::select_all(endpoints);
     tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
 
+    // Fleet runs this process carries out, across its terms as leader.
+    let active_runs = crate::fleet_run::Active::default();
     let lease =
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);
@@ -220,7 +222,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         };
         standby_logged = false;
         tracing::info!(instance = %instance, term = held.term, "leading");
-        let mut leading = match lead(&client, &config, &res, held.clone()).await {
+        let mut leading = match lead(&client, &config, &res, held.clone(), &active_runs).await {
             Ok(l) => l,
             Err(e) => {
                 lease.release(&held).await;
@@ -287,13 +289,15 @@ impl Leading {
 }
 
 /// Takes up the leader's duties under `held`: restores the scheduler from the buckets,
-/// republishes released dispatches, and starts the watchers, the actor and the
-/// dead-letter loop.
+/// republishes released dispatches, and starts the watchers, the actor, the
+/// dead-letter loop and the fleet loops (run requests, adoption of dead runs, triggers;
+/// `active_runs`: the fleet runs this process carries out).
 async fn lead(
     client: &async_nats::Client,
     config: &Config,
     res: &Resources,
     held: Arc<Held>,
+    active_runs: &crate::fleet_run::Active,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -369,6 +373,7 @@ async fn lead(
         capsule_index: res.capsule_index.clone(),
         instance: instance.clone(),
         settings: config.fleet.clone(),
+        active: active_runs.clone(),
     };
     loops.spawn(crate::fleet_adopt::serve(fleet_env.clone(), stopped.clone()));
     loops.spawn(crate::fleet_trigger::serve(fleet_env.clone(), stopped.clone()));
