@@ -461,6 +461,11 @@ impl Exec {
                     self.account(&mut run, &iteration_run_id, job.as_deref()).await;
                     self.record.iterations += 1;
                     self.record.updated_at = now_ms();
+                    if !self.still_ours().await {
+                        tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
+                        beat.abort();
+                        return;
+                    }
                     if let Err(e) = put_record(&self.fleets, &self.record).await {
                         tracing::warn!(fleet, "writing the run record: {e}");
                     }

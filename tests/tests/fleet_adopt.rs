@@ -150,3 +150,37 @@ async fn a_loop_whose_coordinator_is_killed_is_adopted_by_the_new_leader_and_dra
     let log = mur(&procs, &["fleet", "log", "builder"]).await.stdout;
     assert!(log.contains(&format!("system state-change: run {run_id} adopted: {reason}")), "{log}");
 }
+
+/// A leader that only looked dead (SIGSTOP past the lease and the run's heartbeat) and
+/// wakes after the standby adopted its loop leaves the run alone: the adopter's record
+/// stands (completed, by coordinator-2) and the woken executor says it left. (One job
+/// only: the adopter needs no task API call while the paused coordinator still holds its
+/// share of the API's queue group.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_that_wakes_after_its_loop_was_adopted_leaves_the_run_to_the_adopter() {
+    let (procs, first, _second, _worker) = cluster().await;
+    let slow = send(&procs, "sleep 4 && echo one").await;
+    let client = {
+        let mut cmd = procs.command();
+        cmd.args(["fleet", "run", "builder", "--loop", "--deadline", "5m"]);
+        tokio::task::spawn_blocking(move || Run::of(&mut cmd))
+    };
+    let iteration = wait_step_working(&procs, &slow).await;
+    let run_id = iteration.strip_suffix("-0").expect("the loop's first iteration").to_string();
+    first.pause();
+    let followed = client.await.unwrap();
+    assert_eq!(followed.code, 0, "{followed:?}");
+    assert!(followed.stderr.contains("completed (queue-drained) after 1 iterations"), "{}", followed.stderr);
+    first.resume();
+    until("the woken coordinator leaves the run", WAIT, || async {
+        first.log().contains("another coordinator took the run over: leaving it").then_some(())
+    })
+    .await;
+    let v = mur(&procs, &["job", "status", &run_id, "--json"]).await.last_json();
+    assert_eq!(
+        (v["state"].as_str(), v["stop"].as_str(), v["coordinator"].as_str(), v["iterations"].as_u64()),
+        (Some("completed"), Some("queue-drained"), Some("coordinator-2"), Some(1))
+    );
+    let orphaned = job(&procs, &slow).await;
+    assert_eq!(orphaned["status"], "failed", "the woken executor did not end the job again: {orphaned}");
+}
