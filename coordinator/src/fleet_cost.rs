@@ -41,13 +41,31 @@ pub fn capsules_of(fleet: &Fleet) -> Vec<String> {
     fleet.members.iter().cloned().chain(fleet.router.clone()).collect()
 }
 
+/// The coordinator's environment variable that sets the projection's rate (USD per 1,000
+/// tokens) for every metered fleet, when it is a number above 0 (ref §3 step 4).
+pub const COST_PER_1K_ENV: &str = "MUR_FLEET_COST_PER_1K";
+
+/// [`COST_PER_1K_ENV`] as `env` gives it: a finite number above 0, else `None`.
+pub fn rate_override(env: &dyn Fn(&str) -> Option<String>) -> Option<f64> {
+    env(COST_PER_1K_ENV).and_then(|v| v.trim().parse::<f64>().ok()).filter(|r| r.is_finite() && *r > 0.0)
+}
+
 /// How a run is bounded in money: `(budget, guard rate, notice)`. A fleet on metered
 /// models (some capsule's model has a price) gets the resolved cost bound (if any) and the
-/// dearest output rate; a local fleet gets no budget and the notice that its deadline
-/// bounds it (ref §2 "Cost applicability").
-pub fn metering(fleet: &Fleet, bounds: &Bounds, prices: &Prices, models: &[Option<String>]) -> Metering {
+/// projection's rate: `rate_override` ([`rate_override`]) when given, else the dearest
+/// output price of its models; a local fleet gets no budget and the notice that its
+/// deadline bounds it (ref §2 "Cost applicability").
+pub fn metering(
+    fleet: &Fleet,
+    bounds: &Bounds,
+    prices: &Prices,
+    models: &[Option<String>],
+    rate_override: Option<f64>,
+) -> Metering {
     match prices.guard_rate(models.iter().map(Option::as_deref)) {
-        Some(rate) => Metering { budget_usd: bounds.cost_usd.value, guard_rate: rate, notice: None },
+        Some(rate) => {
+            Metering { budget_usd: bounds.cost_usd.value, guard_rate: rate_override.unwrap_or(rate), notice: None }
+        }
         None => {
             let ignored = match bounds.cost_usd.value {
                 Some(_) => format!("; the budget {} ← {} is ignored", bounds.cost_usd.text, bounds.cost_usd.source),
@@ -125,7 +143,7 @@ mod tests {
         let flags = RunFlags { budget_usd: Some(5.0), deadline: Some("2m".into()), ..RunFlags::default() };
         let bounds = fleet::resolve_bounds(&f, &flags, &LimitsBlock::Absent).unwrap();
         let prices: Prices = serde_yaml_ng::from_str("gpt-x: {input: 1, output: 2}\n").unwrap();
-        let local = metering(&f, &bounds, &prices, &[Some("llama".into())]);
+        let local = metering(&f, &bounds, &prices, &[Some("llama".into())], Some(9.0));
         assert_eq!(
             local,
             Metering {
@@ -138,7 +156,18 @@ mod tests {
                 ),
             }
         );
-        let metered = metering(&f, &bounds, &prices, &[Some("gpt-x".into())]);
+        let metered = metering(&f, &bounds, &prices, &[Some("gpt-x".into())], None);
         assert_eq!(metered, Metering { budget_usd: Some(5.0), guard_rate: 2.0, notice: None });
+        let overridden = metering(&f, &bounds, &prices, &[Some("gpt-x".into())], Some(0.25));
+        assert_eq!(overridden.guard_rate, 0.25);
+    }
+
+    #[test]
+    fn the_rate_override_must_be_a_number_above_zero() {
+        let env = |v: &'static str| move |k: &str| (k == COST_PER_1K_ENV).then(|| v.to_string());
+        assert_eq!(rate_override(&env(" 0.5 ")), Some(0.5));
+        for bad in ["0", "-1", "NaN", "inf", "cheap", ""] {
+            assert_eq!(rate_override(&env(bad)), None, "{bad:?}");
+        }
     }
 }

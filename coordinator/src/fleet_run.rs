@@ -153,7 +153,8 @@ pub async fn spec_of(
     };
     let bounds = fleet::resolve_bounds(fleet, &flags, &LimitsBlock::Absent).map_err(|e| invalid(e.to_string()))?;
     let models = crate::fleet_cost::models_of(&env.capsule_index, &crate::fleet_cost::capsules_of(fleet)).await;
-    let metering = crate::fleet_cost::metering(fleet, &bounds, &env.settings.prices, &models);
+    let rate = crate::fleet_cost::rate_override(&|k| std::env::var(k).ok());
+    let metering = crate::fleet_cost::metering(fleet, &bounds, &env.settings.prices, &models, rate);
     let spec = Spec {
         run_id,
         fleet: fleet.clone(),

@@ -160,6 +160,7 @@ mod tests {
         assert_eq!(due(&t, None, 5_000), Due::Fire);
         assert_eq!(due(&t, Some(5_000), 14_999), Due::No);
         assert_eq!(due(&t, Some(5_000), 15_000), Due::Fire);
+        assert_eq!(due(&t, Some(20_000), 15_000), Due::No, "a last run in the future (clock skew)");
         assert_eq!(due(&Trigger::Manual, None, 5_000), Due::No);
         assert_eq!(due(&Trigger::Never("cron:0 9 31 2 *".into()), None, 5_000), Due::No);
     }
