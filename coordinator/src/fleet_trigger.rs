@@ -30,11 +30,6 @@ const TICK: Duration = Duration::from_secs(1);
 /// replay missed boundaries (ref §5), ms.
 const CRON_CATCH_UP_MS: u64 = 90_000;
 
-/// The [`fleet_store::FLEETS_BUCKET`] key of a fleet's last triggered run: `lastrun.<fleet>`.
-pub fn last_run_key(fleet: &str) -> String {
-    format!("lastrun.{fleet}")
-}
-
 /// What a trigger says at `now` given when it last fired (unix ms).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Due {
@@ -117,7 +112,7 @@ async fn tick(env: &Env) -> Result<(), String> {
         if env.fleets.stop_state(&name).await.is_stopped() {
             continue;
         }
-        let key = last_run_key(&name);
+        let key = fleet_store::last_run_key(&name);
         let last = defs.get(&key).await.ok().flatten().and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u64>().ok());
         match due(&f.r#loop.trigger, last, now) {
             Due::No => {}

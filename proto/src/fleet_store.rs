@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `fleet.yaml` | `mur_fleets` key `def.<fleet>`: the YAML text as stored |
 //! | `.stopped` | `mur_fleets` key `stopped.<fleet>`: a [`Sentinel`] (JSON) |
+//! | `.last_run` | `mur_fleets` key `lastrun.<fleet>`: unix ms ([`last_run_key`]) |
 //! | `jobs/<uuid>.yaml` | `mur_jobs` key `<fleet>.<uuid>`: a [`crate::fleet::Job`] (JSON); every change a compare-and-set |
 //! | the fleet's channel | stream `MUR_FLEET`, subject `mur.fleet.<fleet>.channel`: [`ChannelEvent`]s |
 //!
@@ -598,6 +599,12 @@ impl RunRecord {
 /// rewritten every [`RUN_BEAT_EVERY_MS`] by the coordinator carrying it out.
 pub fn beat_key(run_id: &str) -> String {
     format!("beat.{run_id}")
+}
+
+/// The [`FLEETS_BUCKET`] key of when a fleet's trigger last started a run:
+/// `lastrun.<fleet>` = unix ms (issue #10 §Unattended runs; the seed's `.last_run`).
+pub fn last_run_key(fleet: &str) -> String {
+    format!("lastrun.{fleet}")
 }
 
 /// How often a running run's heartbeat is written, ms.
