@@ -24,8 +24,12 @@ use futures::StreamExt;
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{Fleet, JobStatus};
 use mur_proto::fleet_store::{self, ChannelEvent, EventKind, Liveness, RunRecord};
+use std::collections::HashSet;
 use std::time::Duration;
 use tokio::sync::watch;
+
+/// How long records known to be over are not read again.
+const OVER_CACHE_FOR: Duration = Duration::from_secs(60);
 
 /// How often the leader looks for dead runs.
 const SCAN_EVERY: Duration = Duration::from_secs(1);
@@ -68,23 +72,31 @@ pub fn reason(record: &RunRecord, instance: &str, adoption: Adoption) -> String 
 
 /// Looks for dead runs until `stopped` (the leader stepping down).
 pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str {
+    // Runs known to be over: their records are not read again until the cache is
+    // dropped, every minute (a run id reused with `--run-id` is seen within it).
+    let mut over = HashSet::new();
+    let mut since = tokio::time::Instant::now();
     loop {
+        if since.elapsed() > OVER_CACHE_FOR {
+            over.clear();
+            since = tokio::time::Instant::now();
+        }
         tokio::select! {
             _ = stopped.changed() => return "the fleet adoption loop",
             () = tokio::time::sleep(SCAN_EVERY) => {}
         }
-        if let Err(e) = scan(&env).await {
+        if let Err(e) = scan(&env, &mut over).await {
             tracing::warn!(instance = %env.instance, "looking for dead fleet runs: {e}");
         }
     }
 }
 
-async fn scan(env: &Env) -> Result<(), String> {
+async fn scan(env: &Env, over: &mut HashSet<String>) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
     let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
     let mut runs = Vec::new();
     while let Some(Ok(key)) = keys.next().await {
-        if key.starts_with("run.") {
+        if key.starts_with("run.") && !over.contains(&key) {
             runs.push(key);
         }
     }
@@ -94,7 +106,11 @@ async fn scan(env: &Env) -> Result<(), String> {
             continue;
         }
         let Ok(record) = serde_json::from_slice::<RunRecord>(&entry.value) else { continue };
-        if record.is_over() || env.active.lock().expect("active runs poisoned").contains(&record.run_id) {
+        if record.is_over() {
+            over.insert(key);
+            continue;
+        }
+        if env.active.lock().expect("active runs poisoned").contains(&record.run_id) {
             continue;
         }
         let beat = defs

@@ -23,6 +23,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::sync::watch;
 
+/// How long records known to be over are not read again.
+const OVER_CACHE_FOR: Duration = Duration::from_secs(60);
+
 /// How often the leader looks at the triggers.
 const TICK: Duration = Duration::from_secs(1);
 
@@ -67,25 +70,33 @@ pub fn due(trigger: &Trigger, last_run: Option<u64>, now: u64) -> Due {
 pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str {
     let enabled = fleet::autorun_enabled(&|k| std::env::var(k).ok(), env.settings.autorun);
     tracing::info!(instance = %env.instance, enabled, "fleet triggers");
+    // Runs known to be over: their records are not read again until the cache is
+    // dropped, every minute (a run id reused with `--run-id` is seen within it).
+    let mut over = BTreeSet::new();
+    let mut since = tokio::time::Instant::now();
     loop {
+        if since.elapsed() > OVER_CACHE_FOR {
+            over.clear();
+            since = tokio::time::Instant::now();
+        }
         tokio::select! {
             _ = stopped.changed() => return "the fleet trigger loop",
             () = tokio::time::sleep(TICK) => {}
         }
-        if enabled && let Err(e) = tick(&env).await {
+        if enabled && let Err(e) = tick(&env, &mut over).await {
             tracing::warn!(instance = %env.instance, "fleet triggers: {e}");
         }
     }
 }
 
-async fn tick(env: &Env) -> Result<(), String> {
+async fn tick(env: &Env, over: &mut BTreeSet<String>) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
     let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
     let (mut fleets, mut runs) = (Vec::new(), Vec::new());
     while let Some(Ok(key)) = keys.next().await {
         if let Some(name) = fleet_store::fleet_of_def_key(&key) {
             fleets.push(name.to_string());
-        } else if key.starts_with("run.") {
+        } else if key.starts_with("run.") && !over.contains(&key) {
             runs.push(key);
         }
     }
@@ -94,9 +105,12 @@ async fn tick(env: &Env) -> Result<(), String> {
     for key in runs {
         if let Ok(Some(v)) = defs.get(&key).await
             && let Ok(r) = serde_json::from_slice::<RunRecord>(&v)
-            && !r.is_over()
         {
-            busy.insert(r.fleet);
+            if r.is_over() {
+                over.insert(key);
+            } else {
+                busy.insert(r.fleet);
+            }
         }
     }
     let now = now_ms();
