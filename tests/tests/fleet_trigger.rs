@@ -121,3 +121,41 @@ async fn an_interval_trigger_fires_on_the_leader_not_while_stopped_and_never_ove
     })
     .await;
 }
+
+/// Autorun is off by default (ref §5, `MUR_FLEET_AUTORUN` / `fleet.autorun`): a leader
+/// started without either does not fire a due trigger — a manual run of another fleet
+/// that takes over two trigger periods ends with the triggered fleet's job still queued —
+/// and the next leader, started with `fleet.autorun: true`, fires it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_trigger_does_not_fire_unless_autorun_is_on() {
+    let procs = Procs::start("jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\n").await;
+    let mut first = procs.coordinator("coordinator-1");
+    let _w = procs.worker("wkr-1", 4);
+    procs.wait_workers(1).await;
+    procs.push(Path::new(&example("examples/builder"))).await;
+    mur(&procs, &["fleet", "create", &fleet_file(&procs, "ticker")]).await;
+    mur(&procs, &["fleet", "create", &example("examples/fleets/builder.yaml")]).await;
+    let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick"]).await.stdout.trim().to_string();
+    mur(&procs, &["fleet", "send", "builder", "sleep 2.5 && echo witness"]).await;
+    let witness = mur(&procs, &["fleet", "run", "builder"]).await;
+    assert!(witness.stderr.contains("completed (converged) after 1 iterations"), "{witness:?}");
+    assert_eq!(job_status(&procs, "ticker", &queued).await["status"], "queued");
+    assert!(runs_of(&procs, "ticker").await.is_empty(), "no run without autorun");
+
+    first.kill9();
+    std::fs::write(
+        procs.dir().join("config.yaml"),
+        "jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\nfleet:\n  autorun: true\n",
+    )
+    .unwrap();
+    let _second = procs.coordinator("coordinator-2");
+    until("the ticker's job done once autorun is on", WAIT, || async {
+        // Until coordinator-2 serves the API, `mur fleet jobs` finds no responder.
+        let mut cmd = procs.command();
+        cmd.args(["fleet", "jobs", "ticker", "--all", "--json"]);
+        let jobs = tokio::task::spawn_blocking(move || Run::of(&mut cmd)).await.unwrap();
+        let jobs: Value = serde_json::from_str(jobs.stdout.trim()).ok()?;
+        jobs.as_array()?.iter().any(|j| j["id"] == queued.as_str() && j["status"] == "done").then_some(())
+    })
+    .await;
+}
