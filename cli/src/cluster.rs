@@ -265,17 +265,32 @@ async fn start_http(
     Ok((base, task))
 }
 
-fn settings(config: Option<&Path>) -> Result<mur_coordinator::Settings> {
-    let Some(path) = config else { return Ok(mur_coordinator::Settings::default()) };
+/// The cluster config (`--config`): `jetstream:` (streams and buckets), `prices:` (USD per
+/// 1,000 tokens per model, issue #11 §Cost) and `fleet: {autorun}` (issue #10 §Unattended
+/// runs). Unknown keys and bad prices are refused naming the field.
+fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coordinator::fleet_cost::FleetSettings)> {
+    let Some(path) = config else { return Ok(Default::default()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct File {
         #[serde(default)]
         jetstream: Option<mur_coordinator::Settings>,
+        #[serde(default)]
+        prices: mur_proto::cost::Prices,
+        #[serde(default)]
+        fleet: FleetBlock,
+    }
+    #[derive(serde::Deserialize, Default)]
+    #[serde(deny_unknown_fields)]
+    struct FleetBlock {
+        #[serde(default)]
+        autorun: bool,
     }
     let file: File = serde_yaml_ng::from_str(&text).with_context(|| format!("--config {}", path.display()))?;
-    Ok(file.jetstream.unwrap_or_default())
+    file.prices.validate().map_err(|e| anyhow::anyhow!("--config {}: {e}", path.display()))?;
+    let fleet = mur_coordinator::fleet_cost::FleetSettings { prices: file.prices, autorun: file.fleet.autorun };
+    Ok((file.jetstream.unwrap_or_default(), fleet))
 }
 
 fn default_data_dir() -> PathBuf {
@@ -287,7 +302,7 @@ fn default_data_dir() -> PathBuf {
 }
 
 pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
-    let settings = settings(args.config.as_deref())?;
+    let (settings, fleet) = settings(args.config.as_deref())?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur coordinator").await?;
@@ -302,7 +317,8 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
             None => None,
         };
         let id = args.id.clone().unwrap_or_else(|| format!("crd_{}", uuid::Uuid::now_v7().simple()));
-        let config = mur_coordinator::service::Config::new(settings, id);
+        let mut config = mur_coordinator::service::Config::new(settings, id);
+        config.fleet = fleet;
         let result = mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await;
         stop.cancel();
         if let Some(task) = http {

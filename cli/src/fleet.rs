@@ -534,9 +534,26 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         println!("iterations {}", r.iterations);
         println!("{}", r.bounds);
         println!("coordinator {}", r.coordinator);
+        print_spend(r);
         print!("{}", crate::cluster::render_permits(&status.fanout));
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// The spend lines of `mur job status` (issue #11 §Cost): the run's, each job's, each
+/// member's; the budget when one applies; and the run's notices.
+fn print_spend(r: &fleet_store::RunRecord) {
+    let budget = r.budget_usd.map(|b| format!(" of a ${b:.4} budget")).unwrap_or_default();
+    println!("spend      {}{budget}", r.spend.summary());
+    for (job, s) in &r.jobs {
+        println!("  job {job} {}", s.summary());
+    }
+    for (member, s) in &r.members {
+        println!("  member {member} {}", s.summary());
+    }
+    for n in &r.notices {
+        println!("notice     {n}");
+    }
 }
 
 /// `mur fleet run`: asks the leader to start the run, then follows it (issue #11 §Live
@@ -569,6 +586,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             }
         };
         eprintln!("{}", started.bounds);
+        for n in &started.notices {
+            eprintln!("notice: {n}");
+        }
         if common.json {
             print_typed("run", &started)?;
         } else {
@@ -654,11 +674,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 if common.json {
                     print_typed("end", &r)?;
                 }
+                let spent = format!("; spent {}", r.spend.summary());
                 if r.state == "completed" {
-                    eprintln!("run {} completed ({stop}) after {} iterations", r.run_id, r.iterations);
+                    eprintln!("run {} completed ({stop}) after {} iterations{spent}", r.run_id, r.iterations);
                     return Ok(ExitCode::SUCCESS);
                 }
-                eprintln!("run {} ended: {stop}", r.run_id);
+                eprintln!("run {} ended: {stop} after {} iterations{spent}", r.run_id, r.iterations);
                 return Ok(ExitCode::from(1));
             }
         }
@@ -667,7 +688,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
 
 /// A run's spend so far, USD, when its record reports one.
 fn spend_of(r: &fleet_store::RunRecord) -> Option<f64> {
-    serde_json::to_value(r).ok()?.get("spend_usd")?.as_f64()
+    Some(r.spend.usd)
 }
 
 /// Prints `value` as one JSON line with a `type` field first.

@@ -7,8 +7,10 @@
 //!
 //! Order of the checks before every iteration (the seed's): the kill-switch (a sentinel
 //! that cannot be read counts as set: fail closed), then deadline → stuck (never before the
-//! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]), then
-//! `done_when: queue-empty` (before any model call, so it costs nothing). A run without
+//! first iteration) → the 10 000-iteration ceiling ([`fleet::check_guards`]) → the budget
+//! (issue #11 §Cost: spent + projected next > budget, [`cost::projected_next`]; only for a
+//! fleet on metered models), then `done_when: queue-empty` (before any model call, so it
+//! costs nothing). A run without
 //! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
 //! the work to every member (with `parallel:`, one step per track:
 //! [`crate::fleet_plan::track_steps`]); with a router and several members the router plans each
@@ -19,6 +21,7 @@
 //! starts. The work is the oldest blocked job whose approval was answered, else the oldest
 //! queued job ([`fleet::next_job`]).
 
+use mur_proto::cost;
 use mur_proto::fleet::{self, DoneWhen, Fleet, GuardInput, Job, PlanKind, Stop};
 use std::time::Duration;
 
@@ -39,6 +42,12 @@ pub struct Spec {
     pub stuck: Option<Duration>,
     /// When the run started, unix ms.
     pub started_at: u64,
+    /// The spend ceiling, USD, when one applies: the resolved cost bound of a fleet on
+    /// metered models (a model with a price); `None` otherwise (issue #11 §Cost).
+    pub budget_usd: Option<f64>,
+    /// The dearest output price of the fleet's models, USD per 1,000 tokens: the rate of
+    /// the first iteration's projection ([`cost::projected_next`]); 0 when not metered.
+    pub guard_rate: f64,
 }
 
 /// What the adapter read just now.
@@ -165,6 +174,8 @@ pub struct Run {
     over: Option<Stop>,
     /// The iteration waiting for its plan: `(iteration run id, job, job text, time left)`.
     planning: Option<(String, Option<String>, String, Duration)>,
+    /// USD spent so far ([`Run::spent`]).
+    spent_usd: f64,
 }
 
 /// The text the router gets to plan an iteration.
@@ -205,7 +216,30 @@ impl Run {
         {
             return Err(Refused::NoSuchJob(job.clone()));
         }
-        Ok(Run { spec, iteration: 0, over: None, planning: None })
+        Ok(Run { spec, iteration: 0, over: None, planning: None, spent_usd: 0.0 })
+    }
+
+    /// A run another coordinator started and left behind (issue #11 §Jobs that outlive
+    /// their coordinator): it goes on after `iterations` iterations that spent `spent_usd`,
+    /// on the clock of `spec.started_at`.
+    pub fn resume(spec: Spec, iterations: u64, spent_usd: f64) -> Run {
+        Run { spec, iteration: iterations, over: None, planning: None, spent_usd }
+    }
+
+    /// Accounts an iteration's spend, USD (ref §3 step 13): its real cost, or, for a run
+    /// with a budget whose iteration reported no tokens at all (`counted` false), the
+    /// first-iteration projection: never 0.
+    pub fn spent(&mut self, usd: f64, counted: bool) {
+        self.spent_usd += if counted || self.spec.budget_usd.is_none() {
+            usd
+        } else {
+            cost::projected_next(0, 0.0, self.spec.fleet.members.len(), self.spec.guard_rate)
+        };
+    }
+
+    /// USD spent so far.
+    pub fn spent_usd(&self) -> f64 {
+        self.spent_usd
     }
 
     /// The run's spec.
@@ -300,6 +334,21 @@ impl Run {
             since_progress: Duration::from_millis(view.now.saturating_sub(since)),
             iteration: self.iteration,
         })
+        .or_else(|| self.unaffordable().then_some(Stop::Budget))
+    }
+
+    /// Whether the next iteration cannot be afforded (ref §3 step 4): spent + projected >
+    /// budget, checked before the iteration, only when a budget applies.
+    fn unaffordable(&self) -> bool {
+        self.spec.budget_usd.is_some_and(|budget| {
+            let projected = cost::projected_next(
+                self.iteration,
+                self.spent_usd,
+                self.spec.fleet.members.len(),
+                self.spec.guard_rate,
+            );
+            cost::unaffordable(self.spent_usd, projected, budget)
+        })
     }
 
     /// How the procedure of the iteration just run ended ([`Next::Procedure`]): a failure
@@ -381,6 +430,8 @@ mod tests {
             deadline: Duration::from_secs(60),
             stuck: Some(Duration::from_secs(30)),
             started_at: 1_000_000,
+            budget_usd: None,
+            guard_rate: 0.0,
         }
     }
 
@@ -583,5 +634,41 @@ mod tests {
         let mut s = spec(fleet(TWO), false);
         s.job = Some("01a".into());
         assert_eq!(Run::start(s, &view(1_000_000, &jobs)).unwrap_err(), Refused::NoSuchJob("01a".into()));
+    }
+    #[test]
+    fn a_budget_stops_the_run_before_the_iteration_it_cannot_afford() {
+        // Two members at $2 per 1,000 output tokens: the first iteration is projected at
+        // 2 × 3.5 M × 2 / 1000 = $14,000.
+        let mut s = spec(fleet(TWO), true);
+        s.guard_rate = 2.0;
+        s.budget_usd = Some(13_999.0);
+        let mut poor = Run::start(s.clone(), &view(1_000_000, &[])).unwrap();
+        assert_eq!(poor.next(&view(1_000_000, &[])), Next::Stop(Stop::Budget));
+        s.budget_usd = Some(20_000.0);
+        let mut run = Run::start(s, &view(1_000_000, &[])).unwrap();
+        let ok = |m: &str| Reply { member: m.into(), ok: true, text: "x".into() };
+        assert!(matches!(run.next(&view(1_000_000, &[])), Next::Iterate { .. }));
+        run.iteration_ended(&[ok("a"), ok("b")]);
+        run.spent(9_000.0, true);
+        assert!(matches!(run.next(&view(1_000_000, &[])), Next::Iterate { iteration: 1, .. }));
+        run.iteration_ended(&[ok("a"), ok("b")]);
+        run.spent(9_000.0, true);
+        // $18,000 spent, $9,000 projected: over $20,000.
+        assert_eq!(run.next(&view(1_000_000, &[])), Next::Stop(Stop::Budget));
+        assert_eq!(run.spent_usd(), 18_000.0);
+    }
+
+    #[test]
+    fn an_iteration_that_reported_no_tokens_is_charged_the_projection() {
+        let mut s = spec(fleet(TWO), true);
+        s.guard_rate = 1.0;
+        s.budget_usd = Some(100_000.0);
+        let mut run = Run::start(s, &view(1_000_000, &[])).unwrap();
+        run.spent(0.0, false);
+        assert_eq!(run.spent_usd(), 7_000.0);
+        let mut resumed = Run::resume(spec(fleet(TWO), true), 3, 1.5);
+        resumed.spent(0.0, false);
+        assert_eq!(resumed.spent_usd(), 1.5, "no budget: nothing is projected");
+        assert!(matches!(resumed.next(&view(1_000_000, &[])), Next::Iterate { iteration: 3, .. }));
     }
 }

@@ -20,11 +20,15 @@
 //!
 //! A fleet with a `procedure:` runs it instead ([`procedure`]: ranks, retries, approvals).
 //!
-//! Not here yet: cost budgets, and a new leader adopting runs a dead one left `running`.
+//! Each iteration's spend (its tasks' `usage` at the cluster's `prices:`) goes into the
+//! record, per job and per member, and a `note` on the channel; the budget is checked by
+//! the pure run before each iteration (issue #11 §Cost, [`crate::fleet_cost`]). A run a dead
+//! coordinator left `running` is taken over by [`crate::fleet_adopt`] through [`resume`].
 
 mod broadcast;
 mod procedure;
 
+use crate::fleet_cost::FleetSettings;
 use crate::fleet_loop::{Next, Refused, Run, Spec, View};
 use crate::fleets::{Fleets, now_ms};
 use async_nats::jetstream::kv;
@@ -42,14 +46,40 @@ use tokio::sync::watch;
 /// the task itself.
 const WAIT_SLACK: Duration = Duration::from_secs(10);
 
+/// What a run on this coordinator needs besides its record.
+#[derive(Clone)]
+pub struct Env {
+    /// The coordinator's connection.
+    pub client: async_nats::Client,
+    /// The fleet state.
+    pub fleets: Fleets,
+    /// `mur_tasks`.
+    pub tasks: kv::Store,
+    /// `mur_capsule_index` (each capsule's model, for pricing).
+    pub capsule_index: kv::Store,
+    /// This coordinator's name.
+    pub instance: String,
+    /// `prices:` and `fleet.autorun` of the cluster config.
+    pub settings: FleetSettings,
+    /// The runs this process is carrying out (run ids): never taken over by itself.
+    pub active: Active,
+}
+
+/// Run ids being carried out in this process.
+pub type Active = std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>;
+
+/// Keeps a run id in [`Env::active`] while its executor lives.
+struct ActiveGuard(Active, String);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.lock().expect("active runs poisoned").remove(&self.1);
+    }
+}
+
 /// Serves run requests until `stopped` (the leader stepping down or stopping).
-pub async fn serve(
-    client: async_nats::Client,
-    fleets: Fleets,
-    tasks: kv::Store,
-    instance: String,
-    mut stopped: watch::Receiver<bool>,
-) -> &'static str {
+pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str {
+    let Env { client, instance, .. } = env.clone();
     let mut requests = match client.subscribe(fleet_store::RUN_SUBJECT).await {
         Ok(s) => s,
         Err(e) => {
@@ -65,24 +95,13 @@ pub async fn serve(
                 None => return "the fleet run loop",
             },
         };
-        let answer = match start(&fleets, &instance, &msg.payload).await {
-            Ok((run, record)) => {
-                let fanout = fleet::resolve_fanout(run.spec().fleet.fanout, &|k| std::env::var(k).ok()).cap;
-                let needs = run.spec().fleet.needs.clone();
-                let exec = Exec {
-                    client: client.clone(),
-                    fleets: fleets.clone(),
-                    tasks: tasks.clone(),
-                    record,
-                    fanout,
-                    needs,
-                };
-                let answer = serde_json::to_vec(&exec.record).map(Bytes::from);
-                tokio::spawn(exec.drive(run));
-                answer.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
-            }
-            Err(e) => Err(e),
-        };
+        let answer = match serde_json::from_slice::<RunRequest>(&msg.payload) {
+            Ok(request) => launch(&env, request).await,
+            Err(e) => Err(invalid(format!("request: {e}"))),
+        }
+        .and_then(|record| {
+            serde_json::to_vec(&record).map(Bytes::from).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))
+        });
         if let Some(reply) = msg.reply {
             let (headers, body) = match answer {
                 Ok(body) => (async_nats::HeaderMap::new(), body),
@@ -99,14 +118,37 @@ fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::invalid(message)
 }
 
-/// Checks a request and makes the run and its first record.
-async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, RunRecord), ApiError> {
-    let request: RunRequest = serde_json::from_slice(body).map_err(|e| invalid(format!("request: {e}")))?;
-    let (_, text) = fleets.definition(&request.fleet).await?;
-    let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
-    if let Some(id) = &request.run_id {
-        fleet::check_run_id(id).map_err(|rule| invalid(format!("--run-id: {rule}")))?;
-    }
+/// Starts a run on this coordinator (a `mur fleet run` request, or a trigger firing):
+/// checks it, writes its first record, and carries it out in the background. Returns the
+/// first record.
+///
+/// # Errors
+/// Why the run cannot start (a stopped fleet: `conflict`; bad input: `invalid_request`).
+pub async fn launch(env: &Env, request: RunRequest) -> Result<RunRecord, ApiError> {
+    let (run, record) = start(env, request).await?;
+    let exec = Exec::new(env, record.clone(), &run);
+    tokio::spawn(exec.drive(run));
+    Ok(record)
+}
+
+/// Goes on with a run another coordinator left behind: `record` is its last record (the
+/// caller has claimed it, `coordinator` naming this one).
+pub fn resume(env: &Env, run: Run, record: RunRecord) {
+    tokio::spawn(Exec::new(env, record, &run).drive(run));
+}
+
+/// The spec of a run from its request and fleet: bounds, metering, the clock.
+///
+/// # Errors
+/// Bad input (`invalid_request`).
+pub async fn spec_of(
+    env: &Env,
+    fleet: &Fleet,
+    request: &RunRequest,
+    run_id: String,
+    job: Option<String>,
+    started_at: u64,
+) -> Result<(Spec, mur_proto::fleet::Bounds, Option<String>), ApiError> {
     let flags = RunFlags {
         r#loop: request.looping,
         deadline: request.deadline.clone(),
@@ -114,7 +156,32 @@ async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, Run
         run_id: request.run_id.clone(),
         max_iterations: None,
     };
-    let bounds = fleet::resolve_bounds(&fleet, &flags, &LimitsBlock::Absent).map_err(|e| invalid(e.to_string()))?;
+    let bounds = fleet::resolve_bounds(fleet, &flags, &LimitsBlock::Absent).map_err(|e| invalid(e.to_string()))?;
+    let models = crate::fleet_cost::models_of(&env.capsule_index, &crate::fleet_cost::capsules_of(fleet)).await;
+    let rate = crate::fleet_cost::rate_override(&|k| std::env::var(k).ok());
+    let metering = crate::fleet_cost::metering(fleet, &bounds, &env.settings.prices, &models, rate);
+    let spec = Spec {
+        run_id,
+        fleet: fleet.clone(),
+        looping: request.looping,
+        job,
+        deadline: bounds.deadline.value,
+        stuck: bounds.stuck.value,
+        started_at,
+        budget_usd: metering.budget_usd,
+        guard_rate: metering.guard_rate,
+    };
+    Ok((spec, bounds, metering.notice))
+}
+
+/// Checks a request and makes the run and its first record.
+async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiError> {
+    let fleets = &env.fleets;
+    let (_, text) = fleets.definition(&request.fleet).await?;
+    let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
+    if let Some(id) = &request.run_id {
+        fleet::check_run_id(id).map_err(|rule| invalid(format!("--run-id: {rule}")))?;
+    }
     let run_id = request.run_id.clone().unwrap_or_else(|| {
         let id = uuid::Uuid::now_v7();
         if request.looping { fleet::loop_run_id(&fleet.name, id) } else { fleet::one_shot_run_id(id) }
@@ -139,15 +206,8 @@ async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, Run
     let now = now_ms();
     let stopped = fleets.stop_state(&fleet.name).await;
     let view = View { now, stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: None };
-    let spec = Spec {
-        run_id: run_id.clone(),
-        fleet: fleet.clone(),
-        looping: request.looping,
-        job,
-        deadline: bounds.deadline.value,
-        stuck: bounds.stuck.value,
-        started_at: now,
-    };
+    let (spec, bounds, notice) = spec_of(env, &fleet, &request, run_id.clone(), job, now).await?;
+    let (budget_usd, guard_rate) = (spec.budget_usd, spec.guard_rate);
     let run = Run::start(spec, &view).map_err(|e| match e {
         Refused::Stopped(_) => ApiError::new(ErrorCode::Conflict, e.to_string()),
         other => invalid(other.to_string()),
@@ -158,17 +218,28 @@ async fn start(fleets: &Fleets, instance: &str, body: &[u8]) -> Result<(Run, Run
         state: "running".into(),
         stop: None,
         bounds: bounds.line(),
-        coordinator: instance.to_string(),
+        coordinator: env.instance.clone(),
         iterations: 0,
         started_at: now,
         updated_at: now,
         ended_at: None,
+        request: Some(request),
+        notices: notice.into_iter().collect(),
+        budget_usd,
+        guard_rate,
+        spend: Default::default(),
+        members: Default::default(),
+        jobs: Default::default(),
     };
     put_record(fleets, &record).await?;
     Ok((run, record))
 }
 
-async fn put_record(fleets: &Fleets, record: &RunRecord) -> Result<(), ApiError> {
+/// Writes a run's record.
+///
+/// # Errors
+/// `unavailable` when the bucket refuses.
+pub async fn put_record(fleets: &Fleets, record: &RunRecord) -> Result<(), ApiError> {
     let json = serde_json::to_vec(record).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
     fleets
         .defs()
@@ -189,11 +260,64 @@ struct Exec {
     fanout: u32,
     /// The fleet's `needs:`, sent with every delegated step.
     needs: Vec<String>,
+    settings: FleetSettings,
+    /// Usage of the tasks waited for, by capsule, until the iteration accounts it.
+    tally: crate::fleet_cost::Tally,
+    active: Active,
 }
 
 impl Exec {
+    fn new(env: &Env, record: RunRecord, run: &Run) -> Exec {
+        let fleet = &run.spec().fleet;
+        Exec {
+            client: env.client.clone(),
+            fleets: env.fleets.clone(),
+            tasks: env.tasks.clone(),
+            record,
+            fanout: fleet::resolve_fanout(fleet.fanout, &|k| std::env::var(k).ok()).cap,
+            needs: fleet.needs.clone(),
+            settings: env.settings.clone(),
+            tally: Default::default(),
+            active: env.active.clone(),
+        }
+    }
+
+    /// Whether the run's record still names this coordinator: a coordinator that was
+    /// thought dead (its heartbeat stopped, [`crate::fleet_adopt`]) and comes back must not
+    /// drive a run another one took over. A record that cannot be read is taken as ours.
+    async fn still_ours(&self) -> bool {
+        match self.fleets.defs().get(fleet_store::run_key(&self.record.run_id)).await {
+            Ok(Some(v)) => serde_json::from_slice::<RunRecord>(&v)
+                .map_or(true, |r| r.coordinator == self.record.coordinator && !r.is_over()),
+            _ => true,
+        }
+    }
+
+    /// Accounts the iteration just ended (ref §3 step 13): its tasks' usage into the run's
+    /// record (run, job, members) and the run's spend, and a `note` on the channel.
+    async fn account(&mut self, run: &mut Run, iteration_run_id: &str, job: Option<&str>) {
+        let usages = self.tally.take();
+        let spend = crate::fleet_cost::account(&mut self.record, &self.settings.prices, job, &usages);
+        run.spent(spend.usd, !usages.iter().all(|(_, u)| u.is_empty()));
+        let members = usages.iter().map(|(c, _)| c.as_str()).collect::<std::collections::BTreeSet<_>>();
+        let per_member = members
+            .into_iter()
+            .filter_map(|m| self.record.members.get(m).map(|s| format!("{m} {}", s.summary())))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let text = format!(
+            "spend: iteration {iteration_run_id} {}; run {} ${:.4}; members: {per_member}",
+            spend.summary(),
+            self.record.run_id,
+            run.spent_usd()
+        );
+        self.event(EventKind::Note, Author::System, text, Some(iteration_run_id), job).await;
+    }
+
     async fn drive(mut self, mut run: Run) {
         let fleet = self.record.fleet.clone();
+        self.active.lock().expect("active runs poisoned").insert(self.record.run_id.clone());
+        let _active = ActiveGuard(self.active.clone(), self.record.run_id.clone());
         // The heartbeat `mur job status` judges liveness by.
         let beat = tokio::spawn({
             let defs = self.fleets.defs().clone();
@@ -208,16 +332,26 @@ impl Exec {
                 }
             }
         });
-        self.event(
-            EventKind::StateChange,
-            Author::System,
-            format!("run {} started; {}", self.record.run_id, self.record.bounds),
-            None,
-            None,
-        )
-        .await;
+        if self.record.iterations == 0 {
+            self.event(
+                EventKind::StateChange,
+                Author::System,
+                format!("run {} started; {}", self.record.run_id, self.record.bounds),
+                None,
+                None,
+            )
+            .await;
+            for notice in self.record.notices.clone() {
+                self.event(EventKind::Note, Author::System, format!("notice: {notice}"), None, None).await;
+            }
+        }
         let mut last_agent: Option<u64> = None;
         let stop = loop {
+            if !self.still_ours().await {
+                tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
+                beat.abort();
+                return;
+            }
             let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
                 Ok(j) => j.into_iter().map(|(_, j)| j).collect(),
                 Err(e) => {
@@ -308,8 +442,14 @@ impl Exec {
                             tracing::warn!(fleet, job = %id, "ending the job: {e}");
                         }
                     }
+                    self.account(&mut run, &iteration_run_id, job.as_deref()).await;
                     self.record.iterations += 1;
                     self.record.updated_at = now_ms();
+                    if !self.still_ours().await {
+                        tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
+                        beat.abort();
+                        return;
+                    }
                     if let Err(e) = put_record(&self.fleets, &self.record).await {
                         tracing::warn!(fleet, "writing the run record: {e}");
                     }
@@ -336,13 +476,19 @@ impl Exec {
     }
 
     async fn finish(&mut self, stop: Stop) {
+        // Tasks waited for since the last iteration (a router's plan that failed).
+        let rest = self.tally.take();
+        if !rest.is_empty() {
+            crate::fleet_cost::account(&mut self.record, &self.settings.prices, None, &rest);
+        }
         let now = now_ms();
         self.record.state =
             if matches!(stop, Stop::Converged | Stop::QueueDrained) { "completed" } else { "ended" }.into();
         self.record.stop = Some(stop.label().into());
         self.record.ended_at = Some(now);
         self.record.updated_at = now;
-        let text = format!("run {} stopped: {}", self.record.run_id, stop.label());
+        let text =
+            format!("run {} stopped: {}; spent {}", self.record.run_id, stop.label(), self.record.spend.summary());
         self.event(EventKind::Stop, Author::System, text, None, None).await;
         if let Err(e) = put_record(&self.fleets, &self.record).await {
             tracing::warn!(fleet = %self.record.fleet, "writing the run record: {e}");
@@ -398,6 +544,7 @@ impl Exec {
                 && let Ok(r) = serde_json::from_slice::<TaskRecord>(&value)
                 && r.state.is_terminal()
             {
+                self.tally.note(&r.capsule, r.usage.as_ref());
                 return (r.state == TaskState::Completed, r.result.unwrap_or_default());
             }
             if tokio::time::Instant::now() >= deadline {

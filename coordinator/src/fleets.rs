@@ -493,6 +493,10 @@ impl Fleets {
             .await
             .map_err(|e| unavailable(&format!("{}: purge", fleet_store::FLEET_STREAM), e))?;
         self.defs.purge(fleet_store::stopped_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        self.defs
+            .purge(fleet_store::last_run_key(&req.fleet))
+            .await
+            .map_err(|e| unavailable("mur_fleets: purge", e))?;
         self.defs.purge(fleet_store::def_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
         tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet removed");
         Ok(req)

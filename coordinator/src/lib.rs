@@ -5,9 +5,12 @@
 
 pub mod api;
 pub mod dead_letter;
+pub mod fleet_adopt;
+pub mod fleet_cost;
 pub mod fleet_loop;
 pub mod fleet_plan;
 pub mod fleet_run;
+pub mod fleet_trigger;
 pub mod fleets;
 pub mod http;
 pub mod lease;

@@ -84,10 +84,12 @@ const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
 const CAS_ATTEMPTS: usize = 8;
 
 /// How the coordinator runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// The cluster's streams and buckets.
     pub settings: Settings,
+    /// The fleet part of the cluster config: `prices:`, `fleet.autorun` (issue #11).
+    pub fleet: crate::fleet_cost::FleetSettings,
     /// This coordinator's name, for logs.
     pub instance: String,
     /// A worker whose heartbeat is older than this is gone ([`DEFAULT_WORKER_TIMEOUT`]).
@@ -97,7 +99,12 @@ pub struct Config {
 impl Config {
     /// A configuration with the default worker timeout.
     pub fn new(settings: Settings, instance: impl Into<String>) -> Config {
-        Config { settings, instance: instance.into(), worker_timeout: DEFAULT_WORKER_TIMEOUT }
+        Config {
+            settings,
+            fleet: crate::fleet_cost::FleetSettings::default(),
+            instance: instance.into(),
+            worker_timeout: DEFAULT_WORKER_TIMEOUT,
+        }
     }
 }
 
@@ -178,6 +185,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let mut requests = futures::stream::select_all(endpoints);
     tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
 
+    // Fleet runs this process carries out, across its terms as leader.
+    let active_runs = crate::fleet_run::Active::default();
     let lease =
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);
@@ -213,7 +222,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         };
         standby_logged = false;
         tracing::info!(instance = %instance, term = held.term, "leading");
-        let mut leading = match lead(&client, &config, &res, held.clone()).await {
+        let mut leading = match lead(&client, &config, &res, held.clone(), &active_runs).await {
             Ok(l) => l,
             Err(e) => {
                 lease.release(&held).await;
@@ -280,13 +289,15 @@ impl Leading {
 }
 
 /// Takes up the leader's duties under `held`: restores the scheduler from the buckets,
-/// republishes released dispatches, and starts the watchers, the actor and the
-/// dead-letter loop.
+/// republishes released dispatches, and starts the watchers, the actor, the
+/// dead-letter loop and the fleet loops (run requests, adoption of dead runs, triggers;
+/// `active_runs`: the fleet runs this process carries out).
 async fn lead(
     client: &async_nats::Client,
     config: &Config,
     res: &Resources,
     held: Arc<Held>,
+    active_runs: &crate::fleet_run::Active,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -355,13 +366,18 @@ async fn lead(
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
-    loops.spawn(crate::fleet_run::serve(
-        client.clone(),
-        crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
-        res.tasks.clone(),
-        instance.clone(),
-        stopped.clone(),
-    ));
+    let fleet_env = crate::fleet_run::Env {
+        client: client.clone(),
+        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        tasks: res.tasks.clone(),
+        capsule_index: res.capsule_index.clone(),
+        instance: instance.clone(),
+        settings: config.fleet.clone(),
+        active: active_runs.clone(),
+    };
+    loops.spawn(crate::fleet_adopt::serve(fleet_env.clone(), stopped.clone()));
+    loops.spawn(crate::fleet_trigger::serve(fleet_env.clone(), stopped.clone()));
+    loops.spawn(crate::fleet_run::serve(fleet_env, stopped.clone()));
     Ok(Leading { ctx, loops, stop })
 }
 

@@ -188,6 +188,11 @@ pub struct TaskRecord {
     /// Set on a delegated fleet step ([`SubmitRequest::fleet_step`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_step: Option<FleetStep>,
+    /// The tokens the task's model calls used (issue #11 §Cost), on its terminal record:
+    /// provider-reported where available, the runtime's estimate otherwise
+    /// ([`crate::cost::Usage::estimated`]). Absent when no model was called.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::cost::Usage>,
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -234,6 +239,7 @@ impl TaskRecord {
             needs: request.needs,
             dead_letter: None,
             traceparent: None,
+            usage: None,
         }
     }
 }
@@ -524,6 +530,10 @@ pub struct CapsuleIndexEntry {
     /// pushed before the field existed.
     #[serde(default)]
     pub queue: bool,
+    /// The manifest's `inference.model`, for pricing (issue #11 §Cost). Absent in entries
+    /// pushed before the field existed, and for capsules without a model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 /// One capsule as `mur capsule ls` shows it: its name and latest bundle.

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `fleet.yaml` | `mur_fleets` key `def.<fleet>`: the YAML text as stored |
 //! | `.stopped` | `mur_fleets` key `stopped.<fleet>`: a [`Sentinel`] (JSON) |
+//! | `.last_run` | `mur_fleets` key `lastrun.<fleet>`: unix ms ([`last_run_key`]) |
 //! | `jobs/<uuid>.yaml` | `mur_jobs` key `<fleet>.<uuid>`: a [`crate::fleet::Job`] (JSON); every change a compare-and-set |
 //! | the fleet's channel | stream `MUR_FLEET`, subject `mur.fleet.<fleet>.channel`: [`ChannelEvent`]s |
 //!
@@ -18,8 +19,10 @@
 //!
 //! Pure: no IO, no clock (callers pass unix milliseconds in).
 
+use crate::cost::Spend;
 use crate::fleet::{Job, JobStatus};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// KV bucket of fleet definitions and kill-switch sentinels ([`def_key`], [`stopped_key`]).
@@ -555,7 +558,7 @@ pub struct RunRequest {
 }
 
 /// A run's record in [`FLEETS_BUCKET`] ([`run_key`]), kept by the coordinator running it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
     /// The run id.
     pub run_id: String,
@@ -580,6 +583,29 @@ pub struct RunRecord {
     /// When it ended.
     #[serde(default)]
     pub ended_at: Option<u64>,
+    /// What it was started with: a new leader resumes a loop from it (issue #11 §Jobs
+    /// that outlive their coordinator). Absent in records of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RunRequest>,
+    /// Notices for the person who started it, printed by the client: a fleet on models
+    /// with no price is bounded by its deadline, not its budget (issue #11 §Cost).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notices: Vec<String>,
+    /// The spend ceiling in force, USD (only for a fleet on metered models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_usd: Option<f64>,
+    /// The rate of the budget projection, USD per 1,000 tokens (0: not metered).
+    #[serde(default)]
+    pub guard_rate: f64,
+    /// Spend so far, the whole run.
+    #[serde(default)]
+    pub spend: Spend,
+    /// Spend per member capsule (the router's plans and judgments under its name).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub members: BTreeMap<String, Spend>,
+    /// Spend per job id (iterations without a job, on the standing goal, are not here).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub jobs: BTreeMap<String, Spend>,
 }
 
 impl RunRecord {
@@ -593,6 +619,12 @@ impl RunRecord {
 /// rewritten every [`RUN_BEAT_EVERY_MS`] by the coordinator carrying it out.
 pub fn beat_key(run_id: &str) -> String {
     format!("beat.{run_id}")
+}
+
+/// The [`FLEETS_BUCKET`] key of when a fleet's trigger last started a run:
+/// `lastrun.<fleet>` = unix ms (issue #10 §Unattended runs; the seed's `.last_run`).
+pub fn last_run_key(fleet: &str) -> String {
+    format!("lastrun.{fleet}")
 }
 
 /// How often a running run's heartbeat is written, ms.
@@ -633,7 +665,7 @@ impl RunRecord {
 }
 
 /// `mur job status` / `mur fleet status` as JSON: the run's record and its verdict.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunStatus {
     /// The record.
     #[serde(flatten)]
@@ -661,6 +693,13 @@ mod run_tests {
             started_at: 0,
             updated_at,
             ended_at: None,
+            request: None,
+            notices: Vec::new(),
+            budget_usd: None,
+            guard_rate: 0.0,
+            spend: Spend::default(),
+            members: BTreeMap::new(),
+            jobs: BTreeMap::new(),
         }
     }
 

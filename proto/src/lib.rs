@@ -3,6 +3,7 @@
 //! jobs. Pure: no IO, no async, no clock reads (callers pass time in).
 
 pub mod cluster;
+pub mod cost;
 pub mod fanout;
 pub mod fleet;
 pub mod fleet_store;

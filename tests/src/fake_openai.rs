@@ -63,6 +63,22 @@ impl FakeReply {
     }
 }
 
+impl FakeReply {
+    /// A JSON completion holding `text` with a `usage` object as OpenAI reports it:
+    /// `prompt_tokens` (cached ones included), `completion_tokens`, `total_tokens` and
+    /// `prompt_tokens_details.cached_tokens`.
+    pub fn text_with_usage(text: &str, prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> Self {
+        let FakeReply::Json(mut value) = FakeReply::text(text) else { unreachable!("text is a JSON reply") };
+        value["usage"] = json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        });
+        FakeReply::Json(value)
+    }
+}
+
 /// One request the fake received.
 #[derive(Clone, Debug)]
 pub struct Received {

@@ -186,6 +186,17 @@ impl Proc {
         }
     }
 
+    /// SIGSTOP: the process stops answering (its leases and heartbeats lapse) without
+    /// dying; [`Proc::resume`] wakes it.
+    pub fn pause(&self) {
+        let _ = Command::new("kill").arg("-STOP").arg(self.child.id().to_string()).status();
+    }
+
+    /// SIGCONT: wakes a process [`Proc::pause`] stopped.
+    pub fn resume(&self) {
+        let _ = Command::new("kill").arg("-CONT").arg(self.child.id().to_string()).status();
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

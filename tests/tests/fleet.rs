@@ -606,25 +606,32 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     assert!(latest.contains(&format!("run        {run_id}\n")), "{latest}");
     assert!(latest.contains("state      completed (queue-drained)\nliveness   over\n"), "{latest}");
     // A run left `running` by a coordinator that died: no heartbeat, so the verdict is dead.
-    let orphan = fleet_store::RunRecord {
-        run_id: "run-orphan".into(),
-        fleet: "builder".into(),
-        state: "running".into(),
-        stop: None,
-        bounds: "bounds: deadline 1h ← built-in; stuck 10m ← built-in".into(),
-        coordinator: "gone".into(),
-        iterations: 1,
-        started_at: 1,
-        updated_at: 1,
-        ended_at: None,
-    };
+    let orphan: fleet_store::RunRecord = serde_json::from_value(json!({
+        "run_id": "run-orphan", "fleet": "builder", "state": "running",
+        "bounds": "bounds: deadline 1h ← built-in; stuck 10m ← built-in", "coordinator": "gone",
+        "iterations": 1, "started_at": 1, "updated_at": 1,
+    }))
+    .unwrap();
     fleets_kv(&sb)
         .await
         .put(fleet_store::run_key("run-orphan"), serde_json::to_vec(&orphan).unwrap().into())
         .await
         .unwrap();
-    let dead = Run::of(mur().args(["job", "status", "run-orphan", "--json"]).env("NATS_URL", sb.nats.url()));
-    assert_eq!(dead.last_json()["liveness"]["verdict"], "dead", "{dead:?}");
+    // The leader finds it dead (issue #11 §Jobs that outlive their coordinator) and ends it.
+    let ended = mur_tests::procs::until("the orphaned run ended", Duration::from_secs(10), || async {
+        let status = Run::of(mur().args(["job", "status", "run-orphan", "--json"]).env("NATS_URL", sb.nats.url()));
+        let v = status.last_json();
+        (v["state"] == "ended").then_some(v)
+    })
+    .await;
+    assert_eq!(
+        (ended["stop"].as_str(), ended["liveness"].clone()),
+        (Some("coordinator-lost"), json!({"verdict": "over"}))
+    );
+    assert_eq!(
+        ended["notices"],
+        json!(["orphaned: gone stopped while running run run-orphan (no heartbeat for 10 s); failed by coordinator"])
+    );
     let missing = Run::of(mur().args(["job", "status", "run-nope"]).env("NATS_URL", sb.nats.url()));
     assert_eq!((missing.code, missing.stderr.trim()), (2, "mur: no run run-nope"));
 

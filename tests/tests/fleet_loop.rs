@@ -30,12 +30,12 @@ async fn run(sb: &Sandbox, args: &[&str]) -> Run {
 fn echo_member(name: &str, pause: &str) -> TestCapsule {
     TestCapsule::new(
         &format!(
-            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sleep]\n"
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
         ),
         &[(
             "r.yaml",
             &format!(
-                "replies:\n  - tool_calls: [{{ name: sleep, input: {{ command: \"sleep {pause}\" }} }}]\n  - text: \"{{{{task}}}}\"\n"
+                "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"sleep {pause}\" }} }}]\n  - text: \"{{{{task}}}}\"\n"
             ),
         )],
     )

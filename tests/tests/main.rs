@@ -21,8 +21,14 @@ mod detach;
 
 /// `mur fleet …`: definitions, jobs, the kill-switch and the channel in JetStream.
 mod fleet;
+/// Fleet runs that outlive their coordinator: adopted or failed by the new leader (issue #11).
+mod fleet_adopt;
+/// Fleet cost: prices, per-task usage, budgets, local fleets (issue #11 §Cost).
+mod fleet_cost;
 /// Fleets with a `procedure:`: ranks, dependency outputs, on_failure, approvals.
 mod fleet_procedure;
+/// Fleet triggers firing unattended on the leader (issue #10).
+mod fleet_trigger;
 
 /// The cluster end to end: dispatch in lane order, queue capsules, many tasks.
 mod dispatch;

@@ -56,6 +56,8 @@ pub struct Bundle {
     /// Whether the manifest says `lifecycle.task_acceptance: queue` (recorded in the index
     /// so the coordinator runs one task of the capsule at a time).
     pub queue: bool,
+    /// The manifest's `inference.model` (recorded in the index for pricing, issue #11).
+    pub model: Option<String>,
     /// The tar archive.
     pub archive: Vec<u8>,
     /// The packed paths, relative, `/`-separated, sorted; folders end with `/`.
@@ -242,6 +244,7 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
     let archive = builder.into_inner().map_err(io(&root))?;
     Ok(Bundle {
         queue: manifest.lifecycle.task_acceptance == mur_proto::manifest::TaskAcceptance::Queue,
+        model: manifest.inference.model.clone(),
         name: manifest.name,
         version: manifest.version,
         digest: hex::encode(Sha256::digest(&archive)),
@@ -343,6 +346,7 @@ pub async fn push(store: &object_store::ObjectStore, index: &kv::Store, bundle: 
         pushed_at: now_ms(),
         bytes,
         queue: bundle.queue,
+        model: bundle.model.clone(),
     };
     let value = bytes::Bytes::from(serde_json::to_vec(&value).expect("index entry serializes"));
     let what = || format!("index {}", bundle.name);

@@ -22,4 +22,5 @@ pub mod tokens;
 pub mod tools;
 pub mod trace;
 pub mod trace_context;
+pub mod usage;
 pub mod workdir;

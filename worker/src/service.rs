@@ -782,7 +782,7 @@ async fn run_working(
         worker: worker_id.clone(),
         saved: AtomicBool::new(checkpointed),
     });
-    let (exit, result, error) = match run_session(
+    let (exit, result, error, usage) = match run_session(
         sh,
         &task,
         &capsule,
@@ -793,17 +793,9 @@ async fn run_working(
     )
     .await
     {
-        Ok((exit, result)) => (exit, result, None),
-        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e)),
+        Ok((exit, result, usage)) => (exit, result, None, usage),
+        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
     };
-    if let Some(permit) = &permit
-        && permit.lost().is_cancelled()
-    {
-        // It ran without a permit for a moment (this worker stalled past the lease): its
-        // end is not written; the dispatch goes back and runs again from its checkpoints.
-        cancel.cancel();
-        return Answer::Nak;
-    }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
     let mut written = Err(String::new());
@@ -822,6 +814,7 @@ async fn run_working(
                         return false;
                     }
                     end_record(r, exit, &result, error.as_deref());
+                    r.usage.clone_from(&usage);
                     true
                 })
                 .await
@@ -1061,11 +1054,13 @@ async fn run_session(
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
     (cancel, permit): (CancellationToken, Option<Arc<fanout::StepPermit>>),
-) -> Result<(ExitStatus, String), String> {
+) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>), String> {
     let missing = crate::preflight::missing(&task.needs, std::env::var_os("PATH").as_deref());
     if !missing.is_empty() {
-        return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing)));
+        return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing), None));
     }
+    // The task's token usage, tallied from its trace for the terminal record (issue #11).
+    let tally = crate::usage::UsageTally::default();
     let dir = sh.config.workdir.join("sessions").join(session_id);
     // Like `mur run` without --workdir: commands run in the session folder itself.
     let layout = Layout { workdir: dir.clone(), session_dir: dir };
@@ -1111,7 +1106,7 @@ async fn run_session(
         session_id,
         driver,
         tools,
-        sink: Box::new(Tee(vec![Box::new(file), Box::new(published)])),
+        sink: Box::new(Tee(vec![Box::new(file), Box::new(published), Box::new(tally.clone())])),
         system_prompt: None,
         resumed_from: takeover.as_ref().map(|t| t.previous_session_id.clone()),
     });
@@ -1155,7 +1150,7 @@ async fn run_session(
     session_done.cancel();
     // The session and its sink are gone: every line is queued; send them all.
     publisher.finish().await;
-    outcome
+    outcome.map(|(exit, result)| (exit, result, tally.usage()))
 }
 
 /// Keeps the context's conversation after a task that ended `ok` (as `mur run` keeps

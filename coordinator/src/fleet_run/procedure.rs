@@ -136,6 +136,7 @@ impl Exec {
                 self.event(EventKind::StateChange, Author::System, text, Some(iteration_run_id), job).await;
             }
         }
+        self.account(run, iteration_run_id, job).await;
         self.record.iterations += 1;
         self.record.updated_at = now_ms();
         if let Err(e) = put_record(&self.fleets, &self.record).await {
