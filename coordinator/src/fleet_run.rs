@@ -487,9 +487,31 @@ impl Exec {
         self.record.stop = Some(stop.label().into());
         self.record.ended_at = Some(now);
         self.record.updated_at = now;
-        let text =
+        let mut text =
             format!("run {} stopped: {}; spent {}", self.record.run_id, stop.label(), self.record.spend.summary());
-        self.event(EventKind::Stop, Author::System, text, None, None).await;
+        let report = fleet_store::StopReport::new(
+            stop,
+            &self.record.fleet,
+            &self.record.run_id,
+            self.record.iterations,
+            self.record.spend.usd,
+        );
+        if let Some(remedy) = &report.remedy {
+            text.push_str(&format!("; {remedy}"));
+        }
+        let event = ChannelEvent {
+            seq: 0,
+            at: now,
+            author: Author::System,
+            kind: EventKind::Stop,
+            text,
+            run_id: Some(self.record.run_id.clone()),
+            job_id: None,
+            stop: Some(report),
+        };
+        if let Err(e) = self.fleets.publish(&self.record.fleet, &event).await {
+            tracing::warn!(fleet = %self.record.fleet, "channel event not written: {e}");
+        }
         if let Err(e) = put_record(&self.fleets, &self.record).await {
             tracing::warn!(fleet = %self.record.fleet, "writing the run record: {e}");
         }
@@ -504,6 +526,7 @@ impl Exec {
             text,
             run_id: Some(run_id.unwrap_or(&self.record.run_id).to_string()),
             job_id: job_id.map(str::to_string),
+            stop: None,
         };
         if let Err(e) = self.fleets.publish(&self.record.fleet, &event).await {
             tracing::warn!(fleet = %self.record.fleet, "channel event not written: {e}");

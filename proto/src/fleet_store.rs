@@ -247,7 +247,7 @@ impl fmt::Display for EventKind {
 /// One event of a fleet's channel. Published as JSON on [`channel_subject`] with the
 /// JetStream publish ack; `seq` is the stream sequence, filled in when read (0 in what is
 /// published).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChannelEvent {
     /// The stream sequence: increasing within the channel (not dense: channels share a
     /// stream).
@@ -267,12 +267,63 @@ pub struct ChannelEvent {
     /// The job it is about.
     #[serde(default)]
     pub job_id: Option<String>,
+    /// On the one event that ends a run: how it ended, for scripts (reference §3
+    /// Teardown: `from`, `to`, `stop_reason`, `remedy`, `iterations`, `spent_usd`, `run_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopReport>,
 }
 
 impl ChannelEvent {
     /// A system event (`seq` 0 until read back).
     pub fn system(kind: EventKind, text: impl Into<String>, at: u64) -> ChannelEvent {
-        ChannelEvent { seq: 0, at, author: Author::System, kind, text: text.into(), run_id: None, job_id: None }
+        ChannelEvent {
+            seq: 0,
+            at,
+            author: Author::System,
+            kind,
+            text: text.into(),
+            run_id: None,
+            job_id: None,
+            stop: None,
+        }
+    }
+}
+
+/// How a run ended, on its last channel event (`mur-fleet` reference §3 Teardown and the
+/// stop table; §9 Stop reporting).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StopReport {
+    /// The state the run left: always `working`.
+    pub from: String,
+    /// The channel state it ended in: `completed` (converged, queue drained),
+    /// `input-required` (awaiting approval), `canceled` (stopped) or `failed` (the rest).
+    pub to: String,
+    /// The stop's label (`converged`, `deadline`, …).
+    pub stop_reason: String,
+    /// A one-line remedy naming the fleet; absent for `converged` and `queue-drained`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remedy: Option<String>,
+    /// Iterations the run made.
+    pub iterations: u64,
+    /// What the run spent, USD (0 on models with no price).
+    pub spent_usd: f64,
+    /// The run.
+    pub run_id: String,
+}
+
+impl StopReport {
+    /// The report of `stop` ending run `run_id` of `fleet` after `iterations` iterations
+    /// that spent `spent_usd`.
+    pub fn new(stop: crate::fleet::Stop, fleet: &str, run_id: &str, iterations: u64, spent_usd: f64) -> StopReport {
+        StopReport {
+            from: "working".into(),
+            to: stop.channel_state().into(),
+            stop_reason: stop.label().into(),
+            remedy: stop.remedy(fleet),
+            iterations,
+            spent_usd,
+            run_id: run_id.into(),
+        }
     }
 }
 
@@ -718,5 +769,29 @@ mod run_tests {
         })
         .unwrap();
         assert_eq!((json["state"].as_str(), json["liveness"]["verdict"].as_str()), (Some("running"), Some("alive")));
+    }
+}
+
+#[cfg(test)]
+mod stop_report_tests {
+    use super::*;
+    use crate::fleet::Stop;
+
+    #[test]
+    fn a_stop_report_maps_each_stop_to_its_channel_state_and_remedy() {
+        let r = StopReport::new(Stop::Deadline, "pair", "fleet-pair-1", 3, 0.25);
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            serde_json::json!({"from": "working", "to": "failed", "stop_reason": "deadline",
+                "remedy": "raise the deadline: mur fleet run pair --loop --deadline <D>, or limits.deadline",
+                "iterations": 3, "spent_usd": 0.25, "run_id": "fleet-pair-1"})
+        );
+        let to = |s: Stop| StopReport::new(s, "f", "r", 0, 0.0).to;
+        assert_eq!(
+            [Stop::Converged, Stop::QueueDrained, Stop::AwaitingApproval, Stop::Stopped, Stop::Budget].map(to),
+            ["completed", "completed", "input-required", "canceled", "failed"]
+        );
+        assert_eq!(StopReport::new(Stop::QueueDrained, "f", "r", 1, 0.0).remedy, None);
+        assert!(StopReport::new(Stop::Stopped, "f", "r", 1, 0.0).remedy.unwrap().contains("mur fleet start f"));
     }
 }

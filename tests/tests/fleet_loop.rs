@@ -46,6 +46,16 @@ fn jobs(sb: &Sandbox, fleet_name: &str) -> Vec<Value> {
     serde_json::from_str::<Value>(out.trim()).unwrap().as_array().unwrap().clone()
 }
 
+/// The stop report on the last `stop` event of `fleet_name`'s channel.
+fn stop_report(sb: &Sandbox, fleet_name: &str) -> Value {
+    let events: Value = serde_json::from_str(ok(sb, &["log", fleet_name, "--json"]).stdout.trim()).unwrap();
+    let stop = events.as_array().unwrap().iter().rev().find(|e| e["kind"] == "stop").expect("a stop event").clone();
+    let mut report = stop["stop"].clone();
+    assert_eq!(report["run_id"], stop["run_id"]);
+    report.as_object_mut().unwrap().remove("run_id");
+    report
+}
+
 fn status_of<'a>(jobs: &'a [Value], text: &str) -> &'a str {
     jobs.iter().find(|j| j["text"] == text).unwrap_or_else(|| panic!("no job {text:?}"))["status"].as_str().unwrap()
 }
@@ -76,6 +86,11 @@ async fn a_marker_alone_on_a_line_converges_the_loop_and_an_earlier_runs_marker_
         ("done", "done")
     );
     assert_eq!(status_of(&all, "third: never reached"), "queued", "the loop stopped when it converged");
+    assert_eq!(
+        stop_report(&sb, "ship"),
+        serde_json::json!({"from": "working", "to": "completed", "stop_reason": "converged", "iterations": 2,
+            "spent_usd": 0.0})
+    );
 
     // A new run: the channel still holds the first run's marker, which must not count.
     // It works the third job, then the standing goal, until its deadline.
@@ -85,6 +100,12 @@ async fn a_marker_alone_on_a_line_converges_the_loop_and_an_earlier_runs_marker_
     assert!(second.stderr.contains("ended: deadline"), "{}", second.stderr);
     assert!(started.elapsed() < Duration::from_secs(60));
     assert_eq!(status_of(&jobs(&sb, "ship"), "third: never reached"), "done");
+    let report = stop_report(&sb, "ship");
+    assert_eq!((report["to"].as_str(), report["stop_reason"].as_str()), (Some("failed"), Some("deadline")));
+    assert_eq!(
+        report["remedy"], "raise the deadline: mur fleet run ship --loop --deadline <D>, or limits.deadline",
+        "{report}"
+    );
     sb.shutdown().await;
 }
 
@@ -120,6 +141,11 @@ async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
     let done = all.iter().filter(|j| j["status"] == "done").count();
     let queued = all.iter().filter(|j| j["status"] == "queued").count();
     assert_eq!((done, queued), (1, 4), "the iteration in flight finished and no other started: {all:?}");
+    assert_eq!(
+        stop_report(&sb, "plod"),
+        serde_json::json!({"from": "working", "to": "canceled", "stop_reason": "stopped",
+            "remedy": "mur fleet start plod clears the kill-switch", "iterations": 1, "spent_usd": 0.0})
+    );
     // A stopped fleet refuses a manual run, naming the kill-switch.
     let refused = run(&sb, &["plod"]).await;
     assert_eq!(refused.code, 2, "{refused:?}");
