@@ -266,8 +266,9 @@ async fn start_http(
 }
 
 /// The cluster config (`--config`): `jetstream:` (streams and buckets), `prices:` (USD per
-/// 1,000 tokens per model, issue #11 §Cost) and `fleet: {autorun}` (issue #10 §Unattended
-/// runs). Unknown keys and bad prices are refused naming the field.
+/// 1,000 tokens per model, issue #11 §Cost), `fleet: {autorun}` (issue #10 §Unattended
+/// runs) and `limits:` (the cluster's scope of §The bounds: `deadline`, `stuck`,
+/// `cost_usd`). Unknown keys, bad prices and bad limits are refused naming the field.
 fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coordinator::fleet_cost::FleetSettings)> {
     let Some(path) = config else { return Ok(Default::default()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
@@ -280,6 +281,8 @@ fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coo
         prices: mur_proto::cost::Prices,
         #[serde(default)]
         fleet: FleetBlock,
+        #[serde(default)]
+        limits: Option<serde_yaml_ng::Value>,
     }
     #[derive(serde::Deserialize, Default)]
     #[serde(deny_unknown_fields)]
@@ -289,7 +292,9 @@ fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coo
     }
     let file: File = serde_yaml_ng::from_str(&text).with_context(|| format!("--config {}", path.display()))?;
     file.prices.validate().map_err(|e| anyhow::anyhow!("--config {}: {e}", path.display()))?;
-    let fleet = mur_coordinator::fleet_cost::FleetSettings { prices: file.prices, autorun: file.fleet.autorun };
+    let limits = mur_proto::fleet::LimitsBlock::from_config(file.limits)
+        .map_err(|e| anyhow::anyhow!("--config {}: {}", path.display(), e.join("; ")))?;
+    let fleet = mur_coordinator::fleet_cost::FleetSettings { prices: file.prices, autorun: file.fleet.autorun, limits };
     Ok((file.jetstream.unwrap_or_default(), fleet))
 }
 

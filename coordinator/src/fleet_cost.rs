@@ -20,6 +20,8 @@ pub struct FleetSettings {
     pub prices: Prices,
     /// `fleet.autorun`: triggers fire unattended (`MUR_FLEET_AUTORUN` also enables it).
     pub autorun: bool,
+    /// The cluster config's `limits:` (§The bounds: the scope after a fleet's own).
+    pub limits: mur_proto::fleet::LimitsBlock,
 }
 
 /// The models of `capsules` as their latest push recorded them (`None`: no model, not

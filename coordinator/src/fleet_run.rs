@@ -36,7 +36,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord};
 use mur_proto::fanout::FleetStep;
-use mur_proto::fleet::{self, Fleet, JobStatus, LimitsBlock, RunFlags, Stop};
+use mur_proto::fleet::{self, Fleet, JobStatus, RunFlags, Stop};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, RunRequest};
 use mur_proto::task::{Origin, TaskState};
 use std::time::Duration;
@@ -156,7 +156,7 @@ pub async fn spec_of(
         run_id: request.run_id.clone(),
         max_iterations: None,
     };
-    let bounds = fleet::resolve_bounds(fleet, &flags, &LimitsBlock::Absent).map_err(|e| invalid(e.to_string()))?;
+    let bounds = fleet::resolve_bounds(fleet, &flags, &env.settings.limits).map_err(|e| invalid(e.to_string()))?;
     let models = crate::fleet_cost::models_of(&env.capsule_index, &crate::fleet_cost::capsules_of(fleet)).await;
     let rate = crate::fleet_cost::rate_override(&|k| std::env::var(k).ok());
     let metering = crate::fleet_cost::metering(fleet, &bounds, &env.settings.prices, &models, rate);

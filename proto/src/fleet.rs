@@ -255,15 +255,36 @@ impl DoneWhen {
 }
 
 /// A `limits:` block, from `fleet.yaml` or the cluster's `config.yaml`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Default)]
 pub enum LimitsBlock {
     /// No `limits:` key (a fleet's legacy `loop.deadline` / `loop.budget_usd` then apply).
+    #[default]
     Absent,
     /// A block that parsed; an empty block (`limits: {}`) still suppresses the legacy keys.
     Set(Limits),
     /// A stored block that does not parse: the fleet loads, but its bounds do not resolve,
     /// so it never auto-runs and a run refuses (§Unattended runs). One `path: rule` each.
     Invalid(Vec<String>),
+}
+
+impl LimitsBlock {
+    /// Reads the cluster config's `limits:` block (`config.yaml`, the third scope of
+    /// §The bounds): absent or null is [`LimitsBlock::Absent`].
+    ///
+    /// # Errors
+    /// Every broken rule as `limits.<key>: rule` (an unknown key, a bad duration, a
+    /// negative cost), so the coordinator refuses to start with a config it would misread.
+    pub fn from_config(value: Option<serde_yaml_ng::Value>) -> Result<LimitsBlock, Vec<String>> {
+        match value.map(serde_yaml_ng::from_value::<Option<RawLimits>>) {
+            None | Some(Ok(None)) => Ok(LimitsBlock::Absent),
+            Some(Err(e)) => Err(vec![format!("limits: {e}")]),
+            Some(Ok(Some(raw))) => {
+                let mut errors = Vec::new();
+                let limits = validate_limits(raw, &mut errors);
+                if errors.is_empty() { Ok(LimitsBlock::Set(limits)) } else { Err(errors) }
+            }
+        }
+    }
 }
 
 /// The three knobs of Execution Limits (§The bounds; reference §2).

@@ -152,3 +152,32 @@ async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
     assert!(refused.stderr.contains("stopped"), "{}", refused.stderr);
     sb.shutdown().await;
 }
+
+/// The cluster config's `limits:` is the scope after the fleet's own (§The bounds): a
+/// run of a fleet without limits takes its deadline from it, and a bad block stops the
+/// coordinator at start, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_configs_limits_bound_a_fleet_without_its_own() {
+    let cluster = mur_tests::procs::Procs::start("limits:\n  deadline: 45m\n  stuck: off\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("c.yaml");
+    std::fs::write(&yaml, "name: scoped\ngoal: g.\nmembers: [nobody]\nlimits:\n  stuck: 5m\n").unwrap();
+    let created = mur_tests::procs::until("the coordinator answers", Duration::from_secs(30), || async {
+        let out = cluster.command().args(["fleet", "create", yaml.to_str().unwrap()]).output().ok()?;
+        out.status.success().then_some(())
+    });
+    created.await;
+    let run = cluster.command().args(["fleet", "run", "scoped", "--json"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.starts_with("bounds: deadline 45m ← config.yaml; stuck 5m ← fleet.yaml\n"),
+        "per key: the fleet's stuck, the cluster's deadline: {stderr}"
+    );
+
+    let bad = mur_tests::procs::Procs::start("limits:\n  deadline: 2026-12-31\n").await;
+    let out = bad.command().args(["coordinator", "--config"]).arg(bad.dir().join("config.yaml")).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("limits.deadline: must be a duration"), "{stderr}");
+}

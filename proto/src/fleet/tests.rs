@@ -1015,3 +1015,22 @@ fn delegates_inherit_the_remaining_time_at_least_one_second() {
     assert_eq!(inherited_deadline(secs(3600), secs(600)), secs(3000));
     assert_eq!(inherited_deadline(secs(60), secs(600)), secs(1));
 }
+
+#[test]
+fn the_cluster_configs_limits_block_is_read_strictly() {
+    let v = |y: &str| Some(serde_yaml_ng::from_str::<serde_yaml_ng::Value>(y).unwrap());
+    assert_eq!(LimitsBlock::from_config(None), Ok(LimitsBlock::Absent));
+    let Ok(LimitsBlock::Set(l)) = LimitsBlock::from_config(v("deadline: 2h\nstuck: off\ncost_usd: 5")) else {
+        panic!("a good block is set")
+    };
+    assert_eq!(l.cost_usd, Some(5.0));
+    let f = Fleet::parse(MINIMAL).unwrap();
+    let b = resolve_bounds(&f, &RunFlags::default(), &LimitsBlock::Set(l)).unwrap();
+    assert_eq!(b.line(), "bounds: deadline 2h ← config.yaml; stuck off ← config.yaml");
+    let errors = LimitsBlock::from_config(v("deadline: 2026-12-31\ncost_usd: -1")).unwrap_err();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors[0].starts_with("limits.deadline: "), "{errors:?}");
+    assert!(errors[1].starts_with("limits.cost_usd: "), "{errors:?}");
+    let errors = LimitsBlock::from_config(v("max_iterations: 3")).unwrap_err();
+    assert!(errors[0].starts_with("limits: unknown field `max_iterations`"), "{errors:?}");
+}
