@@ -17,19 +17,15 @@
 //! channel and the run's notices.
 
 use crate::fleet_loop::Run;
-use crate::fleet_run::{self, Env};
+use crate::fleet_run::{self, Env, OverCache};
 use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{Fleet, JobStatus};
 use mur_proto::fleet_store::{self, ChannelEvent, EventKind, Liveness, RunRecord};
-use std::collections::HashSet;
 use std::time::Duration;
 use tokio::sync::watch;
-
-/// How long records known to be over are not read again.
-const OVER_CACHE_FOR: Duration = Duration::from_secs(60);
 
 /// How often the leader looks for dead runs.
 const SCAN_EVERY: Duration = Duration::from_secs(1);
@@ -72,15 +68,9 @@ pub fn reason(record: &RunRecord, instance: &str, adoption: Adoption) -> String 
 
 /// Looks for dead runs until `stopped` (the leader stepping down).
 pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str {
-    // Runs known to be over: their records are not read again until the cache is
-    // dropped, every minute (a run id reused with `--run-id` is seen within it).
-    let mut over = HashSet::new();
-    let mut since = tokio::time::Instant::now();
+    let mut over = OverCache::new();
     loop {
-        if since.elapsed() > OVER_CACHE_FOR {
-            over.clear();
-            since = tokio::time::Instant::now();
-        }
+        over.expire();
         tokio::select! {
             _ = stopped.changed() => return "the fleet adoption loop",
             () = tokio::time::sleep(SCAN_EVERY) => {}
@@ -91,7 +81,7 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
     }
 }
 
-async fn scan(env: &Env, over: &mut HashSet<String>) -> Result<(), String> {
+async fn scan(env: &Env, over: &mut OverCache) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
     let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
     let mut runs = Vec::new();
@@ -113,12 +103,7 @@ async fn scan(env: &Env, over: &mut HashSet<String>) -> Result<(), String> {
         if env.active.lock().expect("active runs poisoned").contains(&record.run_id) {
             continue;
         }
-        let beat = defs
-            .get(fleet_store::beat_key(&record.run_id))
-            .await
-            .ok()
-            .flatten()
-            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
+        let beat = mur_worker::tools::fleet::read_beat(&defs, &record.run_id).await;
         if let Some(adoption) = orphan(&record, beat, now_ms()) {
             take_over(env, &defs, &key, entry.revision, record, adoption).await;
         }

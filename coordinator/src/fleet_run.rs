@@ -46,6 +46,48 @@ use tokio::sync::watch;
 /// the task itself.
 const WAIT_SLACK: Duration = Duration::from_secs(10);
 
+/// Run records known to be over, so the leader's once-a-second scans (adoption,
+/// triggers) do not read them again; forgotten every minute, so that a run id reused with
+/// `--run-id` is seen within it.
+pub struct OverCache {
+    keys: std::collections::HashSet<String>,
+    since: tokio::time::Instant,
+}
+
+impl OverCache {
+    /// How long a key is remembered.
+    const KEEP: Duration = Duration::from_secs(60);
+
+    /// An empty cache.
+    pub fn new() -> OverCache {
+        OverCache { keys: Default::default(), since: tokio::time::Instant::now() }
+    }
+
+    /// Forgets everything once a minute has passed since it last did.
+    pub fn expire(&mut self) {
+        if self.since.elapsed() > Self::KEEP {
+            self.keys.clear();
+            self.since = tokio::time::Instant::now();
+        }
+    }
+
+    /// Whether `key` (a `run.<id>` key) is known to be over.
+    pub fn contains(&self, key: &str) -> bool {
+        self.keys.contains(key)
+    }
+
+    /// Remembers that `key`'s run is over.
+    pub fn insert(&mut self, key: String) {
+        self.keys.insert(key);
+    }
+}
+
+impl Default for OverCache {
+    fn default() -> Self {
+        OverCache::new()
+    }
+}
+
 /// What a run on this coordinator needs besides its record.
 #[derive(Clone)]
 pub struct Env {

@@ -14,7 +14,7 @@
 //! The last firing is kept in `mur_fleets` key `lastrun.<fleet>` (unix ms), stamped before
 //! the launch, so a new leader goes on from it.
 
-use crate::fleet_run::{self, Env};
+use crate::fleet_run::{self, Env, OverCache};
 use crate::fleets::now_ms;
 use futures::StreamExt;
 use mur_proto::fleet::{self, Fleet, Trigger};
@@ -22,9 +22,6 @@ use mur_proto::fleet_store::{self, RunRecord, RunRequest};
 use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::sync::watch;
-
-/// How long records known to be over are not read again.
-const OVER_CACHE_FOR: Duration = Duration::from_secs(60);
 
 /// How often the leader looks at the triggers.
 const TICK: Duration = Duration::from_secs(1);
@@ -70,15 +67,9 @@ pub fn due(trigger: &Trigger, last_run: Option<u64>, now: u64) -> Due {
 pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str {
     let enabled = fleet::autorun_enabled(&|k| std::env::var(k).ok(), env.settings.autorun);
     tracing::info!(instance = %env.instance, enabled, "fleet triggers");
-    // Runs known to be over: their records are not read again until the cache is
-    // dropped, every minute (a run id reused with `--run-id` is seen within it).
-    let mut over = BTreeSet::new();
-    let mut since = tokio::time::Instant::now();
+    let mut over = OverCache::new();
     loop {
-        if since.elapsed() > OVER_CACHE_FOR {
-            over.clear();
-            since = tokio::time::Instant::now();
-        }
+        over.expire();
         tokio::select! {
             _ = stopped.changed() => return "the fleet trigger loop",
             () = tokio::time::sleep(TICK) => {}
@@ -89,7 +80,7 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
     }
 }
 
-async fn tick(env: &Env, over: &mut BTreeSet<String>) -> Result<(), String> {
+async fn tick(env: &Env, over: &mut OverCache) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
     let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
     let (mut fleets, mut runs) = (Vec::new(), Vec::new());

@@ -266,16 +266,18 @@ pub async fn run_status(js: &async_nats::jetstream::Context, id: &str, now: u64)
         return Ok(None);
     };
     let record: RunRecord = serde_json::from_slice(&bytes).map_err(|e| format!("run {run_id}: {e}"))?;
-    let beat = defs
-        .get(fleet_store::beat_key(&record.run_id))
-        .await
-        .ok()
-        .flatten()
-        .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()));
+    let beat = read_beat(defs, &record.run_id).await;
     let liveness = record.liveness(beat, now);
     let fanout = match js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await {
         Ok(kv) => crate::fanout::status(&kv).await.unwrap_or_default().of_fleet(&record.fleet),
         Err(_) => Default::default(),
     };
     Ok(Some(RunStatus { record, liveness, fanout }))
+}
+
+/// The last heartbeat (unix ms) of the coordinator running `run_id` (`beat.<run id>` in
+/// `mur_fleets`); `None` when there is none or it cannot be read.
+pub async fn read_beat(defs: &kv::Store, run_id: &str) -> Option<u64> {
+    let v = defs.get(fleet_store::beat_key(run_id)).await.ok().flatten()?;
+    std::str::from_utf8(&v).ok()?.parse().ok()
 }
