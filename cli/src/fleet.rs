@@ -96,30 +96,10 @@ pub enum Command {
     },
     /// Approve the steps a blocked job is waiting on; the next run takes the job and runs
     /// them (by id or a prefix naming one job).
-    Approve {
-        /// The fleet.
-        name: String,
-        /// The blocked job.
-        job: String,
-        /// Who approves (default: $USER).
-        #[arg(long)]
-        by: Option<String>,
-        #[command(flatten)]
-        common: Common,
-    },
+    Approve(AnswerArgs),
     /// Deny the steps a blocked job is waiting on; the next run fails them (their
     /// `on_failure` applies).
-    Deny {
-        /// The fleet.
-        name: String,
-        /// The blocked job.
-        job: String,
-        /// Who denies (default: $USER).
-        #[arg(long)]
-        by: Option<String>,
-        #[command(flatten)]
-        common: Common,
-    },
+    Deny(AnswerArgs),
     /// Change the loop's settings; only the flags given are judged and changed.
     SetLoop(SetLoopArgs),
     /// Set the kill-switch: no loop iteration, trigger or manual run starts.
@@ -180,6 +160,20 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
+}
+
+/// `mur fleet approve|deny NAME JOB [--by WHO]`.
+#[derive(clap::Args, Debug)]
+pub struct AnswerArgs {
+    /// The fleet.
+    name: String,
+    /// The blocked job.
+    job: String,
+    /// Who answers (default: $USER).
+    #[arg(long)]
+    by: Option<String>,
+    #[command(flatten)]
+    common: Common,
 }
 
 /// `mur fleet set-loop NAME [--done-when P] [--trigger T] [--deadline D] [--budget-usd N]`.
@@ -356,8 +350,12 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Approve { name, job, by, common } => answer(&common, "mur fleet approve", api::APPROVE, name, job, by),
-        Command::Deny { name, job, by, common } => answer(&common, "mur fleet deny", api::DENY, name, job, by),
+        Command::Approve(AnswerArgs { name, job, by, common }) => {
+            answer(&common, "mur fleet approve", api::APPROVE, name, job, by)
+        }
+        Command::Deny(AnswerArgs { name, job, by, common }) => {
+            answer(&common, "mur fleet deny", api::DENY, name, job, by)
+        }
         Command::SetLoop(args) => {
             let req = SetLoopRequest {
                 fleet: args.name,

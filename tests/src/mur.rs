@@ -62,6 +62,18 @@ impl Run {
     }
 }
 
+/// A file of the repository (`examples/fleets/builder.yaml`, say), by its path from the
+/// repository's root.
+pub fn example(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+/// Runs `cmd` to completion off the async runtime's threads (a cluster in this process
+/// keeps running meanwhile).
+pub async fn run_blocking(mut cmd: Command) -> Run {
+    tokio::task::spawn_blocking(move || Run::of(&mut cmd)).await.expect("the mur command's thread")
+}
+
 /// The lines of a `trace.jsonl`.
 pub fn trace_lines(session_dir: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(session_dir.join("trace.jsonl")).expect("read trace.jsonl");

@@ -57,6 +57,20 @@ impl Procs {
         cmd
     }
 
+    /// `mur ARGS` against the cluster, off the async runtime's threads.
+    pub async fn mur(&self, args: &[&str]) -> crate::mur::Run {
+        let mut cmd = self.command();
+        cmd.args(args);
+        crate::mur::run_blocking(cmd).await
+    }
+
+    /// `mur ARGS` against the cluster, expected to succeed.
+    pub async fn mur_ok(&self, args: &[&str]) -> crate::mur::Run {
+        let run = self.mur(args).await;
+        assert_eq!(run.code, 0, "mur {args:?}: {run:?}");
+        run
+    }
+
     /// The cluster's folder (workers' workdirs, logs).
     pub fn dir(&self) -> &Path {
         self.dir.path()

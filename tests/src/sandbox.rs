@@ -22,6 +22,30 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
+    /// `mur fleet ARGS` against this cluster (`USER` is `tester`).
+    pub fn fleet(&self, args: &[&str]) -> crate::mur::Run {
+        crate::mur::Run::of(&mut self.fleet_command(args))
+    }
+
+    /// `mur fleet ARGS`, expected to succeed.
+    pub fn fleet_ok(&self, args: &[&str]) -> crate::mur::Run {
+        let run = self.fleet(args);
+        assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
+        run
+    }
+
+    /// `mur fleet ARGS` off the async runtime's threads: for commands that wait on the
+    /// cluster in this process (`mur fleet run`).
+    pub async fn fleet_blocking(&self, args: &[&str]) -> crate::mur::Run {
+        crate::mur::run_blocking(self.fleet_command(args)).await
+    }
+
+    fn fleet_command(&self, args: &[&str]) -> std::process::Command {
+        let mut cmd = crate::mur::mur();
+        cmd.arg("fleet").args(args).env("NATS_URL", self.nats.url()).env("USER", "tester");
+        cmd
+    }
+
     /// Starts a server, a coordinator and `workers` workers with `slots` slots each.
     pub async fn start(workers: usize, slots: u32) -> Sandbox {
         let nats = NatsServer::start();

@@ -8,22 +8,18 @@ use anyhow::Result;
 use mur_coordinator::fleets::Fleets;
 use mur_proto::fleet::{Job, JobStatus};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, Sentinel, StopState};
-use mur_tests::mur::{Run, mur};
+use mur_tests::mur::{Run, example, mur};
 use mur_tests::sandbox::Sandbox;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Runs `mur fleet ARGS` against the sandbox.
 fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
-    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()).env("USER", "tester"))
+    sb.fleet(args)
 }
 
-/// Runs `mur fleet ARGS` and expects success.
 fn ok(sb: &Sandbox, args: &[&str]) -> Run {
-    let run = fleet(sb, args);
-    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
-    run
+    sb.fleet_ok(args)
 }
 
 /// Runs `mur fleet ARGS`, expects it refused, and returns its stderr.
@@ -37,10 +33,6 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
     path
-}
-
-fn example(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
 }
 
 async fn fleets_kv(sb: &Sandbox) -> async_nats::jetstream::kv::Store {

@@ -17,13 +17,11 @@ use std::time::Duration;
 const WAIT: Duration = Duration::from_secs(60);
 
 fn example(path: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path).to_string_lossy().into_owned()
+    mur_tests::mur::example(path).to_string_lossy().into_owned()
 }
 
 async fn mur(procs: &Procs, args: &[&str]) -> Run {
-    let mut cmd = procs.command();
-    cmd.args(args);
-    tokio::task::spawn_blocking(move || Run::of(&mut cmd)).await.unwrap()
+    procs.mur(args).await
 }
 
 /// Two coordinators (the first leading), one worker, the `builder` example fleet.

@@ -25,9 +25,7 @@ fn openai_capsule(name: &str, model: &str, fake: &FakeOpenAi) -> TestCapsule {
 
 /// `mur ARGS` against the cluster, run off the async runtime.
 async fn mur(procs: &Procs, args: &[&str]) -> Run {
-    let mut cmd = procs.command();
-    cmd.args(args);
-    tokio::task::spawn_blocking(move || Run::of(&mut cmd)).await.unwrap()
+    procs.mur(args).await
 }
 
 async fn create_fleet(procs: &Procs, yaml: &str) {

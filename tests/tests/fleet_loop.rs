@@ -9,21 +9,13 @@ use mur_tests::sandbox::Sandbox;
 use serde_json::Value;
 use std::time::Duration;
 
-fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
-    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()))
-}
-
 fn ok(sb: &Sandbox, args: &[&str]) -> Run {
-    let run = fleet(sb, args);
-    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
-    run
+    sb.fleet_ok(args)
 }
 
 /// `mur fleet run ARGS` off the test's runtime threads.
 async fn run(sb: &Sandbox, args: &[&str]) -> Run {
-    let url = sb.nats.url();
-    let args: Vec<String> = ["fleet", "run"].iter().chain(args).map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || Run::of(mur().args(&args).env("NATS_URL", url))).await.unwrap()
+    sb.fleet_blocking(&[&["run"], args].concat()).await
 }
 
 /// A member whose reply is its task's text, after `pause` seconds of shell work.

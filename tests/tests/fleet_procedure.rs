@@ -14,22 +14,16 @@ const CONTRACT: &str = "End your reply with a \"Completion:\" checklist: one lin
                         \"- [x]\" when it is done and \"- [ ]\" when it is not.";
 
 fn fleet(sb: &Sandbox, args: &[&str]) -> Run {
-    Run::of(mur().arg("fleet").args(args).env("NATS_URL", sb.nats.url()).env("USER", "tester"))
+    sb.fleet(args)
 }
 
 fn ok(sb: &Sandbox, args: &[&str]) -> Run {
-    let run = fleet(sb, args);
-    assert_eq!(run.code, 0, "mur fleet {args:?}: {run:?}");
-    run
+    sb.fleet_ok(args)
 }
 
 /// `mur fleet run ARGS` off the async runtime (the coordinator runs in this process).
 async fn run(sb: &Sandbox, args: &[&str]) -> Run {
-    let url = sb.nats.url();
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    tokio::task::spawn_blocking(move || Run::of(mur().arg("fleet").arg("run").args(&args).env("NATS_URL", url)))
-        .await
-        .unwrap()
+    sb.fleet_blocking(&[&["run"], args].concat()).await
 }
 
 /// A scripted capsule that answers every task with `reply`, or fails every task when

@@ -13,15 +13,11 @@ use std::time::Duration;
 const WAIT: Duration = Duration::from_secs(60);
 
 fn example(path: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path).to_string_lossy().into_owned()
+    mur_tests::mur::example(path).to_string_lossy().into_owned()
 }
 
 async fn mur(procs: &Procs, args: &[&str]) -> Run {
-    let mut cmd = procs.command();
-    cmd.args(args);
-    let run = tokio::task::spawn_blocking(move || Run::of(&mut cmd)).await.unwrap();
-    assert_eq!(run.code, 0, "mur {args:?}: {run:?}");
-    run
+    procs.mur_ok(args).await
 }
 
 async fn job_status(procs: &Procs, fleet: &str, id: &str) -> Value {
