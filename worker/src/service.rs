@@ -21,7 +21,8 @@
 //!    in-progress ack goes out every [`Config::progress_every`];
 //! 5. compare-and-sets the record to its terminal state (`completed` for exit `ok`,
 //!    `canceled` for `canceled`, `failed` otherwise) with `exit_status`, `result`,
-//!    `ended_at`, then double-acks the dispatch.
+//!    `ended_at`, gives the slot back (a pull request for it goes out at once), then
+//!    double-acks the dispatch.
 //!
 //! A compare-and-set that loses re-reads the record and tries again, a bounded number of
 //! times; a record that became terminal meanwhile is left alone. A dispatch whose payload
@@ -210,6 +211,9 @@ struct Shared {
     detached: tokio_util::task::TaskTracker,
     /// Fired at shutdown: detached commands still running are abandoned.
     detached_stop: CancellationToken,
+    /// Told when a task gives its slot back, before its dispatch is answered: the pull
+    /// loop covers the slot at once.
+    slot_freed: tokio::sync::Notify,
     /// Capsules loaded so far, by name and digest ([`load_capsule`]).
     loaded: std::sync::Mutex<HashMap<(String, String), Arc<Capsule>>>,
 }
@@ -292,6 +296,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         detached: tokio_util::task::TaskTracker::new(),
         detached_stop: CancellationToken::new(),
         loaded: std::sync::Mutex::new(HashMap::new()),
+        slot_freed: tokio::sync::Notify::new(),
     });
     let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
     let mut running = JoinSet::new();
@@ -307,6 +312,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 () = &mut shutdown => break,
                 // A task ended: its slot is free, cover it.
                 Some(_) = running.join_next(), if !running.is_empty() => continue,
+                () = shared.slot_freed.notified() => continue,
                 () = sleep_until(lost_at) => continue,
                 pulled = puller.next() => pulled,
             },
@@ -525,7 +531,7 @@ enum Answer {
 }
 
 /// Runs one dispatch in its slot, with in-progress acks while it works.
-async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphorePermit) {
+async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePermit) {
     let msg = Arc::new(msg);
     // The task's own stop: fired by a cancel (the note on `mur.cancel.<task_id>`, or the
     // record's `cancel_requested_at` seen at a progress tick) or by the shutdown grace.
@@ -566,6 +572,11 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").remove(id);
     }
+    // The task is done with (its terminal record is written, or it goes back): its slot
+    // is free while the answer is on its way, so the next pull request goes out now
+    // rather than a round trip later (issue #9).
+    drop(slot);
+    sh.slot_freed.notify_one();
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
