@@ -40,7 +40,8 @@
 //! A release: compare-and-set the record from `submitted`/attempt 0 to attempt 1 (from the
 //! record and revision last seen by the intake or the watch; read afresh only when that
 //! revision has moved on), then publish [`Dispatch`] to [`cluster::DISPATCH_SUBJECT`] with
-//! message id [`Dispatch::msg_id`], awaiting the ack. A record no longer at attempt 0 or no longer
+//! message id [`Dispatch::msg_id`], awaiting the ack. The dispatch carries the record
+//! written and its revision ([`Dispatch::released`]), so the worker need not read it. A record no longer at attempt 0 or no longer
 //! `submitted` (cancelled meanwhile, or released by another coordinator) is left alone:
 //! the watcher reports what happened to it.
 //!
@@ -56,8 +57,8 @@ use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use mur_proto::cluster::{
-    self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, SubmitReply, SubmitRequest, TaskRecord,
-    TaskRef, WorkerInfo,
+    self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, Released, SubmitReply, SubmitRequest,
+    TaskRecord, TaskRef, WorkerInfo,
 };
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
@@ -332,7 +333,11 @@ async fn lead(
         let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
         replay.push(submitted_input(&record, entry.revision, queue_capsule));
         if record.state == TaskState::Submitted && record.attempt >= 1 {
-            republish.push(Dispatch { task_id: record.task_id.clone(), attempt: record.attempt });
+            republish.push(Dispatch {
+                task_id: record.task_id.clone(),
+                attempt: record.attempt,
+                released: Some(Released { revision: entry.revision, record: record.clone() }),
+            });
         }
         replay.extend(progress_input(&record));
     }
@@ -748,7 +753,7 @@ impl Ctx {
             return Ok(());
         }
         let mut noted = self.take_waiting(task_id);
-        let traceparent = loop {
+        let released = loop {
             let (revision, mut record) = match noted.take() {
                 Some(known) => known,
                 None => self.read_task(task_id).await.map_err(|e| e.to_string())?,
@@ -760,12 +765,15 @@ impl Ctx {
             record.attempt = 1;
             let value = to_json(&record).map_err(|e| e.to_string())?;
             match self.tasks.update(task_id, value, revision).await {
-                Ok(_) => break record.traceparent,
+                Ok(revision) => break Released { revision, record },
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(e) => return Err(format!("mur_tasks: update: {e}")),
             }
         };
-        let dispatch = Dispatch { task_id: task_id.to_string(), attempt: 1 };
+        let traceparent = released.record.traceparent.clone();
+        // The record and its new revision go along: the worker starts from them without
+        // reading the record (issue #9).
+        let dispatch = Dispatch { task_id: task_id.to_string(), attempt: 1, released: Some(released) };
         self.publish(&dispatch, traceparent.as_deref()).await?;
         tracing::info!(instance = %self.instance, %task_id, attempt = 1, "task released");
         Ok(())

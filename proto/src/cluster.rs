@@ -253,9 +253,32 @@ pub struct Dispatch {
     pub task_id: String,
     /// Which dispatch of the task this is, from 1.
     pub attempt: u32,
+    /// The record as the release wrote it, with its revision (issue #9: no broker round
+    /// trip the dispatch path can do without). The worker compare-and-sets the record to
+    /// `working` from it without reading it first; a record that changed since (cancel
+    /// requested, taken by an earlier delivery) fails that compare-and-set, and the worker
+    /// reads the record then. Absent (`None`) the worker reads the record: a dispatch
+    /// published by an earlier coordinator version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<Released>,
+}
+
+/// A task record and the revision it has in [`TASKS_BUCKET`] (see [`Dispatch::released`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Released {
+    /// The key's revision after the release's compare-and-set.
+    pub revision: u64,
+    /// The record at that revision.
+    pub record: TaskRecord,
 }
 
 impl Dispatch {
+    /// A dispatch of `task_id`'s attempt `attempt` carrying nothing more (the worker reads
+    /// the record).
+    pub fn bare(task_id: impl Into<String>, attempt: u32) -> Dispatch {
+        Dispatch { task_id: task_id.into(), attempt, released: None }
+    }
+
     /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (`reference/jetstream-patterns.md` §1.4).
     pub fn msg_id(&self) -> String {
         format!("{}:{}", self.task_id, self.attempt)
@@ -1086,9 +1109,28 @@ mod tests {
     }
 
     #[test]
+    fn a_dispatch_carries_the_released_record_or_reads_as_before_without_it() {
+        // A dispatch of an earlier version: no `released`.
+        let old: Dispatch = serde_json::from_str(r#"{"task_id":"tsk_1","attempt":1}"#).unwrap();
+        assert_eq!(old, Dispatch::bare("tsk_1", 1));
+        assert_eq!(serde_json::to_string(&old).unwrap(), r#"{"task_id":"tsk_1","attempt":1}"#);
+        let request = SubmitRequest::parse(br#"{"capsule":"hello","text":"hi"}"#).unwrap();
+        let mut record = TaskRecord::submitted("tsk_1".into(), request, "ab".repeat(32), 5);
+        record.attempt = 1;
+        let carried = Dispatch { released: Some(Released { revision: 7, record: record.clone() }), ..old };
+        let json = serde_json::to_value(&carried).unwrap();
+        assert_eq!(
+            (json["released"]["revision"].as_u64(), json["released"]["record"]["attempt"].as_u64()),
+            (Some(7), Some(1))
+        );
+        assert_eq!(serde_json::from_value::<Dispatch>(json).unwrap(), carried);
+        assert_eq!(carried.msg_id(), "tsk_1:1");
+    }
+
+    #[test]
     fn names_and_subjects_are_the_documented_ones() {
         assert_eq!(trace_subject("ses_1"), "mur.trace.ses_1");
-        assert_eq!(Dispatch { task_id: "tsk_1".into(), attempt: 2 }.msg_id(), "tsk_1:2");
+        assert_eq!(Dispatch::bare("tsk_1", 2).msg_id(), "tsk_1:2");
         assert_eq!(bundle_object("hello", "ab"), "hello/ab");
         assert!(is_valid_digest(&"0f".repeat(32)));
         assert!(!is_valid_digest(&"0F".repeat(32)));

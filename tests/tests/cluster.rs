@@ -433,7 +433,7 @@ mod worker_service {
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
             record.attempt += 1;
             self.res.tasks.update(&task_id, serde_json::to_vec(&record)?.into(), revision).await?;
-            let dispatch = Dispatch { task_id: task_id.clone(), attempt: record.attempt };
+            let dispatch = Dispatch::bare(task_id.clone(), record.attempt);
             let msg =
                 PublishMessage::build().payload(serde_json::to_vec(&dispatch)?.into()).message_id(dispatch.msg_id());
             self.js.send_publish(cluster::DISPATCH_SUBJECT, msg).await?.await?;
@@ -923,7 +923,10 @@ async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() ->
 
     worker.register(1).await?;
     let dispatch = worker.expect_dispatch().await?;
-    assert_eq!(dispatch, cluster::Dispatch { task_id: task.clone(), attempt: 1 });
+    assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (task.as_str(), 1));
+    // It carries the record as released, at the revision the record has now.
+    let released = dispatch.released.clone().expect("the release's record");
+    assert_eq!(released.record, get(&client, &task).await?);
     let record = get(&client, &task).await?;
     assert_eq!((record.state, record.attempt), (TaskState::Submitted, 1));
     worker.start(&dispatch).await?;
@@ -1058,7 +1061,7 @@ async fn a_restarted_coordinator_keeps_lane_order_and_dispatches_nothing_twice()
     }
     // The blocker's dispatch is delivered once, though the new coordinator published it again.
     let dispatch = worker.expect_dispatch().await?;
-    assert_eq!(dispatch, cluster::Dispatch { task_id: blocker.clone(), attempt: 1 });
+    assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (blocker.as_str(), 1));
     worker.start(&dispatch).await?;
     assert!(worker.next_dispatch(QUIET).await?.is_none(), "the blocker's dispatch is not repeated");
 

@@ -21,7 +21,8 @@
 //!    in-progress ack goes out every [`Config::progress_every`];
 //! 5. compare-and-sets the record to its terminal state (`completed` for exit `ok`,
 //!    `canceled` for `canceled`, `failed` otherwise) with `exit_status`, `result`,
-//!    `ended_at`, then double-acks the dispatch.
+//!    `ended_at`, gives the slot back (a pull request for it goes out at once), then
+//!    double-acks the dispatch.
 //!
 //! A compare-and-set that loses re-reads the record and tries again, a bounded number of
 //! times; a record that became terminal meanwhile is left alone. A dispatch whose payload
@@ -54,6 +55,7 @@ use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
 use crate::tools::background::DetachSink;
+use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
 use crate::trace_context;
@@ -97,6 +99,9 @@ const PULL_BACKOFF: Duration = Duration::from_millis(500);
 const TERMINAL_WRITE_PATIENCE: Duration = Duration::from_secs(60);
 /// Compare-and-set attempts on a task record before giving up.
 const CAS_ATTEMPTS: usize = 10;
+/// How many loaded capsules (name and digest) a worker keeps in memory; past it the
+/// memory is emptied and refilled as tasks come.
+const LOADED_CAPSULES: usize = 64;
 /// The `source` of every task the worker runs (`task_start.source`).
 pub const TASK_SOURCE: &str = "cluster";
 
@@ -212,6 +217,11 @@ struct Shared {
     detached: tokio_util::task::TaskTracker,
     /// Fired at shutdown: detached commands still running are abandoned.
     detached_stop: CancellationToken,
+    /// Told when a task gives its slot back, before its dispatch is answered: the pull
+    /// loop covers the slot at once.
+    slot_freed: tokio::sync::Notify,
+    /// Capsules loaded so far, by name and digest ([`load_capsule`]).
+    loaded: std::sync::Mutex<HashMap<(String, String), Arc<Capsule>>>,
 }
 
 /// Runs the worker until `shutdown` resolves, then drains it (see the module docs).
@@ -292,6 +302,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         running: std::sync::Mutex::new(HashMap::new()),
         detached: tokio_util::task::TaskTracker::new(),
         detached_stop: CancellationToken::new(),
+        loaded: std::sync::Mutex::new(HashMap::new()),
+        slot_freed: tokio::sync::Notify::new(),
     });
     let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
     let mut running = JoinSet::new();
@@ -307,6 +319,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 () = &mut shutdown => break,
                 // A task ended: its slot is free, cover it.
                 Some(_) = running.join_next(), if !running.is_empty() => continue,
+                () = shared.slot_freed.notified() => continue,
                 () = sleep_until(lost_at) => continue,
                 pulled = puller.next() => pulled,
             },
@@ -525,12 +538,15 @@ enum Answer {
 }
 
 /// Runs one dispatch in its slot, with in-progress acks while it works.
-async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphorePermit) {
+async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePermit) {
     let msg = Arc::new(msg);
     // The task's own stop: fired by a cancel (the note on `mur.cancel.<task_id>`, or the
     // record's `cancel_requested_at` seen at a progress tick) or by the shutdown grace.
     let cancel = sh.hard_stop.child_token();
-    let task_id = serde_json::from_slice::<Dispatch>(&msg.payload).ok().map(|d| d.task_id);
+    let parsed = serde_json::from_slice::<Dispatch>(&msg.payload).ok();
+    let carried_traceparent =
+        parsed.as_ref().and_then(|d| d.released.as_ref()).and_then(|r| r.record.traceparent.clone());
+    let task_id = parsed.map(|d| d.task_id);
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").insert(id.clone(), cancel.clone());
     }
@@ -557,12 +573,17 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
         }
     });
     let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
-    let span = dispatch_span(&sh, &msg, task_id.as_deref(), delivery).await;
+    let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivery).await;
     let answer = run_dispatch(&sh, &msg.payload, delivery, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").remove(id);
     }
+    // The task is done with (its terminal record is written, or it goes back): its slot
+    // is free while the answer is on its way, so the next pull request goes out now
+    // rather than a round trip later (issue #9).
+    drop(slot);
+    sh.slot_freed.notify_one();
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
@@ -574,6 +595,28 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, _slot: OwnedSemaphoreP
 }
 
 async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: CancellationToken) -> Answer {
+    // A fleet step's fan-out permit, once it holds one; given back whatever happened.
+    let mut permit = None;
+    let answer = run_dispatch_holding(sh, payload, delivery, cancel, &mut permit).await;
+    if let Some(permit) = permit {
+        permit.release().await;
+    }
+    answer
+}
+
+/// [`run_dispatch`]'s work; a fleet step's permit, once taken, is left in `permit`.
+async fn run_dispatch_holding(
+    sh: &Shared,
+    payload: &[u8],
+    delivery: u64,
+    cancel: CancellationToken,
+    permit: &mut Option<Arc<fanout::StepPermit>>,
+) -> Answer {
+    // The session's stop: the task's, or the loss of its fan-out permit (watched until the
+    // dispatch is done with: `_dispatch_over` fires then).
+    let session_cancel = cancel.child_token();
+    let dispatch_over = CancellationToken::new();
+    let _dispatch_over = dispatch_over.clone().drop_guard();
     let dispatch: Dispatch = match serde_json::from_slice(payload) {
         Ok(d) => d,
         Err(e) => {
@@ -582,107 +625,252 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
         }
     };
     let key = dispatch.task_id.as_str();
-    let current = match read(&sh.tasks, key).await {
-        Ok(Some(c)) => c,
-        Ok(None) => {
-            tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
-            return Answer::Term;
-        }
-        Err(e) => {
-            tracing::warn!(task_id = key, error = %e, "reading the task record failed");
-            return Answer::Nak;
-        }
+    // The record as the release wrote it, when the dispatch carries it: no read. The
+    // compare-and-set to `working` below is on its revision, so a record that changed
+    // since (cancel requested, an earlier delivery took it) is read and looked at afresh.
+    let (mut current, mut carried) = match dispatch.released {
+        Some(r) => ((r.record, r.revision), true),
+        None => match read(&sh.tasks, key).await {
+            Ok(Some(c)) => (c, false),
+            Ok(None) => {
+                tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
+                return Answer::Term;
+            }
+            Err(e) => {
+                tracing::warn!(task_id = key, error = %e, "reading the task record failed");
+                return Answer::Nak;
+            }
+        },
     };
-    if current.0.state.is_terminal() {
-        return Answer::Ack;
-    }
     let worker_id = sh.config.worker_id.clone();
-    if current.0.cancel_requested_at.is_some() {
-        // Cancelled after its release, before any session ran it: it never starts.
-        return finished(
-            cas(&sh.tasks, key, current, |r| {
-                if r.state.is_terminal() {
-                    return false;
-                }
-                end_record(r, ExitStatus::Canceled, "canceled", None);
-                true
-            })
-            .await,
-            key,
-        );
-    }
-
-    let capsule = match load_capsule(sh, &current.0).await {
-        Ok(c) => c,
-        Err(reason) => {
-            let w = worker_id.clone();
+    let (current, capsule, takeover, session_id, prepared) = loop {
+        if current.0.state.is_terminal() {
+            return Answer::Ack;
+        }
+        if current.0.cancel_requested_at.is_some() {
+            // Cancelled after its release, before any session ran it: it never starts.
             return finished(
                 cas(&sh.tasks, key, current, |r| {
                     if r.state.is_terminal() {
                         return false;
                     }
-                    r.worker = Some(w.clone());
-                    end_record(r, ExitStatus::Failed, &reason, Some(&reason));
+                    end_record(r, ExitStatus::Canceled, "canceled", None);
                     true
                 })
                 .await,
                 key,
             );
         }
-    };
 
-    // A record already `working` was being run by a session that stopped answering for
-    // it (its worker died): take over from its last checkpoint (issue #8 §Takeover).
-    let takeover = match (&current.0.state, &current.0.session_id) {
-        (TaskState::Working, Some(previous)) => {
-            let previous_worker = current.0.worker.clone().unwrap_or_default();
-            match read_checkpoints(&sh.sessions, key).await {
-                Ok(r) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
-                Err(e) => {
-                    tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
-                    return Answer::Nak;
-                }
-            }
-        }
-        _ => None,
-    };
-
-    // A delegated fleet step runs only while it holds a fan-out permit (issue #11): wait in
-    // line for one, with in-progress acks still going out, until it is free or the task
-    // is cancelled or out of time.
-    let permit = match &current.0.fleet_step {
-        None => None,
-        Some(step) => match hold_permit(sh, &current.0, step, &cancel).await {
-            Ok(permit) => Some(permit),
-            Err(stop) => {
-                let exit = match stop {
-                    PermitWait::Deadline => ExitStatus::DeadlineExceeded,
-                    PermitWait::Cancelled if !sh.hard_stop.is_cancelled() => ExitStatus::Canceled,
-                    // The worker is stopping, or JetStream failed: another delivery waits again.
-                    PermitWait::Cancelled | PermitWait::Failed => return Answer::Nak,
-                };
-                let base = match read(&sh.tasks, key).await {
-                    Ok(Some(c)) => c,
-                    Ok(None) => return Answer::Term,
-                    Err(_) => return Answer::Nak,
-                };
+        let capsule = match load_capsule(sh, &current.0).await {
+            Ok(c) => c,
+            Err(reason) => {
+                let w = worker_id.clone();
                 return finished(
-                    cas(&sh.tasks, key, base, |r| {
+                    cas(&sh.tasks, key, current, |r| {
                         if r.state.is_terminal() {
                             return false;
                         }
-                        end_record(r, exit, exit.as_str(), None);
+                        r.worker = Some(w.clone());
+                        end_record(r, ExitStatus::Failed, &reason, Some(&reason));
                         true
                     })
                     .await,
                     key,
                 );
             }
-        },
+        };
+
+        // A record already `working` was being run by a session that stopped answering for
+        // it (its worker died): take over from its last checkpoint (issue #8 §Takeover).
+        let takeover = match (&current.0.state, &current.0.session_id) {
+            (TaskState::Working, Some(previous)) => {
+                let previous_worker = current.0.worker.clone().unwrap_or_default();
+                match read_checkpoints(&sh.sessions, key).await {
+                    Ok(r) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
+                    Err(e) => {
+                        tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
+                        return Answer::Nak;
+                    }
+                }
+            }
+            _ => None,
+        };
+
+        // A delegated fleet step runs only while it holds a fan-out permit (issue #11):
+        // wait in line for one, with in-progress acks still going out, until it is free or
+        // the task is cancelled or out of time.
+        if let (Some(step), None) = (&current.0.fleet_step, permit.as_ref()) {
+            match hold_permit(sh, &current.0, step, &cancel).await {
+                Ok(held) => {
+                    let (lost, stop, over) = (held.lost(), session_cancel.clone(), dispatch_over.clone());
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            () = lost.cancelled() => stop.cancel(),
+                            () = over.cancelled() => {}
+                        }
+                    });
+                    *permit = Some(held);
+                }
+                Err(stop) => {
+                    let exit = match stop {
+                        PermitWait::Deadline => ExitStatus::DeadlineExceeded,
+                        PermitWait::Cancelled if !sh.hard_stop.is_cancelled() => ExitStatus::Canceled,
+                        // The worker is stopping, or JetStream failed: another delivery waits again.
+                        PermitWait::Cancelled | PermitWait::Failed => return Answer::Nak,
+                    };
+                    let base = match read(&sh.tasks, key).await {
+                        Ok(Some(c)) => c,
+                        Ok(None) => return Answer::Term,
+                        Err(_) => return Answer::Nak,
+                    };
+                    return finished(
+                        cas(&sh.tasks, key, base, |r| {
+                            if r.state.is_terminal() {
+                                return false;
+                            }
+                            end_record(r, exit, exit.as_str(), None);
+                            true
+                        })
+                        .await,
+                        key,
+                    );
+                }
+            }
+        }
+
+        let session_id = Id::generate(IdKind::Session);
+        // The session folder is made on a blocking thread while the record goes to
+        // `working` (issue #9: file creation kept off the async threads and the wait).
+        let access = FleetAccess {
+            client: sh.client.clone(),
+            source: format!("capsule:{}", current.0.capsule),
+            permit: permit.clone(),
+            cancel: session_cancel.clone(),
+        };
+        let prepared = Prepared::start(sh, &capsule, &session_id, access);
+        let mark_working = |r: &mut TaskRecord| {
+            if r.state.is_terminal() {
+                return false;
+            }
+            r.state = TaskState::Working;
+            r.worker = Some(worker_id.clone());
+            r.session_id = Some(session_id.clone());
+            r.started_at = r.started_at.or(Some(SystemClock.now_ms()));
+            true
+        };
+        let working = if carried {
+            // One try on the carried revision; a conflict means the record moved on.
+            carried = false;
+            let mut record = current.0.clone();
+            mark_working(&mut record);
+            let json = match serde_json::to_vec(&record) {
+                Ok(json) => json,
+                Err(e) => {
+                    tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                    prepared.discard();
+                    return Answer::Nak;
+                }
+            };
+            match sh.tasks.update(key, json.into(), current.1).await {
+                Ok(revision) => Ok(Some((record, revision))),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    prepared.discard();
+                    current = match read(&sh.tasks, key).await {
+                        Ok(Some(c)) => c,
+                        Ok(None) => {
+                            tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
+                            return Answer::Term;
+                        }
+                        Err(e) => {
+                            tracing::warn!(task_id = key, error = %e, "reading the task record failed");
+                            return Answer::Nak;
+                        }
+                    };
+                    continue;
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        } else {
+            cas(&sh.tasks, key, current, mark_working).await
+        };
+        match working {
+            Ok(Some(c)) => break (c, capsule, takeover, session_id, prepared),
+            Ok(None) => {
+                prepared.discard();
+                return Answer::Ack; // ended elsewhere meanwhile
+            }
+            Err(e) => {
+                tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                prepared.discard();
+                return Answer::Nak;
+            }
+        }
     };
-    let answer = run_working(sh, key, current, capsule, takeover, cancel, permit.clone()).await;
-    if let Some(permit) = permit {
-        permit.release().await;
+    let task = current.0.clone();
+    let checkpointed = takeover.is_some();
+    let checkpoints = Arc::new(KvCheckpoints {
+        sessions: sh.sessions.clone(),
+        task_id: task.task_id.clone(),
+        session_id: session_id.clone(),
+        worker: worker_id.clone(),
+        saved: AtomicBool::new(checkpointed),
+    });
+    let (exit, result, error, usage) = match run_session(
+        sh,
+        &task,
+        &capsule,
+        &session_id,
+        prepared,
+        takeover,
+        checkpoints.clone(),
+        session_cancel.clone(),
+    )
+    .await
+    {
+        Ok((exit, result, usage)) => (exit, result, None, usage),
+        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
+    };
+    if permit.as_ref().is_some_and(|p| p.lost().is_cancelled()) {
+        // It ran without a permit for a moment (this worker stalled past the lease): its
+        // end is not written; the dispatch goes back and runs again from its checkpoints.
+        return Answer::Nak;
+    }
+    // The terminal record must be written (a nak would run the task again): keep trying
+    // through a broker outage, with in-progress acks still going out, for up to a minute.
+    let mut written = Err(String::new());
+    let mut backoff = Duration::from_millis(100);
+    let give_up = tokio::time::Instant::now() + TERMINAL_WRITE_PATIENCE;
+    let mut current = Some(current);
+    while tokio::time::Instant::now() < give_up {
+        let base = match current.take() {
+            Some(c) => Ok(c),
+            None => read(&sh.tasks, key).await.and_then(|c| c.ok_or_else(|| format!("task record {key} disappeared"))),
+        };
+        written = match base {
+            Ok(base) => {
+                cas(&sh.tasks, key, base, |r| {
+                    if r.state.is_terminal() {
+                        return false;
+                    }
+                    end_record(r, exit, &result, error.as_deref());
+                    r.usage.clone_from(&usage);
+                    true
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        if written.is_ok() {
+            break;
+        }
+        tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+    let answer = finished(written, key);
+    if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
+        drop_checkpoints(&sh.sessions, key).await;
     }
     answer
 }
@@ -726,122 +914,21 @@ async fn hold_permit(
     }
 }
 
-/// Runs a task that may start now: marks it working, runs its session, writes its end.
-/// A step whose fan-out `permit` is lost meanwhile is stopped and redelivered.
-async fn run_working(
-    sh: &Shared,
-    key: &str,
-    current: (TaskRecord, u64),
-    capsule: Capsule,
-    takeover: Option<Takeover>,
-    cancel: CancellationToken,
-    permit: Option<Arc<fanout::StepPermit>>,
-) -> Answer {
-    let worker_id = sh.config.worker_id.clone();
-    let cancel = match &permit {
-        None => cancel,
-        Some(permit) => {
-            let session_cancel = cancel.child_token();
-            let lost = permit.lost();
-            let stop = session_cancel.clone();
-            tokio::spawn(async move {
-                tokio::select! {
-                    () = lost.cancelled() => stop.cancel(),
-                    () = stop.cancelled() => {}
-                }
-            });
-            session_cancel
-        }
-    };
-    let session_id = Id::generate(IdKind::Session);
-    let working = cas(&sh.tasks, key, current, |r| {
-        if r.state.is_terminal() {
-            return false;
-        }
-        r.state = TaskState::Working;
-        r.worker = Some(worker_id.clone());
-        r.session_id = Some(session_id.clone());
-        r.started_at = r.started_at.or(Some(SystemClock.now_ms()));
-        true
-    })
-    .await;
-    let current = match working {
-        Ok(Some(c)) => c,
-        Ok(None) => return Answer::Ack, // ended elsewhere meanwhile
-        Err(e) => {
-            tracing::warn!(task_id = key, error = %e, "marking the task working failed");
-            return Answer::Nak;
-        }
-    };
-    let task = current.0.clone();
-    let checkpointed = takeover.is_some();
-    let checkpoints = Arc::new(KvCheckpoints {
-        sessions: sh.sessions.clone(),
-        task_id: task.task_id.clone(),
-        session_id: session_id.clone(),
-        worker: worker_id.clone(),
-        saved: AtomicBool::new(checkpointed),
-    });
-    let (exit, result, error, usage) = match run_session(
-        sh,
-        &task,
-        &capsule,
-        &session_id,
-        takeover,
-        checkpoints.clone(),
-        (cancel.clone(), permit.clone()),
-    )
-    .await
-    {
-        Ok((exit, result, usage)) => (exit, result, None, usage),
-        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
-    };
-    // The terminal record must be written (a nak would run the task again): keep trying
-    // through a broker outage, with in-progress acks still going out, for up to a minute.
-    let mut written = Err(String::new());
-    let mut backoff = Duration::from_millis(100);
-    let give_up = tokio::time::Instant::now() + TERMINAL_WRITE_PATIENCE;
-    let mut current = Some(current);
-    while tokio::time::Instant::now() < give_up {
-        let base = match current.take() {
-            Some(c) => Ok(c),
-            None => read(&sh.tasks, key).await.and_then(|c| c.ok_or_else(|| format!("task record {key} disappeared"))),
-        };
-        written = match base {
-            Ok(base) => {
-                cas(&sh.tasks, key, base, |r| {
-                    if r.state.is_terminal() {
-                        return false;
-                    }
-                    end_record(r, exit, &result, error.as_deref());
-                    r.usage.clone_from(&usage);
-                    true
-                })
-                .await
-            }
-            Err(e) => Err(e),
-        };
-        if written.is_ok() {
-            break;
-        }
-        tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-    let answer = finished(written, key);
-    if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
-        drop_checkpoints(&sh.sessions, key).await;
-    }
-    answer
-}
-
 /// The span one delivery runs in, so the task's spans (`invoke_agent` and below) join the
 /// submitter's trace (issue #7 §Trace context): a child of the dispatch's `traceparent`
 /// header, or of the record's when the header is missing (a dispatch republished by a
-/// restarted coordinator carries none).
-async fn dispatch_span(sh: &Shared, msg: &jetstream::Message, task_id: Option<&str>, delivery: u64) -> tracing::Span {
+/// restarted coordinator carries none): the one in the record the dispatch carries, else
+/// the stored record's.
+async fn dispatch_span(
+    sh: &Shared,
+    msg: &jetstream::Message,
+    task_id: Option<&str>,
+    carried: Option<String>,
+    delivery: u64,
+) -> tracing::Span {
     let headers = msg.headers.as_ref();
     let stored = match task_id {
+        Some(_) if carried.is_some() => carried,
         Some(id) if trace_context::extract(headers).is_none() => {
             read(&sh.tasks, id).await.ok().flatten().and_then(|(record, _)| record.traceparent)
         }
@@ -877,14 +964,27 @@ fn end_record(r: &mut TaskRecord, exit: ExitStatus, result: &str, error: Option<
     r.ended_at = Some(SystemClock.now_ms());
 }
 
-/// Fetches (or finds in the cache) and loads the record's capsule bundle.
-async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Capsule, String> {
+/// Fetches (or finds in the cache) and loads the record's capsule bundle. A bundle is
+/// named by its digest and never changes, so a loaded capsule is kept in memory by name
+/// and digest and reused (issue #9); a failed load is not kept.
+async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Arc<Capsule>, String> {
+    let key = (record.capsule.clone(), record.capsule_digest.clone());
+    if let Some(capsule) = sh.loaded.lock().expect("loaded capsules lock").get(&key) {
+        return Ok(capsule.clone());
+    }
     let cache = sh.config.workdir.join("cache");
     let dir = bundle::fetch(&sh.capsules, &record.capsule, &record.capsule_digest, &cache)
         .await
         .map_err(|e| format!("error: fetching capsule {}: {e}", record.capsule))?;
     let env = |k: &str| std::env::var(k).ok();
-    Capsule::load(&dir, &env).map_err(|e| format!("error: loading capsule {}: {e}", record.capsule))
+    let capsule =
+        Arc::new(Capsule::load(&dir, &env).map_err(|e| format!("error: loading capsule {}: {e}", record.capsule))?);
+    let mut loaded = sh.loaded.lock().expect("loaded capsules lock");
+    if loaded.len() >= LOADED_CAPSULES {
+        loaded.clear();
+    }
+    loaded.insert(key, capsule.clone());
+    Ok(capsule)
 }
 
 /// Reads a task record and its revision.
@@ -1043,41 +1143,78 @@ fn continues_context(task: &TaskRecord, capsule: &Capsule) -> bool {
     capsule.manifest.lifecycle.conversation == Conversation::Threaded || task.origin == Origin::Completion
 }
 
+/// A session's tools and its folder in the making: the folder (`Layout::create`),
+/// `MURMUR.md` and `trace.jsonl` are created on a blocking thread (issue #9: file creation
+/// is the worker's largest cost per task, and it overlaps the record's compare-and-set).
+struct Prepared {
+    layout: Layout,
+    tools: Arc<Toolbox>,
+    sink: DetachSink,
+    notices: mpsc::UnboundedReceiver<crate::tools::background::DetachNotice>,
+    files: tokio::task::JoinHandle<Result<FileSink, String>>,
+}
+
+impl Prepared {
+    /// Starts making `<workdir>/sessions/<session_id>/` for `capsule`'s session, whose
+    /// fleet tools reach the cluster with `access`.
+    fn start(sh: &Shared, capsule: &Capsule, session_id: &str, access: FleetAccess) -> Prepared {
+        let dir = sh.config.workdir.join("sessions").join(session_id);
+        // Like `mur run` without --workdir: commands run in the session folder itself.
+        let layout = Layout { workdir: dir.clone(), session_dir: dir };
+        let (sink, notices) = DetachSink::channel();
+        let grace = Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
+        let tools = Arc::new(
+            Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()).with_fleet_access(access),
+        );
+        let onboarding = capsule::onboarding(&capsule.manifest, &capsule.model_label(), &layout, tools.specs());
+        let files = tokio::task::spawn_blocking({
+            let layout = layout.clone();
+            move || {
+                layout.create().map_err(|e| e.to_string())?;
+                std::fs::write(layout.murmur_md(), onboarding)
+                    .map_err(|e| format!("{}: {e}", layout.murmur_md().display()))?;
+                FileSink::open(&layout.trace()).map_err(|e| e.to_string())
+            }
+        });
+        Prepared { layout, tools, sink, notices, files }
+    }
+
+    /// The session will not run (the record moved on): its folder is removed once made.
+    fn discard(self) {
+        let Prepared { layout, files, .. } = self;
+        tokio::spawn(async move {
+            let _ = files.await;
+            let dir = layout.session_dir;
+            let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+        });
+    }
+}
+
 /// Runs `task` in a new session `session_id` (taking it over from a checkpoint when
-/// `takeover` says so) and returns its exit status and result. The session stops when
-/// `cancel` fires; a fleet step's fan-out `permit` reaches its fleet tools.
+/// `takeover` says so), in the folder `prepared` makes, and returns its exit status, its
+/// result and its token usage. The session stops when `cancel` fires.
+#[allow(clippy::too_many_arguments)]
 async fn run_session(
     sh: &Shared,
     task: &TaskRecord,
     capsule: &Capsule,
     session_id: &str,
+    prepared: Prepared,
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
-    (cancel, permit): (CancellationToken, Option<Arc<fanout::StepPermit>>),
+    cancel: CancellationToken,
 ) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>), String> {
     let missing = crate::preflight::missing(&task.needs, std::env::var_os("PATH").as_deref());
     if !missing.is_empty() {
+        prepared.discard();
         return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing), None));
     }
     // The task's token usage, tallied from its trace for the terminal record (issue #11).
     let tally = crate::usage::UsageTally::default();
-    let dir = sh.config.workdir.join("sessions").join(session_id);
-    // Like `mur run` without --workdir: commands run in the session folder itself.
-    let layout = Layout { workdir: dir.clone(), session_dir: dir };
-    layout.create().map_err(|e| e.to_string())?;
+    let Prepared { layout, tools, sink, notices, files } = prepared;
+    let file = files.await.map_err(|e| format!("making the session folder: {e}"))??;
     let capsule_dir = std::path::absolute(&capsule.dir).map_err(|e| e.to_string())?;
     let driver = capsule.driver(&layout.workdir).map_err(|e| e.to_string())?;
-    let (sink, notices) = DetachSink::channel();
-    let grace = Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
-    let fleet_access = crate::tools::fleet::FleetAccess {
-        client: sh.client.clone(),
-        source: format!("capsule:{}", task.capsule),
-        permit,
-        cancel: cancel.clone(),
-    };
-    let tools = Arc::new(
-        Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()).with_fleet_access(fleet_access),
-    );
     if task.origin == Origin::Completion {
         detached::fetch_logs(&sh.capsules, &task.text, &layout.session_dir).await;
     }
@@ -1092,12 +1229,6 @@ async fn run_session(
         session_dir: layout.session_dir.clone(),
     };
     sh.detached.spawn(host.serve(notices, sink.clone(), session_done.clone(), sh.detached_stop.clone()));
-    std::fs::write(
-        layout.murmur_md(),
-        capsule::onboarding(&capsule.manifest, &capsule.model_label(), &layout, tools.specs()),
-    )
-    .map_err(|e| format!("{}: {e}", layout.murmur_md().display()))?;
-    let file = FileSink::open(&layout.trace()).map_err(|e| e.to_string())?;
     let (published, publisher) = TracePublisher::start(sh.client.clone(), cluster::trace_subject(session_id));
     let (cfg, parts) = build_session_parts(Setup {
         capsule,
