@@ -208,6 +208,28 @@ impl StepPermit {
         self.lost.clone()
     }
 
+    /// Whether the step may still write its end: `false` when the permit was lost (the
+    /// worker stalled past the lease and the slot expired, whether or not another step took
+    /// it since). Checks with one renewal now, so a step whose work ended while its worker
+    /// was stopped does not write an end it ran without a permit for. A renewal that cannot
+    /// reach JetStream counts as held (the terminal write retries through an outage).
+    pub async fn still_held(&self) -> bool {
+        if self.lost.is_cancelled() {
+            return false;
+        }
+        let current = self.current.lock().await;
+        match current.as_ref() {
+            None => true,
+            Some(permit) => match permit.renew().await {
+                Err(Error::Lost(_)) => {
+                    self.lost.cancel();
+                    false
+                }
+                Ok(()) | Err(_) => true,
+            },
+        }
+    }
+
     /// The slot held now, if any.
     pub async fn slot(&self) -> Option<u32> {
         self.current.lock().await.as_ref().map(Permit::slot)

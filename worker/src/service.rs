@@ -796,6 +796,15 @@ async fn run_working(
         Ok((exit, result, usage)) => (exit, result, None, usage),
         Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
     };
+    // A step that lost its permit (its worker stalled past the lease) stopped, or ran on
+    // without one: it writes no end; another delivery runs it again once it holds a
+    // permit (issue #11 §The fan-out cap: the count never rises above the cap).
+    if let Some(permit) = &permit
+        && !permit.still_held().await
+    {
+        tracing::warn!(task_id = key, "the step's fan-out permit was lost: its end is not written; it runs again");
+        return Answer::Nak;
+    }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
     let mut written = Err(String::new());

@@ -1,0 +1,233 @@
+//! Adversarial tests of the cluster-wide fan-out cap (issue #11 §The fan-out cap): real
+//! worker processes stopped with SIGSTOP past their lease, steps cancelled or out of time
+//! while they wait for a permit or hold one, and hostile `fleet_step` values submitted over
+//! the NATS API.
+
+use async_nats::jetstream::kv::{self, Operation};
+use futures::StreamExt;
+use mur_proto::cluster::{SubmitReply, TaskRecord, api};
+use mur_proto::fanout::{Holder, SLOT_PREFIX, slot_key, wait_key};
+use mur_proto::task::{ExitStatus, TaskState};
+use mur_tests::capsule::shell_capsule;
+use mur_tests::procs::{Procs, until};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Permits seen by a watcher of `mur_fanout`: who holds each slot now, and the most held
+/// at once.
+#[derive(Default)]
+struct Seen {
+    held: BTreeMap<String, String>,
+    max_held: usize,
+}
+
+async fn watch_permits(kv: kv::Store) -> Arc<Mutex<Seen>> {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut watch = kv.watch_with_history(">").await.expect("watch mur_fanout");
+    let out = seen.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(entry)) = watch.next().await {
+            if !entry.key.starts_with(SLOT_PREFIX) {
+                continue;
+            }
+            let mut s = out.lock().unwrap();
+            if entry.operation == Operation::Put {
+                let task = serde_json::from_slice::<Holder>(&entry.value).map(|h| h.task_id).unwrap_or_default();
+                s.held.insert(entry.key.clone(), task);
+            } else {
+                s.held.remove(&entry.key);
+            }
+            s.max_held = s.max_held.max(s.held.len());
+        }
+    });
+    seen
+}
+
+/// Submits the raw JSON `body` over the NATS API (retrying while no coordinator answers);
+/// the reply, or the service's refusal.
+async fn submit_raw(cluster: &Procs, body: serde_json::Value) -> Result<String, mur_proto::cluster::ApiError> {
+    let bytes = serde_json::to_vec(&body).unwrap();
+    until("a coordinator answers the submission", Duration::from_secs(30), || async {
+        match mur_coordinator::api::call::<SubmitReply>(&cluster.client, api::TASK_SUBMIT, bytes.clone()).await {
+            Ok(r) => Some(Ok(r.task_id)),
+            Err(e) if e.code == mur_proto::cluster::ErrorCode::Unavailable => None,
+            Err(e) => Some(Err(e)),
+        }
+    })
+    .await
+}
+
+/// A delegated step of capsule `m` running `text` with fan-out cap `cap`.
+async fn step(cluster: &Procs, text: &str, cap: serde_json::Value, deadline_at: Option<u64>) -> String {
+    let mut body = serde_json::json!({
+        "capsule": "m", "text": text, "origin": "peer",
+        "fleet_step": { "fleet": "f", "run_id": "r-0", "step": "m", "cap": cap },
+    });
+    if let Some(at) = deadline_at {
+        body["deadline_at"] = at.into();
+    }
+    submit_raw(cluster, body).await.expect("the step is accepted")
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+async fn fanout_kv(cluster: &Procs) -> kv::Store {
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    until("the fan-out bucket exists", Duration::from_secs(30), || async {
+        js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.ok()
+    })
+    .await
+}
+
+/// Whether `key` holds a live value.
+async fn live(kv: &kv::Store, key: &str) -> bool {
+    matches!(kv.entry(key).await, Ok(Some(e)) if e.operation == Operation::Put)
+}
+
+fn terminal(r: &TaskRecord) -> bool {
+    r.state.is_terminal()
+}
+
+/// A worker stopped (SIGSTOP) while its step holds the one permit loses it when the lease
+/// ends; another step takes it. Woken (SIGCONT), the first worker must stop its step and
+/// write no end for it (its renewal finds the permit lost): the step runs again once it
+/// holds a permit and ends `completed`, never `canceled`. The count never exceeds 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_past_its_lease_writes_no_end_and_its_step_still_completes() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 60\n  fanout_lease_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let stalled = cluster.worker("wkr-stalled", 1);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let kv = fanout_kv(&cluster).await;
+    let seen = watch_permits(kv.clone()).await;
+
+    let a = step(&cluster, "sleep 6; echo a-done", 1.into(), None).await;
+    cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
+    until("a holds the permit", WAIT, || async { (seen.lock().unwrap().held.get("slot.0") == Some(&a)).then_some(()) })
+        .await;
+    stalled.pause();
+    // The lease ends; the permit expires.
+    until("a's permit expires", WAIT, || async { (!live(&kv, &slot_key(0)).await).then_some(()) }).await;
+    // Another worker and step take it meanwhile.
+    let _other = cluster.worker("wkr-other", 1);
+    let b = step(&cluster, "echo b-done", 1.into(), None).await;
+    let b = cluster.wait_record(&b, WAIT, terminal).await;
+    assert_eq!(b.exit_status, Some(ExitStatus::Ok), "{b:?}");
+    stalled.resume();
+
+    let a = cluster.wait_record(&a, WAIT, terminal).await;
+    assert_eq!((a.state, a.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{a:?}\n{}", stalled.log());
+    assert!(stalled.log().contains("fan-out permit lost"), "{}", stalled.log());
+    assert_eq!(seen.lock().unwrap().max_held, 1, "never more than the cap of 1");
+}
+
+/// Cancelling a step that waits for a permit removes its ticket and ends it `canceled`;
+/// cancelling the step that holds the permit gives it back at once (well within its 30 s
+/// lease) and ends it `canceled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_waiting_step_and_a_holding_step_ends_both_canceled_and_frees_the_permit_at_once() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let kv = fanout_kv(&cluster).await;
+
+    let holder = step(&cluster, "sleep 60", 1.into(), None).await;
+    cluster.wait_record(&holder, WAIT, |r| r.state == TaskState::Working).await;
+    let waiter = step(&cluster, "echo never", 1.into(), None).await;
+    until("the waiter's ticket", WAIT, || async { live(&kv, &wait_key(&waiter)).await.then_some(()) }).await;
+    let cancel = |id: &str| {
+        let out = cluster.command().args(["task", "cancel", id]).output().unwrap();
+        assert!(out.status.success(), "mur task cancel {id}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+
+    cancel(&waiter);
+    let w = cluster.wait_record(&waiter, WAIT, terminal).await;
+    assert_eq!((w.state, w.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)), "{w:?}");
+    until("the waiter's ticket is gone", WAIT, || async { (!live(&kv, &wait_key(&waiter)).await).then_some(()) }).await;
+
+    assert!(live(&kv, &slot_key(0)).await, "the holder still holds its permit");
+    let asked = Instant::now();
+    cancel(&holder);
+    let h = cluster.wait_record(&holder, WAIT, terminal).await;
+    assert_eq!((h.state, h.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)), "{h:?}");
+    until("the permit is back", WAIT, || async { (!live(&kv, &slot_key(0)).await).then_some(()) }).await;
+    let freed = asked.elapsed();
+    assert!(freed < Duration::from_secs(15), "the permit came back {freed:?} after the cancel, not at once");
+}
+
+/// A step whose deadline passes while it waits for a permit ends `deadline_exceeded`, and
+/// its ticket leaves the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_deadline_passes_while_it_waits_ends_deadline_exceeded_without_a_ticket() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let kv = fanout_kv(&cluster).await;
+
+    let holder = step(&cluster, "sleep 60", 1.into(), None).await;
+    cluster.wait_record(&holder, WAIT, |r| r.state == TaskState::Working).await;
+    let late = step(&cluster, "echo never", 1.into(), Some(now_ms() + 3_000)).await;
+    until("the late step's ticket", WAIT, || async { live(&kv, &wait_key(&late)).await.then_some(()) }).await;
+    let r = cluster.wait_record(&late, WAIT, terminal).await;
+    assert_eq!((r.state, r.exit_status), (TaskState::Failed, Some(ExitStatus::DeadlineExceeded)), "{r:?}");
+    assert_eq!(r.started_at, None, "it never started");
+    until("the ticket is gone", WAIT, || async { (!live(&kv, &wait_key(&late)).await).then_some(()) }).await;
+}
+
+/// A hostile `fleet_step.cap` (the largest u32, or a huge `fanout:`) must neither take the
+/// worker down nor stall the line: the semaphore computes the slots to try without
+/// materialising `0..cap`. Both the huge-cap step and a cap-1 step behind it complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_with_the_largest_cap_runs_and_does_not_take_down_the_worker() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let mut worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+
+    let big = step(&cluster, "echo big", u32::MAX.into(), None).await;
+    let small = step(&cluster, "echo small", 1.into(), None).await;
+    for id in [&big, &small] {
+        let r = cluster.wait_record(id, WAIT, terminal).await;
+        assert_eq!(r.exit_status, Some(ExitStatus::Ok), "{r:?}\n{}", worker.log());
+    }
+    assert!(worker.is_running(), "{}", worker.log());
+}
+
+/// Bad `fleet_step` values over the NATS API are refused naming the field, and no task is
+/// stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_fleet_steps_over_the_nats_api_are_refused_naming_the_field_and_nothing_is_stored() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let base = |step: serde_json::Value| serde_json::json!({ "capsule": "m", "text": "t", "fleet_step": step });
+    let cases = [
+        (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s", "cap": 0 })), "fleet_step.cap"),
+        (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s", "cap": "3" })), "fleet_step"),
+        (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s", "cap": -1 })), "fleet_step"),
+        (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s" })), "fleet_step"),
+        (base(serde_json::json!("f")), "fleet_step"),
+    ];
+    for (body, field) in cases {
+        let err = submit_raw(&cluster, body.clone()).await.expect_err("refused");
+        assert_eq!(err.code, mur_proto::cluster::ErrorCode::InvalidRequest, "{body}: {err:?}");
+        assert!(err.message.starts_with(field), "{body}: {}", err.message);
+    }
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let tasks = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.unwrap();
+    assert_eq!(tasks.keys().await.unwrap().count().await, 0, "no task was stored");
+}
