@@ -231,3 +231,45 @@ async fn bad_fleet_steps_over_the_nats_api_are_refused_naming_the_field_and_noth
     let tasks = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.unwrap();
     assert_eq!(tasks.keys().await.unwrap().count().await, 0, "no task was stored");
 }
+
+/// The nats-server crashes (SIGKILL, back on the same port and store) while steps hold
+/// permits and others wait: every step still completes exactly once, and no watcher,
+/// before or after the crash, sees more permits held than the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held() {
+    let mut cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n  fanout_lease_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _workers = [cluster.worker("wkr-1", 3), cluster.worker("wkr-2", 3)];
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(2).await;
+    let kv = fanout_kv(&cluster).await;
+    let before = watch_permits(kv.clone()).await;
+
+    let mut steps = Vec::new();
+    for n in 0..5 {
+        steps.push(step(&cluster, &format!("sleep 3; echo step-{n}"), 2.into(), None).await);
+    }
+    until("2 permits held and a step waiting", WAIT, || async {
+        let held = before.lock().unwrap().held.len();
+        let waiting = kv
+            .keys()
+            .await
+            .ok()?
+            .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("wait."))))
+            .count()
+            .await;
+        (held == 2 && waiting > 0).then_some(())
+    })
+    .await;
+    cluster.nats.restart();
+    let after = watch_permits(fanout_kv(&cluster).await).await;
+
+    for id in &steps {
+        let r = cluster.wait_record(id, WAIT, terminal).await;
+        assert_eq!((r.state, r.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{r:?}");
+    }
+    assert!(before.lock().unwrap().max_held <= 2, "{} held before the crash", before.lock().unwrap().max_held);
+    assert!(after.lock().unwrap().max_held <= 2, "{} held after the crash", after.lock().unwrap().max_held);
+    assert!(after.lock().unwrap().max_held >= 1, "steps took permits after the crash");
+}
