@@ -565,6 +565,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         use futures::StreamExt;
+        // Ctrl-C is ours from here on, not the default (death by SIGINT): before the run is
+        // started it quits (130) and starts nothing; once it is started, it detaches (0). The
+        // handler is registered by the first poll, now, so a Ctrl-C right after the run id
+        // is printed is not lost.
+        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+        let _ = futures::FutureExt::now_or_never(&mut ctrl_c);
         let client = common.conn.connect("mur fleet run").await?;
         let js = async_nats::jetstream::new(client.clone());
         // Watch task records from before the run starts, so no step is missed.
@@ -578,6 +584,10 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             members.extend(f.members.clone());
         }
         let body = serde_json::to_vec(request)?;
+        if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
+            eprintln!("mur fleet run: interrupted; no run was started");
+            return Ok(ExitCode::from(130));
+        }
         let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
             Ok(r) => r,
             Err(e) => {
@@ -599,7 +609,6 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.ok();
         let key = fleet_store::run_key(&started.run_id);
         let mut seen = 0u64;
-        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
         loop {
             tokio::select! {

@@ -273,3 +273,65 @@ async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held(
     assert!(after.lock().unwrap().max_held <= 2, "{} held after the crash", after.lock().unwrap().max_held);
     assert!(after.lock().unwrap().max_held >= 1, "steps took permits after the crash");
 }
+
+/// `mur fleet run --json` detached with SIGINT the moment its first line (the `run` record)
+/// is out: it exits 0, every line it printed is JSON with a `type`, and the run goes on
+/// without it to `completed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_on() {
+    use std::io::BufRead;
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("f.yaml");
+    std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
+    let mur = |args: &[&str]| {
+        let out = cluster.command().args(args).output().unwrap();
+        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    mur(&["fleet", "create", yaml.to_str().unwrap()]);
+    mur(&["fleet", "send", "solo", "sleep 3; echo solo-done"]);
+
+    let mut run = cluster
+        .command()
+        .args(["fleet", "run", "solo", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = run.id().to_string();
+    let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
+    let (first, rest, status, stderr) = tokio::task::spawn_blocking(move || {
+        let mut first = String::new();
+        stdout.read_line(&mut first).unwrap();
+        std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+        let out = run.wait_with_output().unwrap();
+        (first, rest, out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.code(), Some(0), "a detach exits 0: {status:?}\n{stderr}");
+    assert!(stderr.contains("detached; run "), "{stderr}");
+    let run_line: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(run_line["type"], "run", "{first}");
+    for line in rest.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        assert!(v["type"].is_string(), "{line}");
+    }
+    let run_id = run_line["run_id"].as_str().unwrap().to_string();
+    until("the detached run completes", WAIT, || async {
+        let out = cluster.command().args(["job", "status", &run_id, "--json"]).output().ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        (v["state"] == "completed").then_some(())
+    })
+    .await;
+    let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "solo", "--all", "--json"])).unwrap();
+    assert_eq!(jobs[0]["status"], "done", "{jobs}");
+}
