@@ -180,7 +180,19 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
     let (_, text) = fleets.definition(&request.fleet).await?;
     let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
     if let Some(id) = &request.run_id {
-        fleet::check_run_id(id).map_err(|rule| invalid(format!("--run-id: {rule}")))?;
+        // The rule names the flag already (`--run-id: must be …`).
+        fleet::check_run_id(id).map_err(invalid)?;
+        // A second run under the id of one still running would share (and overwrite) its
+        // record: refused. A finished run's id may be used again.
+        if let Ok(Some(entry)) = fleets.defs().entry(fleet_store::run_key(id)).await
+            && entry.operation == kv::Operation::Put
+            && serde_json::from_slice::<RunRecord>(&entry.value).is_ok_and(|r| r.state == "running")
+        {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("--run-id: run {id} is still running; give another id or wait for it to end"),
+            ));
+        }
     }
     let run_id = request.run_id.clone().unwrap_or_else(|| {
         let id = uuid::Uuid::now_v7();

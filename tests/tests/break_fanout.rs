@@ -335,3 +335,55 @@ async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_o
     let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "solo", "--all", "--json"])).unwrap();
     assert_eq!(jobs[0]["status"], "done", "{jobs}");
 }
+
+/// A second `mur fleet run --run-id X` while run X is still running is refused (it would
+/// share and overwrite X's record), naming the flag; a bad id is refused with the rule
+/// stated once; the first run completes untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_id_still_running_or_malformed_is_refused_and_the_running_run_is_untouched() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("f.yaml");
+    std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
+    let mur = |args: &[&str]| {
+        let out = cluster.command().args(args).output().unwrap();
+        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    mur(&["fleet", "create", yaml.to_str().unwrap()]);
+    mur(&["fleet", "send", "solo", "sleep 4; echo first-done"]);
+    mur(&["fleet", "send", "solo", "echo second"]);
+
+    let mut first = cluster.command();
+    first.args(["fleet", "run", "solo", "--run-id", "dup"]);
+    let first = tokio::task::spawn_blocking(move || first.output());
+    let status = |id: &str| {
+        let out = cluster.command().args(["job", "status", id, "--json"]).output().unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).ok()
+    };
+    until("run dup is running", WAIT, || async { status("dup").filter(|v| v["state"] == "running") }).await;
+    let started_at = status("dup").unwrap()["started_at"].clone();
+
+    let again = cluster.command().args(["fleet", "run", "solo", "--run-id", "dup"]).output().unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(2), "{err}");
+    assert!(err.contains("--run-id: run dup is still running"), "{err}");
+    let bad = cluster.command().args(["fleet", "run", "solo", "--run-id", "a b"]).output().unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert_eq!(err.matches("--run-id:").count(), 1, "the rule is stated once: {err}");
+    assert!(err.contains("must be 1-96 letters, digits, '-' or '_', got \"a b\""), "{err}");
+
+    let first = first.await.unwrap().unwrap();
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let done = status("dup").unwrap();
+    assert_eq!((done["state"].as_str(), &done["started_at"]), (Some("completed"), &started_at), "{done}");
+    let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "solo", "--all", "--json"])).unwrap();
+    let statuses: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == "done").count(), 1, "only the first run ran a job: {jobs}");
+}
