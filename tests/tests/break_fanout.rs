@@ -387,3 +387,65 @@ async fn a_run_id_still_running_or_malformed_is_refused_and_the_running_run_is_u
     let statuses: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["status"].as_str().unwrap()).collect();
     assert_eq!(statuses.iter().filter(|s| **s == "done").count(), 1, "only the first run ran a job: {jobs}");
 }
+
+/// The built-in fleet tools refuse hostile inputs naming the field, and start nothing:
+/// `job_status` with `wait_secs` -1, 99999 or "x", or a `run_id` with a space or a
+/// wildcard; `fleet_run` on a fleet that does not exist, or with a bad `run_id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_tools_refuse_bad_inputs_naming_the_field_and_start_nothing() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 2);
+    let prober = mur_tests::capsule::TestCapsule::new(
+        "name: prober\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ntrace:\n  capture: content\n\
+         tools:\n  - name: fleet_run\n    command: builtin:fleet_run\n  - name: job_status\n    command: builtin:job_status\n",
+        &[(
+            "r.yaml",
+            "replies:\n  - tool_calls:\n\
+             \x20     - { name: job_status, input: { run_id: r1, wait_secs: -1 } }\n\
+             \x20     - { name: job_status, input: { run_id: r1, wait_secs: 99999 } }\n\
+             \x20     - { name: job_status, input: { run_id: r1, wait_secs: \"x\" } }\n\
+             \x20     - { name: job_status, input: { run_id: \"a b\" } }\n\
+             \x20     - { name: job_status, input: { run_id: \"run.>\", wait_secs: 5 } }\n\
+             \x20     - { name: job_status, input: { run_id: nope } }\n\
+             \x20     - { name: fleet_run, input: { fleet: nope } }\n\
+             \x20     - { name: fleet_run, input: { fleet: nope, run_id: \"*\" } }\n\
+             \x20 - text: probed\n",
+        )],
+    );
+    cluster.push(prober.dir()).await;
+    cluster.wait_workers(1).await;
+    let task = cluster.submit("prober", "probe", mur_proto::task::Origin::User).await;
+    let r = cluster.wait_record(&task, WAIT, terminal).await;
+    assert_eq!(r.exit_status, Some(ExitStatus::Ok), "{r:?}");
+    let trace = cluster.trace_of(&task).await;
+    let outputs: Vec<String> = trace
+        .iter()
+        .filter(|l| l["event_type"] == "tool_call")
+        .map(|l| l["output"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let expected = [
+        "job_status: wait_secs: must be a whole number from 0 to 3600, got -1",
+        "job_status: wait_secs: must be a whole number from 0 to 3600, got 99999",
+        "job_status: wait_secs: must be a whole number from 0 to 3600, got \"x\"",
+        "job_status: run_id: must be 1-96 letters, digits, '-' or '_', got \"a b\"",
+        "job_status: run_id: must be 1-96 letters, digits, '-' or '_', got \"run.>\"",
+        "job_status: no run nope",
+    ];
+    assert_eq!(outputs.len(), 8, "{outputs:#?}");
+    for (got, want) in outputs.iter().zip(expected) {
+        assert!(got.contains(want), "{got:?} does not say {want:?}");
+    }
+    assert!(outputs[6].starts_with("fleet_run: ") && outputs[6].contains("nope"), "{:?}", outputs[6]);
+    assert!(outputs[7].contains("run_id: must be 1-96 letters"), "{:?}", outputs[7]);
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
+    let runs = defs
+        .keys()
+        .await
+        .unwrap()
+        .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("run."))))
+        .count()
+        .await;
+    assert_eq!(runs, 0, "no run was started");
+}
