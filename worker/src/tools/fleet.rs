@@ -201,7 +201,7 @@ async fn run(access: &FleetAccess, input: &Value) -> Result<Value, String> {
 
 /// A `run_id` input: the `--run-id` rule (`fleet::check_run_id`), or a loop iteration's
 /// id `<run id>-<n>`, which follows the same rule; named as the tool's field.
-fn run_id_field<'a>(input: &'a Value) -> Result<&'a str, String> {
+fn run_id_field(input: &Value) -> Result<&str, String> {
     let id = field(input, "run_id")?;
     let iteration_of = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(base, _)| base);
     match mur_proto::fleet::check_run_id(id) {
