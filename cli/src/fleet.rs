@@ -155,7 +155,7 @@ pub enum Command {
         #[arg(long, allow_hyphen_values = true)]
         deadline: Option<String>,
         /// Spend ceiling in USD.
-        #[arg(long, allow_negative_numbers = true)]
+        #[arg(long, allow_negative_numbers = true, value_parser = finite_usd)]
         budget_usd: Option<f64>,
         /// The run's id (default `run-<uuid>`, or `fleet-<name>-<uuid>` for a loop).
         #[arg(long)]
@@ -198,10 +198,23 @@ pub struct SetLoopArgs {
     #[arg(long, value_name = "D", allow_hyphen_values = true)]
     deadline: Option<String>,
     /// A spend ceiling in USD; 0 for none.
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = finite_usd)]
     budget_usd: Option<f64>,
     #[command(flatten)]
     common: Common,
+}
+
+/// Parses a `--budget-usd` value: any finite number (a negative one is judged by the
+/// validator, which says why). `nan` and `inf` (or `1e400`) are refused here: JSON has no
+/// such numbers, so they would reach the coordinator as no value at all, and a run would
+/// go on without the ceiling it seemed to have (`seeds/fleet-loops.md` §Settings that used
+/// to mean something else).
+fn finite_usd(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("--budget-usd: must be a finite number of USD, got {s:?}")),
+        Err(_) => Err(format!("--budget-usd: must be a number of USD, got {s:?}")),
+    }
 }
 
 /// Connects, calls `subject` with `body`, decodes the reply.

@@ -449,3 +449,51 @@ async fn the_fleet_tools_refuse_bad_inputs_naming_the_field_and_start_nothing() 
         .await;
     assert_eq!(runs, 0, "no run was started");
 }
+
+/// `--budget-usd nan` / `inf` / `1e400` looked like a ceiling and reached the coordinator as
+/// no value (JSON has no NaN): `mur fleet run` ran unbounded and `set-loop` said "give at
+/// least one of …". Each is refused naming the flag, no run starts and the fleet is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_changes() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("f.yaml");
+    std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
+    let out = until("the fleet is created", WAIT, || async {
+        let out = cluster.command().args(["fleet", "create", yaml.to_str().unwrap()]).output().ok()?;
+        out.status.success().then_some(out)
+    })
+    .await;
+    assert!(out.status.success());
+    let show = || {
+        String::from_utf8_lossy(&cluster.command().args(["fleet", "show", "solo"]).output().unwrap().stdout)
+            .into_owned()
+    };
+    let before = show();
+    for value in ["nan", "NaN", "inf", "1e400"] {
+        for args in [
+            vec!["fleet", "run", "solo", "--budget-usd", value],
+            vec!["fleet", "set-loop", "solo", "--budget-usd", value],
+        ] {
+            let out = cluster.command().args(&args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains(&format!("--budget-usd: must be a finite number of USD, got \"{value}\"")),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    assert_eq!(show(), before, "the fleet is unchanged");
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
+    let runs = defs
+        .keys()
+        .await
+        .unwrap()
+        .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("run."))))
+        .count()
+        .await;
+    assert_eq!(runs, 0, "no run was started");
+}
