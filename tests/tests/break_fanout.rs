@@ -497,3 +497,28 @@ async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_chan
         .await;
     assert_eq!(runs, 0, "no run was started");
 }
+
+/// A `deadline_at` as far ahead as a u64 goes (accepted by the API: a whole number of unix
+/// ms) must not panic the worker's clock arithmetic: the step, and a plain task, run and
+/// complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_at_the_end_of_time_runs_the_task_instead_of_panicking_the_worker() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n  fanout_lease_secs: 10\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let fleet_step = step(&cluster, "echo far-step", 1.into(), Some(u64::MAX)).await;
+    let plain = submit_raw(
+        &cluster,
+        serde_json::json!({ "capsule": "m", "text": "echo far-plain", "origin": "peer", "deadline_at": u64::MAX }),
+    )
+    .await
+    .expect("accepted");
+    for id in [&fleet_step, &plain] {
+        let r = cluster.wait_record(id, Duration::from_secs(60), terminal).await;
+        assert_eq!(r.exit_status, Some(ExitStatus::Ok), "{r:?}\n{}", worker.log());
+    }
+    assert!(!worker.log().contains("panicked"), "{}", worker.log());
+}
