@@ -182,9 +182,14 @@ async fn a_step_whose_deadline_passes_while_it_waits_ends_deadline_exceeded_with
     let late = step(&cluster, "echo never", 1.into(), Some(now_ms() + 3_000)).await;
     until("the late step's ticket", WAIT, || async { live(&kv, &wait_key(&late)).await.then_some(()) }).await;
     let r = cluster.wait_record(&late, WAIT, terminal).await;
+    let ended = Instant::now();
     assert_eq!((r.state, r.exit_status), (TaskState::Failed, Some(ExitStatus::DeadlineExceeded)), "{r:?}");
     assert_eq!(r.started_at, None, "it never started");
+    // The ticket leaves the line with the step, not a 30 s lease later: while it stays it
+    // keeps its place, and a freed permit would wait for it.
     until("the ticket is gone", WAIT, || async { (!live(&kv, &wait_key(&late)).await).then_some(()) }).await;
+    let gone = ended.elapsed();
+    assert!(gone < Duration::from_secs(5), "the ticket stayed {gone:?} after the step ended");
 }
 
 /// A hostile `fleet_step.cap` (the largest u32, or a huge `fanout:`) must neither take the
