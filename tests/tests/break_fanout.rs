@@ -527,3 +527,45 @@ async fn a_deadline_at_the_end_of_time_runs_the_task_instead_of_panicking_the_wo
     }
     assert!(!worker.log().contains("panicked"), "{}", worker.log());
 }
+
+/// A wait for a permit that is dropped mid-way (a tool call dropped when its session is
+/// cancelled or out of time, e.g. `job_status` taking its permit back) leaves the line at
+/// once, not a lease later: its ticket would otherwise keep its place and hold back a
+/// freed permit from the steps behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_freed_permit() {
+    let server = mur_tests::nats::NatsServer::start();
+    let js = server.jetstream().await;
+    let settings = mur_coordinator::Settings { fanout_lease_secs: 30, ..mur_coordinator::Settings::default() };
+    let res = mur_coordinator::resources::ensure(&js, &settings).await.unwrap();
+    let sem = mur_worker::fanout::Semaphore::open(&js).await.unwrap();
+    let kv = res.fanout;
+    let holder = |task: &str| Holder {
+        task_id: task.into(),
+        worker: "wkr".into(),
+        step: mur_proto::fanout::FleetStep { fleet: "f".into(), run_id: "r".into(), step: task.into(), cap: 1 },
+        since: 0,
+    };
+    let never = tokio_util::sync::CancellationToken::new();
+    let first = sem.acquire(&holder("first"), &never).await.unwrap();
+    let dropped = tokio::spawn({
+        let (sem, h, never) = (sem.clone(), holder("dropped"), never.clone());
+        async move { sem.acquire(&h, &never).await.map(|p| p.slot()) }
+    });
+    until("the dropped wait's ticket", WAIT, || async { live(&kv, &wait_key("dropped")).await.then_some(()) }).await;
+    let next = tokio::spawn({
+        let (sem, h, never) = (sem.clone(), holder("next"), never.clone());
+        async move { sem.acquire(&h, &never).await.map(|p| p.slot()) }
+    });
+    until("the next waiter's ticket", WAIT, || async { live(&kv, &wait_key("next")).await.then_some(()) }).await;
+    dropped.abort();
+    let asked = Instant::now();
+    until("the dropped wait's ticket is gone", WAIT, || async {
+        (!live(&kv, &wait_key("dropped")).await).then_some(())
+    })
+    .await;
+    assert!(asked.elapsed() < Duration::from_secs(5), "the ticket stayed {:?}", asked.elapsed());
+    assert!(first.release().await.unwrap());
+    let slot = tokio::time::timeout(Duration::from_secs(5), next).await.expect("the next waiter is served at once");
+    assert_eq!(slot.unwrap().unwrap(), 0);
+}

@@ -80,10 +80,12 @@ impl Semaphore {
     pub async fn acquire(&self, holder: &Holder, cancel: &CancellationToken) -> Result<Permit, Error> {
         let value = serde_json::to_vec(holder).map_err(nats)?;
         let ticket_key = fanout::wait_key(&holder.task_id);
-        let mut ticket = self.kv.put(&ticket_key, value.clone().into()).await.map_err(nats)?;
-        let result = self.wait_in_line(holder, &value, &ticket_key, &mut ticket, cancel).await;
-        // Leave the line, whatever happened; a ticket left behind expires within the lease.
-        let _ = self.kv.delete_expect_revision(&ticket_key, Some(ticket)).await;
+        let revision = self.kv.put(&ticket_key, value.clone().into()).await.map_err(nats)?;
+        let mut ticket = Ticket { kv: self.kv.clone(), key: ticket_key.clone(), revision, left: false };
+        let result = self.wait_in_line(holder, &value, &ticket_key, &mut ticket.revision, cancel).await;
+        // Leave the line, whatever happened (a wait dropped before this line leaves it from
+        // `Ticket`'s drop); a ticket left behind anyway expires within the lease.
+        ticket.leave().await;
         result
     }
 
@@ -143,6 +145,38 @@ impl Semaphore {
                     caught_up = entry.delta == 0;
                 }
             }
+        }
+    }
+}
+
+/// A waiting step's ticket (`wait.<task id>`) at `revision`. Left with [`Ticket::leave`];
+/// a wait dropped before that (its task's call was dropped on a cancel or a deadline)
+/// leaves the line from `drop`, in the background, so the ticket does not keep its place,
+/// and hold back a freed permit, until its lease runs out.
+struct Ticket {
+    kv: kv::Store,
+    key: String,
+    revision: u64,
+    left: bool,
+}
+
+impl Ticket {
+    async fn leave(mut self) {
+        let _ = self.kv.delete_expect_revision(&self.key, Some(self.revision)).await;
+        self.left = true;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.left {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (kv, key, revision) = (self.kv.clone(), std::mem::take(&mut self.key), self.revision);
+            rt.spawn(async move {
+                let _ = kv.delete_expect_revision(&key, Some(revision)).await;
+            });
         }
     }
 }
