@@ -226,6 +226,8 @@ async fn bad_fleet_steps_over_the_nats_api_are_refused_naming_the_field_and_noth
         (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s", "cap": -1 })), "fleet_step"),
         (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s" })), "fleet_step"),
         (base(serde_json::json!("f")), "fleet_step"),
+        (base(serde_json::json!({ "fleet": "f", "run_id": "r", "step": "s", "cap": 3, "capp": 9 })), "fleet_step.capp"),
+        (base(serde_json::json!({ "fleet": "", "run_id": "r", "step": "s", "cap": 3 })), "fleet_step.fleet"),
     ];
     for (body, field) in cases {
         let err = submit_raw(&cluster, body.clone()).await.expect_err("refused");
