@@ -571,3 +571,33 @@ async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_fre
     let slot = tokio::time::timeout(Duration::from_secs(5), next).await.expect("the next waiter is served at once");
     assert_eq!(slot.unwrap().unwrap(), 0);
 }
+
+/// As above, but the pause also outlives the dispatch's ack wait: another worker takes the
+/// step over while the first is stopped (it waits in line for the permit meanwhile). Woken,
+/// the first worker must not end the step: it completes once, on the worker that holds the
+/// permit, and the count never exceeds the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_taken_over_while_its_first_worker_is_stopped_completes_on_the_permit_holder() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  fanout_lease_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let stalled = cluster.worker("wkr-stalled", 1);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let kv = fanout_kv(&cluster).await;
+    let seen = watch_permits(kv.clone()).await;
+
+    let a = step(&cluster, "sleep 5; echo a-done", 1.into(), None).await;
+    cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
+    until("a holds the permit", WAIT, || async { (seen.lock().unwrap().held.get("slot.0") == Some(&a)).then_some(()) })
+        .await;
+    stalled.pause();
+    let other = cluster.worker("wkr-other", 1);
+    // The other worker takes the step over (the record names it) and then holds the permit.
+    cluster.wait_record(&a, WAIT, |r| r.worker.as_deref() == Some("wkr-other") || r.state.is_terminal()).await;
+    stalled.resume();
+    let a = cluster.wait_record(&a, WAIT, terminal).await;
+    assert_eq!((a.state, a.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{a:?}\n{}", stalled.log());
+    assert_eq!(a.worker.as_deref(), Some("wkr-other"), "{a:?}\n{}\n{}", stalled.log(), other.log());
+    assert_eq!(seen.lock().unwrap().max_held, 1, "never more than the cap of 1");
+}
