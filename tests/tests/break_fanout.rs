@@ -601,3 +601,40 @@ async fn a_step_taken_over_while_its_first_worker_is_stopped_completes_on_the_pe
     assert_eq!(a.worker.as_deref(), Some("wkr-other"), "{a:?}\n{}\n{}", stalled.log(), other.log());
     assert_eq!(seen.lock().unwrap().max_held, 1, "never more than the cap of 1");
 }
+
+/// A permit dropped without a release (its holder's future dropped between taking it and
+/// keeping it) gives its slot back at once, not when its 30 s lease ends; a permit that was
+/// released or lost is not touched by its drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_dropped_without_a_release_gives_its_slot_back_at_once() {
+    let server = mur_tests::nats::NatsServer::start();
+    let js = server.jetstream().await;
+    let settings = mur_coordinator::Settings { fanout_lease_secs: 30, ..mur_coordinator::Settings::default() };
+    let res = mur_coordinator::resources::ensure(&js, &settings).await.unwrap();
+    let sem = mur_worker::fanout::Semaphore::open(&js).await.unwrap();
+    let kv = res.fanout;
+    let holder = |task: &str| Holder {
+        task_id: task.into(),
+        worker: "wkr".into(),
+        step: mur_proto::fanout::FleetStep { fleet: "f".into(), run_id: "r".into(), step: task.into(), cap: 1 },
+        since: 0,
+    };
+    let never = tokio_util::sync::CancellationToken::new();
+    let dropped = sem.acquire(&holder("dropped"), &never).await.unwrap();
+    drop(dropped);
+    let asked = Instant::now();
+    until("the dropped permit's slot is free", WAIT, || async { (!live(&kv, &slot_key(0)).await).then_some(()) }).await;
+    assert!(asked.elapsed() < Duration::from_secs(5), "the slot stayed {:?}", asked.elapsed());
+
+    let released = sem.acquire(&holder("released"), &never).await.unwrap();
+    assert!(released.release().await.unwrap());
+    let next = sem.acquire(&holder("next"), &never).await.unwrap();
+    drop(released);
+    let rev = next.revision();
+    // The next holder's permit stays (a drop's delete would expect the dropped permit's
+    // revision, so it could not remove another holder's either).
+    next.renew().await.unwrap();
+    assert!(next.revision() > rev);
+    let entry = kv.entry(slot_key(0)).await.unwrap().unwrap();
+    assert_eq!((entry.operation, entry.revision), (Operation::Put, next.revision()));
+}

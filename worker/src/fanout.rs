@@ -19,7 +19,7 @@ use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_proto::fanout::{self, Holder, View};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -115,6 +115,7 @@ impl Semaphore {
                                 value: value.to_vec(),
                                 revision: AtomicU64::new(revision),
                                 lost: CancellationToken::new(),
+                                released: AtomicBool::new(false),
                             });
                         }
                         // Taken meanwhile: the watch will say by whom.
@@ -333,6 +334,27 @@ pub struct Permit {
     value: Vec<u8>,
     revision: AtomicU64,
     lost: CancellationToken,
+    /// Set once [`Permit::release`] went through: a drop then has nothing to give back.
+    released: AtomicBool,
+}
+
+/// A permit dropped without [`Permit::release`] (its holder's future was dropped between
+/// taking it and keeping it, e.g. `job_status` taking its permit back when its call is
+/// dropped on a cancel) gives it back from the drop, in the background, instead of leaving
+/// it unrenewed until the lease ends. Expecting the holder's revision, this changes
+/// nothing when the permit was lost or given back already.
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if self.released.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (kv, key, revision) = (self.kv.clone(), std::mem::take(&mut self.key), self.revision());
+            rt.spawn(async move {
+                let _ = kv.delete_expect_revision(&key, Some(revision)).await;
+            });
+        }
+    }
 }
 
 impl Permit {
@@ -378,8 +400,14 @@ impl Permit {
     /// the lease).
     pub async fn release(&self) -> Result<bool, Error> {
         match self.kv.delete_expect_revision(&self.key, Some(self.revision())).await {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => Ok(false),
+            Ok(()) => {
+                self.released.store(true, Ordering::SeqCst);
+                Ok(true)
+            }
+            Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => {
+                self.released.store(true, Ordering::SeqCst);
+                Ok(false)
+            }
             Err(e) => Err(nats(e)),
         }
     }
