@@ -135,7 +135,7 @@ pub enum Command {
         #[arg(long, allow_hyphen_values = true)]
         deadline: Option<String>,
         /// Spend ceiling in USD.
-        #[arg(long, allow_negative_numbers = true)]
+        #[arg(long, allow_negative_numbers = true, value_parser = finite_usd)]
         budget_usd: Option<f64>,
         /// The run's id (default `run-<uuid>`, or `fleet-<name>-<uuid>` for a loop).
         #[arg(long)]
@@ -192,10 +192,23 @@ pub struct SetLoopArgs {
     #[arg(long, value_name = "D", allow_hyphen_values = true)]
     deadline: Option<String>,
     /// A spend ceiling in USD; 0 for none.
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = finite_usd)]
     budget_usd: Option<f64>,
     #[command(flatten)]
     common: Common,
+}
+
+/// Parses a `--budget-usd` value: any finite number (a negative one is judged by the
+/// validator, which says why). `nan` and `inf` (or `1e400`) are refused here: JSON has no
+/// such numbers, so they would reach the coordinator as no value at all, and a run would
+/// go on without the ceiling it seemed to have (`seeds/fleet-loops.md` §Settings that used
+/// to mean something else).
+fn finite_usd(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("--budget-usd: must be a finite number of USD, got {s:?}")),
+        Err(_) => Err(format!("--budget-usd: must be a number of USD, got {s:?}")),
+    }
 }
 
 /// Connects, calls `subject` with `body`, decodes the reply.
@@ -563,6 +576,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         use futures::StreamExt;
+        // Ctrl-C is ours from here on, not the default (death by SIGINT): before the run is
+        // started it quits (130) and starts nothing; once it is started, it detaches (0). The
+        // handler is registered by the first poll, now, so a Ctrl-C right after the run id
+        // is printed is not lost.
+        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+        let _ = futures::FutureExt::now_or_never(&mut ctrl_c);
         let client = common.conn.connect("mur fleet run").await?;
         let js = async_nats::jetstream::new(client.clone());
         // Watch task records from before the run starts, so no step is missed.
@@ -576,6 +595,10 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             members.extend(f.members.clone());
         }
         let body = serde_json::to_vec(request)?;
+        if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
+            eprintln!("mur fleet run: interrupted; no run was started");
+            return Ok(ExitCode::from(130));
+        }
         let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
             Ok(r) => r,
             Err(e) => {
@@ -597,7 +620,6 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.ok();
         let key = fleet_store::run_key(&started.run_id);
         let mut seen = 0u64;
-        let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
         loop {
             tokio::select! {

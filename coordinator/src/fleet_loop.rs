@@ -219,6 +219,28 @@ impl Run {
         Ok(Run { spec, iteration: 0, over: None, planning: None, spent_usd: 0.0 })
     }
 
+    /// Whether a run of `spec` has a way to converge when it is a loop: an empty
+    /// `done_when` asks the router for DONE (§Three ways a loop ends), so a loop of a fleet
+    /// without a router would only end at its deadline, iterating flat out meanwhile. The
+    /// coordinator refuses such a run when it is asked for one.
+    ///
+    /// # Errors
+    /// [`Refused::NotRunnable`] saying how to fix it.
+    pub fn check_convergence(spec: &Spec) -> Result<(), Refused> {
+        let name = &spec.fleet.name;
+        if spec.looping && spec.fleet.r#loop.done_when == DoneWhen::Router && spec.fleet.router.is_none() {
+            return Err(Refused::NotRunnable {
+                fleet: name.clone(),
+                reason: format!(
+                    "fleet '{name}': done_when is empty (the router judges DONE) but the fleet has no router: \
+                     set it with `mur fleet set-loop {name} --done-when queue-empty` (or marker:TEXT), or give \
+                     the fleet a router"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// A run another coordinator started and left behind (issue #11 §Jobs that outlive
     /// their coordinator): it goes on after `iterations` iterations that spent `spent_usd`,
     /// on the clock of `spec.started_at`.
@@ -295,14 +317,18 @@ impl Run {
 
     /// The router's plan for the iteration [`Next::Plan`] asked for (`Err` when the
     /// router's task failed: the run ends `iteration-failed`): every member gets the work
-    /// followed by the router's assignment.
+    /// followed by the router's assignment, each of its lines as a `# ` line under a
+    /// `# The router's assignment:` heading — plain reading for a model, and comments for
+    /// a member that runs its work as a shell script (the builder example).
     pub fn planned(&mut self, plan: Result<&str, &str>) -> Next {
         let Some((iteration_run_id, job, text, time_left)) = self.planning.take() else {
             return Next::Stop(self.over.unwrap_or(Stop::IterationFailed));
         };
         match plan {
             Ok(plan) => {
-                let with_plan = format!("{text}\n\nThe router's assignment:\n{}", plan.trim());
+                let assignment: Vec<String> =
+                    plan.trim().lines().map(|l| format!("# {l}").trim_end().to_string()).collect();
+                let with_plan = format!("{text}\n\n# The router's assignment:\n{}", assignment.join("\n"));
                 let steps = self.steps(&with_plan, time_left);
                 Next::Iterate { iteration: self.iteration, iteration_run_id, job, steps }
             }
@@ -449,6 +475,21 @@ mod tests {
     const TWO: &str = "name: pair\ngoal: keep the build green\nmembers: [a, b]\n";
 
     #[test]
+    fn a_loop_with_nobody_to_judge_done_is_refused_and_a_one_shot_run_is_not() {
+        let err = Run::check_convergence(&spec(fleet(TWO), true)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fleet 'pair': done_when is empty (the router judges DONE) but the fleet has no router: set it with \
+             `mur fleet set-loop pair --done-when queue-empty` (or marker:TEXT), or give the fleet a router"
+        );
+        assert_eq!(Run::check_convergence(&spec(fleet(TWO), false)), Ok(()));
+        let drained = format!("{TWO}loop:\n  done_when: queue-empty\n");
+        assert_eq!(Run::check_convergence(&spec(fleet(&drained), true)), Ok(()));
+        let routed = format!("{TWO}router: planner\n");
+        assert_eq!(Run::check_convergence(&spec(fleet(&routed), true)), Ok(()));
+    }
+
+    #[test]
     fn a_stopped_or_unreadable_sentinel_refuses_the_run() {
         let jobs = [];
         let mut v = view(1_000_000, &jobs);
@@ -568,7 +609,7 @@ mod tests {
             "Plan this work for the fleet's members (a, b): say what each of them should do.\n\nWork:\nship it"
         );
         let Next::Iterate { steps, .. } = run.planned(Ok("a: build\nb: test\n")) else { panic!("then the steps") };
-        assert_eq!(steps[0].text, "ship it\n\nThe router's assignment:\na: build\nb: test");
+        assert_eq!(steps[0].text, "ship it\n\n# The router's assignment:\n# a: build\n# b: test");
         assert_eq!(steps.len(), 2);
         let it = run.iteration_ended(&[
             Reply { member: "a".into(), ok: true, text: "built".into() },

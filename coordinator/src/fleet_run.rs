@@ -222,7 +222,19 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
     let (_, text) = fleets.definition(&request.fleet).await?;
     let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
     if let Some(id) = &request.run_id {
-        fleet::check_run_id(id).map_err(|rule| invalid(format!("--run-id: {rule}")))?;
+        // The rule names the flag already (`--run-id: must be …`).
+        fleet::check_run_id(id).map_err(invalid)?;
+        // A second run under the id of one still running would share (and overwrite) its
+        // record: refused. A finished run's id may be used again.
+        if let Ok(Some(entry)) = fleets.defs().entry(fleet_store::run_key(id)).await
+            && entry.operation == kv::Operation::Put
+            && serde_json::from_slice::<RunRecord>(&entry.value).is_ok_and(|r| r.state == "running")
+        {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("--run-id: run {id} is still running; give another id or wait for it to end"),
+            ));
+        }
     }
     let run_id = request.run_id.clone().unwrap_or_else(|| {
         let id = uuid::Uuid::now_v7();
@@ -250,7 +262,7 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
     let view = View { now, stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: None };
     let (spec, bounds, notice) = spec_of(env, &fleet, &request, run_id.clone(), job, now).await?;
     let (budget_usd, guard_rate) = (spec.budget_usd, spec.guard_rate);
-    let run = Run::start(spec, &view).map_err(|e| match e {
+    let run = Run::check_convergence(&spec).and_then(|()| Run::start(spec, &view)).map_err(|e| match e {
         Refused::Stopped(_) => ApiError::new(ErrorCode::Conflict, e.to_string()),
         other => invalid(other.to_string()),
     })?;

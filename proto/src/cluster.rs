@@ -626,6 +626,30 @@ fn default_origin() -> Origin {
     Origin::User
 }
 
+/// The fields of a [`FleetStep`], in the order error messages list them.
+const FLEET_STEP_FIELDS: [&str; 4] = ["fleet", "run_id", "step", "cap"];
+
+/// Decodes a submission's `fleet_step`: an object of exactly [`FLEET_STEP_FIELDS`], the
+/// names non-empty, `cap` at least 1. The error names the field (`fleet_step.cap: …`).
+fn fleet_step_of(v: &Value) -> Result<FleetStep, String> {
+    let Value::Object(m) = v else {
+        return Err(format!("fleet_step: must be an object {{fleet, run_id, step, cap}}, got {v}"));
+    };
+    if let Some(k) = m.keys().find(|k| !FLEET_STEP_FIELDS.contains(&k.as_str())) {
+        return Err(format!("fleet_step.{k}: unknown field, expected one of {}", FLEET_STEP_FIELDS.join(", ")));
+    }
+    let step = serde_json::from_value::<FleetStep>(v.clone()).map_err(|e| format!("fleet_step: {e}"))?;
+    for (name, value) in [("fleet", &step.fleet), ("run_id", &step.run_id), ("step", &step.step)] {
+        if value.trim().is_empty() {
+            return Err(format!("fleet_step.{name}: must not be empty"));
+        }
+    }
+    if step.cap == 0 {
+        return Err("fleet_step.cap: must be at least 1, got 0".to_string());
+    }
+    Ok(step)
+}
+
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
 const SUBMIT_FIELDS: [&str; 7] = ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step"];
 
@@ -702,14 +726,10 @@ impl SubmitRequest {
         };
         let fleet_step = match map.get("fleet_step") {
             None | Some(Value::Null) => None,
-            Some(v) => match serde_json::from_value::<FleetStep>(v.clone()) {
-                Ok(step) if step.cap >= 1 => Some(step),
-                Ok(_) => {
-                    errors.push("fleet_step.cap: must be at least 1, got 0".to_string());
-                    None
-                }
+            Some(v) => match fleet_step_of(v) {
+                Ok(step) => Some(step),
                 Err(e) => {
-                    errors.push(format!("fleet_step: {e}"));
+                    errors.push(e);
                     None
                 }
             },
@@ -1166,6 +1186,18 @@ mod tests {
         assert_eq!(err.message, "fleet_step.cap: must be at least 1, got 0");
         let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f"}}"#).unwrap_err();
         assert_eq!(err.message, "fleet_step: missing field `run_id`");
+        for (body, message) in [
+            (
+                r#"{"fleet":"f","run_id":"r","step":"m","cap":3,"capp":9}"#,
+                "fleet_step.capp: unknown field, expected one of fleet, run_id, step, cap",
+            ),
+            (r#"{"fleet":" ","run_id":"r","step":"m","cap":3}"#, "fleet_step.fleet: must not be empty"),
+            (r#"{"fleet":"f","run_id":"","step":"m","cap":3}"#, "fleet_step.run_id: must not be empty"),
+            (r#""f""#, "fleet_step: must be an object {fleet, run_id, step, cap}, got \"f\""),
+        ] {
+            let full = format!(r#"{{"capsule":"c","text":"t","fleet_step":{body}}}"#);
+            assert_eq!(SubmitRequest::parse(full.as_bytes()).unwrap_err().message, message, "{body}");
+        }
     }
 
     #[test]

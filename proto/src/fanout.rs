@@ -105,7 +105,13 @@ impl View {
     }
 }
 
-/// The slots `task_id` may try to take now, best first; empty when it must wait.
+/// Most slots [`candidates`] offers at once: the caller tries them in order and takes
+/// the first it can create, so a few are enough; a lost race is seen on the watch and the
+/// slots are offered again.
+pub const MAX_CANDIDATES: usize = 16;
+
+/// The slots `task_id` may try to take now, best first (at most [`MAX_CANDIDATES`]);
+/// empty when it must wait.
 ///
 /// Waiters are served in ticket order: each waiter ahead of `task_id` (a smaller ticket
 /// revision) is given the lowest free slot below its own cap, if any; `task_id` gets the
@@ -113,11 +119,12 @@ impl View {
 /// and could use the same slot, and a waiter with a small cap does not hold back one with
 /// a larger cap when the free slot is above the small cap. A task with no ticket in the
 /// view is served after every ticket.
+///
+/// The free slots are walked lazily: the work is bounded by the permits held and the
+/// waiters ahead, never by `cap`, so a hostile cap (`u32::MAX` from a submission, a huge
+/// `fanout:`) costs nothing.
 pub fn candidates(view: &View, task_id: &str, cap: u32) -> Vec<u32> {
     let mine = view.waiting.get(task_id).map_or(u64::MAX, |&(rev, _)| rev);
-    let mut free: Vec<u32> = (0..cap.max(view.waiting.values().map(|&(_, c)| c).max().unwrap_or(0)))
-        .filter(|n| !view.held.contains_key(n))
-        .collect();
     let mut ahead: Vec<(u64, &str, u32)> = view
         .waiting
         .iter()
@@ -125,13 +132,13 @@ pub fn candidates(view: &View, task_id: &str, cap: u32) -> Vec<u32> {
         .map(|(id, &(rev, c))| (rev, id.as_str(), c))
         .collect();
     ahead.sort_unstable();
+    // The free slots in ascending order; each waiter ahead takes the lowest one if it is
+    // below its cap (a lower free slot is always the first such slot).
+    let mut free = (0..u32::MAX).filter(|n| !view.held.contains_key(n)).peekable();
     for (_, _, their_cap) in ahead {
-        if let Some(i) = free.iter().position(|&n| n < their_cap) {
-            free.remove(i);
-        }
+        free.next_if(|&n| n < their_cap);
     }
-    free.retain(|&n| n < cap);
-    free
+    free.take_while(|&n| n < cap).take(MAX_CANDIDATES).collect()
 }
 
 /// Permits in use, holders and waiting steps, for `mur cluster status` and
@@ -228,6 +235,19 @@ mod tests {
         v.apply("wait.big", 6, Some(&ticket(5)));
         assert_eq!(candidates(&v, "small", 3), Vec::<u32>::new());
         assert_eq!(candidates(&v, "big", 5), [3, 4]);
+    }
+
+    #[test]
+    fn the_largest_cap_costs_no_more_than_a_small_one() {
+        let mut v = View::default();
+        v.apply("slot.0", 1, Some(b"{}"));
+        v.apply("wait.huge", 2, Some(&ticket(u32::MAX)));
+        v.apply("wait.me", 3, Some(&ticket(u32::MAX)));
+        let started = std::time::Instant::now();
+        assert_eq!(candidates(&v, "huge", u32::MAX), (1..=16).collect::<Vec<u32>>());
+        assert_eq!(candidates(&v, "me", u32::MAX), (2..=17).collect::<Vec<u32>>(), "slot 1 is the earlier waiter's");
+        assert_eq!(candidates(&v, "me", 2), Vec::<u32>::new());
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "took {:?}", started.elapsed());
     }
 
     #[test]

@@ -933,7 +933,18 @@ fn validate_tool(i: usize, t: RawTool, r: &mut Rules) -> ToolDecl {
             if c.is_empty() || c[0].is_empty() {
                 r.fail(&path("command"), "must name a program");
             } else if let Some(b) = c[0].strip_prefix("builtin:") {
-                if !BUILTIN_TOOLS.contains(&b) || c.len() > 1 {
+                // `builtin:fleet_run extra` (one string) or `[builtin:fleet_run, extra]`.
+                let (name, args) = match b.split_once(char::is_whitespace) {
+                    Some((name, more)) => (name, std::iter::once(more.trim()).chain(c[1..].iter().map(String::as_str))),
+                    None => (b, std::iter::once("").chain(c[1..].iter().map(String::as_str))),
+                };
+                let args: Vec<&str> = args.filter(|a| !a.is_empty()).collect();
+                if BUILTIN_TOOLS.contains(&name) && !args.is_empty() {
+                    r.fail(
+                        &path("command"),
+                        format_args!("builtin:{name} takes no arguments, got {:?}", args.join(" ")),
+                    );
+                } else if !BUILTIN_TOOLS.contains(&name) {
                     r.fail(
                         &path("command"),
                         format_args!(

@@ -701,9 +701,11 @@ async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_route
     let result = jobs[0]["result"].as_str().unwrap();
     assert_eq!(jobs[0]["status"], "done");
     assert!(result.starts_with("[builder]\n$ echo paired\n"), "{result}");
+    // The assignment reaches the builder's shell as comments: its command still succeeds.
+    assert!(result.contains("Exit code: 0\n"), "{result}");
     assert!(
         result.contains(
-            "[reviewer]\nreviewed: echo paired\n\nThe router's assignment:\nDONE when both report: builder runs the job, reviewer reads it back."
+            "[reviewer]\nreviewed: echo paired\n\n# The router's assignment:\n# DONE when both report: builder runs the job, reviewer reads it back."
         ),
         "{result}"
     );

@@ -44,3 +44,6 @@ mod fanout;
 
 /// How a fleet loop ends on the cluster: marker, deadline, kill-switch.
 mod fleet_loop;
+
+/// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
+mod break_fanout;

@@ -19,7 +19,7 @@ use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_proto::fanout::{self, Holder, View};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -80,10 +80,12 @@ impl Semaphore {
     pub async fn acquire(&self, holder: &Holder, cancel: &CancellationToken) -> Result<Permit, Error> {
         let value = serde_json::to_vec(holder).map_err(nats)?;
         let ticket_key = fanout::wait_key(&holder.task_id);
-        let mut ticket = self.kv.put(&ticket_key, value.clone().into()).await.map_err(nats)?;
-        let result = self.wait_in_line(holder, &value, &ticket_key, &mut ticket, cancel).await;
-        // Leave the line, whatever happened; a ticket left behind expires within the lease.
-        let _ = self.kv.delete_expect_revision(&ticket_key, Some(ticket)).await;
+        let revision = self.kv.put(&ticket_key, value.clone().into()).await.map_err(nats)?;
+        let mut ticket = Ticket { kv: self.kv.clone(), key: ticket_key.clone(), revision, left: false };
+        let result = self.wait_in_line(holder, &value, &ticket_key, &mut ticket.revision, cancel).await;
+        // Leave the line, whatever happened (a wait dropped before this line leaves it from
+        // `Ticket`'s drop); a ticket left behind anyway expires within the lease.
+        ticket.leave().await;
         result
     }
 
@@ -113,6 +115,7 @@ impl Semaphore {
                                 value: value.to_vec(),
                                 revision: AtomicU64::new(revision),
                                 lost: CancellationToken::new(),
+                                released: AtomicBool::new(false),
                             });
                         }
                         // Taken meanwhile: the watch will say by whom.
@@ -143,6 +146,38 @@ impl Semaphore {
                     caught_up = entry.delta == 0;
                 }
             }
+        }
+    }
+}
+
+/// A waiting step's ticket (`wait.<task id>`) at `revision`. Left with [`Ticket::leave`];
+/// a wait dropped before that (its task's call was dropped on a cancel or a deadline)
+/// leaves the line from `drop`, in the background, so the ticket does not keep its place,
+/// and hold back a freed permit, until its lease runs out.
+struct Ticket {
+    kv: kv::Store,
+    key: String,
+    revision: u64,
+    left: bool,
+}
+
+impl Ticket {
+    async fn leave(mut self) {
+        let _ = self.kv.delete_expect_revision(&self.key, Some(self.revision)).await;
+        self.left = true;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.left {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (kv, key, revision) = (self.kv.clone(), std::mem::take(&mut self.key), self.revision);
+            rt.spawn(async move {
+                let _ = kv.delete_expect_revision(&key, Some(revision)).await;
+            });
         }
     }
 }
@@ -206,6 +241,28 @@ impl StepPermit {
     /// stop, and its end must not be written.
     pub fn lost(&self) -> CancellationToken {
         self.lost.clone()
+    }
+
+    /// Whether the step may still write its end: `false` when the permit was lost (the
+    /// worker stalled past the lease and the slot expired, whether or not another step took
+    /// it since). Checks with one renewal now, so a step whose work ended while its worker
+    /// was stopped does not write an end it ran without a permit for. A renewal that cannot
+    /// reach JetStream counts as held (the terminal write retries through an outage).
+    pub async fn still_held(&self) -> bool {
+        if self.lost.is_cancelled() {
+            return false;
+        }
+        let current = self.current.lock().await;
+        match current.as_ref() {
+            None => true,
+            Some(permit) => match permit.renew().await {
+                Err(Error::Lost(_)) => {
+                    self.lost.cancel();
+                    false
+                }
+                Ok(()) | Err(_) => true,
+            },
+        }
     }
 
     /// The slot held now, if any.
@@ -277,6 +334,27 @@ pub struct Permit {
     value: Vec<u8>,
     revision: AtomicU64,
     lost: CancellationToken,
+    /// Set once [`Permit::release`] went through: a drop then has nothing to give back.
+    released: AtomicBool,
+}
+
+/// A permit dropped without [`Permit::release`] (its holder's future was dropped between
+/// taking it and keeping it, e.g. `job_status` taking its permit back when its call is
+/// dropped on a cancel) gives it back from the drop, in the background, instead of leaving
+/// it unrenewed until the lease ends. Expecting the holder's revision, this changes
+/// nothing when the permit was lost or given back already.
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if self.released.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (kv, key, revision) = (self.kv.clone(), std::mem::take(&mut self.key), self.revision());
+            rt.spawn(async move {
+                let _ = kv.delete_expect_revision(&key, Some(revision)).await;
+            });
+        }
+    }
 }
 
 impl Permit {
@@ -322,8 +400,14 @@ impl Permit {
     /// the lease).
     pub async fn release(&self) -> Result<bool, Error> {
         match self.kv.delete_expect_revision(&self.key, Some(self.revision())).await {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => Ok(false),
+            Ok(()) => {
+                self.released.store(true, Ordering::SeqCst);
+                Ok(true)
+            }
+            Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => {
+                self.released.store(true, Ordering::SeqCst);
+                Ok(false)
+            }
             Err(e) => Err(nats(e)),
         }
     }

@@ -831,9 +831,13 @@ async fn run_dispatch_holding(
         Ok((exit, result, usage)) => (exit, result, None, usage),
         Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
     };
-    if permit.as_ref().is_some_and(|p| p.lost().is_cancelled()) {
-        // It ran without a permit for a moment (this worker stalled past the lease): its
-        // end is not written; the dispatch goes back and runs again from its checkpoints.
+    // A step that lost its permit (its worker stalled past the lease) stopped, or ran on
+    // without one: it writes no end; another delivery runs it again once it holds a
+    // permit (issue #11 §The fan-out cap: the count never rises above the cap).
+    if let Some(permit) = permit.as_ref()
+        && !permit.still_held().await
+    {
+        tracing::warn!(task_id = key, "the step's fan-out permit was lost: its end is not written; it runs again");
         return Answer::Nak;
     }
     // The terminal record must be written (a nak would run the task again): keep trying
@@ -901,16 +905,31 @@ async fn hold_permit(
     let deadline = task
         .deadline_at
         .map(|at| tokio::time::Instant::now() + Duration::from_millis(at.saturating_sub(SystemClock.now_ms())));
-    tokio::select! {
-        r = fanout::StepPermit::acquire(&sh.fanout, holder, cancel) => match r {
-            Ok(p) => Ok(p),
-            Err(fanout::Error::Cancelled) => Err(PermitWait::Cancelled),
-            Err(e) => {
-                tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed");
-                Err(PermitWait::Failed)
-            }
-        },
-        () = sleep_until(deadline) => Err(PermitWait::Deadline),
+    // The deadline ends the wait through the wait's own stop, so the wait removes its
+    // ticket on the way out: a ticket left behind would keep its place in line, and hold
+    // back a freed permit, until its lease ran out.
+    let wait = cancel.child_token();
+    let out_of_time = Arc::new(AtomicBool::new(false));
+    let timer = tokio::spawn({
+        let (wait, out_of_time) = (wait.clone(), out_of_time.clone());
+        async move {
+            sleep_until(deadline).await;
+            out_of_time.store(true, Ordering::SeqCst);
+            wait.cancel();
+        }
+    });
+    let result = fanout::StepPermit::acquire(&sh.fanout, holder, &wait).await;
+    timer.abort();
+    match result {
+        Ok(p) => Ok(p),
+        Err(fanout::Error::Cancelled) if !cancel.is_cancelled() && out_of_time.load(Ordering::SeqCst) => {
+            Err(PermitWait::Deadline)
+        }
+        Err(fanout::Error::Cancelled) => Err(PermitWait::Cancelled),
+        Err(e) => {
+            tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed");
+            Err(PermitWait::Failed)
+        }
     }
 }
 

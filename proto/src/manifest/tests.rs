@@ -386,4 +386,13 @@ fn a_built_in_tool_must_be_one_of_the_three_and_keeps_its_own_parameters() {
             "tools[0].parameters: a built-in tool has its own; remove it",
         ]
     );
+    let y = format!("{MINIMAL}tools:\n  - name: t\n    command: builtin:fleet_run extra\n");
+    assert_eq!(rules(&y), ["tools[0].command: builtin:fleet_run takes no arguments, got \"extra\""]);
+    let y = format!("{MINIMAL}tools:\n  - name: t\n    command: [builtin:nope, x]\n");
+    assert_eq!(
+        rules(&y),
+        [
+            "tools[0].command: unknown built-in tool \"builtin:nope x\" (builtin:fleet_send, builtin:fleet_run, builtin:job_status)"
+        ]
+    );
 }

@@ -189,15 +189,30 @@ async fn run(access: &FleetAccess, input: &Value) -> Result<Value, String> {
         looping,
         deadline: optional(input, "deadline")?.map(str::to_string),
         budget_usd,
-        run_id: optional(input, "run_id")?.map(str::to_string),
+        run_id: match input.get("run_id") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(run_id_field(input)?.to_string()),
+        },
     };
     let started: RunRecord =
         request(&access.client, fleet_store::RUN_SUBJECT, serde_json::to_vec(&req).map_err(|e| e.to_string())?).await?;
     Ok(json!({"run_id": started.run_id, "bounds": started.bounds}))
 }
 
+/// A `run_id` input: the `--run-id` rule (`fleet::check_run_id`), or a loop iteration's
+/// id `<run id>-<n>`, which follows the same rule; named as the tool's field.
+fn run_id_field(input: &Value) -> Result<&str, String> {
+    let id = field(input, "run_id")?;
+    let iteration_of = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(base, _)| base);
+    match mur_proto::fleet::check_run_id(id) {
+        Ok(()) => Ok(id),
+        Err(_) if iteration_of.is_some_and(|base| mur_proto::fleet::check_run_id(base).is_ok()) => Ok(id),
+        Err(rule) => Err(rule.replacen("--run-id", "run_id", 1)),
+    }
+}
+
 async fn status(access: &FleetAccess, input: &Value) -> Result<Value, String> {
-    let run_id = field(input, "run_id")?;
+    let run_id = run_id_field(input)?;
     let wait = match input.get("wait_secs") {
         None | Some(Value::Null) => 0,
         Some(Value::Number(n)) if n.as_u64().is_some_and(|w| w <= MAX_WAIT_SECS) => n.as_u64().unwrap_or(0),
