@@ -411,8 +411,16 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         }
         Command::Status { name, common } => run_status(&common, RunPick::LatestOf(name)),
         Command::Log { name, since, common } => {
-            let events: Vec<ChannelEvent> =
-                request(&common, "mur fleet log", api::LOG, &LogRequest { fleet: name, since })?;
+            // Page by page: a reply carries at most MAX_LOG_BYTES of events.
+            let mut events: Vec<ChannelEvent> = Vec::new();
+            let mut from = since;
+            loop {
+                let page: Vec<ChannelEvent> =
+                    request(&common, "mur fleet log", api::LOG, &LogRequest { fleet: name.clone(), since: from })?;
+                let Some(last) = page.last() else { break };
+                from = Some(last.seq);
+                events.extend(page);
+            }
             if common.json {
                 return print_json(&events).map(|()| ExitCode::SUCCESS);
             }

@@ -374,12 +374,19 @@ impl Fleets {
         let subject = fleet_store::channel_subject(fleet);
         let mut next = since + 1;
         let mut events = Vec::new();
+        let mut bytes = 0;
         while events.len() < fleet_store::MAX_LOG_EVENTS {
             let message = match self.channel.direct_get_next_for_subject(subject.as_str(), Some(next)).await {
                 Ok(m) => m,
                 Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => break,
                 Err(e) => return Err(unavailable(&format!("{}: read", fleet_store::FLEET_STREAM), e)),
             };
+            // A page is cut before the reply would outgrow a NATS payload (the first event
+            // always goes: a channel event is far smaller than the limit).
+            bytes += message.payload.len() + 32;
+            if bytes > fleet_store::MAX_LOG_BYTES && !events.is_empty() {
+                break;
+            }
             next = message.sequence + 1;
             match serde_json::from_slice::<ChannelEvent>(&message.payload) {
                 Ok(mut event) => {

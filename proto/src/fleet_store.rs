@@ -41,6 +41,10 @@ pub const FLEET_SUBJECTS: &str = "mur.fleet.>";
 pub const MAX_JOB_BYTES: usize = 1 << 20;
 /// The most events one `fleet.log` answer holds (the oldest after `since`).
 pub const MAX_LOG_EVENTS: usize = 10_000;
+/// The most bytes of events one `fleet.log` reply carries (well under NATS' default 1 MiB
+/// payload): a reply cut short ends where the next page starts; clients ask again from the
+/// last `seq` until a page comes back empty.
+pub const MAX_LOG_BYTES: usize = 512 * 1024;
 
 /// The key of a fleet's definition: `def.<fleet>`.
 pub fn def_key(fleet: &str) -> String {

@@ -477,6 +477,33 @@ async fn stop_and_start_flip_the_sentinel_and_an_unreadable_one_counts_as_stoppe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_larger_than_a_nats_payload_is_read_page_by_page() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let pair = write(dir.path(), "pair.yaml", PAIR);
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    let fleets = handle(&sb).await;
+    // 48 replies of 40 kB: nearly 2 MB, twice what one NATS message may carry.
+    for n in 0..48u64 {
+        let mut reply = ChannelEvent::system(EventKind::Reply, format!("{n}:{}", "x".repeat(40_000)), n);
+        reply.author = Author::Member("writer".into());
+        fleets.publish("pair", &reply).await.unwrap();
+    }
+    let events = ok(&sb, &["log", "pair", "--json"]).last_json();
+    let texts: Vec<String> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["text"].as_str().unwrap().split(':').next().unwrap().into())
+        .collect();
+    assert_eq!(texts, (0..48).map(|n| n.to_string()).collect::<Vec<_>>());
+    let plain = ok(&sb, &["log", "pair"]).stdout;
+    assert_eq!(plain.lines().count(), 48);
+    sb.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn log_prints_the_channel_with_authors_and_sequence_numbers() -> Result<()> {
     let sb = Sandbox::start(0, 1).await;
     let dir = tempfile::tempdir()?;
