@@ -704,14 +704,19 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 }
                 let spent = format!("; spent {}", r.spend.summary());
                 if r.state == "completed" {
-                    eprintln!("run {} completed ({stop}) after {} iterations{spent}", r.run_id, r.iterations);
+                    eprintln!("run {} completed ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
                     return Ok(ExitCode::SUCCESS);
                 }
-                eprintln!("run {} ended: {stop} after {} iterations{spent}", r.run_id, r.iterations);
+                eprintln!("run {} ended: {stop} after {}{spent}", r.run_id, iterations(r.iterations));
                 return Ok(ExitCode::from(1));
             }
         }
     })
+}
+
+/// `1 iteration`, `2 iterations`.
+fn iterations(n: u64) -> String {
+    if n == 1 { "1 iteration".into() } else { format!("{n} iterations") }
 }
 
 /// A run's spend so far, USD, when its record reports one.

@@ -717,7 +717,7 @@ async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_route
     .await
     .unwrap();
     assert_eq!(run.code, 0, "{run:?}");
-    assert!(run.stderr.contains("completed (converged) after 1 iterations"), "{}", run.stderr);
+    assert!(run.stderr.contains("completed (converged) after 1 iteration"), "{}", run.stderr);
     let log = ok(&sb, &["log", "pair"]).stdout;
     assert!(log.contains("system delegation: planner ← plan"), "{log}");
     assert!(

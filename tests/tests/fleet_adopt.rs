@@ -168,7 +168,7 @@ async fn a_leader_that_wakes_after_its_loop_was_adopted_leaves_the_run_to_the_ad
     first.pause();
     let followed = client.await.unwrap();
     assert_eq!(followed.code, 0, "{followed:?}");
-    assert!(followed.stderr.contains("completed (queue-drained) after 1 iterations"), "{}", followed.stderr);
+    assert!(followed.stderr.contains("completed (queue-drained) after 1 iteration"), "{}", followed.stderr);
     first.resume();
     until("the woken coordinator leaves the run", WAIT, || async {
         first.log().contains("another coordinator took the run over: leaving it").then_some(())
