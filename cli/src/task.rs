@@ -136,7 +136,12 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 t.load_preset(comfy_table::presets::NOTHING)
                     .set_header(vec!["TASK", "CAPSULE", "LANE", "STATE", "EXIT", "TEXT"]);
                 for r in recs {
-                    let text: String = r.text.chars().take(40).collect();
+                    // One line per task: the text's first line, cut at 40 characters.
+                    let first = r.text.lines().next().unwrap_or_default();
+                    let mut text: String = first.chars().take(40).collect();
+                    if text.len() < r.text.len() {
+                        text.push('…');
+                    }
                     t.add_row(vec![
                         r.task_id,
                         r.capsule,

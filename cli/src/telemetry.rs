@@ -40,7 +40,9 @@ pub struct Telemetry {
 pub fn init(service: &str) -> Telemetry {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let log_filter = || EnvFilter::try_from_env("MUR_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
-    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(log_filter());
+    // Colours only on a terminal: a log file gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).with_filter(log_filter());
     let configured = ENDPOINT_VARS.iter().any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
     let export = if configured {
         match exporter(service) {
