@@ -7,5 +7,6 @@ pub mod fake_openai;
 pub mod fake_otlp;
 pub mod mur;
 pub mod nats;
+pub mod permits;
 pub mod procs;
 pub mod sandbox;

@@ -64,6 +64,14 @@ impl Procs {
         crate::mur::run_blocking(cmd).await
     }
 
+    /// `mur ARGS` against the cluster on this thread, expected to succeed; its stdout.
+    /// For tests whose cluster runs in other processes only (nothing here to block).
+    pub fn mur_sync(&self, args: &[&str]) -> String {
+        let out = self.command().args(args).output().expect("spawn mur");
+        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// `mur ARGS` against the cluster, expected to succeed.
     pub async fn mur_ok(&self, args: &[&str]) -> crate::mur::Run {
         let run = self.mur(args).await;

@@ -6,45 +6,13 @@
 use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_proto::cluster::{SubmitReply, TaskRecord, api};
-use mur_proto::fanout::{Holder, SLOT_PREFIX, slot_key, wait_key};
+use mur_proto::fanout::{Holder, slot_key, wait_key};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::procs::{Procs, until};
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const WAIT: Duration = Duration::from_secs(120);
-
-/// Permits seen by a watcher of `mur_fanout`: who holds each slot now, and the most held
-/// at once.
-#[derive(Default)]
-struct Seen {
-    held: BTreeMap<String, String>,
-    max_held: usize,
-}
-
-async fn watch_permits(kv: kv::Store) -> Arc<Mutex<Seen>> {
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let mut watch = kv.watch_with_history(">").await.expect("watch mur_fanout");
-    let out = seen.clone();
-    tokio::spawn(async move {
-        while let Some(Ok(entry)) = watch.next().await {
-            if !entry.key.starts_with(SLOT_PREFIX) {
-                continue;
-            }
-            let mut s = out.lock().unwrap();
-            if entry.operation == Operation::Put {
-                let task = serde_json::from_slice::<Holder>(&entry.value).map(|h| h.task_id).unwrap_or_default();
-                s.held.insert(entry.key.clone(), task);
-            } else {
-                s.held.remove(&entry.key);
-            }
-            s.max_held = s.max_held.max(s.held.len());
-        }
-    });
-    seen
-}
 
 /// Submits the raw JSON `body` over the NATS API (retrying while no coordinator answers);
 /// the reply, or the service's refusal.
@@ -106,12 +74,14 @@ async fn a_worker_stopped_past_its_lease_writes_no_end_and_its_step_still_comple
     cluster.push(capsule.dir()).await;
     cluster.wait_workers(1).await;
     let kv = fanout_kv(&cluster).await;
-    let seen = watch_permits(kv.clone()).await;
+    let seen = mur_tests::permits::watch(kv.clone()).await;
 
     let a = step(&cluster, "sleep 6; echo a-done", 1.into(), None).await;
     cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
-    until("a holds the permit", WAIT, || async { (seen.lock().unwrap().held.get("slot.0") == Some(&a)).then_some(()) })
-        .await;
+    until("a holds the permit", WAIT, || async {
+        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&a)).then_some(())
+    })
+    .await;
     stalled.pause();
     // The lease ends; the permit expires.
     until("a's permit expires", WAIT, || async { (!live(&kv, &slot_key(0)).await).then_some(()) }).await;
@@ -251,7 +221,7 @@ async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held(
     cluster.push(capsule.dir()).await;
     cluster.wait_workers(2).await;
     let kv = fanout_kv(&cluster).await;
-    let before = watch_permits(kv.clone()).await;
+    let before = mur_tests::permits::watch(kv.clone()).await;
 
     let mut steps = Vec::new();
     for n in 0..5 {
@@ -270,7 +240,7 @@ async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held(
     })
     .await;
     cluster.nats.restart();
-    let after = watch_permits(fanout_kv(&cluster).await).await;
+    let after = mur_tests::permits::watch(fanout_kv(&cluster).await).await;
 
     for id in &steps {
         let r = cluster.wait_record(id, WAIT, terminal).await;
@@ -296,11 +266,7 @@ async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_o
     let dir = tempfile::tempdir().unwrap();
     let yaml = dir.path().join("f.yaml");
     std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
-    let mur = |args: &[&str]| {
-        let out = cluster.command().args(args).output().unwrap();
-        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let mur = |args: &[&str]| cluster.mur_sync(args);
     mur(&["fleet", "create", yaml.to_str().unwrap()]);
     mur(&["fleet", "send", "solo", "sleep 3; echo solo-done"]);
 
@@ -357,11 +323,7 @@ async fn a_run_id_still_running_or_malformed_is_refused_and_the_running_run_is_u
     let dir = tempfile::tempdir().unwrap();
     let yaml = dir.path().join("f.yaml");
     std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
-    let mur = |args: &[&str]| {
-        let out = cluster.command().args(args).output().unwrap();
-        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let mur = |args: &[&str]| cluster.mur_sync(args);
     mur(&["fleet", "create", yaml.to_str().unwrap()]);
     mur(&["fleet", "send", "solo", "sleep 4; echo first-done"]);
     mur(&["fleet", "send", "solo", "echo second"]);
@@ -585,12 +547,14 @@ async fn a_step_taken_over_while_its_first_worker_is_stopped_completes_on_the_pe
     cluster.push(capsule.dir()).await;
     cluster.wait_workers(1).await;
     let kv = fanout_kv(&cluster).await;
-    let seen = watch_permits(kv.clone()).await;
+    let seen = mur_tests::permits::watch(kv.clone()).await;
 
     let a = step(&cluster, "sleep 5; echo a-done", 1.into(), None).await;
     cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
-    until("a holds the permit", WAIT, || async { (seen.lock().unwrap().held.get("slot.0") == Some(&a)).then_some(()) })
-        .await;
+    until("a holds the permit", WAIT, || async {
+        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&a)).then_some(())
+    })
+    .await;
     stalled.pause();
     let other = cluster.worker("wkr-other", 1);
     // The other worker takes the step over (the record names it) and then holds the permit.

@@ -10,8 +10,6 @@ use mur_tests::capsule::shell_capsule;
 use mur_tests::nats::NatsServer;
 use mur_tests::procs::{Procs, until};
 use mur_worker::fanout::{Error as FanoutError, Semaphore};
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -24,43 +22,6 @@ fn holder(task: &str, cap: u32) -> Holder {
         step: FleetStep { fleet: "f".into(), run_id: "run-1".into(), step: task.into(), cap },
         since: 0,
     }
-}
-
-/// What a watcher of `mur_fanout` saw: every permit write or removal, in order, and the
-/// most permits held at once.
-#[derive(Default)]
-struct Seen {
-    held: BTreeMap<String, String>,
-    max_held: usize,
-    /// `(when, slot key, holder's worker)` for each permit taken or renewed;
-    /// `(when, slot key, "")` for each permit given back or expired.
-    events: Vec<(Instant, String, String)>,
-}
-
-/// Watches the bucket from its start until the test ends: an exact sample of the permit
-/// count at every change, not a periodic one.
-async fn watch_permits(kv: kv::Store) -> Arc<Mutex<Seen>> {
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let mut watch = kv.watch_with_history(">").await.expect("watch mur_fanout");
-    let out = seen.clone();
-    tokio::spawn(async move {
-        while let Some(Ok(entry)) = watch.next().await {
-            if !entry.key.starts_with(SLOT_PREFIX) {
-                continue;
-            }
-            let mut s = out.lock().unwrap();
-            if entry.operation == Operation::Put {
-                let worker = serde_json::from_slice::<Holder>(&entry.value).map(|h| h.worker).unwrap_or_default();
-                s.held.insert(entry.key.clone(), worker.clone());
-                s.events.push((Instant::now(), entry.key.clone(), worker));
-            } else {
-                s.held.remove(&entry.key);
-                s.events.push((Instant::now(), entry.key.clone(), String::new()));
-            }
-            s.max_held = s.max_held.max(s.held.len());
-        }
-    });
-    seen
 }
 
 async fn semaphore(lease_secs: u64) -> (NatsServer, Semaphore, kv::Store) {
@@ -78,7 +39,7 @@ async fn semaphore(lease_secs: u64) -> (NatsServer, Semaphore, kv::Store) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_stalled_past_its_lease_loses_the_permit_and_its_late_release_changes_nothing() {
     let (_server, sem, kv) = semaphore(2).await;
-    let seen = watch_permits(kv.clone()).await;
+    let seen = mur_tests::permits::watch(kv.clone()).await;
     let never = CancellationToken::new();
 
     let stalled = sem.acquire(&holder("a", 1), &never).await.unwrap();
@@ -116,7 +77,7 @@ async fn a_holder_stalled_past_its_lease_loses_the_permit_and_its_late_release_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_steps_are_served_in_the_order_they_came_and_a_cancelled_one_leaves_the_line() {
     let (_server, sem, kv) = semaphore(10).await;
-    let seen = watch_permits(kv.clone()).await;
+    let seen = mur_tests::permits::watch(kv.clone()).await;
     let never = CancellationToken::new();
     let first = sem.acquire(&holder("first", 2), &never).await.unwrap();
     let second = sem.acquire(&holder("second", 2), &never).await.unwrap();
@@ -175,14 +136,10 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
     cluster.wait_workers(3).await;
     let js = async_nats::jetstream::new(cluster.client.clone());
     let kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.unwrap();
-    let seen = watch_permits(kv.clone()).await;
+    let seen = mur_tests::permits::watch(kv.clone()).await;
 
     let dir = tempfile::tempdir().unwrap();
-    let mur = |args: &[&str]| {
-        let out = cluster.command().args(args).output().unwrap();
-        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let mur = |args: &[&str]| cluster.mur_sync(args);
     let mut runs = Vec::new();
     for name in ["east", "west"] {
         let yaml = dir.path().join(format!("{name}.yaml"));
@@ -223,7 +180,9 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
             let workers = &workers;
             async move {
                 let s = seen.lock().unwrap();
-                s.held.iter().find_map(|(slot, w)| workers.iter().position(|p| &p.name == w).map(|i| (i, slot.clone())))
+                s.held
+                    .iter()
+                    .find_map(|(slot, h)| workers.iter().position(|p| p.name == h.worker).map(|i| (i, slot.clone())))
             }
         })
         .await;
@@ -269,7 +228,10 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
     for (killed_at, slot, victim) in &kills {
         // The victim's permit is removed (expired) or taken by another step within its
         // lease of its last renewal; allow the server's expiry timer one second.
-        let back = s.events.iter().find(|(at, key, w)| at > killed_at && key == slot && w != victim);
+        let back = s
+            .events
+            .iter()
+            .find(|(at, key, h)| at > killed_at && key == slot && h.as_ref().is_none_or(|h| &h.worker != victim));
         let (at, _, _) = back.unwrap_or_else(|| panic!("{victim}'s permit {slot} never came back"));
         let after = at.duration_since(*killed_at);
         assert!(after <= lease + Duration::from_secs(1), "{victim}'s permit came back {after:?} after the kill");
@@ -308,18 +270,14 @@ async fn a_router_starts_another_fleet_with_fleet_run_and_waits_for_it_with_job_
     }
     cluster.wait_workers(2).await;
     let js = async_nats::jetstream::new(cluster.client.clone());
-    let seen = watch_permits(js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.unwrap()).await;
+    let seen = mur_tests::permits::watch(js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.unwrap()).await;
 
     let dir = tempfile::tempdir().unwrap();
     let boss = dir.path().join("boss.yaml");
     std::fs::write(&boss, "name: boss\ngoal: Lead.\nmembers: [a, b]\nrouter: chief\n").unwrap();
     let inner = dir.path().join("inner.yaml");
     std::fs::write(&inner, "name: inner\ngoal: Help.\nmembers: [c]\n").unwrap();
-    let mur = |args: &[&str]| {
-        let out = cluster.command().args(args).output().unwrap();
-        assert!(out.status.success(), "mur {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let mur = |args: &[&str]| cluster.mur_sync(args);
     mur(&["fleet", "create", boss.to_str().unwrap()]);
     mur(&["fleet", "create", inner.to_str().unwrap()]);
     mur(&["fleet", "send", "inner", "echo inner-work"]);
