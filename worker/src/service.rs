@@ -630,16 +630,9 @@ async fn run_dispatch_holding(
     // since (cancel requested, an earlier delivery took it) is read and looked at afresh.
     let (mut current, mut carried) = match dispatch.released {
         Some(r) => ((r.record, r.revision), true),
-        None => match read(&sh.tasks, key).await {
-            Ok(Some(c)) => (c, false),
-            Ok(None) => {
-                tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
-                return Answer::Term;
-            }
-            Err(e) => {
-                tracing::warn!(task_id = key, error = %e, "reading the task record failed");
-                return Answer::Nak;
-            }
+        None => match read_dispatched(sh, key).await {
+            Ok(c) => (c, false),
+            Err(answer) => return answer,
         },
     };
     let worker_id = sh.config.worker_id.clone();
@@ -776,16 +769,9 @@ async fn run_dispatch_holding(
                 Ok(revision) => Ok(Some((record, revision))),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     prepared.discard();
-                    current = match read(&sh.tasks, key).await {
-                        Ok(Some(c)) => c,
-                        Ok(None) => {
-                            tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
-                            return Answer::Term;
-                        }
-                        Err(e) => {
-                            tracing::warn!(task_id = key, error = %e, "reading the task record failed");
-                            return Answer::Nak;
-                        }
+                    current = match read_dispatched(sh, key).await {
+                        Ok(c) => c,
+                        Err(answer) => return answer,
                     };
                     continue;
                 }
@@ -877,6 +863,22 @@ async fn run_dispatch_holding(
         drop_checkpoints(&sh.sessions, key).await;
     }
     answer
+}
+
+/// Reads a dispatched task's record; the answer to give the dispatch when there is none
+/// (terminate: nothing to run) or it cannot be read (redeliver).
+async fn read_dispatched(sh: &Shared, key: &str) -> Result<(TaskRecord, u64), Answer> {
+    match read(&sh.tasks, key).await {
+        Ok(Some(c)) => Ok(c),
+        Ok(None) => {
+            tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
+            Err(Answer::Term)
+        }
+        Err(e) => {
+            tracing::warn!(task_id = key, error = %e, "reading the task record failed");
+            Err(Answer::Nak)
+        }
+    }
 }
 
 /// Why a step stopped waiting for a fan-out permit.
