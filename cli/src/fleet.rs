@@ -135,7 +135,7 @@ pub enum Command {
         #[arg(long, allow_hyphen_values = true)]
         deadline: Option<String>,
         /// Spend ceiling in USD.
-        #[arg(long, allow_negative_numbers = true, value_parser = finite_usd)]
+        #[arg(long, allow_hyphen_values = true, value_parser = finite_usd)]
         budget_usd: Option<f64>,
         /// The run's id (default `run-<uuid>`, or `fleet-<name>-<uuid>` for a loop).
         #[arg(long)]
@@ -192,7 +192,7 @@ pub struct SetLoopArgs {
     #[arg(long, value_name = "D", allow_hyphen_values = true)]
     deadline: Option<String>,
     /// A spend ceiling in USD; 0 for none.
-    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = finite_usd)]
+    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = finite_usd)]
     budget_usd: Option<f64>,
     #[command(flatten)]
     common: Common,

@@ -440,7 +440,7 @@ async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_chan
             .into_owned()
     };
     let before = show();
-    for value in ["nan", "NaN", "inf", "1e400"] {
+    for value in ["nan", "NaN", "inf", "-inf", "1e400"] {
         for args in [
             vec!["fleet", "run", "solo", "--budget-usd", value],
             vec!["fleet", "set-loop", "solo", "--budget-usd", value],
@@ -454,6 +454,11 @@ async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_chan
             );
         }
     }
+    // A negative number reaches the validator (not the argument parser), which says why.
+    let out = cluster.command().args(["fleet", "set-loop", "solo", "--budget-usd", "-5"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--budget-usd: must be a non-negative number (0 for no ceiling), got -5"), "{err}");
     assert_eq!(show(), before, "the fleet is unchanged");
     let js = async_nats::jetstream::new(cluster.client.clone());
     let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
