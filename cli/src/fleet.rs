@@ -625,7 +625,10 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         }
         let mut view = Live::new(common.json, crate::follow::Follow::new(&started.run_id, members));
         let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
-        let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.ok();
+        // The run's permits, from a watch on the semaphore: every permit taken or given back.
+        let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.context("mur_fanout")?;
+        let mut permit_updates = fanout_kv.watch_with_history(">").await.context("mur_fanout: watch")?;
+        let mut our_permits = std::collections::BTreeSet::new();
         let key = fleet_store::run_key(&started.run_id);
         let mut seen = 0u64;
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
@@ -639,6 +642,21 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 Some(Ok(entry)) = task_updates.next() => {
                     if let Ok(r) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
                         let changed = view.follow.task(&r);
+                        view.changed(changed)?;
+                    }
+                    continue;
+                }
+                Some(Ok(entry)) = permit_updates.next() => {
+                    if entry.key.starts_with(mur_proto::fanout::SLOT_PREFIX) {
+                        let ours = entry.operation == async_nats::jetstream::kv::Operation::Put
+                            && serde_json::from_slice::<mur_proto::fanout::Holder>(&entry.value)
+                                .is_ok_and(|h| h.step.run_id.starts_with(&started.run_id));
+                        if ours {
+                            our_permits.insert(entry.key);
+                        } else {
+                            our_permits.remove(&entry.key);
+                        }
+                        let changed = view.follow.set_permits(our_permits.len());
                         view.changed(changed)?;
                     }
                     continue;
@@ -657,13 +675,6 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             }
             if let Some(last) = events.last() {
                 seen = last.seq;
-            }
-            if let Some(kv) = &fanout_kv
-                && let Ok(f) = mur_worker::fanout::status(kv).await
-            {
-                let in_use = f.holders.iter().filter(|h| h.holder.step.run_id.starts_with(&started.run_id)).count();
-                let changed = view.follow.set_permits(in_use);
-                view.changed(changed)?;
             }
             let jobs: Vec<Job> = call(
                 &client,

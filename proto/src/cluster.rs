@@ -971,18 +971,7 @@ mod tests {
     #[test]
     fn a_minimal_submission_defaults_to_the_user_origin() {
         let req = SubmitRequest::parse(br#"{"capsule":"hello","text":"hi"}"#).unwrap();
-        assert_eq!(
-            req,
-            SubmitRequest {
-                capsule: "hello".into(),
-                text: "hi".into(),
-                origin: Origin::User,
-                context_id: None,
-                deadline_at: None,
-                fleet_step: None,
-                needs: Vec::new(),
-            }
-        );
+        assert_eq!(req, SubmitRequest::new("hello", "hi", Origin::User), "every optional field absent");
         let req =
             SubmitRequest::parse(br#"{"capsule":"a-1","text":"x","origin":"peer","context_id":"ctx-from-caller"}"#)
                 .unwrap();

@@ -473,15 +473,7 @@ fn openai_capsule(name: &str, url: &str) -> TestCapsule {
 }
 
 async fn submit(client: &async_nats::Client, capsule: &str) -> String {
-    let request = SubmitRequest {
-        capsule: capsule.into(),
-        text: "hi".into(),
-        origin: Origin::User,
-        context_id: None,
-        deadline_at: None,
-        fleet_step: None,
-        needs: Vec::new(),
-    };
+    let request = SubmitRequest::new(capsule, "hi", Origin::User);
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
             .await

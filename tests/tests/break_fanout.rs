@@ -9,10 +9,35 @@ use mur_proto::cluster::{SubmitReply, TaskRecord, api};
 use mur_proto::fanout::{Holder, slot_key, wait_key};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_tests::capsule::shell_capsule;
-use mur_tests::procs::{Procs, until};
+use mur_tests::procs::{Proc, Procs, until};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const WAIT: Duration = Duration::from_secs(120);
+
+/// A cluster of one coordinator and one worker `worker` with `slots` slots, with the shell
+/// capsule `m` pushed (its task's text is run as a shell command); `config` is the cluster
+/// config.
+async fn with_member_m(config: &str, worker: &str, slots: u32) -> (Procs, Proc, Proc) {
+    let cluster = Procs::start(config).await;
+    let coordinator = cluster.coordinator("coordinator-1");
+    let worker = cluster.worker(worker, slots);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    (cluster, coordinator, worker)
+}
+
+/// How many run records `mur_fleets` holds.
+async fn run_records(cluster: &Procs) -> usize {
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
+    defs.keys()
+        .await
+        .unwrap()
+        .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("run."))))
+        .count()
+        .await
+}
 
 /// Submits the raw JSON `body` over the NATS API (retrying while no coordinator answers);
 /// the reply, or the service's refusal.
@@ -67,12 +92,8 @@ fn terminal(r: &TaskRecord) -> bool {
 /// holds a permit and ends `completed`, never `canceled`. The count never exceeds 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stopped_past_its_lease_writes_no_end_and_its_step_still_completes() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 60\n  fanout_lease_secs: 2\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let stalled = cluster.worker("wkr-stalled", 1);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, stalled) =
+        with_member_m("jetstream:\n  ack_wait_secs: 60\n  fanout_lease_secs: 2\n", "wkr-stalled", 1).await;
     let kv = fanout_kv(&cluster).await;
     let seen = mur_tests::permits::watch(kv.clone()).await;
 
@@ -103,12 +124,8 @@ async fn a_worker_stopped_past_its_lease_writes_no_end_and_its_step_still_comple
 /// lease) and ends it `canceled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_waiting_step_and_a_holding_step_ends_both_canceled_and_frees_the_permit_at_once() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker("wkr-1", 2);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, _worker) =
+        with_member_m("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n", "wkr-1", 2).await;
     let kv = fanout_kv(&cluster).await;
 
     let holder = step(&cluster, "sleep 60", 1.into(), None).await;
@@ -139,12 +156,8 @@ async fn cancelling_a_waiting_step_and_a_holding_step_ends_both_canceled_and_fre
 /// its ticket leaves the line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_whose_deadline_passes_while_it_waits_ends_deadline_exceeded_without_a_ticket() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker("wkr-1", 2);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, _worker) =
+        with_member_m("jetstream:\n  ack_wait_secs: 30\n  fanout_lease_secs: 30\n", "wkr-1", 2).await;
     let kv = fanout_kv(&cluster).await;
 
     let holder = step(&cluster, "sleep 60", 1.into(), None).await;
@@ -257,12 +270,7 @@ async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_on() {
     use std::io::BufRead;
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker("wkr-1", 2);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, _worker) = with_member_m("jetstream:\n  ack_wait_secs: 10\n", "wkr-1", 2).await;
     let dir = tempfile::tempdir().unwrap();
     let yaml = dir.path().join("f.yaml");
     std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
@@ -314,12 +322,7 @@ async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_o
 /// stated once; the first run completes untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_id_still_running_or_malformed_is_refused_and_the_running_run_is_untouched() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker("wkr-1", 2);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, _worker) = with_member_m("jetstream:\n  ack_wait_secs: 10\n", "wkr-1", 2).await;
     let dir = tempfile::tempdir().unwrap();
     let yaml = dir.path().join("f.yaml");
     std::fs::write(&yaml, "name: solo\ngoal: Work.\nmembers: [m]\n").unwrap();
@@ -407,16 +410,7 @@ async fn the_fleet_tools_refuse_bad_inputs_naming_the_field_and_start_nothing() 
     }
     assert!(outputs[6].starts_with("fleet_run: ") && outputs[6].contains("nope"), "{:?}", outputs[6]);
     assert!(outputs[7].contains("run_id: must be 1-96 letters"), "{:?}", outputs[7]);
-    let js = async_nats::jetstream::new(cluster.client.clone());
-    let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
-    let runs = defs
-        .keys()
-        .await
-        .unwrap()
-        .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("run."))))
-        .count()
-        .await;
-    assert_eq!(runs, 0, "no run was started");
+    assert_eq!(run_records(&cluster).await, 0, "no run was started");
 }
 
 /// `--budget-usd nan` / `inf` / `1e400` looked like a ceiling and reached the coordinator as
@@ -460,16 +454,7 @@ async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_chan
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--budget-usd: must be a non-negative number (0 for no ceiling), got -5"), "{err}");
     assert_eq!(show(), before, "the fleet is unchanged");
-    let js = async_nats::jetstream::new(cluster.client.clone());
-    let defs = js.get_key_value(mur_proto::fleet_store::FLEETS_BUCKET).await.unwrap();
-    let runs = defs
-        .keys()
-        .await
-        .unwrap()
-        .filter(|k| std::future::ready(k.as_ref().is_ok_and(|k| k.starts_with("run."))))
-        .count()
-        .await;
-    assert_eq!(runs, 0, "no run was started");
+    assert_eq!(run_records(&cluster).await, 0, "no run was started");
 }
 
 /// A `deadline_at` as far ahead as a u64 goes (accepted by the API: a whole number of unix
@@ -477,12 +462,8 @@ async fn a_budget_of_nan_or_infinity_is_refused_naming_the_flag_and_nothing_chan
 /// complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_at_the_end_of_time_runs_the_task_instead_of_panicking_the_worker() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n  fanout_lease_secs: 10\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let worker = cluster.worker("wkr-1", 2);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, worker) =
+        with_member_m("jetstream:\n  ack_wait_secs: 10\n  fanout_lease_secs: 10\n", "wkr-1", 2).await;
     let fleet_step = step(&cluster, "echo far-step", 1.into(), Some(u64::MAX)).await;
     let plain = submit_raw(
         &cluster,
@@ -545,12 +526,8 @@ async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_fre
 /// permit, and the count never exceeds the cap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_taken_over_while_its_first_worker_is_stopped_completes_on_the_permit_holder() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  fanout_lease_secs: 2\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
-    let stalled = cluster.worker("wkr-stalled", 1);
-    let capsule = shell_capsule("m");
-    cluster.push(capsule.dir()).await;
-    cluster.wait_workers(1).await;
+    let (cluster, _coordinator, stalled) =
+        with_member_m("jetstream:\n  ack_wait_secs: 2\n  fanout_lease_secs: 2\n", "wkr-stalled", 1).await;
     let kv = fanout_kv(&cluster).await;
     let seen = mur_tests::permits::watch(kv.clone()).await;
 

@@ -81,8 +81,8 @@ impl Semaphore {
         let value = serde_json::to_vec(holder).map_err(nats)?;
         let ticket_key = fanout::wait_key(&holder.task_id);
         let revision = self.kv.put(&ticket_key, value.clone().into()).await.map_err(nats)?;
-        let mut ticket = Ticket { kv: self.kv.clone(), key: ticket_key.clone(), revision, left: false };
-        let result = self.wait_in_line(holder, &value, &ticket_key, &mut ticket.revision, cancel).await;
+        let mut ticket = Ticket { kv: self.kv.clone(), key: ticket_key, revision, left: false };
+        let result = self.wait_in_line(holder, &value, &mut ticket, cancel).await;
         // Leave the line, whatever happened (a wait dropped before this line leaves it from
         // `Ticket`'s drop); a ticket left behind anyway expires within the lease.
         ticket.leave().await;
@@ -93,8 +93,7 @@ impl Semaphore {
         &self,
         holder: &Holder,
         value: &[u8],
-        ticket_key: &str,
-        ticket: &mut u64,
+        ticket: &mut Ticket,
         cancel: &CancellationToken,
     ) -> Result<Permit, Error> {
         let mut watch = self.kv.watch_with_history(">").await.map_err(nats)?;
@@ -129,9 +128,9 @@ impl Semaphore {
                 _ = renew.tick() => {
                     // Keep the place in line; a ticket that expired meanwhile (this worker
                     // stalled past the lease) goes to the back.
-                    *ticket = match self.kv.update(ticket_key, value.to_vec().into(), *ticket).await {
+                    ticket.revision = match self.kv.update(&ticket.key, value.to_vec().into(), ticket.revision).await {
                         Ok(rev) => rev,
-                        Err(_) => self.kv.put(ticket_key, value.to_vec().into()).await.map_err(nats)?,
+                        Err(_) => self.kv.put(&ticket.key, value.to_vec().into()).await.map_err(nats)?,
                     };
                     caught_up = true;
                 }
