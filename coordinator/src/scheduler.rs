@@ -305,6 +305,33 @@ impl Scheduler {
         out
     }
 
+    /// Admits a task about to be stored straight into flight when a task submitted now
+    /// would be released at once (rules 1–3): a slot is free and the task is releasable
+    /// (its `queue` capsule has nothing in flight). While a slot is free nothing
+    /// releasable waits (every input ends with the releases it allows), so no task in any
+    /// lane is passed over. Returns `true` when admitted: the task holds a slot from now
+    /// and the adapter stores its record already released (attempt [`FIRST_ATTEMPT`]) and
+    /// publishes its dispatch, one record write fewer than a wait and a release (issue
+    /// #9). `false` (no free slot, a busy `queue` capsule, or a task id already known)
+    /// changes nothing: the task is submitted as usual. An admitted task whose record
+    /// could not be stored is given back with [`Input::Ended`]; it is listed in flight
+    /// with `seq` 0 until then (its record's revision is not known before it is stored).
+    pub fn admit(&mut self, task_id: &str, capsule: &str, lane: Lane, queue_capsule: bool) -> bool {
+        if self.free_slots() == 0
+            || self.ended.contains(task_id)
+            || self.waiting_ids.contains(task_id)
+            || self.in_flight.contains_key(task_id)
+        {
+            return false;
+        }
+        let task = Waiting { lane, seq: 0, task_id: task_id.to_string(), capsule: capsule.to_string(), queue_capsule };
+        if !releasable(&task, &self.capsule_load) {
+            return false;
+        }
+        self.hold_slot(task, None);
+        true
+    }
+
     /// The current state.
     pub fn snapshot(&self) -> Snapshot {
         let lanes = Lane::ALL.map(|lane| LaneSnapshot {

@@ -19,6 +19,14 @@
 //!    of its own. Replies follow the scheme of [`crate::api`] (success = the plain JSON
 //!    value; failure = micro service error headers + the [`ApiError`] JSON).
 //!
+//! Admission at submit (issue #9): `task.submit` first asks the actor to
+//! [`Scheduler::admit`] the task. When a slot is free and nothing would be released before
+//! it, the task is taken into flight there, its record is created already released
+//! (`submitted`, attempt 1) and its dispatch published at once: no compare-and-set from
+//! attempt 0, one record write and one hop fewer per task. Otherwise it waits and is
+//! released as below. A record that could not be created gives its slot back
+//! ([`Input::Ended`]).
+//!
 //! Mapping of task records to inputs (the contract with the worker):
 //! - `submitted`, attempt 0 → [`Input::Submitted`] with `seq` = the entry's revision. A
 //!   record still at attempt 0 has never been changed since its creation, so this is its
@@ -51,7 +59,7 @@
 use crate::api;
 use crate::lease::{Held, Lease};
 use crate::resources::{self, Resources, Settings};
-use crate::scheduler::{Input, Output, Scheduler};
+use crate::scheduler::{self, Input, Output, Scheduler};
 use async_nats::jetstream::{self, kv, message::PublishMessage};
 use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
@@ -68,7 +76,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
@@ -154,11 +162,13 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // Every coordinator serves the API, a standby too: a submission only writes a record,
     // which the leader's watcher picks up, so intake goes on during a failover.
     let (no_actor, _) = mpsc::unbounded_channel();
+    let (no_admissions, _) = mpsc::unbounded_channel();
     let api_ctx = Arc::new(Ctx {
         js: js.clone(),
         tasks: res.tasks.clone(),
         capsule_index: res.capsule_index.clone(),
         inputs: no_actor,
+        admissions: no_admissions,
         instance: instance.clone(),
         lease: None,
         fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
@@ -310,11 +320,13 @@ async fn lead(
     let worker_entries = caught_up(&res.workers, &mut worker_watch).await?;
 
     let (inputs, input_rx) = mpsc::unbounded_channel();
+    let (admissions, admission_rx) = mpsc::unbounded_channel();
     let ctx = Arc::new(Ctx {
         js: js.clone(),
         tasks: res.tasks.clone(),
         capsule_index: res.capsule_index.clone(),
         inputs,
+        admissions,
         instance: instance.clone(),
         lease: Some(held),
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
@@ -367,7 +379,7 @@ async fn lead(
 
     let (stop, stopped) = watch::channel(false);
     let mut loops: JoinSet<&'static str> = JoinSet::new();
-    loops.spawn(actor(ctx.clone(), scheduler, input_rx, stopped.clone()));
+    loops.spawn(actor(ctx.clone(), scheduler, input_rx, admission_rx, stopped.clone()));
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
@@ -413,6 +425,9 @@ struct Ctx {
     tasks: kv::Store,
     capsule_index: kv::Store,
     inputs: mpsc::UnboundedSender<Input>,
+    /// Asks the scheduler to admit a task about to be stored straight into flight
+    /// ([`Scheduler::admit`]).
+    admissions: mpsc::UnboundedSender<Admission>,
     instance: String,
     /// The lease under which this coordinator leads; `None` for the API's handlers, which
     /// release nothing.
@@ -485,7 +500,7 @@ fn to_json<T: serde::Serialize>(value: &T) -> Result<Bytes, ApiError> {
 }
 
 impl Ctx {
-    async fn handle(&self, kind: Endpoint, request: Request) {
+    async fn handle(self: &Arc<Self>, kind: Endpoint, request: Request) {
         let body = &request.message.payload;
         let result = match kind {
             Endpoint::Submit => self.submit(request.message.headers.as_ref(), body).await.and_then(|r| to_json(&r)),
@@ -512,7 +527,11 @@ impl Ctx {
     /// `task.submit`: validates, checks the capsule, creates the record. Its span is a
     /// child of the request's `traceparent` header, and the record keeps the span's own
     /// `traceparent` (issue #7 §Trace context).
-    async fn submit(&self, headers: Option<&async_nats::HeaderMap>, body: &[u8]) -> Result<SubmitReply, ApiError> {
+    async fn submit(
+        self: &Arc<Self>,
+        headers: Option<&async_nats::HeaderMap>,
+        body: &[u8],
+    ) -> Result<SubmitReply, ApiError> {
         let span = tracing::info_span!(
             "submit",
             otel.name = %format!("process {}", cluster::api::TASK_SUBMIT),
@@ -523,7 +542,7 @@ impl Ctx {
         self.create_task(body, traceparent).instrument(span).await
     }
 
-    async fn create_task(&self, body: &[u8], traceparent: Option<String>) -> Result<SubmitReply, ApiError> {
+    async fn create_task(self: &Arc<Self>, body: &[u8], traceparent: Option<String>) -> Result<SubmitReply, ApiError> {
         let request = SubmitRequest::parse(body)?;
         request.validate()?;
         let Some(latest) = self.latest_capsule(&request.capsule).await? else {
@@ -536,20 +555,58 @@ impl Ctx {
         tracing::Span::current().record("mur.task_id", task_id.as_str());
         let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
         record.traceparent = traceparent;
+        // A task that would be released at once is stored released (attempt 1) and its
+        // dispatch published: one record write and one hop fewer (issue #9).
+        let admitted = self.admit(&record, latest.queue).await;
+        if admitted {
+            record.attempt = scheduler::FIRST_ATTEMPT;
+        }
         let value = to_json(&record)?;
-        let revision = self.tasks.create(&task_id, value).await.map_err(|e| unavailable("mur_tasks: create", e))?;
-        tracing::info!(instance = %self.instance, %task_id, capsule = %record.capsule, lane = %record.lane, "task submitted");
-        // Straight to the scheduler, with the queue flag just read: the watch brings the
-        // same record later (a duplicate `Submitted`, ignored), after a hop and, for a
-        // task it has not seen here, a capsule index read.
-        // Only a leader's context has a scheduler (a standby's would note the task in a
-        // map nothing ever drains); the leader's watch brings it there either way.
-        if self.lease.is_some() {
+        let created = self.tasks.create(&task_id, value).await;
+        let revision = match created {
+            Ok(revision) => revision,
+            Err(e) => {
+                if admitted {
+                    // Its slot goes back: the task was never stored.
+                    let _ = self.inputs.send(Input::Ended { task_id: task_id.to_string() });
+                }
+                return Err(unavailable("mur_tasks: create", e));
+            }
+        };
+        tracing::info!(instance = %self.instance, %task_id, capsule = %record.capsule, lane = %record.lane, admitted, "task submitted");
+        if admitted {
+            let released = Released { revision, record };
+            let ctx = self.clone();
+            tokio::spawn(async move { ctx.dispatch_released(released).await });
+        } else if self.lease.is_some() {
+            // Straight to the scheduler, with the queue flag just read: the watch brings the
+            // same record later (a duplicate `Submitted`, ignored), after a hop and, for a
+            // task it has not seen here, a capsule index read.
+            // Only a leader's context has a scheduler (a standby's would note the task in a
+            // map nothing ever drains); the leader's watch brings it there either way.
             let input = submitted_input(&record, revision, latest.queue);
             self.note_waiting(revision, record);
             let _ = self.inputs.send(input);
         }
         Ok(SubmitReply { task_id, state: TaskState::Submitted })
+    }
+
+    /// Asks the scheduler to admit `record`'s task straight into flight
+    /// ([`Scheduler::admit`]). Only a leader's context has a scheduler; a standby's, or a
+    /// leader whose actor has stopped, admits nothing.
+    async fn admit(&self, record: &TaskRecord, queue_capsule: bool) -> bool {
+        if self.lease.is_none() {
+            return false;
+        }
+        let (answer, admitted) = oneshot::channel();
+        let asked = Admission {
+            task_id: record.task_id.to_string(),
+            capsule: record.capsule.clone(),
+            lane: record.lane,
+            queue_capsule,
+            answer,
+        };
+        self.admissions.send(asked).is_ok() && admitted.await.unwrap_or(false)
     }
 
     async fn latest_capsule(&self, name: &str) -> Result<Option<CapsuleIndexEntry>, ApiError> {
@@ -745,11 +802,43 @@ impl Ctx {
         }
     }
 
-    async fn try_release(&self, task_id: &str) -> Result<(), String> {
-        // Fencing: a leader whose lease may have passed to another releases nothing; the
-        // next leader releases the task from its record.
-        if !self.lease.as_ref().is_some_and(|l| l.is_valid()) {
+    /// Whether this coordinator may release tasks: it leads under a lease still valid.
+    /// Fencing: a leader whose lease may have passed to another releases nothing; the next
+    /// leader releases the task from its record.
+    fn may_release(&self, task_id: &str) -> bool {
+        let valid = self.lease.as_ref().is_some_and(|l| l.is_valid());
+        if !valid {
             tracing::warn!(instance = %self.instance, %task_id, "not releasing: not holding a valid lease");
+        }
+        valid
+    }
+
+    /// Publishes the dispatch of a task admitted at submit (stored released), retrying a
+    /// NATS failure as [`Ctx::release`] does, while the lease is valid; after that the
+    /// next leader publishes it again from its record.
+    async fn dispatch_released(&self, released: Released) {
+        let task_id = released.record.task_id.to_string();
+        let traceparent = released.record.traceparent.clone();
+        let dispatch =
+            Dispatch { task_id: task_id.clone(), attempt: released.record.attempt, released: Some(released) };
+        let mut backoff = Duration::from_millis(100);
+        while self.may_release(&task_id) {
+            match self.publish(&dispatch, traceparent.as_deref()).await {
+                Ok(()) => {
+                    tracing::info!(instance = %self.instance, %task_id, attempt = dispatch.attempt, "task released");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(instance = %self.instance, %task_id, "release failed, retrying: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    async fn try_release(&self, task_id: &str) -> Result<(), String> {
+        if !self.may_release(task_id) {
             return Ok(());
         }
         let mut noted = self.take_waiting(task_id);
@@ -876,6 +965,7 @@ async fn actor(
     ctx: Arc<Ctx>,
     mut scheduler: Scheduler,
     mut inputs: mpsc::UnboundedReceiver<Input>,
+    mut admissions: mpsc::UnboundedReceiver<Admission>,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
     let mut releases = JoinSet::new();
@@ -883,6 +973,14 @@ async fn actor(
         while releases.try_join_next().is_some() {}
         tokio::select! {
             _ = stopped.changed() => break,
+            asked = admissions.recv() => {
+                let Some(a) = asked else { break };
+                let admitted = scheduler.admit(&a.task_id, &a.capsule, a.lane, a.queue_capsule);
+                if a.answer.send(admitted).is_err() && admitted {
+                    // The intake gave up before the record was written: the slot goes back.
+                    let _ = ctx.inputs.send(Input::Ended { task_id: a.task_id });
+                }
+            }
             input = inputs.recv() => {
                 let Some(input) = input else { break };
                 tracing::trace!(instance = %ctx.instance, ?input, "scheduler input");
@@ -901,6 +999,15 @@ async fn actor(
     // Releases under way finish: each has compare-and-set its record already, or will.
     while releases.join_next().await.is_some() {}
     "the scheduler"
+}
+
+/// A request to [`Scheduler::admit`] a task about to be stored, answered on `answer`.
+struct Admission {
+    task_id: String,
+    capsule: String,
+    lane: mur_proto::Lane,
+    queue_capsule: bool,
+    answer: oneshot::Sender<bool>,
 }
 
 /// Feeds every change of `mur_tasks` to the scheduler.

@@ -735,3 +735,39 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
         }
     }
 }
+
+/// `admit`: a task is taken straight into flight only when it would be released at once;
+/// otherwise nothing changes and it waits as a submitted task.
+#[test]
+fn a_task_is_admitted_at_submit_only_while_a_slot_is_free_and_its_queue_capsule_is_idle() {
+    let mut s = Scheduler::new();
+    // No worker: no free slot.
+    assert!(!s.admit("t0", "a", User, false));
+    assert_eq!(s.snapshot().in_flight.len(), 0);
+    assert!(releases(&s.apply(up("w1", 2))).is_empty());
+    assert!(s.admit("t1", "q", Bg, true));
+    // The queue capsule has a task in flight: t2 of it is not admitted, and waits.
+    assert!(!s.admit("t2", "q", User, true));
+    assert!(releases(&s.apply(submit("t2", "q", User, true, 5))).is_empty());
+    assert_eq!(waiting_counts(&s), [1, 0, 0]);
+    // One slot left: t3 takes it, and then nothing more is admitted.
+    assert!(s.admit("t3", "a", Peer, false));
+    assert!(!s.admit("t4", "a", User, false));
+    let snap = s.snapshot();
+    assert_eq!(snap.free_slots, 0);
+    assert_eq!(snap.in_flight.iter().map(|t| t.task_id.as_str()).collect::<Vec<_>>(), ["t1", "t3"]);
+    assert_eq!(snap.busy_queue_capsules, ["q"]);
+    // The admitted tasks' own records come back on the watch as released: no change.
+    assert!(releases(&s.apply(released("t1"))).is_empty());
+    assert!(releases(&s.apply(started("t3", "w1"))).is_empty());
+    // t1 ends: its slot and its queue capsule go to the waiting t2.
+    assert_eq!(releases(&s.apply(ended("t1"))), ["t2"]);
+    // An id already known is never admitted again.
+    assert!(releases(&s.apply(ended("t3"))).is_empty());
+    assert!(!s.admit("t1", "a", User, false));
+    assert!(!s.admit("t2", "a", User, false));
+    // An admitted task whose record could not be stored is given back with `Ended`.
+    assert!(s.admit("t5", "a", User, false));
+    assert!(releases(&s.apply(ended("t5"))).is_empty());
+    assert_eq!(s.snapshot().free_slots, 1);
+}
