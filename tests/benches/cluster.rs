@@ -76,8 +76,20 @@ impl Sizes {
 
 fn main() {
     let (sizes, quick) = Sizes::get();
+    // Every file of the run (nats-server's store, the workers' session folders) goes under
+    // the target directory, as cargo provides for benchmarks, rather than the system's temp
+    // directory: on this kind of machine a file created in a crowded /tmp costs ~150 µs of
+    // kernel time against ~10 µs under /work (ext4 scanning a full block group for a free
+    // inode), which measured the disk's layout rather than murmur. `MUR_BENCH_TMPDIR`
+    // chooses another place.
+    let scratch = std::env::var_os("MUR_BENCH_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    std::fs::create_dir_all(&scratch).expect("the benchmark's scratch directory");
+    let _ = tempfile::env::override_temp_dir(&scratch);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let mut table = Table::default();
+    table.note(&format!("scratch files (nats-server's store, session folders) under {}", scratch.display()));
     // `MUR_BENCH_PHASES=noop,slow,memory` (any of them; all by default) runs fewer, for
     // profiling one.
     let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory".into());
@@ -173,7 +185,7 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
         None,
     );
 
-    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 8).await;
     table.rate(
         &format!("no-op throughput, 1 worker × 8 slots (n={})", sizes.noop_tasks),
         one.per_s,
@@ -185,7 +197,7 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
         sb.add_worker(&format!("wkr-test-{i}"), 8).await;
     }
     sb.wait_ready(4).await;
-    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks).await;
+    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 32).await;
     table.rate(
         &format!("no-op throughput, 4 workers × 8 slots (n={})", sizes.noop_tasks),
         four.per_s,
@@ -265,18 +277,28 @@ struct Load {
     per_s: f64,
     /// p50 of: submit reply → release seen, release → working, working → terminal.
     steps: [Duration; 3],
+    /// From the first submit until as many tasks as there are slots are `working`.
+    fill: Duration,
+    /// p50 of a slot's hand-over: the k-th end → the (k + slots)-th release (the release
+    /// that end made possible).
+    handover: Duration,
 }
 
 impl Load {
     fn describe(&self) -> String {
         let [waiting, dispatch, running] = self.steps.map(ms);
-        format!("p50 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}")
+        format!(
+            "p50 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}; \
+             every slot working after {}; a slot's hand-over (an end → the release it allows) p50 {}",
+            ms(self.fill),
+            ms(self.handover)
+        )
     }
 }
 
 /// Submits `n` tasks from 32 concurrent callers; the rate counts from the first submit to
 /// the last end.
-async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) -> Load {
+async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, slots: usize) -> Load {
     let before = watcher.ended_count();
     let t0 = Instant::now();
     let client = sb.client.clone();
@@ -295,6 +317,7 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) ->
     let elapsed = t0.elapsed();
     let replies = submitter.await.expect("submitter");
     let mut steps: [Vec<Duration>; 3] = Default::default();
+    let (mut releases, mut workings, mut ends) = (Vec::new(), Vec::new(), Vec::new());
     {
         let seen = watcher.seen.lock().unwrap();
         for (id, replied) in &replies {
@@ -304,10 +327,24 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize) ->
             steps[0].push(r.saturating_duration_since(*replied));
             steps[1].push(w.saturating_duration_since(*r));
             steps[2].push(e.saturating_duration_since(*w));
+            releases.push(*r);
+            workings.push(*w);
+            ends.push(*e);
         }
     }
+    releases.sort();
+    workings.sort();
+    ends.sort();
+    let fill = workings.get(slots.saturating_sub(1)).map_or(Duration::ZERO, |w| w.saturating_duration_since(t0));
+    let handovers: Vec<Duration> =
+        ends.iter().zip(releases.iter().skip(slots)).map(|(e, r)| r.saturating_duration_since(*e)).collect();
     let p50 = |xs: &[Duration]| if xs.is_empty() { Duration::ZERO } else { percentile(xs, 0.5) };
-    Load { per_s: n as f64 / elapsed.as_secs_f64(), steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])] }
+    Load {
+        per_s: n as f64 / elapsed.as_secs_f64(),
+        steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])],
+        fill,
+        handover: p50(&handovers),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -331,8 +368,8 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     let n = total_slots * sizes.slow_rounds;
     for (capsule, label) in [("slow", "fake OpenAI over HTTP"), ("slow-scripted", "scripted driver's delay")] {
         // Warm up every worker's bundle cache with one round.
-        throughput(&sb, &watcher, capsule, total_slots).await;
-        let load = throughput(&sb, &watcher, capsule, n).await;
+        throughput(&sb, &watcher, capsule, total_slots, total_slots).await;
+        let load = throughput(&sb, &watcher, capsule, n, total_slots).await;
         let share = load.per_s / ideal;
         table.rate(
             &format!("slow model (200 ms, {label}), 4 workers × 16 slots (n={n})"),
@@ -502,7 +539,8 @@ struct TaskStartLine {
 /// When the client saw each step of a task: the points of the path submit → result.
 #[derive(Clone, Copy, Debug, Default)]
 struct Steps {
-    /// The record at attempt 1, still `submitted`: the coordinator's release compare-and-set.
+    /// The record at attempt 1, still `submitted`: created so when the task was admitted at
+    /// submit (a free slot), else the coordinator's release compare-and-set.
     released: Option<Instant>,
     /// The dispatch on `mur.dispatch` (a core subscription sees the publish).
     dispatched: Option<Instant>,
@@ -675,7 +713,7 @@ struct Timeline {
 impl Timeline {
     const LABELS: [&str; 6] = [
         "submit reply",
-        "release compare-and-set (record attempt 1, seen on the watch)",
+        "record released (attempt 1, seen on the watch; stored so at submit with a free slot)",
         "dispatch published (seen on mur.dispatch)",
         "record working (worker's compare-and-set, seen on the watch)",
         "task_start trace line",
