@@ -50,6 +50,10 @@ pub struct Capsule {
     pub manifest: Arc<Manifest>,
     /// The manifest's system prompt, resolved (inline text, or the file's content verbatim).
     pub prompt: Option<String>,
+    /// The scripted driver's replies file, parsed by the first [`Capsule::driver`] call
+    /// that read it well: a loaded capsule is an immutable bundle on a worker (kept per
+    /// digest), so each session need not read and parse it again (issue #9).
+    script: std::sync::OnceLock<driver::scripted::Script>,
 }
 
 /// Which system prompt a session uses and where it came from.
@@ -82,7 +86,7 @@ impl Capsule {
             SystemPrompt::Inline(p) => Some(p.clone()),
             SystemPrompt::File(f) => Some(read(&dir.join(f))?),
         };
-        Ok(Capsule { dir, manifest: Arc::new(manifest), prompt })
+        Ok(Capsule { dir, manifest: Arc::new(manifest), prompt, script: std::sync::OnceLock::new() })
     }
 
     /// Builds the capsule's driver; `workdir` is where a process-transport program runs.
@@ -102,10 +106,14 @@ impl Capsule {
         }
         match inf.driver {
             Some(DriverKind::Scripted) => {
+                if let Some(script) = self.script.get() {
+                    return Ok(Arc::new(driver::scripted::Scripted::new(script.clone())));
+                }
                 let path = self.dir.join(inf.script.as_deref().unwrap_or_default());
                 let text = read(&path)?;
                 let script =
                     driver::scripted::Script::parse(&text).map_err(|message| Error::Script { path, message })?;
+                let _ = self.script.set(script.clone());
                 Ok(Arc::new(driver::scripted::Scripted::new(script)))
             }
             Some(DriverKind::Openai) => Ok(Arc::new(driver::openai::OpenAi::new(driver::openai::Config {
@@ -228,4 +236,30 @@ pub fn onboarding(
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loaded capsule parses its scripted replies once: a later session's driver comes
+    /// from the parsed script, even with the file gone (a worker's bundle never changes).
+    #[test]
+    fn the_scripted_replies_file_is_read_once_per_loaded_capsule() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("murmur.yaml"),
+            "name: once\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("r.yaml"), "replies:\n  - text: hello\n").unwrap();
+        let capsule = Capsule::load(dir.path(), &|_| None).unwrap();
+        assert_eq!(capsule.driver(dir.path()).unwrap().kind(), "scripted");
+        std::fs::remove_file(dir.path().join("r.yaml")).unwrap();
+        assert_eq!(capsule.driver(dir.path()).unwrap().kind(), "scripted");
+        // A capsule loaded afresh reads the file, and says it is missing.
+        let fresh = Capsule::load(dir.path(), &|_| None).unwrap();
+        let err = fresh.driver(dir.path()).err().expect("the replies file is gone");
+        assert!(err.to_string().contains("r.yaml"), "{err}");
+    }
 }

@@ -543,10 +543,11 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     // The task's own stop: fired by a cancel (the note on `mur.cancel.<task_id>`, or the
     // record's `cancel_requested_at` seen at a progress tick) or by the shutdown grace.
     let cancel = sh.hard_stop.child_token();
-    let parsed = serde_json::from_slice::<Dispatch>(&msg.payload).ok();
+    // Parsed once, here: a payload that is no dispatch is terminated by `run_dispatch`.
+    let parsed = serde_json::from_slice::<Dispatch>(&msg.payload);
     let carried_traceparent =
-        parsed.as_ref().and_then(|d| d.released.as_ref()).and_then(|r| r.record.traceparent.clone());
-    let task_id = parsed.map(|d| d.task_id);
+        parsed.as_ref().ok().and_then(|d| d.released.as_ref()).map(|r| r.record.traceparent.clone());
+    let task_id = parsed.as_ref().ok().map(|d| d.task_id.clone());
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").insert(id.clone(), cancel.clone());
     }
@@ -574,7 +575,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     });
     let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
     let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivery).await;
-    let answer = run_dispatch(&sh, &msg.payload, delivery, cancel).instrument(span).await;
+    let answer = run_dispatch(&sh, parsed, delivery, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").remove(id);
@@ -594,10 +595,15 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     }
 }
 
-async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: CancellationToken) -> Answer {
+async fn run_dispatch(
+    sh: &Shared,
+    parsed: Result<Dispatch, serde_json::Error>,
+    delivery: u64,
+    cancel: CancellationToken,
+) -> Answer {
     // A fleet step's fan-out permit, once it holds one; given back whatever happened.
     let mut permit = None;
-    let answer = run_dispatch_holding(sh, payload, delivery, cancel, &mut permit).await;
+    let answer = run_dispatch_holding(sh, parsed, delivery, cancel, &mut permit).await;
     if let Some(permit) = permit {
         permit.release().await;
     }
@@ -607,7 +613,7 @@ async fn run_dispatch(sh: &Shared, payload: &[u8], delivery: u64, cancel: Cancel
 /// [`run_dispatch`]'s work; a fleet step's permit, once taken, is left in `permit`.
 async fn run_dispatch_holding(
     sh: &Shared,
-    payload: &[u8],
+    parsed: Result<Dispatch, serde_json::Error>,
     delivery: u64,
     cancel: CancellationToken,
     permit: &mut Option<Arc<fanout::StepPermit>>,
@@ -617,7 +623,7 @@ async fn run_dispatch_holding(
     let session_cancel = cancel.child_token();
     let dispatch_over = CancellationToken::new();
     let _dispatch_over = dispatch_over.clone().drop_guard();
-    let dispatch: Dispatch = match serde_json::from_slice(payload) {
+    let dispatch: Dispatch = match parsed {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %e, "a dispatch that is not a Dispatch: terminated");
@@ -939,18 +945,22 @@ async fn hold_permit(
 /// submitter's trace (issue #7 §Trace context): a child of the dispatch's `traceparent`
 /// header, or of the record's when the header is missing (a dispatch republished by a
 /// restarted coordinator carries none): the one in the record the dispatch carries, else
-/// the stored record's.
+/// the stored record's. `carried` is the carried record's `traceparent` when the dispatch
+/// carries the record: then it is the answer, `None` included (a task submitted without
+/// trace context), and nothing is read; the stored record is read only for a dispatch
+/// without its record and without the header (issue #9: that read was a broker round trip
+/// on every dispatch of an untraced task).
 async fn dispatch_span(
     sh: &Shared,
     msg: &jetstream::Message,
     task_id: Option<&str>,
-    carried: Option<String>,
+    carried: Option<Option<String>>,
     delivery: u64,
 ) -> tracing::Span {
     let headers = msg.headers.as_ref();
-    let stored = match task_id {
-        Some(_) if carried.is_some() => carried,
-        Some(id) if trace_context::extract(headers).is_none() => {
+    let stored = match (task_id, carried) {
+        (_, Some(carried)) => carried,
+        (Some(id), None) if trace_context::extract(headers).is_none() => {
             read(&sh.tasks, id).await.ok().flatten().and_then(|(record, _)| record.traceparent)
         }
         _ => None,

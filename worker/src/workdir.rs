@@ -31,8 +31,16 @@ impl Layout {
     /// # Errors
     /// The IO error, with the path.
     pub fn create(&self) -> std::io::Result<()> {
-        for d in [&self.workdir, &self.session_dir, &self.out_dir(), &self.logs_dir(), &self.workdir_logs()] {
+        let (out, logs, workdir_logs) = (self.out_dir(), self.logs_dir(), self.workdir_logs());
+        let mut made: Vec<&Path> = Vec::with_capacity(5);
+        // Each folder once (the workdir is the session folder without `--workdir`, and
+        // their `logs/` then one): every mkdir of a new inode costs (issue #9).
+        for d in [&self.workdir, &self.session_dir, &out, &logs, &workdir_logs] {
+            if made.contains(&d.as_path()) {
+                continue;
+            }
             std::fs::create_dir_all(d).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", d.display())))?;
+            made.push(d);
         }
         Ok(())
     }
