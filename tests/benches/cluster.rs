@@ -282,6 +282,9 @@ struct Load {
     /// p50 of a slot's hand-over: the k-th end → the (k + slots)-th release (the release
     /// that end made possible).
     handover: Duration,
+    /// Each round's spread (the ends taken `slots` at a time: first end → last end), for the
+    /// first and the last round: how far the slots drift apart as the run goes on.
+    spread: (Duration, Duration),
 }
 
 impl Load {
@@ -289,9 +292,12 @@ impl Load {
         let [waiting, dispatch, running] = self.steps.map(ms);
         format!(
             "p50 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}; \
-             every slot working after {}; a slot's hand-over (an end → the release it allows) p50 {}",
+             every slot working after {}; a slot's hand-over (an end → the release it allows) p50 {}; \
+             a round's ends spread over {} in the first round, {} in the last",
             ms(self.fill),
-            ms(self.handover)
+            ms(self.handover),
+            ms(self.spread.0),
+            ms(self.spread.1)
         )
     }
 }
@@ -338,12 +344,16 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
     let fill = workings.get(slots.saturating_sub(1)).map_or(Duration::ZERO, |w| w.saturating_duration_since(t0));
     let handovers: Vec<Duration> =
         ends.iter().zip(releases.iter().skip(slots)).map(|(e, r)| r.saturating_duration_since(*e)).collect();
+    let rounds: Vec<Duration> =
+        ends.chunks(slots.max(1)).map(|round| round[round.len() - 1].saturating_duration_since(round[0])).collect();
+    let spread = (rounds.first().copied().unwrap_or_default(), rounds.last().copied().unwrap_or_default());
     let p50 = |xs: &[Duration]| if xs.is_empty() { Duration::ZERO } else { percentile(xs, 0.5) };
     Load {
         per_s: n as f64 / elapsed.as_secs_f64(),
         steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])],
         fill,
         handover: p50(&handovers),
+        spread,
     }
 }
 
