@@ -161,6 +161,15 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// Whether the error may pass by itself: a JetStream request that failed (a timeout, a
+    /// broker restarting) rather than anything stored or packed being wrong. A worker hands
+    /// a dispatch back on such an error instead of failing its task.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Nats { .. })
+    }
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |reason| Error::Io { path: path.to_path_buf(), reason }
 }
@@ -711,5 +720,16 @@ mod tests {
         let err = unpack(&archive, out.path(), "bad/x").unwrap_err().to_string();
         assert_eq!(err, "capsule bundle bad/x: entry ../evil leaves the bundle folder");
         assert!(!out.path().parent().unwrap().join("evil").exists());
+    }
+
+    /// Only a failed JetStream request is worth a retry: a missing, corrupt or invalid
+    /// bundle stays so.
+    #[test]
+    fn only_a_failed_request_is_a_transient_error() {
+        let timeout: async_nats::Error = "timed out".into();
+        assert!(Error::Nats { what: "get m/x".into(), source: timeout }.is_transient());
+        assert!(!Error::NotFound("m/x".into()).is_transient());
+        assert!(!Error::DigestMismatch { object: "m/x".into(), got: "00".into() }.is_transient());
+        assert!(!Error::Malformed { object: "m/x".into(), reason: "not a tar".into() }.is_transient());
     }
 }

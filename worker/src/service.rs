@@ -663,7 +663,13 @@ async fn run_dispatch_holding(
 
         let capsule = match load_capsule(sh, &current.0).await {
             Ok(c) => c,
-            Err(reason) => {
+            Err(Loading::Transient(reason)) => {
+                // The broker did not answer (a restart under way): another delivery, after
+                // the nak delay, fetches again; the task does not fail for it.
+                tracing::warn!(task_id = key, "{reason}; the dispatch goes back");
+                return Answer::Nak;
+            }
+            Err(Loading::Failed(reason)) => {
                 let w = worker_id.clone();
                 return finished(
                     cas(&sh.tasks, key, current, |r| {
@@ -998,24 +1004,35 @@ fn end_record(r: &mut TaskRecord, exit: ExitStatus, result: &str, error: Option<
 /// Fetches (or finds in the cache) and loads the record's capsule bundle. A bundle is
 /// named by its digest and never changes, so a loaded capsule is kept in memory by name
 /// and digest and reused (issue #9); a failed load is not kept.
-async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Arc<Capsule>, String> {
+async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Arc<Capsule>, Loading> {
     let key = (record.capsule.clone(), record.capsule_digest.clone());
     if let Some(capsule) = sh.loaded.lock().expect("loaded capsules lock").get(&key) {
         return Ok(capsule.clone());
     }
     let cache = sh.config.workdir.join("cache");
-    let dir = bundle::fetch(&sh.capsules, &record.capsule, &record.capsule_digest, &cache)
-        .await
-        .map_err(|e| format!("error: fetching capsule {}: {e}", record.capsule))?;
+    let dir = bundle::fetch(&sh.capsules, &record.capsule, &record.capsule_digest, &cache).await.map_err(|e| {
+        let reason = format!("error: fetching capsule {}: {e}", record.capsule);
+        if e.is_transient() { Loading::Transient(reason) } else { Loading::Failed(reason) }
+    })?;
     let env = |k: &str| std::env::var(k).ok();
-    let capsule =
-        Arc::new(Capsule::load(&dir, &env).map_err(|e| format!("error: loading capsule {}: {e}", record.capsule))?);
+    let capsule = Arc::new(
+        Capsule::load(&dir, &env)
+            .map_err(|e| Loading::Failed(format!("error: loading capsule {}: {e}", record.capsule)))?,
+    );
     let mut loaded = sh.loaded.lock().expect("loaded capsules lock");
     if loaded.len() >= LOADED_CAPSULES {
         loaded.clear();
     }
     loaded.insert(key, capsule.clone());
     Ok(capsule)
+}
+
+/// Why a task's capsule could not be loaded.
+enum Loading {
+    /// The broker did not answer: the dispatch goes back and is fetched again.
+    Transient(String),
+    /// The bundle is missing, corrupt or its manifest is invalid: the task fails with this.
+    Failed(String),
 }
 
 /// Reads a task record and its revision.
