@@ -44,6 +44,9 @@ pub enum Command {
         /// Only tasks in this state (submitted, working, completed, failed, canceled, rejected).
         #[arg(long)]
         state: Option<String>,
+        /// At most N tasks, the newest (1 to 1000).
+        #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        limit: u64,
         #[command(flatten)]
         conn: Connection,
         /// Print JSON.
@@ -122,9 +125,9 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             print_record(&rec, json);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Ls { state, conn, json } => {
+        Command::Ls { state, limit, conn, json } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let body = serde_json::to_vec(&json!({"state": state}))?;
+            let body = serde_json::to_vec(&json!({"state": state, "limit": limit}))?;
             let recs: Vec<TaskRecord> = rt.block_on(async {
                 let client = conn.connect("mur task ls").await?;
                 call(&client, api::TASK_LIST, body).await

@@ -474,8 +474,12 @@ impl Endpoint {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListRequest {
+    /// Only tasks in this state.
     #[serde(default)]
     state: Option<TaskState>,
+    /// At most this many (the newest), 1 to [`LIST_LIMIT`]; [`LIST_LIMIT`] when absent.
+    #[serde(default)]
+    limit: Option<usize>,
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
@@ -652,17 +656,23 @@ impl Ctx {
         Ok(records)
     }
 
-    /// `task.list`: newest first, at most [`LIST_LIMIT`].
+    /// `task.list`: newest first, at most the request's `limit` (1 to [`LIST_LIMIT`],
+    /// default [`LIST_LIMIT`]; anything else is refused naming the field).
     async fn list(&self, body: &[u8]) -> Result<Vec<TaskRecord>, ApiError> {
         let filter: ListRequest = if body.iter().all(u8::is_ascii_whitespace) {
             ListRequest::default()
         } else {
             serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("request: {e}")))?
         };
+        let limit = match filter.limit {
+            None => LIST_LIMIT,
+            Some(n) if (1..=LIST_LIMIT).contains(&n) => n,
+            Some(n) => return Err(ApiError::invalid(format!("limit: must be 1 to {LIST_LIMIT}, got {n}"))),
+        };
         let mut records = self.all_records().await?;
         records.retain(|r| filter.state.is_none_or(|s| s == r.state));
         records.sort_by(|a, b| (b.submitted_at, &b.task_id).cmp(&(a.submitted_at, &a.task_id)));
-        records.truncate(LIST_LIMIT);
+        records.truncate(limit);
         Ok(records)
     }
 

@@ -1108,6 +1108,17 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     assert_eq!(waiting.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), [c.as_str(), b.as_str()]);
     let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"bogus"}"#).await.unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
+    // `limit`: the newest N; 0 or over 1000 is refused naming the field.
+    let newest: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, r#"{"limit":2}"#).await?;
+    assert_eq!(newest.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), [c.as_str(), b.as_str()]);
+    for bad in [0, 1001] {
+        let body = format!(r#"{{"limit":{bad}}}"#);
+        let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, body).await.unwrap_err();
+        assert_eq!(
+            (err.code, err.message),
+            (cluster::ErrorCode::InvalidRequest, format!("limit: must be 1 to 1000, got {bad}"))
+        );
+    }
 
     // The canceled task is never dispatched; a released one gets a cancel request and a
     // note on mur.cancel.<task_id>, and stays where it is until its worker ends it.
