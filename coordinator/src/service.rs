@@ -36,7 +36,9 @@
 //!   watch; the watch's copy is then skipped (or, in a race, ignored by the scheduler as a
 //!   duplicate).
 //! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
-//!   before publishing its dispatch). At a restart it is replayed after its `Submitted`
+//!   before publishing its dispatch). One that this coordinator did not write (another
+//!   stored it released and lost its lease or died before its dispatch went out) is fed as
+//!   `Submitted` then `Released`, and its dispatch is published again (same message id). At a restart it is replayed after its `Submitted`
 //!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
 //!   it), and its dispatch is published again with the same message id: if the previous
 //!   coordinator died between the compare-and-set and the publish, the dispatch goes out
@@ -72,7 +74,7 @@ use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
 use mur_worker::trace_context;
 use serde::Deserialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -173,6 +175,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         lease: None,
         fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
         waiting: Mutex::default(),
+        releasing: Mutex::default(),
     });
     let service = client
         .service_builder()
@@ -331,6 +334,7 @@ async fn lead(
         lease: Some(held),
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
         waiting: Mutex::default(),
+        releasing: Mutex::default(),
     });
 
     // The replay.
@@ -439,6 +443,12 @@ struct Ctx {
     /// record first (and reads it when the revision has moved on). Entries leave at the
     /// release or when the task ends.
     waiting: Mutex<HashMap<String, (u64, TaskRecord)>>,
+    /// Tasks this coordinator is storing at attempt 1 (admitted at submit, or released),
+    /// until the watch brings that record back. A released record the watch brings that is
+    /// not here was written by another coordinator (one that lost its lease, or died,
+    /// between the write and its dispatch): the scheduler learns of it and its dispatch is
+    /// published again (JetStream drops the copy if it went out).
+    releasing: Mutex<HashSet<String>>,
 }
 
 /// The API endpoints.
@@ -564,6 +574,7 @@ impl Ctx {
         let admitted = self.admit(&record, latest.queue).await;
         if admitted {
             record.attempt = scheduler::FIRST_ATTEMPT;
+            self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
         }
         let value = to_json(&record)?;
         let created = self.tasks.create(&task_id, value).await;
@@ -572,6 +583,7 @@ impl Ctx {
             Err(e) => {
                 if admitted {
                     // Its slot goes back: the task was never stored.
+                    self.releasing.lock().expect("releasing lock").remove(task_id.as_str());
                     let _ = self.inputs.send(Input::Ended { task_id: task_id.to_string() });
                 }
                 return Err(unavailable("mur_tasks: create", e));
@@ -863,7 +875,12 @@ impl Ctx {
             }
             record.attempt = 1;
             let value = to_json(&record).map_err(|e| e.to_string())?;
-            match self.tasks.update(task_id, value, revision).await {
+            self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
+            let written = self.tasks.update(task_id, value, revision).await;
+            if written.is_err() {
+                self.releasing.lock().expect("releasing lock").remove(task_id);
+            }
+            match written {
                 Ok(revision) => break Released { revision, record },
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(e) => return Err(format!("mur_tasks: update: {e}")),
@@ -1058,6 +1075,18 @@ async fn watch_tasks(
             Some(input) => {
                 if record.state.is_terminal() {
                     ctx.take_waiting(&record.task_id);
+                }
+                let released = record.state == TaskState::Submitted && record.attempt >= 1;
+                if released && !ctx.releasing.lock().expect("releasing lock").remove(record.task_id.as_str()) {
+                    // Released by another coordinator: wait-then-release here (a duplicate
+                    // `Submitted` for a task known here is ignored), and its dispatch again.
+                    tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
+                    let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                    if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
+                        break;
+                    }
+                    let (ctx, released) = (ctx.clone(), Released { revision: entry.revision, record });
+                    tokio::spawn(async move { ctx.dispatch_released(released).await });
                 }
                 input
             }

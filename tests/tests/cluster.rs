@@ -936,6 +936,92 @@ async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() ->
     Ok(())
 }
 
+/// Admission at submit (issue #9): with a slot free the record is stored released
+/// (attempt 1) and dispatched at once; with none free the next task waits at attempt 0
+/// and is released when the slot frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_submitted_while_a_slot_is_free_is_stored_released_and_the_next_one_waits() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+    let (first, record) = admitted(&client, "one").await;
+    assert_eq!((record.state, record.attempt), (TaskState::Submitted, 1), "stored released at submit");
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (first.as_str(), 1));
+    assert_eq!(dispatch.released.as_ref().expect("the record").record, record);
+
+    let second = submit(&client, "greeter", "two", "user").await?;
+    assert_eq!(get(&client, &second).await?.attempt, 0, "no free slot: it waits");
+    assert!(worker.next_dispatch(QUIET).await?.is_none());
+    worker.start(&dispatch).await?;
+    worker.finish(&first).await?;
+    let next = worker.expect_dispatch().await?;
+    assert_eq!((next.task_id.as_str(), next.attempt), (second.as_str(), 1));
+    coordinator.stop().await?;
+    Ok(())
+}
+
+/// Submits tasks until one is admitted at submit (the coordinator has counted the worker's
+/// free slot); a task that waited instead is cancelled (it never starts). Returns the
+/// admitted task and its record.
+async fn admitted(client: &async_nats::Client, text: &str) -> (String, TaskRecord) {
+    mur_tests::procs::until("a task admitted at submit", WAIT, || async {
+        let id = submit(client, "greeter", text, "user").await.ok()?;
+        let record = get(client, &id).await.ok()?;
+        if record.attempt == 1 {
+            return Some((id, record));
+        }
+        let _: TaskRecord = api::call(client, cluster::api::TASK_CANCEL, id).await.ok()?;
+        None
+    })
+    .await
+}
+
+/// A record another coordinator stored released and never dispatched (it lost its lease
+/// or died between the two) after this one took the lead: this one learns of the task, holds
+/// its slot, and dispatches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_its_slot() -> Result<()> {
+    let server = NatsServer::start();
+    let digest = push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+    // A task of this coordinator's holds the one slot.
+    let (probe, _) = admitted(&client, "probe").await;
+    let running = worker.expect_dispatch().await?;
+    assert_eq!(running.task_id, probe);
+    worker.start(&running).await?;
+
+    let foreign = Id::generate(IdKind::Task);
+    let mut record = cluster::TaskRecord::submitted(
+        foreign.clone(),
+        cluster::SubmitRequest::new("greeter", "from the old leader", mur_proto::task::Origin::User),
+        digest,
+        now_ms(),
+    );
+    record.attempt = 1;
+    worker.res.tasks.create(foreign.as_str(), serde_json::to_vec(&record)?.into()).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (foreign.as_str(), 1));
+
+    // Its slot is held: once the probe ends, a new task still waits until it ends too.
+    let waiting = submit(&client, "greeter", "next", "user").await?;
+    assert_eq!(get(&client, &waiting).await?.attempt, 0);
+    worker.finish(&probe).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "the foreign task holds the one slot");
+    worker.start(&dispatch).await?;
+    worker.finish(foreign.as_str()).await?;
+    let next = worker.expect_dispatch().await?;
+    assert_eq!(next.task_id.as_str(), waiting.as_str());
+    coordinator.stop().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_a_stale_heartbeat_gets_no_dispatch_until_it_beats_again() -> Result<()> {
     let server = NatsServer::start();
