@@ -349,6 +349,7 @@ async fn lead(
         let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
         replay.push(submitted_input(&record, entry.revision, queue_capsule));
         if record.state == TaskState::Submitted && record.attempt >= 1 {
+            ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone());
             republish.push(Dispatch {
                 task_id: record.task_id.clone(),
                 attempt: record.attempt,
@@ -443,11 +444,12 @@ struct Ctx {
     /// record first (and reads it when the revision has moved on). Entries leave at the
     /// release or when the task ends.
     waiting: Mutex<HashMap<String, (u64, TaskRecord)>>,
-    /// Tasks this coordinator is storing at attempt 1 (admitted at submit, or released),
-    /// until the watch brings that record back. A released record the watch brings that is
-    /// not here was written by another coordinator (one that lost its lease, or died,
-    /// between the write and its dispatch): the scheduler learns of it and its dispatch is
-    /// published again (JetStream drops the copy if it went out).
+    /// Tasks released while this coordinator leads and not ended: the ones it admitted or
+    /// released (noted before the record is written) and the ones its restore replayed.
+    /// A released record the watch brings that is not here was written by another
+    /// coordinator (one that lost its lease, or died, between the write and its dispatch):
+    /// the scheduler learns of it, it is noted, and its dispatch is published again
+    /// (JetStream drops the copy if it went out). Entries leave when the task ends.
     releasing: Mutex<HashSet<String>>,
 }
 
@@ -1059,6 +1061,7 @@ async fn watch_tasks(
         };
         if entry.operation != kv::Operation::Put {
             // A task record deleted by hand: it will not run here.
+            ctx.releasing.lock().expect("releasing lock").remove(entry.key.as_str());
             let _ = ctx.inputs.send(Input::Ended { task_id: entry.key.clone() });
             continue;
         }
@@ -1077,7 +1080,13 @@ async fn watch_tasks(
                     ctx.take_waiting(&record.task_id);
                 }
                 let released = record.state == TaskState::Submitted && record.attempt >= 1;
-                if released && !ctx.releasing.lock().expect("releasing lock").remove(record.task_id.as_str()) {
+                let foreign = if record.state.is_terminal() {
+                    ctx.releasing.lock().expect("releasing lock").remove(record.task_id.as_str());
+                    false
+                } else {
+                    released && ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone())
+                };
+                if foreign {
                     // Released by another coordinator: wait-then-release here (a duplicate
                     // `Submitted` for a task known here is ignored), and its dispatch again.
                     tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
