@@ -820,6 +820,18 @@ fn now_ms() -> u64 {
 const QUEUE_MANIFEST: &str = "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n\
                               lifecycle:\n  task_acceptance: queue\n";
 
+/// A server with both capsules pushed, coordinator `c1` leading, a client, and worker
+/// `w1` registered with one slot; the last item is greeter's digest.
+async fn one_slot_cluster() -> Result<(NatsServer, Coordinator, async_nats::Client, SimWorker, String)> {
+    let server = NatsServer::start();
+    let digest = push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(1).await?;
+    Ok((server, coordinator, client, worker, digest))
+}
+
 /// Pushes the `greeter` capsule (single) and the `serial` one (queue); returns greeter's digest.
 async fn push_capsules(server: &NatsServer) -> Result<String> {
     let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
@@ -941,12 +953,7 @@ async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() ->
 /// and is released when the slot frees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_submitted_while_a_slot_is_free_is_stored_released_and_the_next_one_waits() -> Result<()> {
-    let server = NatsServer::start();
-    push_capsules(&server).await?;
-    let coordinator = Coordinator::start(&server, "c1").await;
-    let client = server.connect().await;
-    let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(1).await?;
+    let (_server, coordinator, client, worker, _digest) = one_slot_cluster().await?;
     let (first, record) = admitted(&client, "one").await;
     assert_eq!((record.state, record.attempt), (TaskState::Submitted, 1), "stored released at submit");
     let dispatch = worker.expect_dispatch().await?;
@@ -985,12 +992,7 @@ async fn admitted(client: &async_nats::Client, text: &str) -> (String, TaskRecor
 /// its slot, and dispatches it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_its_slot() -> Result<()> {
-    let server = NatsServer::start();
-    let digest = push_capsules(&server).await?;
-    let coordinator = Coordinator::start(&server, "c1").await;
-    let client = server.connect().await;
-    let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(1).await?;
+    let (_server, coordinator, client, worker, digest) = one_slot_cluster().await?;
     // A task of this coordinator's holds the one slot.
     let (probe, _) = admitted(&client, "probe").await;
     let running = worker.expect_dispatch().await?;
@@ -1070,12 +1072,7 @@ async fn drain_in_order(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_waiting_for_a_busy_worker_are_dispatched_user_then_peer_then_bg() -> Result<()> {
-    let server = NatsServer::start();
-    push_capsules(&server).await?;
-    let coordinator = Coordinator::start(&server, "c1").await;
-    let client = server.connect().await;
-    let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(1).await?;
+    let (_server, coordinator, client, worker, _digest) = one_slot_cluster().await?;
 
     let blocker = submit(&client, "greeter", "blocker", "user").await?;
     let dispatch = worker.expect_dispatch().await?;
