@@ -38,7 +38,8 @@
 //! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
 //!   before publishing its dispatch). One that this coordinator did not write (another
 //!   stored it released and lost its lease or died before its dispatch went out) is fed as
-//!   `Submitted` then `Released`, and its dispatch is published again (same message id). At a restart it is replayed after its `Submitted`
+//!   `Submitted` then `Released`, and its dispatch is published again (same message id).
+//!   At a restart it is replayed after its `Submitted`
 //!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
 //!   it), and its dispatch is published again with the same message id: if the previous
 //!   coordinator died between the compare-and-set and the publish, the dispatch goes out
@@ -806,17 +807,30 @@ impl Ctx {
         }
     }
 
-    /// Releases a task: attempt 0 → 1 on its record, then its dispatch. A NATS failure (a
-    /// broker restart) is retried with backoff (0.1 s doubling to 2 s) until the release
-    /// goes through or this coordinator no longer holds a valid lease (then the next
-    /// leader releases it from its record): a task the scheduler released is never left
-    /// waiting for a coordinator restart. Releases run concurrently, so the retries hold
-    /// up no other.
+    /// Releases a task: attempt 0 → 1 on its record, then its dispatch. Each step's NATS
+    /// failure (a broker restart) is retried on its own ([`Ctx::retrying`]) while this
+    /// coordinator holds a valid lease (after that the next leader releases the task from
+    /// its record): a record written released always gets its dispatch, so a task the
+    /// scheduler released is never left waiting for a coordinator restart. Releases run
+    /// concurrently, so the retries hold up no other.
     async fn release(&self, task_id: &str) {
+        if let Some(released) = self.retrying(task_id, || self.mark_released(task_id)).await.flatten() {
+            self.dispatch_released(released).await;
+        }
+    }
+
+    /// Runs `step` until it succeeds, retrying an error after a backoff of 0.1 s doubling
+    /// to 2 s; `None` once this coordinator may no longer release (checked before each
+    /// try).
+    async fn retrying<T, F: Future<Output = Result<T, String>>>(
+        &self,
+        task_id: &str,
+        mut step: impl FnMut() -> F,
+    ) -> Option<T> {
         let mut backoff = Duration::from_millis(100);
-        loop {
-            match self.try_release(task_id).await {
-                Ok(()) => return,
+        while self.may_release(task_id) {
+            match step().await {
+                Ok(value) => return Some(value),
                 Err(e) => {
                     tracing::warn!(instance = %self.instance, %task_id, "release failed, retrying: {e}");
                     tokio::time::sleep(backoff).await;
@@ -824,6 +838,7 @@ impl Ctx {
                 }
             }
         }
+        None
     }
 
     /// Whether this coordinator may release tasks: it leads under a lease still valid.
@@ -837,43 +852,33 @@ impl Ctx {
         valid
     }
 
-    /// Publishes the dispatch of a task admitted at submit (stored released), retrying a
-    /// NATS failure as [`Ctx::release`] does, while the lease is valid; after that the
-    /// next leader publishes it again from its record.
+    /// Publishes the dispatch of a task whose record is stored released (admitted at
+    /// submit, released by [`Ctx::release`], or found released by another coordinator),
+    /// retrying a NATS failure ([`Ctx::retrying`]). The record and its revision go along:
+    /// the worker starts from them without reading the record (issue #9).
     async fn dispatch_released(&self, released: Released) {
         let task_id = released.record.task_id.to_string();
         let traceparent = released.record.traceparent.clone();
         let dispatch =
             Dispatch { task_id: task_id.clone(), attempt: released.record.attempt, released: Some(released) };
-        let mut backoff = Duration::from_millis(100);
-        while self.may_release(&task_id) {
-            match self.publish(&dispatch, traceparent.as_deref()).await {
-                Ok(()) => {
-                    tracing::info!(instance = %self.instance, %task_id, attempt = dispatch.attempt, "task released");
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(instance = %self.instance, %task_id, "release failed, retrying: {e}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-            }
+        if self.retrying(&task_id, || self.publish(&dispatch, traceparent.as_deref())).await.is_some() {
+            tracing::info!(instance = %self.instance, %task_id, attempt = dispatch.attempt, "task released");
         }
     }
 
-    async fn try_release(&self, task_id: &str) -> Result<(), String> {
-        if !self.may_release(task_id) {
-            return Ok(());
-        }
+    /// Compare-and-sets the record from `submitted`/attempt 0 to attempt 1 and returns it
+    /// with its new revision; `None` when the record moved on (cancelled meanwhile, or
+    /// released by another coordinator).
+    async fn mark_released(&self, task_id: &str) -> Result<Option<Released>, String> {
         let mut noted = self.take_waiting(task_id);
-        let released = loop {
+        loop {
             let (revision, mut record) = match noted.take() {
                 Some(known) => known,
                 None => self.read_task(task_id).await.map_err(|e| e.to_string())?,
             };
             if record.state != TaskState::Submitted || record.attempt != 0 {
                 tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), attempt = record.attempt, "not releasing: the record moved on");
-                return Ok(());
+                return Ok(None);
             }
             record.attempt = 1;
             let value = to_json(&record).map_err(|e| e.to_string())?;
@@ -883,18 +888,11 @@ impl Ctx {
                 self.releasing.lock().expect("releasing lock").remove(task_id);
             }
             match written {
-                Ok(revision) => break Released { revision, record },
+                Ok(revision) => return Ok(Some(Released { revision, record })),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(e) => return Err(format!("mur_tasks: update: {e}")),
             }
-        };
-        let traceparent = released.record.traceparent.clone();
-        // The record and its new revision go along: the worker starts from them without
-        // reading the record (issue #9).
-        let dispatch = Dispatch { task_id: task_id.to_string(), attempt: 1, released: Some(released) };
-        self.publish(&dispatch, traceparent.as_deref()).await?;
-        tracing::info!(instance = %self.instance, %task_id, attempt = 1, "task released");
-        Ok(())
+        }
     }
 
     /// Publishes a dispatch with its message id and waits for the stream's ack. Its
