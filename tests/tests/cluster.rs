@@ -954,7 +954,7 @@ async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_submitted_while_a_slot_is_free_is_stored_released_and_the_next_one_waits() -> Result<()> {
     let (_server, coordinator, client, worker, _digest) = one_slot_cluster().await?;
-    let (first, record) = admitted(&client, "one").await;
+    let (first, record) = admitted(&client, &worker, "one").await;
     assert_eq!((record.state, record.attempt), (TaskState::Submitted, 1), "stored released at submit");
     let dispatch = worker.expect_dispatch().await?;
     assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (first.as_str(), 1));
@@ -971,17 +971,48 @@ async fn a_task_submitted_while_a_slot_is_free_is_stored_released_and_the_next_o
     Ok(())
 }
 
+/// A release whose record is written but whose dispatch cannot be published (here the
+/// dispatch stream is gone) keeps publishing until it goes out: the record, already
+/// released, is not left for a coordinator restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_that_fails_to_publish_after_its_record_is_released_goes_out_once_it_can() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let js = server.jetstream().await;
+    // No worker yet: the task waits at attempt 0.
+    let task = submit(&client, "greeter", "later", "user").await?;
+    assert_eq!(get(&client, &task).await?.attempt, 0);
+    let worker = SimWorker::new(&server, "w1").await?;
+    js.delete_stream(cluster::DISPATCH_STREAM).await?;
+    worker.register(1).await?;
+    // The release writes the record, then fails to publish, and tries again.
+    mur_tests::procs::until("the record released", WAIT, || async {
+        (get(&client, &task).await.ok()?.attempt == 1).then_some(())
+    })
+    .await;
+    resources::ensure(&js, &Settings::default()).await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!((dispatch.task_id.as_str(), dispatch.attempt), (task.as_str(), 1));
+    coordinator.stop().await?;
+    Ok(())
+}
+
 /// Submits tasks until one is admitted at submit (the coordinator has counted the worker's
-/// free slot); a task that waited instead is cancelled (it never starts). Returns the
+/// free slot). A task that waited instead is released as soon as the slot is counted: its
+/// dispatch is taken and the task finished, so nothing is left behind. Returns the
 /// admitted task and its record.
-async fn admitted(client: &async_nats::Client, text: &str) -> (String, TaskRecord) {
+async fn admitted(client: &async_nats::Client, worker: &SimWorker, text: &str) -> (String, TaskRecord) {
     mur_tests::procs::until("a task admitted at submit", WAIT, || async {
         let id = submit(client, "greeter", text, "user").await.ok()?;
         let record = get(client, &id).await.ok()?;
         if record.attempt == 1 {
             return Some((id, record));
         }
-        let _: TaskRecord = api::call(client, cluster::api::TASK_CANCEL, id).await.ok()?;
+        let dispatch = worker.expect_dispatch().await.ok()?;
+        worker.start(&dispatch).await.ok()?;
+        worker.finish(&dispatch.task_id).await.ok()?;
         None
     })
     .await
@@ -994,7 +1025,7 @@ async fn admitted(client: &async_nats::Client, text: &str) -> (String, TaskRecor
 async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_its_slot() -> Result<()> {
     let (_server, coordinator, client, worker, digest) = one_slot_cluster().await?;
     // A task of this coordinator's holds the one slot.
-    let (probe, _) = admitted(&client, "probe").await;
+    let (probe, _) = admitted(&client, &worker, "probe").await;
     let running = worker.expect_dispatch().await?;
     assert_eq!(running.task_id, probe);
     worker.start(&running).await?;
