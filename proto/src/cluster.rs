@@ -150,6 +150,15 @@ pub struct TaskRecord {
     /// The worker running it (or that last ran it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// The [`DISPATCH_STREAM`] sequence of the dispatch message whose delivery runs the
+    /// task, written with `working`. While the task is `working`, that message stays in the
+    /// stream unacknowledged (it is acked only after the terminal record), so a delivery of
+    /// *another* message for the task — one published again after the stream's duplicate
+    /// window — is a duplicate and is dropped, while a redelivery of this one (its worker
+    /// died, DESIGN.md §A task's way, step 6) takes the task over. Absent on records
+    /// written before it existed: such a delivery takes over as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_seq: Option<u64>,
     /// Dispatch attempts so far: 0 while waiting, 1 on the first dispatch, +1 per retry.
     pub attempt: u32,
     /// When the coordinator accepted it.
@@ -228,6 +237,7 @@ impl TaskRecord {
             result: None,
             session_id: None,
             worker: None,
+            dispatch_seq: None,
             attempt: 0,
             submitted_at: now_ms,
             started_at: None,

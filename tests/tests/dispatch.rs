@@ -365,3 +365,57 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
     assert_eq!(texts(2), [pair("user", "other")]);
     sb.shutdown().await;
 }
+
+/// A dispatch published again for a task that is already running — as a republish past
+/// `MUR_DISPATCH`'s two-minute duplicate window would be — is dropped by the worker that
+/// gets it: the running session is not taken over (that is for a redelivery of the running
+/// message, after its worker died), and the task ends once, from its first session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_dispatch_of_a_running_task_is_dropped_not_taken_over() {
+    use async_nats::jetstream::message::PublishMessage;
+    use mur_proto::cluster::{self, Dispatch};
+
+    let sb = Sandbox::start(2, 2).await;
+    let c = shell_capsule("gated", "");
+    sb.push(c.dir()).await;
+    let gate = tempfile::tempdir().unwrap();
+    let gate = gate.path().join("open");
+    let command = format!("while [ ! -e {} ]; do sleep 0.05; done; echo through", gate.display());
+    let id = sb.submit("gated", &command, Origin::User).await;
+    let first = mur_tests::procs::until("the task working", WAIT, || async {
+        Some(sb.record(&id).await).filter(|r| r.state == TaskState::Working)
+    })
+    .await;
+    let running_seq = first.dispatch_seq.expect("the working record names its dispatch message");
+
+    let js = async_nats::jetstream::new(sb.client.clone());
+    let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released: None };
+    let duplicate = PublishMessage::build()
+        .payload(serde_json::to_vec(&dispatch).unwrap().into())
+        .message_id(format!("{}:again", dispatch.msg_id()));
+    let ack = js.send_publish(cluster::DISPATCH_SUBJECT, duplicate).await.unwrap().await.unwrap();
+    assert_ne!(ack.sequence, running_seq);
+    // Messages left in the work queue (acked ones are removed).
+    let left = || async { Some(js.get_stream(cluster::DISPATCH_STREAM).await.ok()?.cached_info().state.messages) };
+    // The duplicate is delivered and acked (a work queue then drops it), or — the bug this
+    // guards against — taken for a takeover, which gives the record a new session.
+    let outcome = mur_tests::procs::until("the duplicate dropped or taken over", WAIT, || async {
+        let record = sb.record(&id).await;
+        if record.session_id != first.session_id {
+            return Some(Err(record));
+        }
+        (left().await? == 1).then_some(Ok(()))
+    })
+    .await;
+    if let Err(record) = outcome {
+        panic!("the duplicate dispatch took the running task over: {record:?}");
+    }
+
+    std::fs::write(&gate, b"").unwrap();
+    let done = sb.wait_all(std::slice::from_ref(&id), WAIT).await.remove(0);
+    assert_eq!((done.state, done.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{done:?}");
+    assert_eq!(stdout_of(&done), "through");
+    assert_eq!((done.session_id, done.worker, done.dispatch_seq), (first.session_id, first.worker, Some(running_seq)));
+    mur_tests::procs::until("the running dispatch acked", WAIT, || async { (left().await? == 0).then_some(()) }).await;
+    sb.shutdown().await;
+}

@@ -3,13 +3,17 @@
 //! (DESIGN.md §A task's way, steps 4–5).
 //!
 //! For each dispatch ([`Dispatch`]) the worker:
-//! 1. reads the task record and its revision; a terminal record is acked and skipped;
+//! 1. reads the task record and its revision (or takes them from the dispatch); a
+//!    terminal record is acked and skipped, and so is a `working` record whose
+//!    `dispatch_seq` names another message (a duplicate dispatch: that message's delivery
+//!    runs the task, or takes it over when its worker dies);
 //! 2. fetches the capsule bundle named by the record (`capsule`, `capsule_digest`) into
 //!    `<workdir>/cache/<capsule>/<digest>/` (once per digest) and loads it; when that
 //!    fails the record ends `failed` with the reason in `result` and `error`, and the
 //!    dispatch is acked (a broken bundle is not retried forever);
-//! 3. compare-and-sets the record to `working` with its id, the new `session_id` and
-//!    `started_at` (an earlier `started_at` is kept);
+//! 3. compare-and-sets the record to `working` with its id, the new `session_id`, the
+//!    dispatch message's stream sequence (`dispatch_seq`) and `started_at` (an earlier
+//!    `started_at` is kept);
 //! 4. runs the task in a session built as `mur run` builds one
 //!    ([`crate::launch::build_session_parts`]), in the session folder
 //!    `<workdir>/sessions/<session_id>/` (`MURMUR.md`, `trace.jsonl`, `out/`, `logs/`;
@@ -574,8 +578,9 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
         }
     });
     let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
+    let stream_seq = msg.info().ok().map(|i| i.stream_sequence);
     let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivery).await;
-    let answer = run_dispatch(&sh, parsed, delivery, cancel).instrument(span).await;
+    let answer = run_dispatch(&sh, parsed, Delivered { number: delivery, stream_seq }, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").remove(id);
@@ -595,10 +600,20 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     }
 }
 
+/// Which delivery of which dispatch message is being handled.
+#[derive(Clone, Copy, Debug)]
+struct Delivered {
+    /// 1 for the first delivery, +1 per redelivery.
+    number: u64,
+    /// The message's sequence in `MUR_DISPATCH` (`None` only for a message without
+    /// JetStream metadata, never expected).
+    stream_seq: Option<u64>,
+}
+
 async fn run_dispatch(
     sh: &Shared,
     parsed: Result<Dispatch, serde_json::Error>,
-    delivery: u64,
+    delivery: Delivered,
     cancel: CancellationToken,
 ) -> Answer {
     // A fleet step's fan-out permit, once it holds one; given back whatever happened.
@@ -614,7 +629,7 @@ async fn run_dispatch(
 async fn run_dispatch_holding(
     sh: &Shared,
     parsed: Result<Dispatch, serde_json::Error>,
-    delivery: u64,
+    Delivered { number: delivery, stream_seq }: Delivered,
     cancel: CancellationToken,
     permit: &mut Option<Arc<fanout::StepPermit>>,
 ) -> Answer {
@@ -644,6 +659,21 @@ async fn run_dispatch_holding(
     let worker_id = sh.config.worker_id.clone();
     let (current, capsule, takeover, session_id, prepared) = loop {
         if current.0.state.is_terminal() {
+            return Answer::Ack;
+        }
+        // Another message's delivery runs this task (or will take it over if its worker
+        // dies: that message stays unacked until the end): this one is a duplicate,
+        // published again after the stream's duplicate window. Dropped, not taken over.
+        if current.0.state == TaskState::Working
+            && let (Some(running), Some(this)) = (current.0.dispatch_seq, stream_seq)
+            && running != this
+        {
+            tracing::warn!(
+                task_id = key,
+                running,
+                duplicate = this,
+                "a second dispatch of a task another dispatch is running: dropped"
+            );
             return Answer::Ack;
         }
         if current.0.cancel_requested_at.is_some() {
@@ -761,6 +791,7 @@ async fn run_dispatch_holding(
             r.state = TaskState::Working;
             r.worker = Some(worker_id.clone());
             r.session_id = Some(session_id.clone());
+            r.dispatch_seq = stream_seq.or(r.dispatch_seq);
             r.started_at = r.started_at.or(Some(SystemClock.now_ms()));
             true
         };
