@@ -389,17 +389,28 @@ async fn a_second_dispatch_of_a_running_task_is_dropped_not_taken_over() {
     let running_seq = first.dispatch_seq.expect("the working record names its dispatch message");
 
     let js = async_nats::jetstream::new(sb.client.clone());
-    let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released: None };
-    let duplicate = PublishMessage::build()
-        .payload(serde_json::to_vec(&dispatch).unwrap().into())
-        .message_id(format!("{}:again", dispatch.msg_id()));
-    let ack = js.send_publish(cluster::DISPATCH_SUBJECT, duplicate).await.unwrap().await.unwrap();
-    assert_ne!(ack.sequence, running_seq);
+    // Two duplicates: one as a coordinator republishes it, carrying the record as the
+    // release stored it (`submitted`, an older revision), and one bare (the worker reads
+    // the record).
+    let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.unwrap();
+    let revision = tasks.entry(&id).await.unwrap().expect("the record").revision;
+    let mut as_released = first.clone();
+    (as_released.state, as_released.session_id, as_released.worker, as_released.dispatch_seq) =
+        (TaskState::Submitted, None, None, None);
+    let carried = cluster::Released { revision: revision - 1, record: as_released };
+    for (n, released) in [Some(carried), None].into_iter().enumerate() {
+        let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released };
+        let duplicate = PublishMessage::build()
+            .payload(serde_json::to_vec(&dispatch).unwrap().into())
+            .message_id(format!("{}:again-{n}", dispatch.msg_id()));
+        let ack = js.send_publish(cluster::DISPATCH_SUBJECT, duplicate).await.unwrap().await.unwrap();
+        assert_ne!(ack.sequence, running_seq);
+    }
     // Messages left in the work queue (acked ones are removed).
     let left = || async { Some(js.get_stream(cluster::DISPATCH_STREAM).await.ok()?.cached_info().state.messages) };
-    // The duplicate is delivered and acked (a work queue then drops it), or — the bug this
-    // guards against — taken for a takeover, which gives the record a new session.
-    let outcome = mur_tests::procs::until("the duplicate dropped or taken over", WAIT, || async {
+    // The duplicates are delivered and acked (a work queue then drops them), or — the bug
+    // this guards against — taken for a takeover, which gives the record a new session.
+    let outcome = mur_tests::procs::until("the duplicates dropped or one taken over", WAIT, || async {
         let record = sb.record(&id).await;
         if record.session_id != first.session_id {
             return Some(Err(record));

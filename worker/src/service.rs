@@ -214,8 +214,11 @@ struct Shared {
     config: Config,
     /// Fired when the shutdown grace has passed: running tasks are cancelled.
     hard_stop: CancellationToken,
-    /// The stop of every task in hand, by task id.
-    running: std::sync::Mutex<HashMap<String, CancellationToken>>,
+    /// The stop of every dispatch in hand, by task id, then by a number of its own (two
+    /// dispatches of one task may be in hand at once: a redelivery, a duplicate).
+    running: std::sync::Mutex<HashMap<String, HashMap<u64, CancellationToken>>>,
+    /// The number of the next dispatch taken in hand, for `running`.
+    next_in_hand: std::sync::atomic::AtomicU64,
     /// The hosts of sessions' detached commands ([`detached::Host`]); they outlive their
     /// task, until their commands end or the worker stops.
     detached: tokio_util::task::TaskTracker,
@@ -304,6 +307,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         config,
         hard_stop: CancellationToken::new(),
         running: std::sync::Mutex::new(HashMap::new()),
+        next_in_hand: std::sync::atomic::AtomicU64::new(0),
         detached: tokio_util::task::TaskTracker::new(),
         detached_stop: CancellationToken::new(),
         loaded: std::sync::Mutex::new(HashMap::new()),
@@ -389,9 +393,9 @@ fn nak_delay(delivery: u64) -> Duration {
 async fn listen_for_cancels(sh: Arc<Shared>, mut notes: async_nats::Subscriber) {
     while let Some(note) = notes.next().await {
         let Some(task_id) = note.subject.strip_prefix(cluster::CANCEL_SUBJECT_PREFIX) else { continue };
-        if let Some(token) = sh.running.lock().expect("running lock").get(task_id) {
+        if let Some(tokens) = sh.running.lock().expect("running lock").get(task_id) {
             tracing::info!(task_id, "cancel requested: stopping the task");
-            token.cancel();
+            tokens.values().for_each(CancellationToken::cancel);
         }
     }
 }
@@ -552,8 +556,9 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     let carried_traceparent =
         parsed.as_ref().ok().and_then(|d| d.released.as_ref()).map(|r| r.record.traceparent.clone());
     let task_id = parsed.as_ref().ok().map(|d| d.task_id.clone());
+    let in_hand = sh.next_in_hand.fetch_add(1, Ordering::Relaxed);
     if let Some(id) = &task_id {
-        sh.running.lock().expect("running lock").insert(id.clone(), cancel.clone());
+        sh.running.lock().expect("running lock").entry(id.clone()).or_default().insert(in_hand, cancel.clone());
     }
     let progress = tokio::spawn({
         let msg = msg.clone();
@@ -583,7 +588,13 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     let answer = run_dispatch(&sh, parsed, Delivered { number: delivery, stream_seq }, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
-        sh.running.lock().expect("running lock").remove(id);
+        let mut running = sh.running.lock().expect("running lock");
+        if let Some(tokens) = running.get_mut(id) {
+            tokens.remove(&in_hand);
+            if tokens.is_empty() {
+                running.remove(id);
+            }
+        }
     }
     // The task is done with (its terminal record is written, or it goes back): its slot
     // is free while the answer is on its way, so the next pull request goes out now
@@ -664,14 +675,11 @@ async fn run_dispatch_holding(
         // Another message's delivery runs this task (or will take it over if its worker
         // dies: that message stays unacked until the end): this one is a duplicate,
         // published again after the stream's duplicate window. Dropped, not taken over.
-        if current.0.state == TaskState::Working
-            && let (Some(running), Some(this)) = (current.0.dispatch_seq, stream_seq)
-            && running != this
-        {
+        if run_elsewhere(&current.0, stream_seq) {
             tracing::warn!(
                 task_id = key,
-                running,
-                duplicate = this,
+                running = current.0.dispatch_seq,
+                duplicate = stream_seq,
                 "a second dispatch of a task another dispatch is running: dropped"
             );
             return Answer::Ack;
@@ -680,7 +688,7 @@ async fn run_dispatch_holding(
             // Cancelled after its release, before any session ran it: it never starts.
             return finished(
                 cas(&sh.tasks, key, current, |r| {
-                    if r.state.is_terminal() {
+                    if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                         return false;
                     }
                     end_record(r, ExitStatus::Canceled, "canceled", None);
@@ -703,7 +711,7 @@ async fn run_dispatch_holding(
                 let w = worker_id.clone();
                 return finished(
                     cas(&sh.tasks, key, current, |r| {
-                        if r.state.is_terminal() {
+                        if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                             return false;
                         }
                         r.worker = Some(w.clone());
@@ -736,6 +744,16 @@ async fn run_dispatch_holding(
         // wait in line for one, with in-progress acks still going out, until it is free or
         // the task is cancelled or out of time.
         if let (Some(step), None) = (&current.0.fleet_step, permit.as_ref()) {
+            if carried {
+                // The wait may be long and ends in writes: start it from the record as it
+                // is (another dispatch of the step may be running it already).
+                carried = false;
+                current = match read_dispatched(sh, key).await {
+                    Ok(c) => c,
+                    Err(answer) => return answer,
+                };
+                continue;
+            }
             match hold_permit(sh, &current.0, step, &cancel).await {
                 Ok(held) => {
                     let (lost, stop, over) = (held.lost(), session_cancel.clone(), dispatch_over.clone());
@@ -761,7 +779,7 @@ async fn run_dispatch_holding(
                     };
                     return finished(
                         cas(&sh.tasks, key, base, |r| {
-                            if r.state.is_terminal() {
+                            if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                                 return false;
                             }
                             end_record(r, exit, exit.as_str(), None);
@@ -785,7 +803,7 @@ async fn run_dispatch_holding(
         };
         let prepared = Prepared::start(sh, &capsule, &session_id, access);
         let mark_working = |r: &mut TaskRecord| {
-            if r.state.is_terminal() {
+            if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                 return false;
             }
             r.state = TaskState::Working;
@@ -799,7 +817,10 @@ async fn run_dispatch_holding(
             // One try on the carried revision; a conflict means the record moved on.
             carried = false;
             let mut record = current.0.clone();
-            mark_working(&mut record);
+            if !mark_working(&mut record) {
+                prepared.discard();
+                return Answer::Ack;
+            }
             let json = match serde_json::to_vec(&record) {
                 Ok(json) => json,
                 Err(e) => {
@@ -906,6 +927,15 @@ async fn run_dispatch_holding(
         drop_checkpoints(&sh.sessions, key).await;
     }
     answer
+}
+
+/// Whether `record` is `working` under another dispatch message than the one with
+/// `stream_seq`: that message's delivery runs the task (or takes it over if its worker
+/// dies, for it stays unacked until the end), so this one is a duplicate — a dispatch
+/// published again after `MUR_DISPATCH`'s duplicate window — and writes nothing.
+fn run_elsewhere(record: &TaskRecord, stream_seq: Option<u64>) -> bool {
+    record.state == TaskState::Working
+        && matches!((record.dispatch_seq, stream_seq), (Some(running), Some(this)) if running != this)
 }
 
 /// Reads a dispatched task's record; the answer to give the dispatch when there is none
