@@ -1080,6 +1080,12 @@ async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Arc<Capsule>, 
         Capsule::load(&dir, &env)
             .map_err(|e| Loading::Failed(format!("error: loading capsule {}: {e}", record.capsule)))?,
     );
+    // The tokenizer its sessions will count with, loaded here (once per loaded capsule) on
+    // a blocking thread: a session would load it at its first count, on a runtime thread,
+    // stalling every task sharing that thread for tens of milliseconds (issue #9).
+    let inference = &capsule.manifest.inference;
+    let (driver, model) = (inference.driver.map_or("", |d| d.as_str()), inference.model.clone());
+    let _ = tokio::task::spawn_blocking(move || crate::tokens::preload(driver, model.as_deref())).await;
     let mut loaded = sh.loaded.lock().expect("loaded capsules lock");
     if loaded.len() >= LOADED_CAPSULES {
         loaded.clear();

@@ -6,7 +6,9 @@
 //!   reference runtime's tokenizer, `reference/murmur-runtime.md` §4), `o200k_base` for
 //!   gpt-4o, gpt-4.1, gpt-5 and the o-series. The BPE is loaded on first use, once per
 //!   process, and shared; loading takes tens of milliseconds and some megabytes, so
-//!   capsules that do not need it never load it.
+//!   capsules that do not need it never load it. A cluster worker loads it on a blocking
+//!   thread when it loads a capsule that needs it ([`preload`]), not at a session's first
+//!   count on an async runtime thread.
 //! - [`BytesOver4`], the stated approximation, for everything else: Claude, local models
 //!   behind an OpenAI-compatible server, the scripted driver. Their tokenizers are not
 //!   public or not known here, so the estimate there is an approximation: one token per
@@ -68,24 +70,34 @@ impl Encoding {
     /// The BPE, loaded on first use and kept for the life of the process; `None` if the
     /// embedded table could not be loaded (never expected: it is compiled in).
     fn bpe(self) -> Option<&'static CoreBPE> {
-        static CL100K: OnceLock<Option<CoreBPE>> = OnceLock::new();
-        static O200K: OnceLock<Option<CoreBPE>> = OnceLock::new();
-        let cell = match self {
-            Encoding::Cl100kBase => &CL100K,
-            Encoding::O200kBase => &O200K,
-        };
-        cell.get_or_init(|| {
-            let loaded = match self {
-                Encoding::Cl100kBase => tiktoken_rs::cl100k_base(),
-                Encoding::O200kBase => tiktoken_rs::o200k_base(),
-            };
-            loaded
+        self.cell()
+            .get_or_init(|| {
+                let loaded = match self {
+                    Encoding::Cl100kBase => tiktoken_rs::cl100k_base(),
+                    Encoding::O200kBase => tiktoken_rs::o200k_base(),
+                };
+                loaded
                 .inspect_err(|e| {
                     tracing::warn!(error = %e, encoding = self.name(), "tokenizer failed to load; estimating len/4")
                 })
                 .ok()
-        })
-        .as_ref()
+            })
+            .as_ref()
+    }
+
+    /// Where the BPE is kept once loaded: one cell per encoding, for the process.
+    fn cell(self) -> &'static OnceLock<Option<CoreBPE>> {
+        static CL100K: OnceLock<Option<CoreBPE>> = OnceLock::new();
+        static O200K: OnceLock<Option<CoreBPE>> = OnceLock::new();
+        match self {
+            Encoding::Cl100kBase => &CL100K,
+            Encoding::O200kBase => &O200K,
+        }
+    }
+
+    /// Whether the BPE has been loaded in this process.
+    pub fn loaded(self) -> bool {
+        self.cell().get().is_some()
     }
 }
 
@@ -123,15 +135,40 @@ impl Estimator for Tiktoken {
 /// `openai` and `model` is an OpenAI model name ([`Encoding::for_model`]), else
 /// [`BytesOver4`] (Anthropic, local models, the scripted driver, no model).
 pub fn for_model(driver: &str, model: Option<&str>) -> Arc<dyn Estimator> {
-    match model.filter(|_| driver == "openai").and_then(Encoding::for_model) {
+    match tiktoken_encoding(driver, model) {
         Some(encoding) => Arc::new(Tiktoken::new(encoding)),
         None => Arc::new(BytesOver4),
     }
 }
 
+/// The tiktoken encoding [`for_model`] counts with for `driver` and `model`, if any.
+fn tiktoken_encoding(driver: &str, model: Option<&str>) -> Option<Encoding> {
+    model.filter(|_| driver == "openai").and_then(Encoding::for_model)
+}
+
+/// Loads, now, the BPE that [`for_model`]'s estimator for `driver` and `model` will count
+/// with (nothing for an estimator that needs none, or one already loaded); returns the
+/// encoding. Loading takes tens of milliseconds of CPU and blocks: a worker calls this on
+/// a blocking thread when it loads a capsule, so that its first session does not load it
+/// on an async runtime thread, stalling every task that shares the thread (issue #9).
+pub fn preload(driver: &str, model: Option<&str>) -> Option<Encoding> {
+    let encoding = tiktoken_encoding(driver, model)?;
+    encoding.bpe();
+    Some(encoding)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn preload_loads_the_bpe_an_openai_models_estimator_counts_with_and_nothing_for_others() {
+        assert_eq!(preload("openai", Some("gpt-4o-mini")), Some(Encoding::O200kBase));
+        assert!(Encoding::O200kBase.loaded(), "o200k_base is loaded once preload returns");
+        assert_eq!(preload("openai", Some("llama-3.1-8b")), None);
+        assert_eq!(preload("anthropic", Some("gpt-4o")), None);
+        assert_eq!(preload("openai", None), None);
+    }
 
     #[test]
     fn cl100k_counts_match_openai() {
