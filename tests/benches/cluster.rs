@@ -90,13 +90,13 @@ fn main() {
     // thousands of them, and a profile of the slow phase showed 55 % of all CPU there
     // (87–89 % of ideal on disk against 95–97 % in shared memory, same build, same hour).
     // That measures the disk's bookkeeping, not murmur; a journaled ext4 does not do it.
-    let scratch = std::env::var_os("MUR_BENCH_TMPDIR").map(std::path::PathBuf::from).unwrap_or_else(|| {
-        let shm = std::path::Path::new("/dev/shm");
-        match tempfile::Builder::new().prefix("mur-bench-").tempdir_in(shm) {
-            Ok(dir) => dir.keep(),
-            Err(_) => std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")),
-        }
-    });
+    // A folder made in /dev/shm is removed when `shm` drops, at the end of the run.
+    let chosen = std::env::var_os("MUR_BENCH_TMPDIR").map(std::path::PathBuf::from);
+    let shm =
+        chosen.is_none().then(|| tempfile::Builder::new().prefix("mur-bench-").tempdir_in("/dev/shm").ok()).flatten();
+    let scratch = chosen
+        .or_else(|| shm.as_ref().map(|d| d.path().to_path_buf()))
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
     std::fs::create_dir_all(&scratch).expect("the benchmark's scratch directory");
     let _ = tempfile::env::override_temp_dir(&scratch);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
@@ -118,9 +118,7 @@ fn main() {
         }
     });
     table.print(quick);
-    if std::env::var_os("MUR_BENCH_TMPDIR").is_none() && scratch.starts_with("/dev/shm") {
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
+    drop(shm);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -366,12 +364,12 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
     let rounds: Vec<Duration> =
         ends.chunks(slots.max(1)).map(|round| round[round.len() - 1].saturating_duration_since(round[0])).collect();
     let spread = (rounds.first().copied().unwrap_or_default(), rounds.last().copied().unwrap_or_default());
-    let p50 = |xs: &[Duration]| if xs.is_empty() { (Duration::ZERO, Duration::ZERO) } else { quantiles(xs) };
+    let p50_p99 = |xs: &[Duration]| if xs.is_empty() { (Duration::ZERO, Duration::ZERO) } else { quantiles(xs) };
     Load {
         per_s: n as f64 / elapsed.as_secs_f64(),
-        steps: [p50(&steps[0]), p50(&steps[1]), p50(&steps[2])],
+        steps: [p50_p99(&steps[0]), p50_p99(&steps[1]), p50_p99(&steps[2])],
         fill,
-        handover: p50(&handovers),
+        handover: p50_p99(&handovers),
         spread,
         steady: (ends.len() >= 3 * slots && slots > 0).then(|| {
             let (first, last) = (ends[slots - 1], ends[ends.len() - slots - 1]);

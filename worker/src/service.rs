@@ -582,10 +582,12 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
             }
         }
     });
-    let delivery = msg.info().map_or(1, |i| i.delivered.max(1) as u64);
-    let stream_seq = msg.info().ok().map(|i| i.stream_sequence);
-    let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivery).await;
-    let answer = run_dispatch(&sh, parsed, Delivered { number: delivery, stream_seq }, cancel).instrument(span).await;
+    let delivered = match msg.info() {
+        Ok(i) => Delivered { number: i.delivered.max(1) as u64, stream_seq: Some(i.stream_sequence) },
+        Err(_) => Delivered { number: 1, stream_seq: None },
+    };
+    let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivered.number).await;
+    let answer = run_dispatch(&sh, parsed, delivered, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         let mut running = sh.running.lock().expect("running lock");
@@ -604,7 +606,7 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
-        Answer::Nak => msg.ack_with(AckKind::Nak(Some(nak_delay(delivery)))).await,
+        Answer::Nak => msg.ack_with(AckKind::Nak(Some(nak_delay(delivered.number)))).await,
     };
     if let Err(e) = acked {
         tracing::warn!(error = %e, ?answer, "answering a dispatch failed; it will be redelivered");

@@ -70,19 +70,20 @@ impl Encoding {
     /// The BPE, loaded on first use and kept for the life of the process; `None` if the
     /// embedded table could not be loaded (never expected: it is compiled in).
     fn bpe(self) -> Option<&'static CoreBPE> {
-        self.cell()
-            .get_or_init(|| {
-                let loaded = match self {
-                    Encoding::Cl100kBase => tiktoken_rs::cl100k_base(),
-                    Encoding::O200kBase => tiktoken_rs::o200k_base(),
-                };
-                loaded
-                .inspect_err(|e| {
-                    tracing::warn!(error = %e, encoding = self.name(), "tokenizer failed to load; estimating len/4")
-                })
-                .ok()
-            })
-            .as_ref()
+        self.cell().get_or_init(|| self.load()).as_ref()
+    }
+
+    /// Loads the BPE from the table compiled in (tens of milliseconds of CPU).
+    fn load(self) -> Option<CoreBPE> {
+        let loaded = match self {
+            Encoding::Cl100kBase => tiktoken_rs::cl100k_base(),
+            Encoding::O200kBase => tiktoken_rs::o200k_base(),
+        };
+        loaded
+            .inspect_err(
+                |e| tracing::warn!(error = %e, encoding = self.name(), "tokenizer failed to load; estimating len/4"),
+            )
+            .ok()
     }
 
     /// Where the BPE is kept once loaded: one cell per encoding, for the process.
@@ -95,8 +96,10 @@ impl Encoding {
         }
     }
 
-    /// Whether the BPE has been loaded in this process.
-    pub fn loaded(self) -> bool {
+    /// Whether the BPE has been loaded in this process (any test of the process may have
+    /// loaded it).
+    #[cfg(test)]
+    fn loaded(self) -> bool {
         self.cell().get().is_some()
     }
 }
