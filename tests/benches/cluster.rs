@@ -298,6 +298,9 @@ struct Load {
     /// Each round's spread (the ends taken `slots` at a time: first end → last end), for the
     /// first and the last round: how far the slots drift apart as the run goes on.
     spread: (Duration, Duration),
+    /// CPU time per task over the run, in ms: this process (client, coordinator, in-process
+    /// workers, fake model) and the nats-server; `None` where `/proc` does not tell.
+    cpu: Option<(f64, f64)>,
     /// Tasks per second ended between the `slots`-th end and the `(n − slots)`-th: the rate
     /// once the slots are filled, before the last round drains; `None` under three rounds.
     steady: Option<f64>,
@@ -310,11 +313,15 @@ impl Load {
         format!(
             "p50/p99 per task: reply → released {waiting}, released → working {dispatch}, working → ended {running}; \
              every slot working after {}; a slot's hand-over (an end → the release it allows) {}; \
-             a round's ends spread over {} in the first round, {} in the last",
+             a round's ends spread over {} in the first round, {} in the last{}",
             ms(self.fill),
             both(self.handover),
             ms(self.spread.0),
-            ms(self.spread.1)
+            ms(self.spread.1),
+            self.cpu.map_or(String::new(), |(here, server)| format!(
+                "; CPU per task {here:.2} ms in this process (coordinator, workers, model, client), \
+                 {server:.2} ms in nats-server"
+            ))
         )
     }
 }
@@ -323,6 +330,7 @@ impl Load {
 /// the last end.
 async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, slots: usize) -> Load {
     let before = watcher.ended_count();
+    let cpu_before = (cpu_time(std::process::id()), sb.nats.pid().and_then(cpu_time));
     let t0 = Instant::now();
     let client = sb.client.clone();
     let capsule = capsule.to_string();
@@ -338,6 +346,10 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
     });
     watcher.wait_count(before + n).await;
     let elapsed = t0.elapsed();
+    let cpu_after = (cpu_time(std::process::id()), sb.nats.pid().and_then(cpu_time));
+    let per_task =
+        |a: Option<Duration>, b: Option<Duration>| Some(b?.saturating_sub(a?).as_secs_f64() * 1000.0 / n as f64);
+    let cpu = per_task(cpu_before.0, cpu_after.0).zip(per_task(cpu_before.1, cpu_after.1));
     let replies = submitter.await.expect("submitter");
     let mut steps: [Vec<Duration>; 3] = Default::default();
     let (mut releases, mut workings, mut ends) = (Vec::new(), Vec::new(), Vec::new());
@@ -370,6 +382,7 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
         steps: [p50_p99(&steps[0]), p50_p99(&steps[1]), p50_p99(&steps[2])],
         fill,
         handover: p50_p99(&handovers),
+        cpu,
         spread,
         steady: (ends.len() >= 3 * slots && slots > 0).then(|| {
             let (first, last) = (ends[slots - 1], ends[ends.len() - slots - 1]);
@@ -556,6 +569,16 @@ fn mur_binary() -> Option<std::path::PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let p = exe.parent()?.parent()?.join("mur");
     p.is_file().then_some(p)
+}
+
+/// User plus system CPU time process `pid` has used (`/proc/<pid>/stat`, in the kernel's
+/// fixed 100 ticks per second).
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; the fields after its `)` are plain.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let (utime, stime): (u64, u64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+    Some(Duration::from_millis((utime + stime) * 10))
 }
 
 /// `VmRSS` of process `pid`, in bytes.

@@ -72,6 +72,15 @@ impl NatsServer {
         NatsServer { inner: Inner::Spawned(spawned) }
     }
 
+    /// The server process's id: `None` for someone else's server (`MUR_TEST_NATS_URL`) or
+    /// while ours is down.
+    pub fn pid(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::External { .. } => None,
+            Inner::Spawned(s) => s.child.as_ref().map(Child::id),
+        }
+    }
+
     /// The client URL, `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         match &self.inner {
