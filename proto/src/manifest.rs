@@ -529,6 +529,16 @@ impl Rules {
         }
     }
 
+    /// [`Rules::int`] for a field held as a `u32` (a count): also at most `u32::MAX`, so a
+    /// larger value is refused rather than wrapped around to a small one.
+    fn count(&mut self, path: &str, value: Option<i64>, min: i64, default: u32) -> u32 {
+        let v = self.int(path, value, min, i64::from(default));
+        u32::try_from(v).unwrap_or_else(|_| {
+            self.fail(path, format_args!("must be at most {}, got {v}", u32::MAX));
+            default
+        })
+    }
+
     /// A fraction in (0, 1] (or [0, max] with `zero_ok`).
     fn fraction(&mut self, path: &str, value: Option<f64>, default: f64, zero_ok: bool) -> f64 {
         let Some(v) = value else { return default };
@@ -664,9 +674,9 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
     let lifecycle = Lifecycle {
         task_acceptance: rl.task_acceptance.unwrap_or(TaskAcceptance::Single),
         after_task: rl.after_task.unwrap_or(AfterTask::Exit),
-        max_task_reopens: r.int("lifecycle.max_task_reopens", rl.max_task_reopens, 0, 1) as u32,
+        max_task_reopens: r.count("lifecycle.max_task_reopens", rl.max_task_reopens, 0, 1),
         shell_grace_secs: r.int("lifecycle.shell_grace_secs", rl.shell_grace_secs, 0, 10) as u64,
-        queue_depth: r.int("lifecycle.queue_depth", rl.queue_depth, 1, 1) as u32,
+        queue_depth: r.count("lifecycle.queue_depth", rl.queue_depth, 1, 1),
         conversation: rl.conversation.unwrap_or(Conversation::Stateless),
     };
     if lifecycle.after_task == AfterTask::Sleep && lifecycle.task_acceptance != TaskAcceptance::Queue {
@@ -828,14 +838,14 @@ fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: 
         model: i.model,
         api_key,
         stream: i.stream.unwrap_or(false),
-        max_turns: r.int("inference.max_turns", i.max_turns, 1, 10) as u32,
-        max_tokens: r.int("inference.max_tokens", i.max_tokens, 1, 8192) as u32,
+        max_turns: r.count("inference.max_turns", i.max_turns, 1, 10),
+        max_tokens: r.count("inference.max_tokens", i.max_tokens, 1, 8192),
         system_prompt,
         compaction,
         script: i.script,
         command,
         timeout_secs: r.int("inference.timeout_secs", i.timeout_secs, 1, 300) as u64,
-        max_retries: r.int("inference.max_retries", i.max_retries, 0, 3) as u32,
+        max_retries: r.count("inference.max_retries", i.max_retries, 0, 3),
         max_session_tokens: i.max_session_tokens.map(|v| r.int("inference.max_session_tokens", Some(v), 1, 1) as u64),
     }
 }

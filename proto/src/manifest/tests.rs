@@ -396,3 +396,30 @@ fn a_built_in_tool_must_be_one_of_the_three_and_keeps_its_own_parameters() {
         ]
     );
 }
+
+#[test]
+fn counts_beyond_u32_are_refused_not_wrapped_around() {
+    // 2^32 once became 0 turns (and a queue depth of 0 refused every task).
+    let over = "4294967296";
+    let cases = [
+        (
+            with_inference(&format!("  driver: scripted\n  script: r.yaml\n  max_turns: {over}\n")),
+            "inference.max_turns",
+        ),
+        (
+            with_inference(&format!("  driver: scripted\n  script: r.yaml\n  max_tokens: {over}\n")),
+            "inference.max_tokens",
+        ),
+        (
+            with_inference(&format!("  driver: scripted\n  script: r.yaml\n  max_retries: {over}\n")),
+            "inference.max_retries",
+        ),
+        (format!("{MINIMAL}lifecycle:\n  max_task_reopens: {over}\n"), "lifecycle.max_task_reopens"),
+        (format!("{MINIMAL}lifecycle:\n  task_acceptance: queue\n  queue_depth: {over}\n"), "lifecycle.queue_depth"),
+    ];
+    for (y, field) in cases {
+        assert_eq!(rules(&y), [format!("{field}: must be at most 4294967295, got 4294967296")], "{field}");
+    }
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 4294967295\n");
+    assert_eq!(load(&y).unwrap().inference.max_turns, u32::MAX);
+}
