@@ -225,7 +225,7 @@ fn greeter(prompt: &str) -> TestCapsule {
     TestCapsule::new(
         MANIFEST,
         &[
-            ("replies.yaml", "- text: hi\n"),
+            ("replies.yaml", "replies:\n  - text: hi\n"),
             ("prompt.md", prompt),
             ("hooks/gate.sh", "#!/bin/sh\necho '{\"action\": \"none\"}'\n"),
             ("workdir/ses_1/left-behind.txt", "not packed"),
@@ -311,7 +311,7 @@ async fn a_malformed_manifest_is_refused_at_pack_and_nothing_is_stored() -> Resu
 
     let bad = TestCapsule::new(
         "name: greeter\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 0\n",
-        &[("replies.yaml", "- text: hi\n")],
+        &[("replies.yaml", "replies:\n  - text: hi\n")],
     );
     let err = bundle::pack(bad.dir()).unwrap_err();
     assert!(err.to_string().ends_with("murmur.yaml: inference.max_turns: must be at least 1, got 0"), "{err}");
@@ -838,7 +838,7 @@ async fn push_capsules(server: &NatsServer) -> Result<String> {
     let greeter = bundle::pack(greeter("hi").dir())?;
     assert!(!greeter.queue);
     bundle::push(&res.capsules, &res.capsule_index, &greeter).await?;
-    let serial = bundle::pack(TestCapsule::new(QUEUE_MANIFEST, &[("replies.yaml", "- text: hi\n")]).dir())?;
+    let serial = bundle::pack(TestCapsule::new(QUEUE_MANIFEST, &[("replies.yaml", "replies:\n  - text: hi\n")]).dir())?;
     assert!(serial.queue, "task_acceptance: queue is recorded at pack");
     bundle::push(&res.capsules, &res.capsule_index, &serial).await?;
     Ok(greeter.digest)

@@ -3,7 +3,8 @@
 //! push DIR`, `mur capsule ls`; a worker loads a bundle by digest, cached on disk).
 //!
 //! - [`pack`] reads a folder (manifest, prompts, hook programs, scripts), validates its
-//!   `murmur.yaml`, and writes a tar archive whose bytes depend only on the files' paths,
+//!   `murmur.yaml` and the files it names (the scripted driver's replies, the system
+//!   prompt file: packed from the folder, and usable), and writes a tar archive whose bytes depend only on the files' paths,
 //!   contents and executable bits: entries sorted by path, mtime 0, uid/gid 0, mode 0755
 //!   or 0644. Same folder, same digest.
 //! - [`push`] stores the archive as object `<name>/<digest>` in `mur_capsules` and points
@@ -109,6 +110,17 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A file the manifest names (`field`) is not a file of the folder, or cannot be used
+    /// as that field says; nothing was packed.
+    #[error("{path}: {field}: {reason}")]
+    Reference {
+        /// The manifest file.
+        path: PathBuf,
+        /// The manifest field naming the file, e.g. `inference.script`.
+        field: &'static str,
+        /// The rule it breaks.
+        reason: String,
+    },
     /// A file is larger than [`MAX_FILE_BYTES`].
     #[error("{path}: file is {size} bytes, over the {limit}-byte limit for one capsule file")]
     FileTooLarge {
@@ -197,6 +209,8 @@ enum Item {
 ///
 /// # Errors
 /// [`Error::NoManifest`], [`Error::Manifest`] naming the broken fields,
+/// [`Error::Reference`] for a file the manifest names that is missing, outside the folder
+/// or unusable,
 /// [`Error::Unsupported`] for a symlink leaving the folder (or to a folder, or dangling),
 /// a special file or a non-UTF-8 name, [`Error::FileTooLarge`], [`Error::BundleTooLarge`],
 /// [`Error::Io`].
@@ -224,6 +238,7 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
         return Err(Error::BundleTooLarge { dir: dir.to_path_buf(), size: total, limit: MAX_BUNDLE_BYTES });
     }
     items.sort_by(|a, b| a.0.cmp(&b.0));
+    check_references(&dir.join(MANIFEST_FILE), &manifest, &items)?;
 
     let mut builder = tar::Builder::new(Vec::new());
     let mut paths = Vec::with_capacity(items.len());
@@ -260,6 +275,56 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
         archive,
         paths,
     })
+}
+
+/// Refuses a bundle a worker could not run for want of a file its manifest names: the
+/// scripted driver's replies file (`inference.script`, which must also parse) and the
+/// system prompt file (`inference.system_prompt_file`, UTF-8 text) must be files packed
+/// from the folder — no path out of it, no file left behind. These are what `mur run`
+/// reads on the same folder before the first turn; a push that skipped them stored a
+/// version every task of which failed, in place of one that ran.
+fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String, Item)]) -> Result<(), Error> {
+    use mur_proto::manifest::{DriverKind, SystemPrompt, Transport};
+    let inf = &manifest.inference;
+    let refused = |field, reason: String| Error::Reference { path: manifest_path.to_path_buf(), field, reason };
+    let packed = |field, name: &str| -> Result<String, Error> {
+        let rel = inside(name)
+            .ok_or_else(|| refused(field, format!("must name a file inside the capsule folder, got {name}")))?;
+        let data = items
+            .iter()
+            .find_map(|(path, item)| match item {
+                Item::File { data, .. } if *path == rel => Some(data),
+                _ => None,
+            })
+            .ok_or_else(|| refused(field, format!("no file {name} in the capsule folder")))?;
+        String::from_utf8(data.clone()).map_err(|_| refused(field, format!("{name} is not UTF-8 text")))
+    };
+    if inf.transport != Transport::Process
+        && inf.driver == Some(DriverKind::Scripted)
+        && let Some(script) = &inf.script
+    {
+        let text = packed("inference.script", script)?;
+        crate::driver::scripted::Script::parse(&text)
+            .map_err(|e| refused("inference.script", format!("{script}: {e}")))?;
+    }
+    if let SystemPrompt::File(file) = &inf.system_prompt {
+        packed("inference.system_prompt_file", file)?;
+    }
+    Ok(())
+}
+
+/// `name` (a path in a manifest, relative to the capsule folder) as a bundle path
+/// (`a/b.yaml`); `None` when it is absolute or climbs out with `..`.
+fn inside(name: &str) -> Option<String> {
+    let mut parts = Vec::new();
+    for part in Path::new(name).components() {
+        match part {
+            Component::Normal(p) => parts.push(p.to_str()?),
+            Component::CurDir => {}
+            Component::ParentDir | Component::RootDir | Component::Prefix(_) => return None,
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("/"))
 }
 
 /// Collects the items under `dir` (whose path relative to `root` is `rel`, empty at the
@@ -567,7 +632,9 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    const MANIFEST: &str = "name: hello\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n";
+    /// A manifest naming no other file: the folders below are about packing.
+    const MANIFEST: &str =
+        "name: hello\nversion: 1.0.0\ninference:\n  driver: openai\n  model: m\n  endpoint: http://127.0.0.1:9/v1\n";
 
     fn capsule(files: &[(&str, &str)]) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
@@ -648,6 +715,49 @@ mod tests {
         assert!(err.contains("surprise"), "{err}");
         std::fs::remove_file(dir.path().join(MANIFEST_FILE)).unwrap();
         assert!(matches!(pack(dir.path()), Err(Error::NoManifest(_))));
+    }
+
+    #[test]
+    fn files_the_manifest_names_must_be_packed_and_usable() {
+        let scripted =
+            |script: &str| format!("name: quick\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: {script}\n");
+        let refused = |manifest: String, files: &[(&str, &str)]| {
+            let dir = capsule(files);
+            std::fs::write(dir.path().join(MANIFEST_FILE), manifest).unwrap();
+            let err = pack(dir.path()).unwrap_err();
+            assert!(matches!(err, Error::Reference { .. }), "{err}");
+            err.to_string().rsplit_once("murmur.yaml: ").unwrap().1.to_string()
+        };
+        assert_eq!(
+            refused(scripted("missing.yaml"), &[]),
+            "inference.script: no file missing.yaml in the capsule folder"
+        );
+        assert_eq!(
+            refused(scripted("../../etc/passwd"), &[]),
+            "inference.script: must name a file inside the capsule folder, got ../../etc/passwd"
+        );
+        assert_eq!(
+            refused(scripted("/etc/passwd"), &[]),
+            "inference.script: must name a file inside the capsule folder, got /etc/passwd"
+        );
+        let broken = refused(scripted("r.yaml"), &[("r.yaml", "replies: {nope")]);
+        assert!(broken.starts_with("inference.script: r.yaml: "), "{broken}");
+        // Left out of every bundle, so not there for a worker either.
+        assert_eq!(
+            refused(scripted("workdir/r.yaml"), &[("workdir/r.yaml", "replies:\n  - text: hi\n")]),
+            "inference.script: no file workdir/r.yaml in the capsule folder"
+        );
+        let prompt_file = "name: quick\nversion: 2.0.0\ninference:\n  driver: openai\n  model: m\n  endpoint: http://127.0.0.1:9/v1\n  system_prompt_file: prompt.md\n";
+        assert_eq!(
+            refused(prompt_file.to_string(), &[]),
+            "inference.system_prompt_file: no file prompt.md in the capsule folder"
+        );
+
+        let dir = capsule(&[("replies/r.yaml", "replies:\n  - text: hi\n"), ("prompt.md", "be brief")]);
+        std::fs::write(dir.path().join(MANIFEST_FILE), scripted("./replies/r.yaml")).unwrap();
+        assert_eq!(pack(dir.path()).unwrap().name, "quick");
+        std::fs::write(dir.path().join(MANIFEST_FILE), prompt_file).unwrap();
+        assert_eq!(pack(dir.path()).unwrap().name, "quick");
     }
 
     #[test]
