@@ -135,12 +135,7 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
                 .collect(),
         ));
     }
-    out.push_str(&format!(
-        "\nworkers   {} ({} of {} slots free)\n",
-        s.workers.len(),
-        s.workers.iter().map(|w| w.free).sum::<u32>(),
-        s.workers.iter().map(|w| w.slots).sum::<u32>()
-    ));
+    out.push_str(&workers_line(&s.workers));
     if !s.workers.is_empty() {
         out.push_str(&table(
             vec!["WORKER", "SLOTS", "FREE", "HEARTBEAT"],
@@ -151,7 +146,7 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
                         w.worker_id.clone(),
                         w.slots.to_string(),
                         w.free.to_string(),
-                        format!("{} ago", secs(w.heartbeat_age_ms)),
+                        format!("{} ago{}", secs(w.heartbeat_age_ms), if w.live { "" } else { " (silent)" }),
                     ]
                 })
                 .collect(),
@@ -159,6 +154,16 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
     }
     out.push_str(&render_permits(&s.fanout));
     out
+}
+
+/// The workers' summary line: the live ones and their free slots; silent ones (no
+/// heartbeat within the coordinator's worker timeout, so given no task) counted apart.
+fn workers_line(workers: &[mur_proto::cluster::WorkerStatus]) -> String {
+    let live = workers.iter().filter(|w| w.live);
+    let (count, free, slots) = live.fold((0, 0u32, 0u32), |(n, f, s), w| (n + 1, f + w.free, s + w.slots));
+    let silent = workers.len() - count;
+    let silent = if silent > 0 { format!(", {silent} silent") } else { String::new() };
+    format!("\nworkers   {count} live ({free} of {slots} slots free){silent}\n")
 }
 
 /// The fan-out semaphore's lines of `mur cluster status` and `mur fleet status` (issue
@@ -489,4 +494,22 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
     });
     drop(server);
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mur_proto::cluster::WorkerStatus;
+
+    fn worker(id: &str, slots: u32, free: u32, live: bool) -> WorkerStatus {
+        WorkerStatus { worker_id: id.into(), slots, free, heartbeat_age_ms: 1000, live }
+    }
+
+    #[test]
+    fn silent_workers_are_counted_apart_and_their_slots_are_not_free() {
+        let workers = [worker("a", 4, 2, true), worker("b", 4, 4, false), worker("c", 4, 4, false)];
+        assert_eq!(workers_line(&workers), "\nworkers   1 live (2 of 4 slots free), 2 silent\n");
+        assert_eq!(workers_line(&workers[..1]), "\nworkers   1 live (2 of 4 slots free)\n");
+        assert_eq!(workers_line(&[]), "\nworkers   0 live (0 of 0 slots free)\n");
+    }
 }

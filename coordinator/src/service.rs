@@ -177,6 +177,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
+        worker_timeout_ms: config.worker_timeout.as_millis() as u64,
     });
     let service = client
         .service_builder()
@@ -336,6 +337,7 @@ async fn lead(
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
+        worker_timeout_ms: config.worker_timeout.as_millis() as u64,
     });
 
     // The replay.
@@ -452,6 +454,8 @@ struct Ctx {
     /// the scheduler learns of it, it is noted, and its dispatch is published again
     /// (JetStream drops the copy if it went out). Entries leave when the task ends.
     releasing: Mutex<HashSet<String>>,
+    /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
+    worker_timeout_ms: u64,
 }
 
 /// The API endpoints.
@@ -766,7 +770,10 @@ impl Ctx {
         let fanout_kv =
             self.js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.map_err(|e| unavailable("mur_fanout", e))?;
         let fanout = mur_worker::fanout::status(&fanout_kv).await.map_err(|e| unavailable("mur_fanout: read", e))?;
-        Ok(cluster::ClusterStatus { fanout, ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms()) })
+        Ok(cluster::ClusterStatus {
+            fanout,
+            ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms(), self.worker_timeout_ms)
+        })
     }
 
     /// `capsule.list`.

@@ -373,12 +373,30 @@ pub struct WorkerStatus {
     pub free: u32,
     /// How long since its last heartbeat, ms.
     pub heartbeat_age_ms: u64,
+    /// Whether that heartbeat is within the coordinator's worker timeout: a silent worker
+    /// (stopped, killed, cut off) gets no dispatch and its slots count for nothing. Its
+    /// registration stays in `mur_workers` until it beats again or is removed. `true` in
+    /// a reply from a coordinator that did not say.
+    #[serde(default = "heard_from")]
+    pub live: bool,
+}
+
+fn heard_from() -> bool {
+    true
 }
 
 impl ClusterStatus {
     /// Builds the status from every task record, every worker registration and the
-    /// lease, at `now` (unix ms). Pure: the coordinator reads the buckets, this sorts.
-    pub fn build(records: &[TaskRecord], workers: &[WorkerInfo], leader: Option<LeaderLease>, now: u64) -> Self {
+    /// lease, at `now` (unix ms); a worker whose last heartbeat is more than
+    /// `worker_timeout_ms` old is not [`WorkerStatus::live`]. Pure: the coordinator reads
+    /// the buckets, this sorts.
+    pub fn build(
+        records: &[TaskRecord],
+        workers: &[WorkerInfo],
+        leader: Option<LeaderLease>,
+        now: u64,
+        worker_timeout_ms: u64,
+    ) -> Self {
         let mut lanes: Vec<LaneStatus> = Vec::new();
         let mut in_flight = Vec::new();
         let mut dead_letters = Vec::new();
@@ -430,6 +448,7 @@ impl ClusterStatus {
                 slots: w.slots,
                 free: w.slots.saturating_sub(w.busy),
                 heartbeat_age_ms: now.saturating_sub(w.heartbeat_at),
+                live: now.saturating_sub(w.heartbeat_at) <= worker_timeout_ms,
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -971,6 +990,27 @@ fn strip_position(message: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_silent_past_the_timeout_is_not_live_in_the_status() {
+        let info = |id: &str, heartbeat_at| WorkerInfo {
+            worker_id: id.into(),
+            slots: 4,
+            busy: 1,
+            started_at: 0,
+            heartbeat_at,
+            version: "0".into(),
+        };
+        let workers = [info("b-silent", 89_999), info("a-live", 90_000)];
+        let status = ClusterStatus::build(&[], &workers, None, 100_000, 10_000);
+        let seen: Vec<_> =
+            status.workers.iter().map(|w| (w.worker_id.as_str(), w.free, w.heartbeat_age_ms, w.live)).collect();
+        assert_eq!(seen, [("a-live", 3, 10_000, true), ("b-silent", 3, 10_001, false)]);
+        // A reply from a coordinator that did not say reads as live.
+        let old: WorkerStatus =
+            serde_json::from_str(r#"{"worker_id":"w","slots":1,"free":1,"heartbeat_age_ms":5}"#).unwrap();
+        assert!(old.live);
+    }
 
     fn invalid(bytes: &[u8]) -> String {
         let err = SubmitRequest::parse(bytes).unwrap_err();

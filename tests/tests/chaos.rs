@@ -404,6 +404,7 @@ async fn cluster_status_shows_lanes_in_flight_workers_and_the_leader() {
     );
     assert_eq!(status["workers"][0]["worker_id"], "wkr-1");
     assert_eq!(status["workers"][0]["slots"], 1);
+    assert_eq!(status["workers"][0]["live"], true);
     assert_eq!(status["dead_letters"], serde_json::json!([]));
 }
 
