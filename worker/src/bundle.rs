@@ -4,9 +4,9 @@
 //!
 //! - [`pack`] reads a folder (manifest, prompts, hook programs, scripts), validates its
 //!   `murmur.yaml` and the files it names (the scripted driver's replies, the system
-//!   prompt file: packed from the folder, and usable), and writes a tar archive whose bytes depend only on the files' paths,
-//!   contents and executable bits: entries sorted by path, mtime 0, uid/gid 0, mode 0755
-//!   or 0644. Same folder, same digest.
+//!   prompt file: packed from the folder, and usable), and writes a tar archive whose
+//!   bytes depend only on the files' paths, contents and executable bits: entries sorted
+//!   by path, mtime 0, uid/gid 0, mode 0755 or 0644. Same folder, same digest.
 //! - [`push`] stores the archive as object `<name>/<digest>` in `mur_capsules` and points
 //!   key `<name>` of `mur_capsule_index` at it. Objects are never overwritten, so every
 //!   pushed digest stays fetchable, and a task that names a digest keeps it whatever is
