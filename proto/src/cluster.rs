@@ -821,6 +821,8 @@ impl SubmitRequest {
         }
         if self.text.is_empty() {
             errors.push("text: must not be empty".to_string());
+        } else if self.text.trim().is_empty() {
+            errors.push("text: must not be only whitespace".to_string());
         } else if self.text.len() > MAX_TASK_BYTES {
             errors.push(format!("text: must be at most {MAX_TASK_BYTES} bytes, got {}", self.text.len()));
         }
@@ -1052,12 +1054,13 @@ mod tests {
     }
 
     #[test]
-    fn text_is_limited_to_one_mebibyte() {
+    fn text_must_hold_more_than_whitespace_and_at_most_one_mebibyte() {
         let at_limit = serde_json::to_vec(&serde_json::json!({"capsule": "c", "text": "a".repeat(MAX_TASK_BYTES)}));
         assert!(SubmitRequest::parse(&at_limit.unwrap()).is_ok());
         let over = serde_json::to_vec(&serde_json::json!({"capsule": "c", "text": "a".repeat(MAX_TASK_BYTES + 1)}));
         assert_eq!(invalid(&over.unwrap()), "text: must be at most 1048576 bytes, got 1048577");
         assert_eq!(invalid(br#"{"capsule":"c","text":""}"#), "text: must not be empty");
+        assert_eq!(invalid(br#"{"capsule":"c","text":" \n\t "}"#), "text: must not be only whitespace");
         assert_eq!(invalid(br#"{"capsule":"c"}"#), "text: required");
     }
 
