@@ -177,7 +177,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
-        worker_timeout_ms: config.worker_timeout.as_millis() as u64,
+        worker_timeout_ms: millis(config.worker_timeout),
     });
     let service = client
         .service_builder()
@@ -337,7 +337,7 @@ async fn lead(
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
-        worker_timeout_ms: config.worker_timeout.as_millis() as u64,
+        worker_timeout_ms: millis(config.worker_timeout),
     });
 
     // The replay.
@@ -1121,7 +1121,7 @@ struct Workers {
 
 impl Workers {
     fn new(timeout: Duration) -> Workers {
-        Workers { timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX), live: HashMap::new() }
+        Workers { timeout_ms: millis(timeout), live: HashMap::new() }
     }
 
     /// The input a change of a worker's key means, if any.
@@ -1137,7 +1137,7 @@ impl Workers {
                 return None;
             }
         };
-        if now.saturating_sub(info.heartbeat_at) > self.timeout_ms {
+        if cluster::heartbeat_expired(info.heartbeat_at, now, self.timeout_ms) {
             return self.live.remove(&worker_id).map(|_| Input::WorkerGone { worker_id });
         }
         match self.live.insert(worker_id.clone(), (info.slots, info.heartbeat_at)) {
@@ -1152,7 +1152,7 @@ impl Workers {
         let mut gone: Vec<String> = self
             .live
             .iter()
-            .filter(|(_, (_, beat))| now.saturating_sub(*beat) > timeout)
+            .filter(|(_, (_, beat))| cluster::heartbeat_expired(*beat, now, timeout))
             .map(|(id, _)| id.clone())
             .collect();
         gone.sort();
@@ -1195,6 +1195,11 @@ async fn watch_workers(
         }
     }
     "the mur_workers watch"
+}
+
+/// `d` in whole milliseconds (saturating).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn now_ms() -> u64 {

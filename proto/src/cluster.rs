@@ -448,7 +448,7 @@ impl ClusterStatus {
                 slots: w.slots,
                 free: w.slots.saturating_sub(w.busy),
                 heartbeat_age_ms: now.saturating_sub(w.heartbeat_at),
-                live: now.saturating_sub(w.heartbeat_at) <= worker_timeout_ms,
+                live: !heartbeat_expired(w.heartbeat_at, now, worker_timeout_ms),
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -564,6 +564,13 @@ pub struct WorkerInfo {
     pub heartbeat_at: u64,
     /// Its murmur version.
     pub version: String,
+}
+
+/// Whether a worker whose last heartbeat was at `heartbeat_at` is silent at `now` (both
+/// unix ms): more than `timeout_ms` has passed. The scheduler gives a silent worker no
+/// dispatch and `cluster.status` shows it so; one rule for both.
+pub fn heartbeat_expired(heartbeat_at: u64, now: u64, timeout_ms: u64) -> bool {
+    now.saturating_sub(heartbeat_at) > timeout_ms
 }
 
 /// The value under a capsule's name in [`CAPSULE_INDEX_BUCKET`]: its latest bundle.

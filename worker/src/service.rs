@@ -1084,10 +1084,18 @@ async fn load_capsule(sh: &Shared, record: &TaskRecord) -> Result<Arc<Capsule>, 
     );
     // The tokenizer its sessions will count with, loaded here (once per loaded capsule) on
     // a blocking thread: a session would load it at its first count, on a runtime thread,
-    // stalling every task sharing that thread for tens of milliseconds (issue #9).
-    let inference = &capsule.manifest.inference;
-    let (driver, model) = (inference.driver.map_or("", |d| d.as_str()), inference.model.clone());
-    let _ = tokio::task::spawn_blocking(move || crate::tokens::preload(driver, model.as_deref())).await;
+    // stalling every task sharing that thread for tens of milliseconds (issue #9). Chosen
+    // as a session chooses it (`launch::build_session_parts`): by its driver's kind; a
+    // driver that cannot be built fails the session, which then counts nothing.
+    let _ = tokio::task::spawn_blocking({
+        let (capsule, dir) = (capsule.clone(), dir.clone());
+        move || {
+            if let Ok(driver) = capsule.driver(&dir) {
+                crate::tokens::preload(driver.kind(), capsule.manifest.inference.model.as_deref());
+            }
+        }
+    })
+    .await;
     let mut loaded = sh.loaded.lock().expect("loaded capsules lock");
     if loaded.len() >= LOADED_CAPSULES {
         loaded.clear();
