@@ -721,7 +721,7 @@ const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on", "on_failure",
 const PARALLEL_KEYS: &[&str] = &["mode", "tracks", "judge", "pre_filter", "partition"];
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct Raw {
     name: Option<String>,
     goal: Option<String>,
@@ -737,7 +737,7 @@ struct Raw {
 }
 
 #[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawLoop {
     trigger: Option<String>,
     done_when: Option<String>,
@@ -747,7 +747,7 @@ struct RawLoop {
 }
 
 #[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawLimits {
     deadline: Option<Text>,
     stuck: Option<Text>,
@@ -772,14 +772,14 @@ impl Text {
 }
 
 #[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawHitl {
     mode: Option<HitlMode>,
     auto_approve_tiers: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawStep {
     id: Option<String>,
     member: Option<String>,
@@ -791,7 +791,7 @@ struct RawStep {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawParallel {
     mode: ParallelMode,
     tracks: Option<Vec<Track>>,

@@ -369,10 +369,12 @@ pub enum Error {
 // not the integer type, produces the message.
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct Raw {
     name: Option<String>,
-    version: Option<Scalar>,
+    /// Read as the scalar's text, quoted or not: an unquoted `1.10` stays `1.10` (YAML's
+    /// number reading would make it 1.1), `1.0` stays `1.0`.
+    version: Option<String>,
     description: Option<String>,
     inference: Option<RawInference>,
     context: Option<RawContext>,
@@ -383,27 +385,8 @@ struct Raw {
     trace: Option<RawTrace>,
 }
 
-/// A YAML scalar that may have been written unquoted (`version: 1.0`).
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum Scalar {
-    S(String),
-    I(i64),
-    F(f64),
-}
-
-impl Scalar {
-    fn into_string(self) -> String {
-        match self {
-            Scalar::S(s) => s,
-            Scalar::I(i) => i.to_string(),
-            Scalar::F(f) => f.to_string(),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawInference {
     transport: Option<Transport>,
     driver: Option<DriverKind>,
@@ -424,7 +407,7 @@ struct RawInference {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawCompaction {
     threshold: Option<f64>,
     model: Option<String>,
@@ -433,7 +416,7 @@ struct RawCompaction {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawContext {
     max_tokens: Option<i64>,
     seed_budget: Option<f64>,
@@ -441,7 +424,7 @@ struct RawContext {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawLifecycle {
     task_acceptance: Option<TaskAcceptance>,
     after_task: Option<AfterTask>,
@@ -452,19 +435,19 @@ struct RawLifecycle {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawCapabilities {
     shell: Option<RawShell>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawShell {
     allow: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawHook {
     name: Option<String>,
     binding: Option<Binding>,
@@ -476,7 +459,7 @@ struct RawHook {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawTool {
     name: Option<String>,
     description: Option<String>,
@@ -486,7 +469,7 @@ struct RawTool {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawTrace {
     capture: Option<Capture>,
 }
@@ -645,7 +628,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
             r.fail("version", "required");
             String::new()
         }
-        Some(v) => v.into_string(),
+        Some(v) => v,
     };
 
     let inference = match raw.inference {

@@ -131,6 +131,21 @@ fn unknown_keys_are_refused_with_their_path() {
 }
 
 #[test]
+fn a_block_of_the_wrong_type_is_named_as_a_mapping_not_an_internal_type() {
+    assert_eq!(
+        parse_err(&format!(
+            "{MINIMAL}loop: 5
+"
+        )),
+        "loop: invalid type: integer `5`, expected a mapping at line 3 column 7"
+    );
+    assert_eq!(
+        parse_err(&format!("{MINIMAL}procedure:\n  - writer\n")),
+        "procedure[0]: invalid type: string \"writer\", expected a mapping at line 4 column 5"
+    );
+}
+
+#[test]
 fn hitl_mode_is_one_of_defer_wait_deny() {
     for m in ["defer", "wait", "deny"] {
         let f = Fleet::parse(&format!("{MINIMAL}hitl:\n  mode: {m}\n")).unwrap();

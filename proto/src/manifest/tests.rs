@@ -163,8 +163,17 @@ fn name_and_version_are_required() {
         rules(y),
         ["name: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"Demo App\""]
     );
-    let y = "name: demo\nversion: 1.0\ninference:\n  driver: scripted\n  script: r.yaml\n";
-    assert_eq!(load(y).unwrap().version, "1");
+}
+
+#[test]
+fn an_unquoted_version_is_kept_as_written_not_read_as_a_number() {
+    // YAML would read an unquoted 1.10 as the number 1.1, and 1.0 as 1.
+    for (written, kept) in
+        [("1.0", "1.0"), ("1.10", "1.10"), ("1", "1"), ("'2.0'", "2.0"), ("1.0.0-rc.1", "1.0.0-rc.1")]
+    {
+        let y = format!("name: demo\nversion: {written}\ninference:\n  driver: scripted\n  script: r.yaml\n");
+        assert_eq!(load(&y).unwrap().version, kept, "version: {written}");
+    }
 }
 
 #[test]
@@ -422,4 +431,10 @@ fn counts_beyond_u32_are_refused_not_wrapped_around() {
     }
     let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 4294967295\n");
     assert_eq!(load(&y).unwrap().inference.max_turns, u32::MAX);
+}
+
+#[test]
+fn a_block_of_the_wrong_type_is_named_as_a_mapping_not_an_internal_type() {
+    let err = load("name: demo\nversion: 1.0.0\ninference: 5\n").unwrap_err().to_string();
+    assert_eq!(err, "inference: invalid type: integer `5`, expected a mapping at line 3 column 12");
 }
