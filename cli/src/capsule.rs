@@ -63,9 +63,17 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
     rt.block_on(async {
         match cmd {
             Command::Push { dirs, conn, json } => {
+                // Every folder is packed (and so checked) before anything is sent: a broken
+                // capsule is refused with its own error, even with no server to reach, and
+                // none of the folders is pushed.
+                let packed = dirs
+                    .iter()
+                    .map(|dir| bundle::pack(dir).with_context(|| format!("packing {}", dir.display())))
+                    .collect::<Result<Vec<_>>>()?;
                 let client = conn.connect("mur capsule push").await?;
-                for dir in dirs {
-                    let r = push_dir(&client, &dir).await?;
+                let (store, index) = stores(&client).await?;
+                for bundle in &packed {
+                    let r = bundle::push(&store, &index, bundle).await?;
                     if json {
                         println!(
                             "{}",

@@ -494,3 +494,40 @@ async fn malformed_dispatches_are_dropped_and_change_nothing_stored() {
     );
     assert_eq!(out.last_json().as_array().unwrap().len(), 2, "no record was made for the bogus dispatches");
 }
+
+/// Invariant 7 for `mur capsule push`: every folder is packed and checked before anything is
+/// sent, so a broken capsule is refused for what it is even with no server to reach, and a
+/// push of several folders of which one is broken stores none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capsule_push_checks_every_folder_before_it_sends_anything() {
+    let broken =
+        TestCapsule::new("name: broken\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: gone.yaml\n", &[]);
+    let good = TestCapsule::new(
+        "name: good\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", "replies:\n  - text: hi\n")],
+    );
+    let (good_dir, broken_dir) = (good.dir().to_str().unwrap(), broken.dir().to_str().unwrap());
+
+    // No server listens on port 9: the capsule's own error comes first.
+    let mut offline = mur_tests::mur::mur();
+    offline.args(["capsule", "push", broken_dir, "--server", "nats://127.0.0.1:9"]);
+    let run = mur_tests::mur::run_blocking(offline).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("inference.script"), "{run:?}");
+    assert!(!run.stderr.contains("127.0.0.1:9"), "no connection was tried: {run:?}");
+
+    let cluster = Procs::start("").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let listed = || async {
+        let run = cluster.mur(&["capsule", "ls", "--json"]).await;
+        (run.code == 0).then(|| serde_json::from_str::<Value>(run.stdout.trim()).unwrap())
+    };
+    assert_eq!(until("the cluster's resources exist", WAIT, listed).await, serde_json::json!([]));
+    let run = cluster.mur(&["capsule", "push", good_dir, broken_dir]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("inference.script"), "{run:?}");
+    assert_eq!(listed().await.unwrap(), serde_json::json!([]), "nothing was pushed, the good folder neither");
+    let run = cluster.mur_ok(&["capsule", "push", good_dir, "--json"]).await;
+    assert_eq!(run.last_json()["name"], "good");
+    assert_eq!(listed().await.unwrap().as_array().unwrap().len(), 1);
+}
