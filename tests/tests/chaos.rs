@@ -448,13 +448,73 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     }
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    // The killed worker's command runs on as an orphan and may still write "end 1"
-    // (before the takeover, which waits for the ack wait). Past the killed run, every
-    // run is "start N" then its own "end N", in order: never two at once.
-    assert_eq!(lines[0], "start 1", "{lines:?}");
-    let skip = if lines.get(1..3) == Some(&["end 1", "start 1"][..]) { 2 } else { 1 };
-    let paired: Vec<(&str, &str)> = lines[skip..].chunks(2).map(|c| (c[0], *c.get(1).unwrap_or(&""))).collect();
-    assert_eq!(paired, [("start 1", "end 1"), ("start 2", "end 2"), ("start 3", "end 3")], "{lines:?}");
+    // The killed worker's command died with it (it never wrote "end 1"); the takeover ran
+    // it again; then every run is "start N" and its own "end N", in order: never two at once.
+    assert_eq!(lines, ["start 1", "start 1", "end 1", "start 2", "end 2", "start 3", "end 3"]);
+}
+
+/// The state letter of `pid` (`Z` for a zombie), `None` once it is gone.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+}
+
+/// Invariant 4 (a turn may run again after a crash, not twice at once): a worker killed
+/// with SIGKILL in the middle of a shell command takes the command's whole process group with
+/// it — the command and what it started in the background — so a takeover's run would be
+/// the only one. A command already detached is left to run out on its own, as
+/// `seeds/session-loop.md` §What a resume reports says of a runtime killed outright.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_foreground_command_dies_with_it_and_a_detached_one_runs_on() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let capsule = TestCapsule::new(
+        "name: lingering\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\nlifecycle:\n  shell_grace_secs: 3\n",
+        &[],
+    );
+    let pids = capsule.dir().join("pids.txt");
+    // Turn 1 detaches after the grace period; turn 2 is in the foreground when the kill comes.
+    let command = |tag: &str| format!("sleep 60 & echo {tag} $$ $! >> {} && sleep 60", pids.display());
+    std::fs::write(
+        capsule.dir().join("r.yaml"),
+        format!(
+            "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"{}\" }} }}]\n  - tool_calls: [{{ name: sh, input: {{ command: \"{}\" }} }}]\n  - text: done\n",
+            command("detached"),
+            command("foreground")
+        ),
+    )
+    .unwrap();
+    cluster.push(capsule.dir()).await;
+    let mut worker = cluster.worker("wkr-doomed", 1);
+    cluster.wait_workers(1).await;
+    let task_id = cluster.submit("lingering", "go", Origin::User).await;
+    let started = |tag: &'static str| {
+        let pids = pids.clone();
+        move || {
+            let pids = pids.clone();
+            async move {
+                let text = std::fs::read_to_string(&pids).ok()?;
+                let line = text.lines().find(|l| l.starts_with(tag))?;
+                Some(line.split_whitespace().skip(1).map(|p| p.parse().unwrap()).collect::<Vec<u32>>())
+            }
+        }
+    };
+    let detached = until("the first command has started", WAIT, started("detached")).await;
+    let foreground = until("the second command has started", WAIT, started("foreground")).await;
+    let running = |pids: &[u32]| pids.iter().all(|&p| matches!(proc_state(p), Some(s) if s != 'Z'));
+    let gone = |pids: &[u32]| pids.iter().all(|&p| matches!(proc_state(p), None | Some('Z')));
+    assert!(running(&foreground) && running(&detached), "the shells and their background sleeps run before the kill");
+    worker.kill9();
+    until("the killed worker's foreground command and its background process are gone", WAIT, || async {
+        gone(&foreground).then_some(())
+    })
+    .await;
+    assert!(running(&detached), "the detached command runs on");
+    // Nothing else ran the task: the record still names the killed worker's run.
+    let record = cluster.record(&task_id).await.unwrap();
+    assert_eq!((record.state, record.worker.as_deref()), (TaskState::Working, Some("wkr-doomed")));
+    // SAFETY: kill(2) takes plain integers; the group is the detached command's own.
+    unsafe { libc::kill(-(detached[0] as libc::pid_t), libc::SIGKILL) };
 }
 
 /// Invariant 7 with a crash in the middle: a malformed dispatch (not JSON) and a dispatch

@@ -5,6 +5,7 @@
 pub mod background;
 pub mod command;
 pub mod fleet;
+pub(crate) mod lifeline;
 pub(crate) mod process;
 pub mod shell;
 

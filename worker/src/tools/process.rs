@@ -4,6 +4,7 @@
 //! group. Children run in their own process group (`process_group(0)`), so the group id is
 //! the child's pid.
 
+use super::lifeline;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -228,20 +229,27 @@ pub(crate) fn kill_group(pgid: u32) -> io::Result<()> {
 }
 
 /// Kills a child's process group when dropped, unless disarmed first: a run whose future is
-/// dropped (its caller gave up on it) leaves no process behind.
+/// dropped (its caller gave up on it) leaves no process behind. While armed, the group is
+/// also tied to this process's life ([`lifeline`]): a worker killed with SIGKILL, which
+/// drops nothing, still leaves no process behind.
 pub(crate) struct GroupGuard {
     pgid: Option<u32>,
+    tie: Option<lifeline::Tie>,
 }
 
 impl GroupGuard {
-    /// Guards group `pgid` (the child's pid; `None` when the child has no pid any more).
+    /// Guards group `pgid` (the child's pid; `None` when the child has no pid any more) and
+    /// ties it to this process's life.
     pub fn new(pgid: Option<u32>) -> Self {
-        GroupGuard { pgid }
+        GroupGuard { pgid, tie: pgid.map(lifeline::tie) }
     }
 
-    /// Leaves the group alone on drop.
+    /// Leaves the group alone on drop and unties it: call it once the group's leader has
+    /// been reaped (after which its id may be reused), or when a detached command's drain
+    /// takes the group over (detached commands are not tied, see [`lifeline`]).
     pub fn disarm(&mut self) {
         self.pgid = None;
+        self.tie = None;
     }
 }
 
@@ -250,6 +258,7 @@ impl Drop for GroupGuard {
         if let Some(pgid) = self.pgid {
             let _ = kill_group(pgid);
         }
+        // `tie` is dropped after this, once the group is killed.
     }
 }
 

@@ -1,0 +1,151 @@
+//! Ties the process groups of this process's foreground children — shell and command tool
+//! calls in progress, hooks, a process-transport model — to its life: when the process ends,
+//! however it ends (`kill -9` included), every group still tied is killed.
+//!
+//! Children run in process groups of their own (`process_group(0)`, see `process.rs`), so a
+//! signal to the worker does not reach them, and a worker that dies without cleaning up
+//! would leave them running, adopted by init. For a cluster worker that is a duplicate run:
+//! the task is taken over elsewhere and the turn in flight runs again (`DESIGN.md`
+//! §Invariants 4 allows a turn to run again after a crash), its command started beside the
+//! orphan. `PR_SET_PDEATHSIG` does not serve: it fires when the parent *thread* ends, and
+//! tokio's blocking threads come and go.
+//!
+//! A detached command is untied when it moves to the background: its turn has carried on,
+//! and of a runtime killed outright `seeds/session-loop.md` §What a resume reports says the
+//! command "is left to run out on its own".
+//!
+//! The reaper is one small `sh` per process, started at the first tie, in a process group of
+//! its own (a Ctrl-C to the worker's group does not kill it first). It reads `+ <pgid>` and
+//! `- <pgid>` lines on its stdin, whose only writer is this process; when the pipe closes —
+//! this process exited or was killed — it sends SIGKILL to every group still tied, then
+//! exits. A group is untied once its leader has been reaped (after which its id may be
+//! reused), so the reaper never signals a group that is not ours; a stray background
+//! process that a finished command left in its group is not tied any more.
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+/// The reaper: a POSIX `sh` program. `$g` holds the tied groups as ` 12 34 `.
+const REAPER: &str = r#"g=' '
+while read -r op id; do
+  case $op in
+    +) g="$g$id " ;;
+    -) case $g in *" $id "*) g="${g%%" $id "*} ${g#*" $id "}" ;; esac ;;
+  esac
+done
+for id in $g; do kill -s KILL -- "-$id" 2>/dev/null; done
+exit 0
+"#;
+
+/// The reaper's stdin; `None` once it could not be started or written to (logged once).
+fn reaper() -> &'static Mutex<Option<ChildStdin>> {
+    static REAPER_STDIN: OnceLock<Mutex<Option<ChildStdin>>> = OnceLock::new();
+    REAPER_STDIN.get_or_init(|| {
+        let started = Command::new("sh")
+            .args(["-c", REAPER])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn();
+        // The child is never waited for: it exits only after this process has.
+        let stdin = match started {
+            Ok(mut child) => child.stdin.take(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the reaper: child processes will outlive a killed worker");
+                None
+            }
+        };
+        Mutex::new(stdin)
+    })
+}
+
+fn tell(line: &str) {
+    let mut stdin = reaper().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(pipe) = stdin.as_mut()
+        && let Err(e) = pipe.write_all(line.as_bytes())
+    {
+        tracing::warn!(error = %e, "the reaper is gone: child processes will outlive a killed worker");
+        *stdin = None;
+    }
+}
+
+/// A process group tied to this process's life, from [`tie`] until dropped. Drop it once
+/// the group's leader has been reaped (or the group killed).
+#[derive(Debug)]
+pub(crate) struct Tie {
+    pgid: u32,
+}
+
+/// Ties group `pgid` (a child's pid, the child started with `process_group(0)`) to this
+/// process's life: if this process ends while the [`Tie`] lives, the group is killed.
+pub(crate) fn tie(pgid: u32) -> Tie {
+    tell(&format!("+ {pgid}\n"));
+    Tie { pgid }
+}
+
+impl Drop for Tie {
+    fn drop(&mut self) {
+        tell(&format!("- {}\n", self.pgid));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn alive(pid: u32) -> bool {
+        // A zombie counts as gone: it has exited and waits only to be reaped.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+            .is_some_and(|state| state != 'Z')
+    }
+
+    fn until(what: &str, mut done: impl FnMut() -> bool) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < end, "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn group(script: &str) -> std::process::Child {
+        Command::new("sh").args(["-c", script]).process_group(0).spawn().unwrap()
+    }
+
+    /// Runs the reaper program by hand, as this process runs it, with a pipe this test can
+    /// close as a killed worker's would close.
+    fn reaper_process() -> std::process::Child {
+        Command::new("sh").args(["-c", REAPER]).stdin(Stdio::piped()).process_group(0).spawn().unwrap()
+    }
+
+    #[test]
+    fn groups_still_tied_die_when_the_reapers_pipe_closes_and_untied_ones_live() {
+        let mut reaper = reaper_process();
+        let mut tied = group("sleep 60 & sleep 60; :");
+        let mut untied = group("sleep 60");
+        let (tied_pid, untied_pid) = (tied.id(), untied.id());
+        {
+            let stdin = reaper.stdin.as_mut().unwrap();
+            write!(stdin, "+ {tied_pid}\n+ {untied_pid}\n+ 99999999\n- {untied_pid}\n").unwrap();
+        }
+        // The tied group's background `sleep` (a grandchild) is a member too.
+        let grandchild = || {
+            std::fs::read_to_string(format!("/proc/{tied_pid}/task/{tied_pid}/children"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()))
+        };
+        until("the tied command has forked", || grandchild().is_some());
+        let sleeper = grandchild().unwrap();
+        drop(reaper.stdin.take()); // as when the worker dies
+        assert!(reaper.wait().unwrap().success());
+        until("the tied group is dead", || tied.try_wait().unwrap().is_some() && !alive(sleeper));
+        assert!(alive(untied_pid), "an untied group is left alone");
+        untied.kill().unwrap();
+        untied.wait().unwrap();
+    }
+}
