@@ -158,6 +158,62 @@ async fn cancel_reaches_a_running_task_within_one_progress_interval() {
     assert_eq!((w.state, w.session_id, w.started_at), (TaskState::Canceled, None, None));
 }
 
+/// Issue #8 §Cancel with a hook under way: a task cancelled while its `on-task-start` hook
+/// runs ends `canceled` within one progress interval; the hook's process group is killed and
+/// the session's `on-session-end` hook does not hold the end up either (each is one
+/// `hook_dispatch_error`, "the task was cancelled").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reaches_a_task_whose_hook_is_running() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 1);
+    let hook = "  - name: {name}\n    binding: {binding}\n    command: [sh, -c, 'cat > /dev/null; echo $$ >> pids; sleep 60 & sleep 60']\n    timeout_secs: 200\n";
+    let capsule = TestCapsule::new(
+        &format!(
+            "name: hooked\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\nhooks:\n{}{}",
+            hook.replace("{name}", "start").replace("{binding}", "on-task-start"),
+            hook.replace("{name}", "end").replace("{binding}", "on-session-end")
+        ),
+        &[("r.yaml", "replies:\n  - text: never\n")],
+    );
+    let pids = capsule.dir().join("pids");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let task = cluster.submit("hooked", "go", Origin::User).await;
+    // The hook runs in the worker's copy of the bundle, not in this folder: find its pid file.
+    let hook_pid: u32 = until("the on-task-start hook runs", WAIT, || async {
+        walk(cluster.dir())
+            .into_iter()
+            .find(|p| p.ends_with("pids"))
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|t| t.lines().next().and_then(|l| l.trim().parse().ok()))
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    cluster.mur_ok(&["task", "cancel", &task]).await;
+    let record = cluster.wait_record(&task, WAIT, |r| r.state.is_terminal()).await;
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(1) + Duration::from_millis(900), "the cancel took {took:?}");
+    assert_eq!((record.state, record.result.as_deref()), (TaskState::Canceled, Some("canceled")));
+    until("the hook's process is gone", WAIT, || async {
+        matches!(proc_state(hook_pid), None | Some('Z')).then_some(())
+    })
+    .await;
+    // The session's lines (hook lines carry the session id, not the task id).
+    let session = record.session_id.clone().unwrap();
+    let all = mur_tests::nats::stream_json(&cluster.client, cluster::TRACE_STREAM, None).await;
+    let trace: Vec<Value> = all.into_iter().filter(|l| l["session_id"] == session.as_str()).collect();
+    let errors: Vec<(&str, &str)> = of_type(&trace, "hook_dispatch_error")
+        .iter()
+        .map(|l| (l["hook_name"].as_str().unwrap(), l["message"].as_str().unwrap()))
+        .collect();
+    let types: Vec<&str> = trace.iter().map(|l| l["event_type"].as_str().unwrap_or("?")).collect();
+    assert_eq!(errors.len(), 2, "{errors:?} {types:?}");
+    assert!(errors.iter().all(|(_, m)| m.contains("the task was cancelled")), "{errors:?}");
+    assert_eq!(of_type(&trace, "inference").len(), 0, "no model call after the cancel");
+    assert!(!pids.exists(), "the hooks ran in the worker's bundle copy");
+}
+
 /// Every local `task_start` line of `task_id` in the workers' session folders under `dir`.
 fn local_task_starts(dir: &std::path::Path, task_id: &str) -> Vec<Value> {
     let mut out = Vec::new();

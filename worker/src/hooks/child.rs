@@ -26,6 +26,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufRead
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// The largest answer read from a hook, in bytes (one-shot stdout, or one persistent
 /// line); a longer one is an [`Error::BadAnswer`].
@@ -57,16 +58,42 @@ pub(crate) fn label_text(label: &Label) -> String {
     label.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// A signal to abandon calls under way: the hooks are being stopped. Once raised, a call
-/// kills its process, waits for it and returns nothing.
+/// A signal to abandon calls under way: the hooks are being stopped, or the task the call
+/// serves was cancelled. Once raised, a call kills its process, waits for it and returns
+/// nothing.
 #[derive(Clone)]
-pub(crate) struct Stop(pub watch::Receiver<bool>);
+pub(crate) struct Stop {
+    /// Raised when the hooks are stopped (drain, shutdown).
+    hooks: watch::Receiver<bool>,
+    /// Fired when the task the calls serve is cancelled (or runs out of time).
+    task: Option<CancellationToken>,
+}
 
 impl Stop {
-    /// Resolves once stopping is asked for; never when the sender is gone without asking.
+    /// Stops with the hooks only.
+    pub fn hooks(hooks: watch::Receiver<bool>) -> Stop {
+        Stop { hooks, task: None }
+    }
+
+    /// Stops with the hooks or when `task` fires.
+    pub fn task(hooks: watch::Receiver<bool>, task: CancellationToken) -> Stop {
+        Stop { hooks, task: Some(task) }
+    }
+
+    /// Resolves once stopping is asked for; never when the sender is gone without asking
+    /// and no task token fires.
     pub async fn stopped(&mut self) {
-        if self.0.wait_for(|stop| *stop).await.is_err() {
-            std::future::pending::<()>().await;
+        let hooks = async {
+            if self.hooks.wait_for(|stop| *stop).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        match &self.task {
+            Some(task) => tokio::select! {
+                () = hooks => {}
+                () = task.cancelled() => {}
+            },
+            None => hooks.await,
         }
     }
 }

@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use mur_proto::hook::{Answer, Envelope, Event};
 use mur_proto::message::Message;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// Why a hook produced no answer.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -95,7 +96,16 @@ pub struct Fault {
 pub trait Hooks: Send + Sync {
     /// Delivers `event` to every hook bound to it: blocking hooks one after another in
     /// manifest order (their replies returned in that order), async hooks enqueued.
-    async fn dispatch(&self, session_id: &str, event: &Event) -> Vec<Reply>;
+    async fn dispatch(&self, session_id: &str, event: &Event) -> Vec<Reply> {
+        self.dispatch_until(session_id, event, &CancellationToken::new()).await
+    }
+
+    /// [`Hooks::dispatch`] for a task that may be cancelled: once `cancel` fires, the
+    /// blocking hook under way is killed (its whole process group) and no further one
+    /// starts; each of them replies [`Error::Died`] ("the task was cancelled"). A cancel
+    /// reaches a running task within one progress interval (issue #8 §Cancel), hooks
+    /// included.
+    async fn dispatch_until(&self, session_id: &str, event: &Event, cancel: &CancellationToken) -> Vec<Reply>;
 
     /// Faults of async hooks collected since the last call.
     fn take_faults(&self) -> Vec<Fault>;
@@ -110,7 +120,7 @@ pub struct NoHooks;
 
 #[async_trait]
 impl Hooks for NoHooks {
-    async fn dispatch(&self, _: &str, _: &Event) -> Vec<Reply> {
+    async fn dispatch_until(&self, _: &str, _: &Event, _: &CancellationToken) -> Vec<Reply> {
         Vec::new()
     }
     fn take_faults(&self) -> Vec<Fault> {

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, mpsc, watch};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// Events an async hook's queue holds (`reference/murmur-runtime.md` §3 "Async": FIFO
 /// queue depth 1024).
@@ -169,7 +170,7 @@ impl ProcessHooks {
                 index,
                 rx,
                 pending.clone(),
-                Stop(self.inner.stop.subscribe()),
+                Stop::hooks(self.inner.stop.subscribe()),
             ));
             Queue { tx, pending, task }
         });
@@ -410,7 +411,7 @@ fn encode(envelope: &Envelope) -> Result<Vec<u8>, Error> {
 
 #[async_trait]
 impl Hooks for ProcessHooks {
-    async fn dispatch(&self, session_id: &str, event: &Event) -> Vec<Reply> {
+    async fn dispatch_until(&self, session_id: &str, event: &Event, cancel: &CancellationToken) -> Vec<Reply> {
         let binding = event.binding();
         let envelope = |runner: &Runner| Envelope {
             version: VERSION,
@@ -419,14 +420,23 @@ impl Hooks for ProcessHooks {
             event: event.clone(),
         };
         let mut replies = Vec::new();
-        let mut stop = Stop(self.inner.stop.subscribe());
+        let mut stop = Stop::task(self.inner.stop.subscribe(), cancel.clone());
         for runner in self.inner.runners.iter().filter(|r| r.receives(binding)) {
             if runner.hook.execution_mode != ExecutionMode::Blocking {
                 continue;
             }
-            let (answer, spend_refused) = match runner.call(&self.inner, envelope(runner), &mut stop).await {
-                Some(out) => out,
-                None => (Err(Error::Died("the hooks are being stopped".into())), false),
+            let stopped = || {
+                let why = if cancel.is_cancelled() { "the task was cancelled" } else { "the hooks are being stopped" };
+                (Err(Error::Died(why.into())), false)
+            };
+            // A cancelled task starts no further hook; one under way is killed.
+            let (answer, spend_refused) = if cancel.is_cancelled() {
+                stopped()
+            } else {
+                match runner.call(&self.inner, envelope(runner), &mut stop).await {
+                    Some(out) => out,
+                    None => stopped(),
+                }
             };
             replies.push(Reply { hook: runner.hook.name.clone(), answer, spend_refused });
         }

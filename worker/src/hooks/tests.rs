@@ -706,3 +706,34 @@ print(json.dumps({"action": "reopen-task", "reason": " ".join(codes)}))
     let reply = hooks.dispatch(SID, &task_end(1)).await.remove(0);
     assert_eq!(reason(&reply), "404 422");
 }
+
+#[tokio::test]
+async fn a_cancel_kills_the_blocking_hook_under_way_and_starts_no_further_one() {
+    let c = Capsule::new();
+    let slow = vec!["sh".to_string(), "-c".into(), "echo $$ > pid; sleep 60 & sleep 60".into()];
+    let after = vec!["sh".to_string(), "-c".into(), "touch ran; echo '{\"action\":\"none\"}'".into()];
+    let hooks = c.hooks(vec![hook("slow", None, &args(&slow)), hook("after", None, &args(&after))]);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let event = task_end(1);
+    let dispatched = hooks.dispatch_until(SID, &event, &cancel);
+    let fire = async {
+        wait_until("the slow hook has started", || c.path("pid").exists() && !c.read("pid").is_empty()).await;
+        let started = Instant::now();
+        cancel.cancel();
+        started
+    };
+    let (replies, cancelled_at) = tokio::join!(dispatched, fire);
+    assert!(
+        cancelled_at.elapsed() < Duration::from_secs(5),
+        "the dispatch ended {:?} after the cancel",
+        cancelled_at.elapsed()
+    );
+    let died = Err(Error::Died("the task was cancelled".into()));
+    assert_eq!(names(&replies), ["slow", "after"]);
+    assert_eq!([replies[0].answer.clone(), replies[1].answer.clone()], [died.clone(), died]);
+    assert_gone(c.pid("pid")).await;
+    assert!(!c.path("ran").exists(), "no hook starts after the cancel");
+    // Hooks dispatched without a cancel still run.
+    assert_eq!(hooks.dispatch(SID, &task_end(2)).await[1].answer, Ok(Answer::None));
+    assert!(c.path("ran").exists());
+}

@@ -210,6 +210,11 @@ pub struct Session {
     last_exit: ExitStatus,
     started: Instant,
     ended: bool,
+    /// The stop of the task running (or last run): fired by its cancel or its inherited
+    /// deadline. Blocking hooks are dispatched under it, so a cancelled task's hook under
+    /// way is killed and none starts after it — `on-session-end` of a session whose last
+    /// task was cancelled included (issue #8 §Cancel).
+    task_stop: CancellationToken,
 }
 
 /// Why a compaction ended the session.
@@ -238,6 +243,7 @@ impl Session {
             last_exit: ExitStatus::Ok,
             started: Instant::now(),
             ended: false,
+            task_stop: CancellationToken::new(),
         };
         if session.wants(Binding::OnStage) {
             let sid = session.session_id();
@@ -317,7 +323,7 @@ impl Session {
     /// async fault collected so far, and returns the replies.
     async fn dispatch(&self, event: HookEvent) -> Result<Vec<Reply>, trace::Error> {
         let binding = event.binding();
-        let replies = self.parts.hooks.dispatch(&self.session_id(), &event).await;
+        let replies = self.parts.hooks.dispatch_until(&self.session_id(), &event, &self.task_stop).await;
         for r in &replies {
             if let Err(e) = &r.answer {
                 self.emit(Event::HookDispatchError {
@@ -476,6 +482,7 @@ impl Session {
             None => cancel,
         };
         let _timer = timer;
+        self.task_stop = cancel.clone();
         let started = Instant::now();
         let m = self.cfg.manifest.clone();
         *self.parts.position.task_id.lock().expect("position lock") = Some(task.task_id.clone());
@@ -994,7 +1001,10 @@ impl Session {
             })
             .await?;
         }
-        let faults = self.parts.hooks.drain(DRAIN_DEADLINE).await;
+        // A cancelled task's session waits for no async hook either: stragglers are killed
+        // and reported at once.
+        let drain = if self.task_stop.is_cancelled() { Duration::ZERO } else { DRAIN_DEADLINE };
+        let faults = self.parts.hooks.drain(drain).await;
         self.flush_faults(faults)?;
         self.finish(Some(exit_status))
     }
