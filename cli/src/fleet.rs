@@ -12,6 +12,7 @@ use mur_proto::fleet_store::{
     AnswerRequest, CancelRequest, ChannelEvent, DefineReply, DefineRequest, FleetInfo, FleetRef, FleetSummary,
     JobsRequest, LogRequest, SendRequest, SetLoopRequest, StopRequest, StopState, api,
 };
+use mur_proto::page::Page;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::path::PathBuf;
@@ -335,8 +336,15 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Jobs { name, all, since, common } => {
-            let jobs: Vec<Job> =
+            let page: Page<Job> =
                 request(&common, "mur fleet jobs", api::JOBS, &JobsRequest { fleet: name.clone(), all, since })?;
+            crate::task::page_notes(
+                &page,
+                "jobs",
+                "narrow the list with --since RUN_ID_PREFIX, or without --all",
+                None,
+            );
+            let jobs = page.items;
             if common.json {
                 return print_json(&jobs).map(|()| ExitCode::SUCCESS);
             }
@@ -676,7 +684,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             if let Some(last) = events.last() {
                 seen = last.seq;
             }
-            let jobs: Vec<Job> = call(
+            let jobs: Vec<Job> = call::<Page<Job>>(
                 &client,
                 api::JOBS,
                 serde_json::to_vec(&JobsRequest {
@@ -686,6 +694,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 })?,
             )
             .await
+            .map(|page| page.items)
             .unwrap_or_default();
             let blocked = jobs.iter().any(|j| j.status == mur_proto::fleet::JobStatus::Blocked);
             let changed = view.follow.set_blocked(blocked);

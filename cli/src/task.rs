@@ -5,6 +5,7 @@
 use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
 use mur_proto::cluster::{SubmitReply, SubmitRequest, TaskRecord, api};
+use mur_proto::page::Page;
 use mur_proto::task::Origin;
 use mur_worker::a2a::client::{self, SendOptions};
 use mur_worker::a2a::v1;
@@ -128,10 +129,12 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         Command::Ls { state, limit, conn, json } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let body = serde_json::to_vec(&json!({"state": state, "limit": limit}))?;
-            let recs: Vec<TaskRecord> = rt.block_on(async {
+            let page: Page<TaskRecord> = rt.block_on(async {
                 let client = conn.connect("mur task ls").await?;
                 call(&client, api::TASK_LIST, body).await
             })?;
+            page_notes(&page, "tasks", "narrow the list with --state or --limit", Some("mur task status ID"));
+            let recs = page.items;
             if json {
                 println!("{}", serde_json::to_string(&recs)?);
             } else {
@@ -158,6 +161,23 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// Says on stderr what a list reply left out: the items that did not fit (`more`) and the
+/// ones whose long fields were clipped (see `proto/src/page.rs`).
+pub fn page_notes<T>(page: &Page<T>, what: &str, narrow: &str, whole: Option<&str>) {
+    if page.more {
+        eprintln!("note: only the first {} {what} fit in one reply; {narrow}", page.items.len());
+    }
+    if !page.clipped.is_empty() {
+        let whole = whole.map(|w| format!("; `{w}` shows one whole")).unwrap_or_default();
+        eprintln!(
+            "note: long texts clipped to {} bytes in {} of them: {}{whole}",
+            mur_proto::page::FIELD_BYTES,
+            page.clipped.len(),
+            page.clipped.join(", "),
+        );
     }
 }
 

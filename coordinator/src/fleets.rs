@@ -25,6 +25,7 @@ use mur_proto::fleet_store::{
     FleetRef, FleetSummary, JobsRequest, LogRequest, SendRequest, Sentinel, SetLoopRequest, StopRequest, StopState,
     api,
 };
+use mur_proto::page::{self, Page};
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 
@@ -533,11 +534,16 @@ impl Fleets {
         Ok(job)
     }
 
-    /// `fleet.jobs`.
-    async fn list_jobs(&self, req: JobsRequest) -> Result<Vec<Job>, ApiError> {
+    /// `fleet.jobs`: oldest first, fitted into one reply ([`page::fit`]: long texts,
+    /// results and errors clipped, the newest left out when they do not fit).
+    async fn list_jobs(&self, req: JobsRequest) -> Result<Page<Job>, ApiError> {
         self.definition(&req.fleet).await?;
         let filter = JobFilter { all: req.all, since: req.since };
-        Ok(self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j)).collect())
+        let jobs = self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j));
+        Ok(page::fit(jobs, self.js.client().server_info().max_payload, |j| {
+            let fields = [Some(&mut j.text), j.result.as_mut(), j.error.as_mut()];
+            page::clip_fields(fields.into_iter().flatten()).then(|| j.id.clone())
+        }))
     }
 
     /// The id of `fleet`'s job named by `wanted`: its id, or a prefix naming one job.

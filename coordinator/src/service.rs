@@ -71,6 +71,7 @@ use mur_proto::cluster::{
     self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, Released, SubmitReply, SubmitRequest,
     TaskRecord, TaskRef, WorkerInfo,
 };
+use mur_proto::page::{self, Page};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
 use mur_worker::trace_context;
@@ -676,8 +677,10 @@ impl Ctx {
     }
 
     /// `task.list`: newest first, at most the request's `limit` (1 to [`LIST_LIMIT`],
-    /// default [`LIST_LIMIT`]; anything else is refused naming the field).
-    async fn list(&self, body: &[u8]) -> Result<Vec<TaskRecord>, ApiError> {
+    /// default [`LIST_LIMIT`]; anything else is refused naming the field), fitted into one
+    /// reply ([`page::fit`]: long texts, results and errors clipped, the oldest left out
+    /// when they do not fit, and the page says so).
+    async fn list(&self, body: &[u8]) -> Result<Page<TaskRecord>, ApiError> {
         let filter: ListRequest = if body.iter().all(u8::is_ascii_whitespace) {
             ListRequest::default()
         } else {
@@ -692,7 +695,11 @@ impl Ctx {
         records.retain(|r| filter.state.is_none_or(|s| s == r.state));
         records.sort_by(|a, b| (b.submitted_at, &b.task_id).cmp(&(a.submitted_at, &a.task_id)));
         records.truncate(limit);
-        Ok(records)
+        let max_payload = self.js.client().server_info().max_payload;
+        Ok(page::fit(records, max_payload, |r| {
+            let fields = [Some(&mut r.text), r.result.as_mut(), r.error.as_mut()];
+            page::clip_fields(fields.into_iter().flatten()).then(|| r.task_id.clone())
+        }))
     }
 
     /// `task.cancel` (issue #8 §Cancel): a task still waiting in its lane becomes

@@ -79,7 +79,8 @@ pub mod api {
     pub const TASK_SUBMIT: &str = "mur.api.task.submit";
     /// [`super::TaskRef`] → [`super::TaskRecord`].
     pub const TASK_GET: &str = "mur.api.task.get";
-    /// Empty request → a JSON array of [`super::TaskRecord`].
+    /// Empty request, or `{"state": …, "limit": …}` → a [`crate::page::Page`] of
+    /// [`super::TaskRecord`]s, newest first, fitted into one message.
     pub const TASK_LIST: &str = "mur.api.task.list";
     /// [`super::TaskRef`] → [`super::TaskRecord`] (its state after the cancel).
     pub const TASK_CANCEL: &str = "mur.api.task.cancel";

@@ -93,7 +93,8 @@ pub mod api {
     pub const REMOVE: &str = "mur.api.fleet.rm";
     /// [`super::SendRequest`] → the queued [`crate::fleet::Job`].
     pub const SEND: &str = "mur.api.fleet.send";
-    /// [`super::JobsRequest`] → a JSON array of [`crate::fleet::Job`], oldest first.
+    /// [`super::JobsRequest`] → a [`crate::page::Page`] of [`crate::fleet::Job`]s, oldest
+    /// first, fitted into one message.
     pub const JOBS: &str = "mur.api.fleet.jobs";
     /// [`super::CancelRequest`] → the canceled [`crate::fleet::Job`].
     pub const CANCEL: &str = "mur.api.fleet.cancel";

@@ -12,6 +12,7 @@ pub mod ids;
 pub mod lanes;
 pub mod manifest;
 pub mod message;
+pub mod page;
 pub mod task;
 pub mod trace;
 

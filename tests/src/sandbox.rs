@@ -71,8 +71,13 @@ impl Sandbox {
     pub async fn wait_ready(&self, workers: usize) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            let answered =
-                mur_coordinator::api::call::<Vec<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new()).await.is_ok();
+            let answered = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(
+                &self.client,
+                api::TASK_LIST,
+                Vec::new(),
+            )
+            .await
+            .is_ok();
             let js = async_nats::jetstream::new(self.client.clone());
             let registered = match js.get_key_value(mur_proto::cluster::WORKERS_BUCKET).await {
                 Ok(kv) => match kv.keys().await {

@@ -1185,6 +1185,36 @@ async fn a_restarted_coordinator_keeps_lane_order_and_dispatches_nothing_twice()
     Ok(())
 }
 
+/// A list reply is one NATS message (1 MiB at most here) while one task's text may be
+/// nearly that: `task.list` clips long texts to `page::FIELD_BYTES` and says which, so three
+/// tasks of 900 KB each still list (they did not: the reply was refused by the server and
+/// `mur task ls` timed out), and `task.get` still gives each one whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_with_texts_near_the_payload_limit_are_listed_clipped_and_got_whole() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let _coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let big = "é".repeat(450_000);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(submit(&client, "greeter", &big, "user").await?);
+    }
+    let small = submit(&client, "greeter", "small", "user").await?;
+    let page: mur_proto::page::Page<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, "").await?;
+    assert!(!page.more);
+    let listed: Vec<&str> = page.items.iter().map(|r| r.task_id.as_str()).collect();
+    assert_eq!(listed, [small.as_str(), ids[2].as_str(), ids[1].as_str(), ids[0].as_str()]);
+    let clipped: Vec<&str> = ids.iter().rev().map(String::as_str).collect();
+    assert_eq!(page.clipped, clipped);
+    for r in &page.items[1..] {
+        assert_eq!(r.text, format!("{}…", "é".repeat(mur_proto::page::FIELD_BYTES / 2)));
+    }
+    assert_eq!(page.items[0].text, "small");
+    assert_eq!(get(&client, &ids[0]).await?.text, big, "a task is got whole");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     let server = NatsServer::start();
@@ -1215,19 +1245,26 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     let err = api::call::<TaskRecord>(&client, cluster::api::TASK_CANCEL, a.clone()).await.unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::Conflict);
 
-    let list: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, "").await?;
+    let list = api::call::<mur_proto::page::Page<TaskRecord>>(&client, cluster::api::TASK_LIST, "").await?.items;
     let ids: Vec<&str> = list.iter().map(|r| r.task_id.as_str()).collect();
     assert_eq!(ids, [c.as_str(), b.as_str(), a.as_str()], "newest first");
-    let waiting: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, r#"{"state":"submitted"}"#).await?;
+    let waiting =
+        api::call::<mur_proto::page::Page<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"submitted"}"#)
+            .await?
+            .items;
     assert_eq!(waiting.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), [c.as_str(), b.as_str()]);
-    let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"bogus"}"#).await.unwrap_err();
+    let err = api::call::<mur_proto::page::Page<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"state":"bogus"}"#)
+        .await
+        .unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
     // `limit`: the newest N; 0 or over 1000 is refused naming the field.
-    let newest: Vec<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, r#"{"limit":2}"#).await?;
+    let newest =
+        api::call::<mur_proto::page::Page<TaskRecord>>(&client, cluster::api::TASK_LIST, r#"{"limit":2}"#).await?.items;
     assert_eq!(newest.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), [c.as_str(), b.as_str()]);
     for bad in [0, 1001] {
         let body = format!(r#"{{"limit":{bad}}}"#);
-        let err = api::call::<Vec<TaskRecord>>(&client, cluster::api::TASK_LIST, body).await.unwrap_err();
+        let err =
+            api::call::<mur_proto::page::Page<TaskRecord>>(&client, cluster::api::TASK_LIST, body).await.unwrap_err();
         assert_eq!(
             (err.code, err.message),
             (cluster::ErrorCode::InvalidRequest, format!("limit: must be 1 to 1000, got {bad}"))

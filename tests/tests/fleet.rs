@@ -689,8 +689,14 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     let job = &jobs[0];
     assert_eq!(job["status"], "failed");
     assert_eq!(job["result"], "stopped: the deadline inherited from the fleet loop passed");
-    let tasks: Vec<mur_proto::cluster::TaskRecord> =
-        mur_coordinator::api::call(&sb.client, mur_proto::cluster::api::TASK_LIST, "").await.unwrap();
+    let tasks = mur_coordinator::api::call::<mur_proto::page::Page<mur_proto::cluster::TaskRecord>>(
+        &sb.client,
+        mur_proto::cluster::api::TASK_LIST,
+        "",
+    )
+    .await
+    .unwrap()
+    .items;
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].exit_status, Some(mur_proto::ExitStatus::DeadlineExceeded));
     assert_eq!(tasks[0].origin, mur_proto::task::Origin::Peer);
@@ -737,4 +743,24 @@ async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_route
         "{result}"
     );
     sb.shutdown().await;
+}
+
+/// `fleet.jobs` answers in one NATS message (1 MiB here) while a job's text may be up to
+/// 1 MiB: twelve jobs of 100 KB each list with their texts clipped, and the CLI says which
+/// (before, the reply was refused by the server and `mur fleet jobs` timed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_long_texts_list_clipped() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let text = "x".repeat(100_000);
+    let ids: Vec<String> = (0..12).map(|_| ok(&sb, &["send", "pair", &text]).stdout.trim().to_string()).collect();
+    let run = ok(&sb, &["jobs", "pair", "--json"]);
+    let jobs = run.last_json();
+    let listed: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap()).collect();
+    assert_eq!(listed, ids.iter().map(String::as_str).collect::<Vec<_>>(), "oldest first, all of them");
+    let clipped = format!("{}…", "x".repeat(mur_proto::page::FIELD_BYTES));
+    assert!(jobs.as_array().unwrap().iter().all(|j| j["text"] == clipped.as_str()));
+    assert_eq!(run.stderr, format!("note: long texts clipped to 4096 bytes in 12 of them: {}\n", ids.join(", ")));
+    Ok(())
 }

@@ -63,7 +63,10 @@ async fn wait_step_working(procs: &Procs, job_id: &str) -> String {
         if j["status"] != "running" {
             return None;
         }
-        let tasks: Vec<TaskRecord> = mur_coordinator::api::call(&procs.client, api::TASK_LIST, "").await.ok()?;
+        let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+            .await
+            .ok()?
+            .items;
         tasks.iter().any(|t| t.state == TaskState::Working).then(|| j["run_id"].as_str().unwrap().to_string())
     })
     .await

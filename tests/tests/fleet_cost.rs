@@ -135,7 +135,10 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     let run = mur(&procs, &["fleet", "run", "est"]).await;
     assert_eq!(run.code, 0, "{run:?}");
     let run_id = run.stdout.trim().to_string();
-    let tasks: Vec<TaskRecord> = mur_coordinator::api::call(&procs.client, api::TASK_LIST, "").await.unwrap();
+    let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+        .await
+        .unwrap()
+        .items;
     assert_eq!(tasks.len(), 1);
     let usage = tasks[0].usage.clone().expect("the terminal record carries usage");
     let trace = procs.trace_of(&tasks[0].task_id).await;

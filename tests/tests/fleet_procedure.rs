@@ -53,7 +53,7 @@ fn define(sb: &Sandbox, yaml: &str) {
 }
 
 async fn tasks(sb: &Sandbox) -> Vec<TaskRecord> {
-    mur_coordinator::api::call(&sb.client, api::TASK_LIST, "").await.unwrap()
+    mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&sb.client, api::TASK_LIST, "").await.unwrap().items
 }
 
 fn jobs(sb: &Sandbox, name: &str) -> Vec<Value> {
