@@ -33,16 +33,45 @@ pub enum Command {
 pub struct Args {
     /// Session: omitted = latest; a full id; a unique suffix; or a path.
     session: Option<String>,
-    /// Where sessions live.
-    #[arg(long, value_name = "DIR", default_value = "workdir")]
-    workdir: PathBuf,
+    /// Where sessions live [default: workdir].
+    #[arg(long, value_name = "DIR", conflicts_with = "server")]
+    workdir: Option<PathBuf>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Read the session from a cluster's trace stream at this NATS URL (also NATS_URL)
-    /// instead of a local workdir.
-    #[arg(long = "server", env = "NATS_URL", value_name = "URL")]
+    /// Read the session from a cluster's trace stream at this NATS URL instead of a local
+    /// workdir. Without it, NATS_URL is used when set, unless --workdir is given or SESSION
+    /// is a path.
+    #[arg(long = "server", value_name = "URL")]
     server: Option<String>,
+}
+
+/// Where [`Args`] reads the session from.
+#[derive(Debug, PartialEq, Eq)]
+enum Source {
+    /// The cluster's trace stream at this NATS URL.
+    Cluster(String),
+    /// A local workdir.
+    Local(PathBuf),
+}
+
+impl Args {
+    /// `--server`, else `--workdir`, else a SESSION that is a path (local), else NATS_URL
+    /// when set, else the local `workdir`: an explicit local choice is never overridden by
+    /// the environment.
+    fn source(&self, nats_url: Option<String>) -> Source {
+        if let Some(url) = &self.server {
+            return Source::Cluster(url.clone());
+        }
+        if let Some(dir) = &self.workdir {
+            return Source::Local(dir.clone());
+        }
+        let a_path = self.session.as_deref().is_some_and(|s| std::path::Path::new(s).exists());
+        match nats_url.filter(|u| !u.trim().is_empty()) {
+            Some(url) if !a_path => Source::Cluster(url),
+            _ => Source::Local(PathBuf::from("workdir")),
+        }
+    }
 }
 
 /// The lines of a session from the cluster's trace stream (`mur.trace.<session_id>`);
@@ -105,12 +134,15 @@ async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<
 }
 
 fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
-    if let Some(url) = &args.server {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let (id, lines) = rt.block_on(cluster_lines(url, args.session.as_deref()))?;
-        return Ok((PathBuf::from(mur_proto::cluster::trace_subject(&id)), lines));
-    }
-    let dir = mur_worker::workdir::find_session(&args.workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
+    let workdir = match args.source(std::env::var("NATS_URL").ok()) {
+        Source::Cluster(url) => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let (id, lines) = rt.block_on(cluster_lines(&url, args.session.as_deref()))?;
+            return Ok((PathBuf::from(mur_proto::cluster::trace_subject(&id)), lines));
+        }
+        Source::Local(dir) => dir,
+    };
+    let dir = mur_worker::workdir::find_session(&workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
     let path = dir.join("trace.jsonl");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let lines = text
@@ -333,4 +365,41 @@ pub fn show(lines: &[Value]) -> Value {
     }
     out["tasks"] = json!(tasks);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn source(argv: &[&str], nats_url: Option<&str>) -> Source {
+        let cli = Cli::try_parse_from(std::iter::once("steps").chain(argv.iter().copied())).unwrap();
+        cli.args.source(nats_url.map(str::to_string))
+    }
+
+    #[test]
+    fn an_explicit_workdir_or_a_session_path_wins_over_nats_url() {
+        let url = Some("nats://elsewhere:4222");
+        let cluster = Source::Cluster("nats://elsewhere:4222".into());
+        assert_eq!(source(&[], url), cluster);
+        assert_eq!(source(&["ses_1"], url), cluster);
+        assert_eq!(source(&["--workdir", "/tmp/wd"], url), Source::Local("/tmp/wd".into()));
+        let here = std::env::temp_dir();
+        assert_eq!(source(&[here.to_str().unwrap()], url), Source::Local("workdir".into()));
+        assert_eq!(source(&["--server", "nats://a:1"], url), Source::Cluster("nats://a:1".into()));
+        assert_eq!(source(&[], None), Source::Local("workdir".into()));
+        assert_eq!(source(&[], Some("")), Source::Local("workdir".into()));
+    }
+
+    #[test]
+    fn workdir_and_server_together_are_refused() {
+        let err = Cli::try_parse_from(["steps", "--workdir", "wd", "--server", "nats://a:1"]).err().unwrap();
+        assert!(err.to_string().contains("cannot be used with"), "{err}");
+    }
 }
