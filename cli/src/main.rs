@@ -52,8 +52,31 @@ enum Command {
     Trace(trace::Command),
 }
 
+/// Lets SIGPIPE end the process, as it ends `ls` or `cat`: `mur task ls | head -1` stops
+/// quietly when `head` has read its line, instead of panicking on the failed print (Rust
+/// ignores SIGPIPE by default). Only for the commands that read and print: the ones that run
+/// sessions (`run`, `dev`, `worker`, `coordinator`) write to hook and tool processes, where
+/// a child that exits early must be an error to handle, not the end of murmur.
+fn print_until_the_reader_leaves(command: &Command) {
+    let prints = matches!(
+        command,
+        Command::Task(_)
+            | Command::Fleet(_)
+            | Command::Cluster(_)
+            | Command::Job(_)
+            | Command::Capsule(_)
+            | Command::Trace(_)
+    );
+    if prints {
+        // SAFETY: signal(2) with SIG_DFL installs no handler of ours; it runs before any
+        // other thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    print_until_the_reader_leaves(&cli.command);
     let telemetry = telemetry::init(match cli.command {
         Command::Coordinator(_) => "mur-coordinator",
         Command::Worker(_) => "mur-worker",
