@@ -543,3 +543,26 @@ async fn a_refused_delegation_fails_the_step_and_is_noted() {
     assert_eq!(job["result"], format!("[a] failed:\nerror: the delegated task was refused: {refusal}"));
     sb.shutdown().await;
 }
+
+/// The same for a broadcast (no `procedure:`): the refusal's reason reaches the job's result
+/// and the channel, as a system note — not as the member's reply, which would count as its
+/// progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_broadcast_delegation_keeps_its_reason_and_is_noted() {
+    let sb = Sandbox::start(1, 2).await;
+    define(&sb, "name: ghosts\nmembers: [nobody]\n");
+    ok(&sb, &["send", "ghosts", "Go."]);
+    let ran = run(&sb, &["ghosts"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    let refusal = "not_found: capsule: no capsule named \"nobody\" (push it with `mur capsule push`)";
+    let log = ok(&sb, &["log", "ghosts"]).stdout;
+    assert!(log.contains(&format!("system note: the delegation to nobody was refused: {refusal} [run ")), "{log}");
+    assert!(!log.contains("member:nobody"), "no member replied: {log}");
+    let job = &jobs(&sb, "ghosts")[0];
+    assert_eq!(job["status"], "failed");
+    assert!(
+        job["result"].as_str().unwrap().contains(&format!("error: the delegated task was refused: {refusal}")),
+        "{job}"
+    );
+    sb.shutdown().await;
+}

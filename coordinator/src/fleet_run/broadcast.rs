@@ -34,15 +34,25 @@ impl Exec {
         // fan-out slot does not get a longer clock.
         let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
         let time_left = fleet::inherited_deadline(spec.deadline, elapsed).min(step.time_left);
-        let (ok, text) = match self.submit(&step.member, &step.text, now_ms() + time_left.as_millis() as u64).await {
-            Ok(task_id) => self.wait(&task_id, time_left).await,
-            Err(e) => {
-                tracing::warn!(fleet = %spec.fleet.name, member = %step.member, "delegation refused: {e}");
-                (false, "error: the delegated task was refused".to_string())
+        match self.submit(&step.member, &step.text, now_ms() + time_left.as_millis() as u64).await {
+            Ok(task_id) => {
+                let (ok, text) = self.wait(&task_id, time_left).await;
+                let author = Author::Member(step.member.clone());
+                self.event(EventKind::Reply, author, text.clone(), Some(iteration_run_id), job).await;
+                Reply { member: step.member.clone(), ok, text }
             }
-        };
-        self.event(EventKind::Reply, Author::Member(step.member.clone()), text.clone(), Some(iteration_run_id), job)
-            .await;
-        Reply { member: step.member.clone(), ok, text }
+            Err(e) => {
+                // No member replied: the refusal, with its reason, is the system's note (as
+                // a procedure step's is), so it counts as no member's progress.
+                tracing::warn!(fleet = %spec.fleet.name, member = %step.member, "delegation refused: {e}");
+                let note = format!("the delegation to {} was refused: {e}", step.member);
+                self.event(EventKind::Note, Author::System, note, Some(iteration_run_id), job).await;
+                Reply {
+                    member: step.member.clone(),
+                    ok: false,
+                    text: format!("error: the delegated task was refused: {e}"),
+                }
+            }
+        }
     }
 }
