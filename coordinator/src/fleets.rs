@@ -489,6 +489,17 @@ impl Fleets {
     /// `fleet.rm`: the definition, the sentinel, the jobs and the channel go.
     async fn remove(&self, req: FleetRef) -> Result<FleetRef, ApiError> {
         self.definition(&req.fleet).await?;
+        // A run going would go on writing jobs and channel events for a fleet that is gone
+        // (and into a new fleet of the same name): refused, nothing removed.
+        if let Some(run_id) = self.run_going(&req.fleet).await? {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "fleet {}: run {run_id} is going; stop it first (`mur fleet stop {}`), then remove the fleet once it has ended",
+                    req.fleet, req.fleet
+                ),
+            ));
+        }
         for (_, job) in self.jobs_of(&req.fleet).await? {
             self.jobs
                 .purge(fleet_store::job_key(&req.fleet, &job.id))
@@ -508,6 +519,26 @@ impl Fleets {
         self.defs.purge(fleet_store::def_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
         tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet removed");
         Ok(req)
+    }
+
+    /// The id of a run of `fleet` that is not over (its record says `running`), if any.
+    async fn run_going(&self, fleet: &str) -> Result<Option<String>, ApiError> {
+        use futures::StreamExt;
+        let mut keys = self.defs.keys().await.map_err(|e| unavailable("mur_fleets: keys", e))?;
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(|e| unavailable("mur_fleets: keys", e))?;
+            if !key.starts_with("run.") {
+                continue;
+            }
+            let value = self.defs.get(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?;
+            if let Some(r) = value.and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok())
+                && r.fleet == fleet
+                && !r.is_over()
+            {
+                return Ok(Some(r.run_id));
+            }
+        }
+        Ok(None)
     }
 
     /// `fleet.send`: queues a job; runs nothing.

@@ -764,3 +764,32 @@ async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     assert_eq!(run.stderr, format!("note: long texts clipped to 4096 bytes in 12 of them: {}\n", ids.join(", ")));
     Ok(())
 }
+
+/// `mur fleet rm` of a fleet with a run going is refused and removes nothing: the run would
+/// go on writing jobs and channel events for a fleet that is gone, and into a new fleet of
+/// the same name. Once the run has ended, the fleet is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let job = ok(&sb, &["send", "pair", "Go."]).stdout.trim().to_string();
+    // A run as a coordinator keeps its record while it runs.
+    let kv = fleets_kv(&sb).await;
+    let mut run = json!({
+        "run_id": "run_going", "fleet": "pair", "state": "running", "bounds": "bounds: none",
+        "coordinator": "c1", "iterations": 1, "started_at": 1, "updated_at": 2,
+    });
+    kv.put(fleet_store::run_key("run_going"), serde_json::to_vec(&run)?.into()).await?;
+    assert_eq!(
+        refused(&sb, &["rm", "pair"]),
+        "mur: conflict: fleet pair: run run_going is going; stop it first (`mur fleet stop pair`), \
+         then remove the fleet once it has ended\n"
+    );
+    assert_eq!(ok(&sb, &["jobs", "pair", "--json"]).last_json()[0]["id"], job.as_str(), "nothing was removed");
+    ok(&sb, &["show", "pair"]);
+    run["state"] = json!("ended");
+    kv.put(fleet_store::run_key("run_going"), serde_json::to_vec(&run)?.into()).await?;
+    assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
+    Ok(())
+}
