@@ -723,7 +723,8 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                     print_typed("end", &r)?;
                 }
                 let spent = format!("; spent {}", r.spend.summary());
-                if r.state == "completed" {
+                // `completed`: a record of an older version.
+                if matches!(r.state.as_str(), "done" | "completed") {
                     eprintln!("run {} completed ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
                     return Ok(ExitCode::SUCCESS);
                 }

@@ -248,7 +248,7 @@ mod tests {
         assert_eq!(orphan(&record(None), None, 11_001), Some(Adoption::Fail));
         assert_eq!(orphan(&record(Some(true)), Some(5_000), 15_000), None, "10 s is not dead yet");
         let mut over = record(Some(true));
-        over.state = "completed".into();
+        over.state = "done".into();
         assert_eq!(orphan(&over, None, 99_999), None);
     }
 

@@ -536,8 +536,7 @@ impl Exec {
             crate::fleet_cost::account(&mut self.record, &self.settings.prices, None, &rest);
         }
         let now = now_ms();
-        self.record.state =
-            if matches!(stop, Stop::Converged | Stop::QueueDrained) { "completed" } else { "ended" }.into();
+        self.record.state = stop.run_state().into();
         self.record.stop = Some(stop.label().into());
         self.record.ended_at = Some(now);
         self.record.updated_at = now;

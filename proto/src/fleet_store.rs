@@ -620,8 +620,11 @@ pub struct RunRecord {
     pub run_id: String,
     /// The fleet.
     pub fleet: String,
-    /// `running`, then `completed` (converged, or the queue drained) or `ended` (any
-    /// other stop).
+    /// `running`, then the stop's run state (`docs/fleet.md` §Stop reasons, from
+    /// `reference/mur-fleet.md` §3): `done` (converged, or the queue drained), `blocked`
+    /// (awaiting approval), `stopped` (the kill-switch) or `failed` (any other stop); `ended`
+    /// for a one-shot run whose coordinator died. Records of older versions say `completed`
+    /// or `ended`.
     pub state: String,
     /// The stop's label (`converged`, `queue-drained`, `deadline`, …), once over.
     #[serde(default)]

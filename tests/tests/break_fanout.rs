@@ -310,7 +310,7 @@ async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_o
     until("the detached run completes", WAIT, || async {
         let out = cluster.command().args(["job", "status", &run_id, "--json"]).output().ok()?;
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        (v["state"] == "completed").then_some(())
+        (v["state"] == "done").then_some(())
     })
     .await;
     let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "solo", "--all", "--json"])).unwrap();
@@ -354,7 +354,7 @@ async fn a_run_id_still_running_or_malformed_is_refused_and_the_running_run_is_u
     let first = first.await.unwrap().unwrap();
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     let done = status("dup").unwrap();
-    assert_eq!((done["state"].as_str(), &done["started_at"]), (Some("completed"), &started_at), "{done}");
+    assert_eq!((done["state"].as_str(), &done["started_at"]), (Some("done"), &started_at), "{done}");
     let jobs: serde_json::Value = serde_json::from_str(&mur(&["fleet", "jobs", "solo", "--all", "--json"])).unwrap();
     let statuses: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["status"].as_str().unwrap()).collect();
     assert_eq!(statuses.iter().filter(|s| **s == "done").count(), 1, "only the first run ran a job: {jobs}");

@@ -200,7 +200,7 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
             String::from_utf8_lossy(&run.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines.first().unwrap()["type"], "run");
         let end = lines.last().unwrap();
-        assert_eq!((end["type"].as_str(), end["state"].as_str()), (Some("end"), Some("completed")), "{end}");
+        assert_eq!((end["type"].as_str(), end["state"].as_str()), (Some("end"), Some("done")), "{end}");
         let statuses: Vec<&serde_json::Value> = lines.iter().filter(|l| l["type"] == "status").collect();
         let most = statuses.iter().map(|s| s["permits_in_use"].as_u64().unwrap()).max().unwrap();
         assert!((1..=3).contains(&most), "the view showed {most} permits in use");
@@ -288,7 +288,7 @@ async fn a_router_starts_another_fleet_with_fleet_run_and_waits_for_it_with_job_
     // The inner run completed, and the router saw it completed.
     let inner_status: serde_json::Value =
         serde_json::from_str(&mur(&["job", "status", "inner-run", "--json"])).unwrap();
-    assert_eq!((inner_status["state"].as_str(), inner_status["fleet"].as_str()), (Some("completed"), Some("inner")));
+    assert_eq!((inner_status["state"].as_str(), inner_status["fleet"].as_str()), (Some("done"), Some("inner")));
     let inner_jobs: serde_json::Value =
         serde_json::from_str(&mur(&["fleet", "jobs", "inner", "--all", "--json"])).unwrap();
     assert_eq!(inner_jobs[0]["status"], "done");
@@ -314,7 +314,7 @@ async fn a_router_starts_another_fleet_with_fleet_run_and_waits_for_it_with_job_
     let started: serde_json::Value = serde_json::from_str(calls[0]["output"].as_str().unwrap()).unwrap();
     assert_eq!(started["run_id"], "inner-run");
     let waited: serde_json::Value = serde_json::from_str(calls[1]["output"].as_str().unwrap()).unwrap();
-    assert_eq!((waited["state"].as_str(), waited["liveness"]["verdict"].as_str()), (Some("completed"), Some("over")));
+    assert_eq!((waited["state"].as_str(), waited["liveness"]["verdict"].as_str()), (Some("done"), Some("over")));
     assert!(calls[1]["duration_ms"].as_u64().unwrap() < 60_000, "job_status waited for the run, not its time limit");
     assert_eq!(seen.lock().unwrap().max_held, 1, "the cap of 1 held throughout");
 }

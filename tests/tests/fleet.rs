@@ -617,13 +617,13 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
         let status = Run::of(mur().args(["job", "status", &id, "--json"]).env("NATS_URL", sb.nats.url()));
         assert_eq!(status.code, 0, "{status:?}");
         let v = status.last_json();
-        assert_eq!((v["run_id"].as_str(), v["state"].as_str()), (Some(run_id.as_str()), Some("completed")));
+        assert_eq!((v["run_id"].as_str(), v["state"].as_str()), (Some(run_id.as_str()), Some("done")));
         assert_eq!((v["stop"].as_str(), v["iterations"].as_u64()), (Some("queue-drained"), Some(2)));
         assert_eq!(v["liveness"], json!({"verdict": "over"}));
     }
     let latest = ok(&sb, &["status", "builder"]).stdout;
     assert!(latest.contains(&format!("run        {run_id}\n")), "{latest}");
-    assert!(latest.contains("state      completed (queue-drained)\nliveness   over\n"), "{latest}");
+    assert!(latest.contains("state      done (queue-drained)\nliveness   over\n"), "{latest}");
     // A run left `running` by a coordinator that died: no heartbeat, so the verdict is dead.
     let orphan: fleet_store::RunRecord = serde_json::from_value(json!({
         "run_id": "run-orphan", "fleet": "builder", "state": "running",
@@ -788,7 +788,7 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     );
     assert_eq!(ok(&sb, &["jobs", "pair", "--json"]).last_json()[0]["id"], job.as_str(), "nothing was removed");
     ok(&sb, &["show", "pair"]);
-    run["state"] = json!("ended");
+    run["state"] = json!("done");
     kv.put(fleet_store::run_key("run_going"), serde_json::to_vec(&run)?.into()).await?;
     assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
     Ok(())

@@ -144,7 +144,7 @@ async fn a_loop_whose_coordinator_is_killed_is_adopted_by_the_new_leader_and_dra
     let v = mur(&procs, &["job", "status", &run_id, "--json"]).await.last_json();
     assert_eq!(
         (v["state"].as_str(), v["stop"].as_str(), v["coordinator"].as_str()),
-        (Some("completed"), Some("queue-drained"), Some("coordinator-2"))
+        (Some("done"), Some("queue-drained"), Some("coordinator-2"))
     );
     let local = "fleet 'builder' runs on models with no price (local): it is bounded by its deadline 5m";
     assert_eq!(v["notices"], serde_json::json!([local, reason]));
@@ -180,7 +180,7 @@ async fn a_leader_that_wakes_after_its_loop_was_adopted_leaves_the_run_to_the_ad
     let v = mur(&procs, &["job", "status", &run_id, "--json"]).await.last_json();
     assert_eq!(
         (v["state"].as_str(), v["stop"].as_str(), v["coordinator"].as_str(), v["iterations"].as_u64()),
-        (Some("completed"), Some("queue-drained"), Some("coordinator-2"), Some(1))
+        (Some("done"), Some("queue-drained"), Some("coordinator-2"), Some(1))
     );
     let orphaned = job(&procs, &slow).await;
     assert_eq!(orphaned["status"], "failed", "the woken executor did not end the job again: {orphaned}");

@@ -83,7 +83,7 @@ async fn a_budget_stops_a_metered_loop_before_the_iteration_it_cannot_afford_and
     );
 
     let v = status_json(&procs, &run_id).await;
-    assert_eq!((v["state"].as_str(), v["stop"].as_str()), (Some("ended"), Some("budget")));
+    assert_eq!((v["state"].as_str(), v["stop"].as_str()), (Some("failed"), Some("budget")));
     let spend = json!({"usd": 7000.0, "input_tokens": 4_000_000, "output_tokens": 2_000_000,
                        "cached_tokens": 2_000_000, "estimated": false});
     assert_eq!(v["spend"], spend);
