@@ -207,7 +207,7 @@ permits   {} in use, {} waiting
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// Concurrent sessions (agents are I/O-bound: default 8, not the core count).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     slots: u32,
     /// Where bundles are cached and sessions write their files.
     #[arg(long, value_name = "DIR")]
@@ -232,7 +232,7 @@ pub struct DevArgs {
     #[arg(long, default_value_t = 2)]
     workers: u32,
     /// Slots per worker.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     slots: u32,
     /// Capsule folders to push before reporting ready: every subfolder holding murmur.yaml.
     #[arg(long, value_name = "DIR", default_value = "examples")]

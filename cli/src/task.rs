@@ -42,8 +42,8 @@ pub enum Command {
     },
     /// List tasks, newest first.
     Ls {
-        /// Only tasks in this state (submitted, working, completed, failed, canceled, rejected).
-        #[arg(long)]
+        /// Only tasks in this state.
+        #[arg(long, value_parser = ["submitted", "working", "completed", "failed", "canceled", "rejected"])]
         state: Option<String>,
         /// At most N tasks, the newest (1 to 1000).
         #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1000))]

@@ -46,3 +46,29 @@ fn a_reader_that_leaves_early_ends_mur_quietly() {
     assert_eq!(status.signal(), Some(libc::SIGPIPE), "{status:?}: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+fn refused(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_mur")).args(args).env_remove("NATS_URL").output().expect("run mur");
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+    assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Bad arguments are refused before anything connects, naming the argument and the rule
+/// (no server listens at the default URL here).
+#[test]
+fn bad_arguments_are_refused_naming_the_argument_before_connecting() {
+    for id in ["", "*", ">", "a.b"] {
+        assert_eq!(
+            refused(&["job", "status", id]),
+            format!("mur: RUN_ID: must be letters, digits, '-' or '_' (a run id or <run id>-<n>), got {id:?}\n")
+        );
+    }
+    let err = refused(&["task", "ls", "--state", "bogus"]);
+    assert!(err.contains("invalid value 'bogus' for '--state <STATE>'"), "{err}");
+    assert!(err.contains("[possible values: submitted, working, completed, failed, canceled, rejected]"), "{err}");
+    for cmd in ["worker", "dev"] {
+        let err = refused(&[cmd, "--slots", "0"]);
+        assert!(err.contains("invalid value '0' for '--slots <SLOTS>': 0 is not in 1..="), "{err}");
+    }
+}

@@ -144,6 +144,13 @@ async fn capsule_path(
     Path((name, rest)): Path<(String, String)>,
     request: Request,
 ) -> Response {
+    // No card for a capsule never pushed: a client discovering agents is told so, where a
+    // send to it is refused by the task API (with the reason) as before.
+    let card = mur_worker::a2a::server::AGENT_CARD_PATH.trim_start_matches('/');
+    if rest == card && capsule_entry(&state.client, &name).await.is_none() {
+        let body = format!("no capsule named {name:?} (push it with `mur capsule push`)\n");
+        return (StatusCode::NOT_FOUND, body).into_response();
+    }
     forward(&state, &name, &format!("/{rest}"), request).await
 }
 

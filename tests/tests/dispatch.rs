@@ -285,7 +285,8 @@ async fn trace_of_session(sb: &Sandbox, session: &str) -> Vec<serde_json::Value>
 }
 
 /// `mur coordinator --http ADDR --public-url URL`: agent cards advertise the public URL,
-/// not the bound address; `GET /healthz` answers 200 while NATS is connected.
+/// not the bound address, and a capsule never pushed has none (404); `GET /healthz`
+/// answers 200 while NATS is connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_cards_advertise_the_public_url_and_healthz_answers() {
     let sb = Sandbox::start(1, 1).await;
@@ -305,6 +306,10 @@ async fn agent_cards_advertise_the_public_url_and_healthz_answers() {
     let card: serde_json::Value =
         reqwest::get(format!("{bound}/capsules/pub/.well-known/agent-card.json")).await.unwrap().json().await.unwrap();
     assert_eq!(card["url"], "https://agents.example.com/capsules/pub/");
+    // No card for a capsule never pushed.
+    let none = reqwest::get(format!("{bound}/capsules/nope/.well-known/agent-card.json")).await.unwrap();
+    assert_eq!(none.status(), 404);
+    assert_eq!(none.text().await.unwrap(), "no capsule named \"nope\" (push it with `mur capsule push`)\n");
     let health = reqwest::get(format!("{bound}/healthz")).await.unwrap();
     assert_eq!(health.status(), 200);
     assert_eq!(health.text().await.unwrap(), "ok\n");
