@@ -215,6 +215,10 @@ pub struct WorkerArgs {
     /// This worker's id (default: a fresh `wkr_…`).
     #[arg(long)]
     id: Option<String>,
+    /// Finished session folders kept under DIR/sessions (the newest); older ones are
+    /// removed as sessions finish.
+    #[arg(long, value_name = "N", default_value_t = mur_worker::service::KEEP_SESSIONS)]
+    keep_sessions: usize,
     #[command(flatten)]
     conn: Connection,
 }
@@ -346,6 +350,7 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
         let workdir = args.workdir.unwrap_or_else(|| default_data_dir().join("worker"));
         let mut config = mur_worker::service::Config::new(workdir);
         config.slots = args.slots;
+        config.keep_sessions = args.keep_sessions;
         if let Some(id) = args.id {
             config.worker_id = id;
         }

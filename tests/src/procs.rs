@@ -121,9 +121,16 @@ impl Procs {
 
     /// Starts `mur worker --id ID --slots N` with its workdir in the cluster's folder.
     pub fn worker(&self, id: &str, slots: u32) -> Proc {
+        self.worker_with(id, slots, &[])
+    }
+
+    /// [`Procs::worker`] with more arguments (`--keep-sessions 2`).
+    pub fn worker_with(&self, id: &str, slots: u32, more: &[&str]) -> Proc {
         let workdir = self.dir.path().join(id).to_string_lossy().into_owned();
         let slots = slots.to_string();
-        self.spawn(id, &["worker", "--id", id, "--slots", &slots, "--workdir", &workdir])
+        let mut args = vec!["worker", "--id", id, "--slots", &slots, "--workdir", &workdir];
+        args.extend_from_slice(more);
+        self.spawn(id, &args)
     }
 
     /// Pushes the capsule folder `dir` (waits for the buckets the coordinator creates).

@@ -87,6 +87,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub mod detached;
+pub mod retention;
 
 /// How often the worker re-puts its registration in `mur_workers`.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -127,7 +128,14 @@ pub struct Config {
     /// How long running tasks may go on after shutdown before they are cancelled.
     /// Default 30 s.
     pub shutdown_grace: Duration,
+    /// How many finished session folders the worker keeps under `sessions/` (the newest);
+    /// older ones are removed as sessions finish. Default [`KEEP_SESSIONS`]. See
+    /// [`retention`].
+    pub keep_sessions: usize,
 }
+
+/// The default of [`Config::keep_sessions`].
+pub const KEEP_SESSIONS: usize = 1000;
 
 impl Config {
     /// The defaults, with the worker's folder `workdir`.
@@ -138,6 +146,7 @@ impl Config {
             workdir: workdir.into(),
             progress_every: None,
             shutdown_grace: Duration::from_secs(30),
+            keep_sessions: KEEP_SESSIONS,
         }
     }
 }
@@ -229,6 +238,8 @@ struct Shared {
     slot_freed: tokio::sync::Notify,
     /// Capsules loaded so far, by name and digest ([`load_capsule`]).
     loaded: std::sync::Mutex<HashMap<(String, String), Arc<Capsule>>>,
+    /// The finished session folders kept, and the removal of older ones.
+    retention: Arc<retention::Retention>,
 }
 
 /// Runs the worker until `shutdown` resolves, then drains it (see the module docs).
@@ -298,6 +309,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
         .await
         .map_err(|e| Error::Register { worker_id: config.worker_id.clone(), reason: e.to_string() })?;
+    let keep_sessions = config.keep_sessions;
     let shared = Arc::new(Shared {
         client,
         tasks,
@@ -311,6 +323,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         detached: tokio_util::task::TaskTracker::new(),
         detached_stop: CancellationToken::new(),
         loaded: std::sync::Mutex::new(HashMap::new()),
+        retention: Arc::new(retention::Retention::new(keep_sessions)),
         slot_freed: tokio::sync::Notify::new(),
     });
     let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
@@ -1353,7 +1366,16 @@ async fn run_session(
         session_id: session_id.to_string(),
         session_dir: layout.session_dir.clone(),
     };
-    sh.detached.spawn(host.serve(notices, sink.clone(), session_done.clone(), sh.detached_stop.clone()));
+    // Done with on every way out of here, so the host does not wait past the session.
+    let _session_over = session_done.clone().drop_guard();
+    // The folder is finished once the session has ended and no detached command runs in it
+    // (the host returns then); only then may retention remove it.
+    let (retention, dir) = (sh.retention.clone(), layout.session_dir.clone());
+    let serving = host.serve(notices, sink.clone(), session_done.clone(), sh.detached_stop.clone());
+    sh.detached.spawn(async move {
+        serving.await;
+        retention.finished(dir).await;
+    });
     let (published, publisher) = TracePublisher::start(sh.client.clone(), cluster::trace_subject(session_id));
     let (cfg, parts) = build_session_parts(Setup {
         capsule,
