@@ -132,11 +132,20 @@ fn idle_exit_ends_an_idle_queue_capsule_cleanly() {
     assert_eq!(bg.wait(WAIT).0, Some(0));
 }
 
+/// SIGTERM cancels the running task; the session still ends cleanly, its `on-session-end`
+/// hook included (a cancelled task's stop reaches no hook after the task: only the cluster,
+/// whose session is the task's, ends its session under the task's cancel).
 #[test]
 fn sigterm_interrupts_the_running_task_and_writes_session_end() {
     let c = TestCapsule::new(
-        &manifest("queue", "  after_task: sleep\n"),
-        &[("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n")],
+        &manifest(
+            "queue",
+            "  after_task: sleep\nhooks:\n  - name: bye\n    binding: on-session-end\n    command: [sh, bye.sh]\n",
+        ),
+        &[
+            ("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n"),
+            ("bye.sh", "cat > /dev/null\ntouch ended\necho '{\"action\":\"none\"}'\n"),
+        ],
     );
     let (mut bg, first) = start(&c, &["--task", "long"]);
     let dir = first["session_dir"].as_str().unwrap().to_string();
@@ -153,6 +162,8 @@ fn sigterm_interrupts_the_running_task_and_writes_session_end() {
     let end = lines.iter().find(|l| l["event_type"] == "task_end").unwrap();
     assert_eq!(end["exit_status"], "canceled");
     assert_eq!(lines.last().unwrap()["event_type"], "session_end");
+    assert!(c.dir().join("ended").exists(), "the on-session-end hook ran");
+    assert!(lines.iter().all(|l| l["event_type"] != "hook_dispatch_error"), "{lines:?}");
     assert_eq!(bg.wait(WAIT).0, Some(1));
 }
 

@@ -1405,7 +1405,7 @@ async fn run_session(
             tokio::time::Instant::now() + Duration::from_millis(left)
         });
         let durable = Durable { takeover, checkpoints, deadline };
-        let report = session.run_task_durable(spec, prior, cancel, durable).await;
+        let report = session.run_task_durable(spec, prior, cancel.clone(), durable).await;
         let outcome = match report {
             Ok(r) => {
                 if r.outcome.exit_status == ExitStatus::Ok && continues_context(task, capsule) {
@@ -1419,7 +1419,7 @@ async fn run_session(
             // murmur itself stops a cancelled task's commands, whole process groups.
             sink.kill_all().await;
         }
-        if let Err(e) = session.end(None).await {
+        if let Err(e) = session.end_until(None, &cancel).await {
             tracing::warn!(session_id, error = %e, "ending the session failed");
         }
         Ok(outcome)

@@ -210,10 +210,10 @@ pub struct Session {
     last_exit: ExitStatus,
     started: Instant,
     ended: bool,
-    /// The stop of the task running (or last run): fired by its cancel or its inherited
-    /// deadline. Blocking hooks are dispatched under it, so a cancelled task's hook under
-    /// way is killed and none starts after it — `on-session-end` of a session whose last
-    /// task was cancelled included (issue #8 §Cancel).
+    /// The stop of the task running, fired by its cancel or its inherited deadline (a
+    /// token never fired between tasks; [`Session::end_until`] sets the session end's).
+    /// Blocking hooks are dispatched under it, so a cancelled task's hook under way is
+    /// killed and none starts after it (issue #8 §Cancel).
     task_stop: CancellationToken,
 }
 
@@ -658,6 +658,8 @@ impl Session {
                 }
             };
         };
+        // The task's stop reaches no hook of a later task (`mur run` sessions take several).
+        self.task_stop = CancellationToken::new();
         self.write_result(&outcome.result);
         self.emit(machine.task_end(started.elapsed().as_millis() as u64))?;
         let c = machine.counters();
@@ -986,7 +988,22 @@ impl Session {
     ///
     /// # Errors
     /// [`trace::Error`] when the trace cannot be written.
-    pub async fn end(mut self, exit_override: Option<ExitStatus>) -> Result<ExitStatus, trace::Error> {
+    pub async fn end(self, exit_override: Option<ExitStatus>) -> Result<ExitStatus, trace::Error> {
+        self.end_until(exit_override, &CancellationToken::new()).await
+    }
+
+    /// [`Session::end`] under `stop` (a cluster task's cancel, its session being the
+    /// task's): once it fires, the `on-session-end` hook under way is killed and none
+    /// starts, and async hooks are not waited for (issue #8 §Cancel).
+    ///
+    /// # Errors
+    /// As [`Session::end`].
+    pub async fn end_until(
+        mut self,
+        exit_override: Option<ExitStatus>,
+        stop: &CancellationToken,
+    ) -> Result<ExitStatus, trace::Error> {
+        self.task_stop = stop.clone();
         let exit_status = exit_override.unwrap_or(self.last_exit);
         if self.wants(Binding::OnSessionEnd) {
             let t = self.totals;
