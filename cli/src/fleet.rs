@@ -122,8 +122,8 @@ pub enum Command {
     },
     /// Run the fleet on the leading coordinator: one iteration, or a loop with `--loop`,
     /// until it ends; prints the `bounds:` line and follows the channel (Ctrl-C detaches;
-    /// the run goes on). Exits 0 when the run ended completed, 1 when it ended otherwise,
-    /// 2 when it was refused.
+    /// the run goes on). Exits 0 when the run ended done (converged, or the queue drained),
+    /// 1 when it ended otherwise, 2 when it was refused.
     Run {
         /// The fleet.
         name: String,
@@ -501,7 +501,7 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = common.conn.connect("mur job status").await?;
-        let js = async_nats::jetstream::new(client);
+        let js = async_nats::jetstream::new(client.clone());
         let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await.context("mur_fleets")?;
         let read = |key: String| {
             let defs = defs.clone();
@@ -541,7 +541,14 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         let Some(status) = status else {
             let what = match pick {
                 RunPick::Id(id) => format!("no run {id}"),
-                RunPick::LatestOf(fleet) => format!("fleet {fleet} has no run yet"),
+                RunPick::LatestOf(fleet) => {
+                    // A fleet that does not exist is said so, as every other fleet command does.
+                    let show = serde_json::to_vec(&FleetRef { fleet: fleet.clone() })?;
+                    match call::<FleetInfo>(&client, api::SHOW, show).await {
+                        Err(e) => format!("{e:#}"),
+                        Ok(_) => format!("fleet {fleet} has no run yet"),
+                    }
+                }
             };
             eprintln!("mur: {what}");
             return Ok(ExitCode::from(2));
@@ -730,7 +737,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 let spent = format!("; spent {}", r.spend.summary());
                 // `completed`: a record of an older version.
                 if matches!(r.state.as_str(), "done" | "completed") {
-                    eprintln!("run {} completed ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
+                    eprintln!("run {} done ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
                     return Ok(ExitCode::SUCCESS);
                 }
                 eprintln!("run {} ended: {stop} after {}{spent}", r.run_id, iterations(r.iterations));

@@ -589,7 +589,7 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     .unwrap();
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stderr.starts_with("bounds: deadline 5m ← --deadline; stuck 10m ← built-in\n"), "{}", run.stderr);
-    assert!(run.stderr.contains("completed (queue-drained) after 2 iterations"), "{}", run.stderr);
+    assert!(run.stderr.contains("done (queue-drained) after 2 iterations"), "{}", run.stderr);
     let run_id = run.stdout.trim().to_string();
     assert!(run_id.starts_with("fleet-builder-"), "{run_id}");
 
@@ -723,7 +723,7 @@ async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_route
     .await
     .unwrap();
     assert_eq!(run.code, 0, "{run:?}");
-    assert!(run.stderr.contains("completed (converged) after 1 iteration"), "{}", run.stderr);
+    assert!(run.stderr.contains("done (converged) after 1 iteration"), "{}", run.stderr);
     let log = ok(&sb, &["log", "pair"]).stdout;
     assert!(log.contains("system delegation: planner ← plan"), "{log}");
     assert!(
@@ -791,5 +791,20 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     run["state"] = json!("done");
     kv.put(fleet_store::run_key("run_going"), serde_json::to_vec(&run)?.into()).await?;
     assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
+    Ok(())
+}
+
+/// `mur fleet status NAME` of a fleet with no run says so; of a fleet that does not exist it
+/// says that, as every other fleet command does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_status_tells_a_fleet_without_runs_from_one_that_does_not_exist() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    assert_eq!(refused(&sb, &["status", "pair"]), "mur: fleet pair has no run yet\n");
+    assert_eq!(
+        refused(&sb, &["status", "ghost"]),
+        "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
+    );
     Ok(())
 }

@@ -137,7 +137,7 @@ async fn a_loop_whose_coordinator_is_killed_is_adopted_by_the_new_leader_and_dra
     let followed = client.await.unwrap();
     assert_eq!(followed.code, 0, "{followed:?}");
     assert!(
-        followed.stderr.contains(&format!("run {run_id} completed (queue-drained) after 2 iterations")),
+        followed.stderr.contains(&format!("run {run_id} done (queue-drained) after 2 iterations")),
         "{}",
         followed.stderr
     );
@@ -171,7 +171,7 @@ async fn a_leader_that_wakes_after_its_loop_was_adopted_leaves_the_run_to_the_ad
     first.pause();
     let followed = client.await.unwrap();
     assert_eq!(followed.code, 0, "{followed:?}");
-    assert!(followed.stderr.contains("completed (queue-drained) after 1 iteration"), "{}", followed.stderr);
+    assert!(followed.stderr.contains("done (queue-drained) after 1 iteration"), "{}", followed.stderr);
     first.resume();
     until("the woken coordinator leaves the run", WAIT, || async {
         first.log().contains("another coordinator took the run over: leaving it").then_some(())

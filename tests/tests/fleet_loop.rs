@@ -71,7 +71,7 @@ async fn a_marker_alone_on_a_line_converges_the_loop_and_an_earlier_runs_marker_
 
     let first = run(&sb, &["ship", "--loop", "--deadline", "5m"]).await;
     assert_eq!(first.code, 0, "{first:?}");
-    assert!(first.stderr.contains("completed (converged) after 2 iterations"), "{}", first.stderr);
+    assert!(first.stderr.contains("done (converged) after 2 iterations"), "{}", first.stderr);
     let all = jobs(&sb, "ship");
     assert_eq!(
         (status_of(&all, "first: not SHIPPED yet"), status_of(&all, "second:\n  SHIPPED  \nall done")),

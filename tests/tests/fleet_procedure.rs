@@ -102,7 +102,7 @@ async fn a_procedure_runs_rank_by_rank_and_a_dependent_step_is_sent_its_dependen
 
     let ran = run(&sb, &["essay"]).await;
     assert_eq!(ran.code, 0, "{ran:?}");
-    assert!(ran.stderr.contains("completed (converged) after 1 iteration"), "{}", ran.stderr);
+    assert!(ran.stderr.contains("done (converged) after 1 iteration"), "{}", ran.stderr);
 
     let tasks = tasks(&sb).await;
     assert_eq!(tasks.len(), 3, "one task per step, none for the router: {tasks:#?}");
@@ -435,7 +435,7 @@ async fn with_hitl_mode_wait_the_run_waits_for_the_approval_and_goes_on() {
     ok(&sb, &["approve", "gate", &job]);
     let ran = running.await.unwrap();
     assert_eq!(ran.code, 0, "{ran:?}");
-    assert!(ran.stderr.contains("completed (converged) after 1 iteration"), "{}", ran.stderr);
+    assert!(ran.stderr.contains("done (converged) after 1 iteration"), "{}", ran.stderr);
     let all = tasks(&sb).await;
     assert_eq!(all.len(), 3, "{all:#?}");
     let done = &jobs(&sb, "gate")[0];

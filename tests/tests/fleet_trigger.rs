@@ -134,7 +134,7 @@ async fn a_trigger_does_not_fire_unless_autorun_is_on() {
     let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick"]).await.stdout.trim().to_string();
     mur(&procs, &["fleet", "send", "builder", "sleep 2.5 && echo witness"]).await;
     let witness = mur(&procs, &["fleet", "run", "builder"]).await;
-    assert!(witness.stderr.contains("completed (converged) after 1 iteration"), "{witness:?}");
+    assert!(witness.stderr.contains("done (converged) after 1 iteration"), "{witness:?}");
     assert_eq!(job_status(&procs, "ticker", &queued).await["status"], "queued");
     assert!(runs_of(&procs, "ticker").await.is_empty(), "no run without autorun");
 
