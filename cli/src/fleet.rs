@@ -571,7 +571,8 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             }
         );
         println!("iterations {}", r.iterations);
-        println!("{}", r.bounds);
+        // The bounds line as the run printed it (`bounds: …`), under the same column.
+        println!("bounds     {}", r.bounds.strip_prefix("bounds: ").unwrap_or(&r.bounds));
         println!("coordinator {}", r.coordinator);
         print_spend(r);
         print!("{}", crate::cluster::render_permits(&status.fanout));

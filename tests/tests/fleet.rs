@@ -624,6 +624,7 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     let latest = ok(&sb, &["status", "builder"]).stdout;
     assert!(latest.contains(&format!("run        {run_id}\n")), "{latest}");
     assert!(latest.contains("state      done (queue-drained)\nliveness   over\n"), "{latest}");
+    assert!(latest.contains("\nbounds     deadline 5m ← --deadline; stuck 10m ← built-in\n"), "{latest}");
     // A run left `running` by a coordinator that died: no heartbeat, so the verdict is dead.
     let orphan: fleet_store::RunRecord = serde_json::from_value(json!({
         "run_id": "run-orphan", "fleet": "builder", "state": "running",
