@@ -338,12 +338,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         Command::Jobs { name, all, since, common } => {
             let page: Page<Job> =
                 request(&common, "mur fleet jobs", api::JOBS, &JobsRequest { fleet: name.clone(), all, since })?;
-            crate::task::page_notes(
-                &page,
-                "jobs",
-                "narrow the list with --since RUN_ID_PREFIX, or without --all",
-                None,
-            );
+            crate::task::page_notes(&page, "jobs", "the later ones were left out", None);
             let jobs = page.items;
             if common.json {
                 return print_json(&jobs).map(|()| ExitCode::SUCCESS);

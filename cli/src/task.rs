@@ -133,7 +133,12 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 let client = conn.connect("mur task ls").await?;
                 call(&client, api::TASK_LIST, body).await
             })?;
-            page_notes(&page, "tasks", "narrow the list with --state or --limit", Some("mur task status ID"));
+            page_notes(
+                &page,
+                "tasks",
+                "older ones were left out; narrow the list with --state",
+                Some("mur task status ID"),
+            );
             let recs = page.items;
             if json {
                 println!("{}", serde_json::to_string(&recs)?);
@@ -173,7 +178,7 @@ pub fn page_notes<T>(page: &Page<T>, what: &str, narrow: &str, whole: Option<&st
     if !page.clipped.is_empty() {
         let whole = whole.map(|w| format!("; `{w}` shows one whole")).unwrap_or_default();
         eprintln!(
-            "note: long texts clipped to {} bytes in {} of them: {}{whole}",
+            "note: long texts cut after {} bytes (then `…`) in {} of them: {}{whole}",
             mur_proto::page::FIELD_BYTES,
             page.clipped.len(),
             page.clipped.join(", "),

@@ -655,7 +655,7 @@ impl Ctx {
 
     /// Every task record (malformed ones are logged and skipped).
     async fn all_records(&self) -> Result<Vec<TaskRecord>, ApiError> {
-        let keys: Vec<String> = self
+        let mut keys: Vec<String> = self
             .tasks
             .keys()
             .await
@@ -663,6 +663,9 @@ impl Ctx {
             .try_collect()
             .await
             .map_err(|e| unavailable("mur_tasks: keys", e))?;
+        // A key written while the listing runs may come twice: each record is read once.
+        keys.sort_unstable();
+        keys.dedup();
         let mut records = Vec::with_capacity(keys.len());
         for key in keys {
             let Some(value) = self.tasks.get(&key).await.map_err(|e| unavailable("mur_tasks: read", e))? else {

@@ -762,7 +762,10 @@ async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     assert_eq!(listed, ids.iter().map(String::as_str).collect::<Vec<_>>(), "oldest first, all of them");
     let clipped = format!("{}…", "x".repeat(mur_proto::page::FIELD_BYTES));
     assert!(jobs.as_array().unwrap().iter().all(|j| j["text"] == clipped.as_str()));
-    assert_eq!(run.stderr, format!("note: long texts clipped to 4096 bytes in 12 of them: {}\n", ids.join(", ")));
+    assert_eq!(
+        run.stderr,
+        format!("note: long texts cut after 4096 bytes (then `…`) in 12 of them: {}\n", ids.join(", "))
+    );
     Ok(())
 }
 

@@ -1370,11 +1370,15 @@ async fn run_session(
     let _session_over = session_done.clone().drop_guard();
     // The folder is finished once the session has ended and no detached command runs in it
     // (the host returns then); only then may retention remove it.
-    let (retention, dir) = (sh.retention.clone(), layout.session_dir.clone());
+    // A folder whose detached commands the worker's stop abandoned keeps their only output:
+    // it is not counted.
+    let (retention, dir, stopping) = (sh.retention.clone(), layout.session_dir.clone(), sh.detached_stop.clone());
     let serving = host.serve(notices, sink.clone(), session_done.clone(), sh.detached_stop.clone());
     sh.detached.spawn(async move {
         serving.await;
-        retention.finished(dir).await;
+        if !stopping.is_cancelled() {
+            retention.finished(dir).await;
+        }
     });
     let (published, publisher) = TracePublisher::start(sh.client.clone(), cluster::trace_subject(session_id));
     let (cfg, parts) = build_session_parts(Setup {

@@ -51,6 +51,10 @@ pub enum Error {
     /// A built-in hook failed.
     #[error("{0}")]
     Builtin(String),
+    /// The task the event belongs to was cancelled: the hook was killed, or not started
+    /// ([`Hooks::dispatch_until`]).
+    #[error("stopped: the task was cancelled")]
+    Canceled,
 }
 
 impl Error {
@@ -102,7 +106,7 @@ pub trait Hooks: Send + Sync {
 
     /// [`Hooks::dispatch`] for a task that may be cancelled: once `cancel` fires, the
     /// blocking hook under way is killed (its whole process group) and no further one
-    /// starts; each of them replies [`Error::Died`] ("the task was cancelled"). A cancel
+    /// starts; each of them replies [`Error::Canceled`]. A cancel
     /// reaches a running task within one progress interval (issue #8 §Cancel), hooks
     /// included.
     async fn dispatch_until(&self, session_id: &str, event: &Event, cancel: &CancellationToken) -> Vec<Reply>;

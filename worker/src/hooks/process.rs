@@ -426,8 +426,12 @@ impl Hooks for ProcessHooks {
                 continue;
             }
             let stopped = || {
-                let why = if cancel.is_cancelled() { "the task was cancelled" } else { "the hooks are being stopped" };
-                (Err(Error::Died(why.into())), false)
+                let why = if cancel.is_cancelled() {
+                    Error::Canceled
+                } else {
+                    Error::Died("the hooks are being stopped".into())
+                };
+                (Err(why), false)
             };
             // A cancelled task starts no further hook; one under way is killed.
             let (answer, spend_refused) = if cancel.is_cancelled() {

@@ -728,7 +728,7 @@ async fn a_cancel_kills_the_blocking_hook_under_way_and_starts_no_further_one() 
         "the dispatch ended {:?} after the cancel",
         cancelled_at.elapsed()
     );
-    let died = Err(Error::Died("the task was cancelled".into()));
+    let died = Err(Error::Canceled);
     assert_eq!(names(&replies), ["slow", "after"]);
     assert_eq!([replies[0].answer.clone(), replies[1].answer.clone()], [died.clone(), died]);
     assert_gone(c.pid("pid")).await;

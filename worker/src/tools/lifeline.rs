@@ -18,13 +18,15 @@
 //! its own (a Ctrl-C to the worker's group does not kill it first). It reads `+ <pgid>` and
 //! `- <pgid>` lines on its stdin, whose only writer is this process; when the pipe closes —
 //! this process exited or was killed — it sends SIGKILL to every group still tied, then
-//! exits. A group is untied once its leader has been reaped (after which its id may be
+//! exits. A reaper found dead (killed by someone) at the next tie or untie is replaced and
+//! told every group tied. A group is untied once its leader has been reaped (after which its id may be
 //! reused), so the reaper never signals a group that is not ours; a stray background
 //! process that a finished command left in its group is not tied any more.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
-use std::process::{ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 /// The reaper: a POSIX `sh` program. `$g` holds the tied groups as ` 12 34 `.
@@ -39,36 +41,61 @@ for id in $g; do kill -s KILL -- "-$id" 2>/dev/null; done
 exit 0
 "#;
 
-/// The reaper's stdin; `None` once it could not be started or written to (logged once).
-fn reaper() -> &'static Mutex<Option<ChildStdin>> {
-    static REAPER_STDIN: OnceLock<Mutex<Option<ChildStdin>>> = OnceLock::new();
-    REAPER_STDIN.get_or_init(|| {
-        let started = Command::new("sh")
-            .args(["-c", REAPER])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn();
-        // The child is never waited for: it exits only after this process has.
-        let stdin = match started {
-            Ok(mut child) => child.stdin.take(),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot start the reaper: child processes will outlive a killed worker");
-                None
-            }
-        };
-        Mutex::new(stdin)
-    })
+/// The reaper of this process and the groups tied now.
+struct Lifeline {
+    /// The running reaper; `None` when it could not be started (logged).
+    reaper: Option<(Child, ChildStdin)>,
+    /// The groups tied now: told again to a reaper started after the last one died.
+    tied: HashSet<u32>,
 }
 
-fn tell(line: &str) {
-    let mut stdin = reaper().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(pipe) = stdin.as_mut()
-        && let Err(e) = pipe.write_all(line.as_bytes())
-    {
-        tracing::warn!(error = %e, "the reaper is gone: child processes will outlive a killed worker");
-        *stdin = None;
+fn lifeline() -> &'static Mutex<Lifeline> {
+    static LIFELINE: OnceLock<Mutex<Lifeline>> = OnceLock::new();
+    LIFELINE.get_or_init(|| Mutex::new(Lifeline { reaper: start_reaper(), tied: HashSet::new() }))
+}
+
+fn start_reaper() -> Option<(Child, ChildStdin)> {
+    let started = Command::new("sh")
+        .args(["-c", REAPER])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn();
+    match started {
+        // The child is waited for only when it has died: it exits after this process.
+        Ok(mut child) => child.stdin.take().map(|stdin| (child, stdin)),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the reaper: child processes will outlive a killed worker");
+            None
+        }
+    }
+}
+
+/// Applies `+ pgid` or `- pgid` to the tied set and tells the reaper; a reaper found dead
+/// (killed by someone) is reaped and replaced, and the new one is told every group tied.
+fn tell(tie: bool, pgid: u32) {
+    let mut line = lifeline().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if tie {
+        line.tied.insert(pgid);
+    } else {
+        line.tied.remove(&pgid);
+    }
+    let sign = if tie { '+' } else { '-' };
+    let told = line.reaper.as_mut().map(|(_, stdin)| stdin.write_all(format!("{sign} {pgid}\n").as_bytes()));
+    if let Some(Err(e)) = told {
+        tracing::warn!(error = %e, "the reaper is gone; starting another");
+        if let Some((mut dead, _)) = line.reaper.take() {
+            let _ = dead.try_wait();
+        }
+        line.reaper = start_reaper();
+        let all: String = line.tied.iter().map(|g| format!("+ {g}\n")).collect();
+        if let Some((_, stdin)) = line.reaper.as_mut()
+            && let Err(e) = stdin.write_all(all.as_bytes())
+        {
+            tracing::warn!(error = %e, "the new reaper is gone too: child processes will outlive a killed worker");
+            line.reaper = None;
+        }
     }
 }
 
@@ -82,13 +109,13 @@ pub(crate) struct Tie {
 /// Ties group `pgid` (a child's pid, the child started with `process_group(0)`) to this
 /// process's life: if this process ends while the [`Tie`] lives, the group is killed.
 pub(crate) fn tie(pgid: u32) -> Tie {
-    tell(&format!("+ {pgid}\n"));
+    tell(true, pgid);
     Tie { pgid }
 }
 
 impl Drop for Tie {
     fn drop(&mut self) {
-        tell(&format!("- {}\n", self.pgid));
+        tell(false, self.pgid);
     }
 }
 
@@ -147,5 +174,30 @@ mod tests {
         assert!(alive(untied_pid), "an untied group is left alone");
         untied.kill().unwrap();
         untied.wait().unwrap();
+    }
+
+    fn reaper_pid() -> Option<u32> {
+        lifeline().lock().unwrap().reaper.as_ref().map(|(child, _)| child.id())
+    }
+
+    #[test]
+    fn a_killed_reaper_is_replaced_at_the_next_tie() {
+        let mut first = group("sleep 60");
+        let tied = tie(first.id());
+        let old = reaper_pid().expect("a reaper runs");
+        // SAFETY: kill(2) with plain integers; the pid is our own child's.
+        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        until("the old reaper has died", || !alive(old));
+        let mut second = group("sleep 60");
+        let also = tie(second.id());
+        let new = reaper_pid().expect("a new reaper runs");
+        assert_ne!(new, old);
+        assert!(alive(new));
+        assert!(lifeline().lock().unwrap().tied.contains(&first.id()), "the new reaper was told the first group");
+        drop((tied, also));
+        for child in [&mut first, &mut second] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
     }
 }
