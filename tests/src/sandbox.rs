@@ -142,6 +142,14 @@ impl Sandbox {
         reply.task_id
     }
 
+    /// Every task record, newest first: one `task.list` page (its items).
+    pub async fn tasks(&self) -> Vec<TaskRecord> {
+        mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new())
+            .await
+            .expect("task.list")
+            .items
+    }
+
     /// The record of `task_id`.
     pub async fn record(&self, task_id: &str) -> TaskRecord {
         let js = async_nats::jetstream::new(self.client.clone());

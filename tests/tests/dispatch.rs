@@ -230,14 +230,7 @@ async fn a_detached_command_comes_back_as_a_completion_task_in_the_same_context(
     // The completion task appears and runs.
     let deadline = std::time::Instant::now() + WAIT;
     let completion = loop {
-        let all = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(
-            &sb.client,
-            mur_proto::cluster::api::TASK_LIST,
-            "",
-        )
-        .await
-        .unwrap()
-        .items;
+        let all = sb.tasks().await;
         if let Some(r) = all.into_iter().find(|r| r.origin == Origin::Completion && r.state.is_terminal()) {
             break r;
         }

@@ -690,14 +690,7 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     let job = &jobs[0];
     assert_eq!(job["status"], "failed");
     assert_eq!(job["result"], "stopped: the deadline inherited from the fleet loop passed");
-    let tasks = mur_coordinator::api::call::<mur_proto::page::Page<mur_proto::cluster::TaskRecord>>(
-        &sb.client,
-        mur_proto::cluster::api::TASK_LIST,
-        "",
-    )
-    .await
-    .unwrap()
-    .items;
+    let tasks = sb.tasks().await;
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].exit_status, Some(mur_proto::ExitStatus::DeadlineExceeded));
     assert_eq!(tasks[0].origin, mur_proto::task::Origin::Peer);

@@ -3,7 +3,7 @@
 //! real `mur` binary asks the leading coordinator to run; the coordinator sends each step
 //! as a `peer` task to workers running scripted capsules, rank by rank.
 
-use mur_proto::cluster::{TaskRecord, api};
+use mur_proto::cluster::TaskRecord;
 use mur_tests::capsule::TestCapsule;
 use mur_tests::mur::{Run, mur};
 use mur_tests::sandbox::Sandbox;
@@ -53,7 +53,7 @@ fn define(sb: &Sandbox, yaml: &str) {
 }
 
 async fn tasks(sb: &Sandbox) -> Vec<TaskRecord> {
-    mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&sb.client, api::TASK_LIST, "").await.unwrap().items
+    sb.tasks().await
 }
 
 fn jobs(sb: &Sandbox, name: &str) -> Vec<Value> {
