@@ -1377,7 +1377,7 @@ async fn run_session(
     sh.detached.spawn(async move {
         serving.await;
         if !stopping.is_cancelled() {
-            retention.finished(dir).await;
+            retention.finished(dir);
         }
     });
     let (published, publisher) = TracePublisher::start(sh.client.clone(), cluster::trace_subject(session_id));

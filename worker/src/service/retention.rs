@@ -7,7 +7,9 @@
 //! A folder is *finished* when its session has ended and no detached command of it still
 //! runs (a command's log is written in the folder until it ends). Folders are removed one
 //! at a time, oldest first, as others finish: never a bulk removal, which on a journal-less
-//! ext4 slows the file creations of the next minute (`docs/ARCHITECTURE.md` §Speed). Only
+//! ext4 slows the file creations of the next minute (`docs/ARCHITECTURE.md` §Speed). The
+//! removals run on one thread of their own at the lowest CPU priority (nice 19), so on a
+//! busy machine they wait for idle moments rather than slow the tasks. Only
 //! folders this worker process finished are counted and removed: another worker on the
 //! same machine may share the workdir, and its running sessions are not ours to judge.
 //!
@@ -15,7 +17,7 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// The finished folders kept, oldest first.
 #[derive(Debug)]
@@ -39,22 +41,46 @@ impl Retention {
         finished.drain(..over).collect()
     }
 
-    /// [`Retention::finish`], then removes what falls past the limit (on a blocking thread;
-    /// a failure is logged, the folder stays).
-    pub async fn finished(&self, dir: PathBuf) {
+    /// [`Retention::finish`], then hands what falls past the limit to the remover thread
+    /// (a failure there is logged, the folder stays).
+    pub fn finished(&self, dir: PathBuf) {
         for old in self.finish(dir) {
-            let removed = tokio::task::spawn_blocking({
-                let old = old.clone();
-                move || std::fs::remove_dir_all(old)
-            })
-            .await;
-            if let Ok(Err(e)) = removed
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!(dir = %old.display(), error = %e, "removing an old session folder failed");
+            if remover().send(old).is_err() {
+                tracing::warn!("the session-folder remover is gone; old folders stay");
             }
         }
     }
+}
+
+/// The process's remover: a thread at nice 19 removing the folders it is sent, in order.
+fn remover() -> std::sync::mpsc::Sender<PathBuf> {
+    static REMOVER: OnceLock<Mutex<std::sync::mpsc::Sender<PathBuf>>> = OnceLock::new();
+    REMOVER
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
+            let spawned = std::thread::Builder::new().name("mur-retention".into()).spawn(move || {
+                // SAFETY: setpriority(2) on this thread's own id (Linux gives threads their
+                // own nice value); it touches no memory of ours.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+                }
+                for old in rx {
+                    if let Err(e) = std::fs::remove_dir_all(&old)
+                        && e.kind() != std::io::ErrorKind::NotFound
+                    {
+                        tracing::warn!(dir = %old.display(), error = %e, "removing an old session folder failed");
+                    }
+                }
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot start the session-folder remover; old folders stay");
+            }
+            Mutex::new(tx)
+        })
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
 }
 
 #[cfg(test)]
@@ -72,8 +98,8 @@ mod tests {
         assert_eq!(none.finish("a".into()), [PathBuf::from("a")]);
     }
 
-    #[tokio::test]
-    async fn a_folder_past_the_limit_is_removed_from_disk() {
+    #[test]
+    fn a_folder_past_the_limit_is_removed_from_disk() {
         let root = tempfile::tempdir().unwrap();
         let dirs: Vec<PathBuf> = (0..3).map(|i| root.path().join(format!("ses_{i}"))).collect();
         for d in &dirs {
@@ -82,11 +108,13 @@ mod tests {
         }
         let r = Retention::new(2);
         for d in &dirs {
-            r.finished(d.clone()).await;
+            r.finished(d.clone());
         }
-        assert_eq!(dirs.iter().map(|d| d.exists()).collect::<Vec<_>>(), [false, true, true]);
-        // A folder already gone is not an error.
-        std::fs::remove_dir_all(&dirs[1]).unwrap();
-        r.finished(root.path().join("ses_3")).await;
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while dirs[0].exists() {
+            assert!(std::time::Instant::now() < end, "the oldest folder was not removed");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(dirs[1].exists() && dirs[2].exists(), "the newest two stay");
     }
 }
