@@ -477,9 +477,8 @@ fn answer(
 /// Runs a `mur job` command.
 pub fn job(cmd: JobCommand) -> Result<ExitCode> {
     let JobCommand::Status { run_id, common } = cmd;
-    // A run id, or a loop iteration's `<id>-<n>`: the run id rule's characters (a key of
-    // mur_fleets is made of it, so nothing else can name a run).
-    if run_id.is_empty() || !run_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+    // Nothing else can name a run (a key of mur_fleets is made of it).
+    if !mur_proto::fleet::is_run_ref(&run_id) {
         anyhow::bail!("RUN_ID: must be letters, digits, '-' or '_' (a run id or <run id>-<n>), got {run_id:?}");
     }
     run_status(&common, RunPick::Id(run_id))

@@ -1566,6 +1566,13 @@ pub fn check_run_id(id: &str) -> Result<(), String> {
     }
 }
 
+/// Whether `id` names a run: a run id (the [`check_run_id`] rule) or a loop iteration's
+/// `<run id>-<n>`.
+pub fn is_run_ref(id: &str) -> bool {
+    let iteration_of = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(base, _)| base);
+    check_run_id(id).is_ok() || iteration_of.is_some_and(|base| check_run_id(base).is_ok())
+}
+
 /// A loop's default run id: `fleet-<name>-<uuidv7>`.
 pub fn loop_run_id(fleet: &str, uuid: uuid::Uuid) -> String {
     format!("fleet-{fleet}-{}", uuid.hyphenated())

@@ -851,6 +851,12 @@ fn run_ids_follow_the_conventions() {
     assert_eq!(iteration_run_id("nightly", 0), "nightly-0");
     assert_eq!(iteration_run_id("nightly", 12), "nightly-12");
     assert!(check_run_id(&loop_run_id("dev", u)).is_ok());
+    // A run is named by its id or, for a loop's iteration, `<id>-<n>` (which may pass 96).
+    let long = "a".repeat(96);
+    assert!(is_run_ref(&iteration_run_id(&long, 3)) && is_run_ref("nightly"));
+    for bad in ["", "*", ">", "a.b", &format!("{long}a-x")] {
+        assert!(!is_run_ref(bad), "{bad:?}");
+    }
 }
 
 #[test]

@@ -203,12 +203,10 @@ async fn run(access: &FleetAccess, input: &Value) -> Result<Value, String> {
 /// id `<run id>-<n>`, which follows the same rule; named as the tool's field.
 fn run_id_field(input: &Value) -> Result<&str, String> {
     let id = field(input, "run_id")?;
-    let iteration_of = id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()).map(|(base, _)| base);
-    match mur_proto::fleet::check_run_id(id) {
-        Ok(()) => Ok(id),
-        Err(_) if iteration_of.is_some_and(|base| mur_proto::fleet::check_run_id(base).is_ok()) => Ok(id),
-        Err(rule) => Err(rule.replacen("--run-id", "run_id", 1)),
+    if mur_proto::fleet::is_run_ref(id) {
+        return Ok(id);
     }
+    mur_proto::fleet::check_run_id(id).map(|()| id).map_err(|rule| rule.replacen("--run-id", "run_id", 1))
 }
 
 async fn status(access: &FleetAccess, input: &Value) -> Result<Value, String> {
