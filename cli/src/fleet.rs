@@ -678,19 +678,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 }
                 _ = tick.tick() => {}
             }
-            let events: Vec<ChannelEvent> = call(
-                &client,
-                api::LOG,
-                serde_json::to_vec(&LogRequest { fleet: started.fleet.clone(), since: Some(seen) })?,
-            )
-            .await
-            .unwrap_or_default();
-            for e in events.iter().filter(|e| e.run_id.as_deref().is_some_and(|r| r.starts_with(&started.run_id))) {
-                view.milestone(e)?;
-            }
-            if let Some(last) = events.last() {
-                seen = last.seq;
-            }
+            seen = milestones(&client, &started, seen, &view).await?;
             let jobs: Vec<Job> = call::<Page<Job>>(
                 &client,
                 api::JOBS,
@@ -717,6 +705,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 view.changed(changed)?;
             }
             if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
+                // The run's stop event is written before its record: one that came between
+                // this tick's reading of the channel and of the record is read now.
+                milestones(&client, &started, seen, &view).await?;
                 // The steps' last records were stored before the run's: take those already here.
                 while let Some(Some(Ok(entry))) = futures::FutureExt::now_or_never(task_updates.next()) {
                     if let Ok(t) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
@@ -740,6 +731,17 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             }
         }
     })
+}
+
+/// Prints the run's channel events after sequence number `seen` as milestones; returns the
+/// last sequence number read (`seen` when none was, or the channel could not be read).
+async fn milestones(client: &async_nats::Client, run: &fleet_store::RunRecord, seen: u64, view: &Live) -> Result<u64> {
+    let request = LogRequest { fleet: run.fleet.clone(), since: Some(seen) };
+    let events: Vec<ChannelEvent> = call(client, api::LOG, serde_json::to_vec(&request)?).await.unwrap_or_default();
+    for e in events.iter().filter(|e| e.run_id.as_deref().is_some_and(|r| r.starts_with(&run.run_id))) {
+        view.milestone(e)?;
+    }
+    Ok(events.last().map_or(seen, |last| last.seq))
 }
 
 /// `1 iteration`, `2 iterations`.
