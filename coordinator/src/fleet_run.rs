@@ -318,6 +318,8 @@ struct Exec {
     /// Usage of the tasks waited for, by capsule, until the iteration accounts it.
     tally: crate::fleet_cost::Tally,
     active: Active,
+    /// The job an `awaiting-approval` stop left blocked, named in the stop's remedy.
+    blocked_job: Option<String>,
 }
 
 impl Exec {
@@ -333,6 +335,7 @@ impl Exec {
             settings: env.settings.clone(),
             tally: Default::default(),
             active: env.active.clone(),
+            blocked_job: None,
         }
     }
 
@@ -548,6 +551,7 @@ impl Exec {
             &self.record.run_id,
             self.record.iterations,
             self.record.spend.usd,
+            self.blocked_job.as_deref(),
         );
         if let Some(remedy) = &report.remedy {
             text.push_str(&format!("; {remedy}"));

@@ -1922,12 +1922,15 @@ impl Stop {
         }
     }
 
-    /// A one-line remedy naming the fleet; none for a loop that finished its work.
-    pub fn remedy(self, fleet: &str) -> Option<String> {
+    /// A one-line remedy naming the fleet; none for a loop that finished its work
+    /// (`mur-fleet` reference §3 stop table). `blocked_job`: the job an awaiting-approval
+    /// stop left blocked, named in the approve command (`<job>` when not known).
+    pub fn remedy(self, fleet: &str, blocked_job: Option<&str>) -> Option<String> {
         Some(match self {
             Stop::Converged | Stop::QueueDrained => return None,
             Stop::AwaitingApproval => {
-                format!("approve the parked steps: mur fleet approve {fleet} <job>, then run it again")
+                let job = blocked_job.unwrap_or("<job>");
+                format!("approve the parked steps: mur fleet approve {fleet} {job}, then run it again")
             }
             Stop::Stopped => format!("mur fleet start {fleet} clears the kill-switch"),
             Stop::Deadline => {

@@ -318,13 +318,21 @@ pub struct StopReport {
 
 impl StopReport {
     /// The report of `stop` ending run `run_id` of `fleet` after `iterations` iterations
-    /// that spent `spent_usd`.
-    pub fn new(stop: crate::fleet::Stop, fleet: &str, run_id: &str, iterations: u64, spent_usd: f64) -> StopReport {
+    /// that spent `spent_usd`; `blocked_job`: the job an `awaiting-approval` stop left
+    /// blocked, which its remedy names.
+    pub fn new(
+        stop: crate::fleet::Stop,
+        fleet: &str,
+        run_id: &str,
+        iterations: u64,
+        spent_usd: f64,
+        blocked_job: Option<&str>,
+    ) -> StopReport {
         StopReport {
             from: "working".into(),
             to: stop.channel_state().into(),
             stop_reason: stop.label().into(),
-            remedy: stop.remedy(fleet),
+            remedy: stop.remedy(fleet, blocked_job),
             iterations,
             spent_usd,
             run_id: run_id.into(),
@@ -787,19 +795,19 @@ mod stop_report_tests {
 
     #[test]
     fn a_stop_report_maps_each_stop_to_its_channel_state_and_remedy() {
-        let r = StopReport::new(Stop::Deadline, "pair", "fleet-pair-1", 3, 0.25);
+        let r = StopReport::new(Stop::Deadline, "pair", "fleet-pair-1", 3, 0.25, None);
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
             serde_json::json!({"from": "working", "to": "failed", "stop_reason": "deadline",
                 "remedy": "raise the deadline: mur fleet run pair --loop --deadline <D>, or limits.deadline",
                 "iterations": 3, "spent_usd": 0.25, "run_id": "fleet-pair-1"})
         );
-        let to = |s: Stop| StopReport::new(s, "f", "r", 0, 0.0).to;
+        let to = |s: Stop| StopReport::new(s, "f", "r", 0, 0.0, None).to;
         assert_eq!(
             [Stop::Converged, Stop::QueueDrained, Stop::AwaitingApproval, Stop::Stopped, Stop::Budget].map(to),
             ["completed", "completed", "input-required", "canceled", "failed"]
         );
-        assert_eq!(StopReport::new(Stop::QueueDrained, "f", "r", 1, 0.0).remedy, None);
-        assert!(StopReport::new(Stop::Stopped, "f", "r", 1, 0.0).remedy.unwrap().contains("mur fleet start f"));
+        assert_eq!(StopReport::new(Stop::QueueDrained, "f", "r", 1, 0.0, None).remedy, None);
+        assert!(StopReport::new(Stop::Stopped, "f", "r", 1, 0.0, None).remedy.unwrap().contains("mur fleet start f"));
     }
 }

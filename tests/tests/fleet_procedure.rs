@@ -264,6 +264,11 @@ async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_st
         log.contains(&format!("system state-change: job {job} blocked: awaiting approval of step deploy")),
         "{log}"
     );
+    // The stop's remedy names the blocked job.
+    assert!(
+        log.contains(&format!("; approve the parked steps: mur fleet approve gate {job}, then run it again")),
+        "{log}"
+    );
     // Nothing to approve on a job that is not blocked; a blocked job is not taken again
     // before it is answered.
     let done_job = ok(&sb, &["send", "gate", "Other work."]).stdout.trim().to_string();
@@ -474,6 +479,10 @@ async fn a_parked_standing_goal_becomes_a_blocked_job_that_can_be_approved() {
     let log = ok(&sb, &["log", "gate"]).stdout;
     assert!(
         log.contains(&format!("system note: step deploy (destructive) awaits approval: mur fleet approve gate {job}")),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("; approve the parked steps: mur fleet approve gate {job}, then run it again")),
         "{log}"
     );
     ok(&sb, &["approve", "gate", &job]);

@@ -90,6 +90,7 @@ impl Exec {
                             parked_goal.id,
                             parked.join(", ")
                         );
+                        self.blocked_job = Some(parked_goal.id.clone());
                         self.event(
                             EventKind::StateChange,
                             Author::System,
@@ -132,6 +133,7 @@ impl Exec {
                 tracing::warn!(fleet, job = %id, "ending the job: {e}");
             }
             if status == JobStatus::Blocked {
+                self.blocked_job = Some(id.to_string());
                 let text = format!("job {id} blocked: awaiting approval of step {}", parked.join(", "));
                 self.event(EventKind::StateChange, Author::System, text, Some(iteration_run_id), job).await;
             }

@@ -990,7 +990,7 @@ fn stop_reasons_map_to_labels_states_and_remedies() {
         Stop::IterationFailed,
     ]
     .into_iter()
-    .map(|s| (s.label(), s.channel_state(), s.run_state(), s.remedy("dev").is_some_and(|r| r.contains("dev"))))
+    .map(|s| (s.label(), s.channel_state(), s.run_state(), s.remedy("dev", None).is_some_and(|r| r.contains("dev"))))
     .collect();
     assert_eq!(
         table,
@@ -1006,8 +1006,12 @@ fn stop_reasons_map_to_labels_states_and_remedies() {
             ("iteration-failed", "failed", "failed", true),
         ]
     );
-    assert_eq!(Stop::Converged.remedy("dev"), None);
-    assert_eq!(Stop::Stopped.remedy("dev").unwrap(), "mur fleet start dev clears the kill-switch");
+    assert_eq!(Stop::Converged.remedy("dev", None), None);
+    assert_eq!(Stop::Stopped.remedy("dev", None).unwrap(), "mur fleet start dev clears the kill-switch");
+    assert_eq!(
+        Stop::AwaitingApproval.remedy("dev", Some("job_7")).unwrap(),
+        "approve the parked steps: mur fleet approve dev job_7, then run it again"
+    );
 }
 
 #[test]
