@@ -144,6 +144,21 @@ impl DurationText {
     pub fn parse(text: &str) -> Result<DurationText, String> {
         parse_duration(text).map(|duration| DurationText { text: text.trim().to_string(), duration })
     }
+
+    /// Parses a loop's deadline with [`parse_duration`] and refuses zero: a zero deadline
+    /// stops a run before its first iteration, which no one means (`0` is not "no
+    /// deadline": leave the key out for the built-in 1h). [`Stuck::parse`] refuses a zero
+    /// window likewise (`off` turns it off).
+    ///
+    /// # Errors
+    /// The rule broken, as [`parse_duration`] gives it, or that it must be longer than zero.
+    pub fn parse_bound(text: &str) -> Result<DurationText, String> {
+        let d = DurationText::parse(text)?;
+        if d.duration.is_zero() {
+            return Err(format!("must be longer than zero (leave it out for the built-in), got {:?}", d.text));
+        }
+        Ok(d)
+    }
 }
 
 impl fmt::Display for DurationText {
@@ -316,9 +331,11 @@ impl Stuck {
         if text.trim().eq_ignore_ascii_case("off") {
             return Ok(Stuck::Off);
         }
-        DurationText::parse(text)
-            .map(Stuck::After)
-            .map_err(|_| format!("{DURATION_RULE}, or off, got {:?}", text.trim()))
+        let d = DurationText::parse(text).map_err(|_| format!("{DURATION_RULE}, or off, got {:?}", text.trim()))?;
+        if d.duration.is_zero() {
+            return Err(format!("must be longer than zero, or off, got {:?}", d.text));
+        }
+        Ok(Stuck::After(d))
     }
 
     /// `off` or the duration's text.
@@ -950,10 +967,9 @@ fn strip_unknown(map: &mut Mapping, allowed: &[&str], prefix: &str, notices: &mu
 }
 
 fn validate_limits(raw: RawLimits, errors: &mut Vec<String>) -> Limits {
-    let deadline = raw
-        .deadline
-        .map(Text::into_string)
-        .and_then(|d| DurationText::parse(&d).map_err(|rule| errors.push(format!("limits.deadline: {rule}"))).ok());
+    let deadline = raw.deadline.map(Text::into_string).and_then(|d| {
+        DurationText::parse_bound(&d).map_err(|rule| errors.push(format!("limits.deadline: {rule}"))).ok()
+    });
     let stuck = raw
         .stuck
         .map(Text::into_string)
@@ -1104,7 +1120,7 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
     if let Some(d) = l.deadline.map(Text::into_string)
         && !d.trim().is_empty()
     {
-        match DurationText::parse(&d) {
+        match DurationText::parse_bound(&d) {
             Ok(d) => out.deadline = Some(d),
             Err(rule) => r.soft("loop.deadline", rule, "ignored; the loop is bounded by its other limits"),
         }
@@ -1273,7 +1289,7 @@ pub fn apply_loop_edit(stored: &str, edit: &LoopEdit) -> Result<String, Error> {
         if d.trim().is_empty() {
             set.push(("deadline", Value::String(String::new())));
         } else {
-            match DurationText::parse(d) {
+            match DurationText::parse_bound(d) {
                 Ok(d) => set.push(("deadline", Value::String(d.text))),
                 Err(rule) => errors.push(format!("--deadline: {rule}")),
             }
@@ -1421,10 +1437,9 @@ pub fn resolve_bounds(fleet: &Fleet, flags: &RunFlags, config: &LimitsBlock) -> 
     let mut errors = Vec::new();
     let mut notices = Vec::new();
 
-    let flag_deadline = flags
-        .deadline
-        .as_deref()
-        .and_then(|d| DurationText::parse(d).map_err(|rule| errors.push(format!("{prefix}--deadline: {rule}"))).ok());
+    let flag_deadline = flags.deadline.as_deref().and_then(|d| {
+        DurationText::parse_bound(d).map_err(|rule| errors.push(format!("{prefix}--deadline: {rule}"))).ok()
+    });
     let flag_cost = flags.budget_usd.and_then(|b| {
         if b.is_finite() && b >= 0.0 {
             Some(b)

@@ -1059,3 +1059,39 @@ fn the_cluster_configs_limits_block_is_read_strictly() {
     let errors = LimitsBlock::from_config(v("max_iterations: 3")).unwrap_err();
     assert!(errors[0].starts_with("limits: unknown field `max_iterations`"), "{errors:?}");
 }
+
+#[test]
+fn a_zero_deadline_or_stuck_window_is_refused_where_it_is_written() {
+    // Zero is not "no bound": a zero deadline would stop every run before its first
+    // iteration, a zero stuck window right after it.
+    assert_eq!(
+        rules(&format!("{MINIMAL}limits:\n  deadline: 0\n  stuck: 0s\n")),
+        [
+            "limits.deadline: must be longer than zero (leave it out for the built-in), got \"0\"",
+            "limits.stuck: must be longer than zero, or off, got \"0s\"",
+        ]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}loop:\n  deadline: 0m\n")),
+        ["loop.deadline: must be longer than zero (leave it out for the built-in), got \"0m\""]
+    );
+    let flags = RunFlags { deadline: Some("0".into()), ..RunFlags::default() };
+    assert_eq!(
+        resolve_bounds(&Fleet::parse(MINIMAL).unwrap(), &flags, &LimitsBlock::Absent),
+        Err(Error::Invalid(vec![
+            "fleet 'builder': --deadline: must be longer than zero (leave it out for the built-in), got \"0\"".into()
+        ]))
+    );
+    let edit = LoopEdit { deadline: Some("0h".into()), ..LoopEdit::default() };
+    assert_eq!(
+        apply_loop_edit(MINIMAL, &edit),
+        Err(Error::Invalid(vec![
+            "--deadline: must be longer than zero (leave it out for the built-in), got \"0h\"".into()
+        ]))
+    );
+    // A stored fleet an older version accepted with a zero deadline still loads; its bounds
+    // do not resolve, so no run starts that would stop at once.
+    let stored = Fleet::load_stored(&format!("{MINIMAL}limits:\n  deadline: 0\n")).unwrap();
+    assert!(resolve_bounds(&stored, &RunFlags::default(), &LimitsBlock::Absent).is_err());
+    assert!(DurationText::parse_bound("1s").is_ok());
+}
