@@ -733,6 +733,7 @@ fn ordinal(n: usize) -> String {
 const TOP_KEYS: &[&str] =
     &["name", "goal", "members", "router", "loop", "limits", "fanout", "hitl", "procedure", "parallel", "needs"];
 const LOOP_KEYS: &[&str] = &["trigger", "done_when", "deadline", "budget_usd", "max_iterations"];
+const LIMITS_KEYS: &[&str] = &["deadline", "stuck", "cost_usd"];
 const HITL_KEYS: &[&str] = &["mode", "auto_approve_tiers"];
 const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on", "on_failure", "max_retries", "tier"];
 const PARALLEL_KEYS: &[&str] = &["mode", "tracks", "judge", "pre_filter", "partition"];
@@ -854,6 +855,13 @@ impl Fleet {
     /// an enum value outside its set), naming the field path; [`Error::Invalid`] listing
     /// every broken rule, one `path: rule` line each.
     pub fn parse(text: &str) -> Result<Fleet, Error> {
+        // Every unknown key at once (serde stops at the first), in serde's words.
+        if let Ok(Value::Mapping(map)) = serde_yaml_ng::from_str::<Value>(text) {
+            let unknown = unknown_keys(&map);
+            if !unknown.is_empty() {
+                return Err(Error::Parse(unknown.join("\n")));
+            }
+        }
         let raw: Raw = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
         validate(raw, None, Mode::Strict)
     }
@@ -954,6 +962,39 @@ impl Fleet {
             )),
         }
     }
+}
+
+/// One line per unknown key of a fleet's mapping and of its `loop:`, `limits:`, `hitl:`,
+/// `parallel:` and `procedure[i]` mappings, worded as serde words the first:
+/// ``loop: unknown field `max_iteration`, expected one of `trigger`, …``.
+fn unknown_keys(map: &Mapping) -> Vec<String> {
+    fn check(map: &Mapping, allowed: &[&str], path: &str, out: &mut Vec<String>) {
+        for k in map.keys() {
+            if k.as_str().is_some_and(|k| allowed.contains(&k)) {
+                continue;
+            }
+            let shown = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
+            let expected = allowed.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
+            out.push(format!("{path}unknown field `{shown}`, expected one of {expected}"));
+        }
+    }
+    let mut out = Vec::new();
+    check(map, TOP_KEYS, "", &mut out);
+    for (key, allowed) in
+        [("loop", LOOP_KEYS), ("limits", LIMITS_KEYS), ("hitl", HITL_KEYS), ("parallel", PARALLEL_KEYS)]
+    {
+        if let Some(Value::Mapping(m)) = map.get(key) {
+            check(m, allowed, &format!("{key}: "), &mut out);
+        }
+    }
+    if let Some(Value::Sequence(steps)) = map.get("procedure") {
+        for (i, step) in steps.iter().enumerate() {
+            if let Value::Mapping(m) = step {
+                check(m, STEP_KEYS, &format!("procedure[{i}]: "), &mut out);
+            }
+        }
+    }
+    out
 }
 
 fn strip_unknown(map: &mut Mapping, allowed: &[&str], prefix: &str, notices: &mut Vec<String>) {

@@ -1095,3 +1095,25 @@ fn a_zero_deadline_or_stuck_window_is_refused_where_it_is_written() {
     assert!(resolve_bounds(&stored, &RunFlags::default(), &LimitsBlock::Absent).is_err());
     assert!(DurationText::parse_bound("1s").is_ok());
 }
+
+#[test]
+fn every_unknown_key_is_reported_at_once() {
+    let err = parse_err(&format!(
+        "{MINIMAL}colour: blue\nloop:\n  max_iteration: 3\n  trigger: manual\nlimits:\n  max_iterations: 3\n  \
+         timeout: 1h\nprocedure:\n  - id: a\n    member: writer\n    after: [b]\n"
+    ));
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "unknown field `colour`, expected one of `name`, `goal`, `members`, `router`, `loop`, `limits`, \
+             `fanout`, `hitl`, `procedure`, `parallel`, `needs`",
+            "loop: unknown field `max_iteration`, expected one of `trigger`, `done_when`, `deadline`, `budget_usd`, \
+             `max_iterations`",
+            "limits: unknown field `max_iterations`, expected one of `deadline`, `stuck`, `cost_usd`",
+            "limits: unknown field `timeout`, expected one of `deadline`, `stuck`, `cost_usd`",
+            "procedure[0]: unknown field `after`, expected one of `id`, `member`, `task`, `depends_on`, \
+             `on_failure`, `max_retries`, `tier`",
+        ]
+    );
+}
