@@ -638,7 +638,11 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         } else {
             println!("{}", started.run_id);
         }
-        let mut view = Live::new(common.json, crate::follow::Follow::new(&started.run_id, members));
+        let mut follow = crate::follow::Follow::new(&started.run_id, members);
+        // The spend the run started with (0, or what earlier iterations of an adopted run
+        // spent): the first status line shows it, as every later one does.
+        follow.set_spend(spend_of(&started));
+        let mut view = Live::new(common.json, follow);
         let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
         // The run's permits, from a watch on the semaphore: every permit taken or given back.
         let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.context("mur_fanout")?;

@@ -203,6 +203,8 @@ async fn twenty_steps_across_three_workers_never_hold_more_than_three_permits_wh
         assert_eq!((end["type"].as_str(), end["state"].as_str()), (Some("end"), Some("done")), "{end}");
         let statuses: Vec<&serde_json::Value> = lines.iter().filter(|l| l["type"] == "status").collect();
         let most = statuses.iter().map(|s| s["permits_in_use"].as_u64().unwrap()).max().unwrap();
+        // The spend is known from the first line on (the shell capsules' runs cost $0).
+        assert!(statuses.iter().all(|s| s["spend_usd"] == 0.0), "{statuses:?}");
         assert!((1..=3).contains(&most), "the view showed {most} permits in use");
         assert!(
             statuses.iter().any(|s| s["members"].as_array().unwrap().iter().any(|m| m["state"] == "running")),
