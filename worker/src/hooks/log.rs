@@ -54,9 +54,21 @@ impl HookLog {
     }
 }
 
-/// `text` with line breaks written as `\n` (and a carriage return dropped).
+/// `text` with line breaks written as `\n`, a carriage return dropped, and every other
+/// control character but a tab escaped as Rust writes it (`\u{1b}`): a hook's colours or
+/// cursor moves stay text in the log instead of acting on the terminal that reads it.
 fn one_line(text: &str) -> String {
-    text.trim_end_matches(['\n', '\r']).replace('\r', "").replace('\n', "\\n")
+    let mut out = String::with_capacity(text.len());
+    for c in text.trim_end_matches(['\n', '\r']).chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => {}
+            '\t' => out.push('\t'),
+            c if c.is_control() => out.extend(c.escape_debug()),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn now_ms() -> u64 {
@@ -109,5 +121,11 @@ mod tests {
         assert!(lines[0].ends_with(" on-task-end error: first\\nsecond"), "{}", lines[0]);
         assert!(lines[1].ends_with(" on-task-end stderr: a"), "{}", lines[1]);
         assert!(lines[2].ends_with(" on-task-end stderr: b"), "{}", lines[2]);
+    }
+
+    #[test]
+    fn control_characters_are_escaped_and_a_tab_is_kept() {
+        assert_eq!(one_line("\u{1b}[31mred\u{1b}[0m\tok\r\n"), "\\u{1b}[31mred\\u{1b}[0m\tok");
+        assert_eq!(one_line("a\u{7}b\u{0}c\u{9b}d"), "a\\u{7}b\\0c\\u{9b}d");
     }
 }
