@@ -219,7 +219,7 @@ pub async fn spec_of(
 /// Checks a request and makes the run and its first record.
 async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiError> {
     let fleets = &env.fleets;
-    let (_, text) = fleets.definition(&request.fleet).await?;
+    let (revision, text) = fleets.definition(&request.fleet).await?;
     let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
     if let Some(id) = &request.run_id {
         // The rule names the flag already (`--run-id: must be …`).
@@ -286,7 +286,44 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
         jobs: Default::default(),
     };
     put_record(fleets, &record).await?;
+    if let Err(e) = still_defined(fleets, &fleet.name, revision).await {
+        if let Err(purge) = fleets.defs().purge(fleet_store::run_key(&run_id)).await {
+            tracing::warn!(fleet = %fleet.name, run = %run_id, "removing the record of a run not started: {purge}");
+        }
+        return Err(e);
+    }
     Ok((run, record))
+}
+
+/// Checked once a run's record is written (so a `mur fleet rm` looking for runs from now
+/// on sees it): the definition read at `revision` is still the fleet's and no removal of
+/// it is under way (`fleet_store::Removing`).
+///
+/// # Errors
+/// `conflict` when the fleet was removed, replaced or is being removed; `unavailable`
+/// when the bucket cannot be read.
+async fn still_defined(fleets: &Fleets, fleet: &str, revision: u64) -> Result<(), ApiError> {
+    let read = |e| ApiError::new(ErrorCode::Unavailable, format!("mur_fleets: read: {e}"));
+    let gone = || {
+        ApiError::new(
+            ErrorCode::Conflict,
+            format!("fleet {fleet} was removed or replaced while the run started; nothing was run"),
+        )
+    };
+    let marker = fleets.defs().get(fleet_store::removing_key(fleet)).await.map_err(read)?;
+    if marker
+        .and_then(|v| serde_json::from_slice::<fleet_store::Removing>(&v).ok())
+        .is_some_and(|m| m.applies(revision, now_ms()))
+    {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("fleet {fleet} is being removed (mur fleet rm); nothing was run"),
+        ));
+    }
+    match fleets.defs().entry(fleet_store::def_key(fleet)).await.map_err(read)? {
+        Some(entry) if entry.operation == kv::Operation::Put && entry.revision == revision => Ok(()),
+        _ => Err(gone()),
+    }
 }
 
 /// Writes a run's record.

@@ -488,10 +488,21 @@ impl Fleets {
 
     /// `fleet.rm`: the definition, the sentinel, the jobs and the channel go.
     async fn remove(&self, req: FleetRef) -> Result<FleetRef, ApiError> {
-        self.definition(&req.fleet).await?;
+        let (revision, _) = self.definition(&req.fleet).await?;
+        // Marked before the runs are looked at: a run starting now either is seen below or
+        // sees the mark and starts nothing (`fleet_store::Removing`).
+        let removing = fleet_store::removing_key(&req.fleet);
+        let mark = fleet_store::Removing { revision, at: now_ms() };
+        self.defs.put(&removing, to_json(&mark)?).await.map_err(|e| unavailable("mur_fleets: put", e))?;
         // A run going would go on writing jobs and channel events for a fleet that is gone
         // (and into a new fleet of the same name): refused, nothing removed.
-        if let Some(run_id) = self.run_going(&req.fleet).await? {
+        let going = self.run_going(&req.fleet).await;
+        if !matches!(going, Ok(None)) {
+            if let Err(e) = self.defs.purge(&removing).await {
+                tracing::warn!(fleet = %req.fleet, "clearing the removal mark: {e}");
+            }
+        }
+        if let Some(run_id) = going? {
             return Err(ApiError::new(
                 ErrorCode::Conflict,
                 format!(
@@ -517,6 +528,7 @@ impl Fleets {
             .await
             .map_err(|e| unavailable("mur_fleets: purge", e))?;
         self.defs.purge(fleet_store::def_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        self.defs.purge(&removing).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
         tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet removed");
         Ok(req)
     }

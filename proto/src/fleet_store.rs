@@ -13,6 +13,7 @@
 //! | `.last_run` | `mur_fleets` key `lastrun.<fleet>`: unix ms ([`last_run_key`]) |
 //! | `jobs/<uuid>.yaml` | `mur_jobs` key `<fleet>.<uuid>`: a [`crate::fleet::Job`] (JSON); every change a compare-and-set |
 //! | the fleet's channel | stream `MUR_FLEET`, subject `mur.fleet.<fleet>.channel`: [`ChannelEvent`]s |
+//! | (none) | `mur_fleets` key `removing.<fleet>`: a [`Removing`] (JSON) while `mur fleet rm` runs |
 //!
 //! Loop settings (`mur fleet set-loop`) are kept in the definition's `loop:` block
 //! ([`crate::fleet::apply_loop_edit`]), so there is one source for what a run reads.
@@ -54,6 +55,37 @@ pub fn def_key(fleet: &str) -> String {
 /// The key of a fleet's kill-switch sentinel: `stopped.<fleet>`.
 pub fn stopped_key(fleet: &str) -> String {
     format!("stopped.{fleet}")
+}
+
+/// The key written while `mur fleet rm` removes a fleet: `removing.<fleet>` ([`Removing`]).
+pub fn removing_key(fleet: &str) -> String {
+    format!("removing.{fleet}")
+}
+
+/// A removal under way. `mur fleet rm` writes it *before* it looks for a run going and
+/// deletes it last; a run writes its record *before* it looks for this key. Both keys are
+/// in one bucket (one stream, one order), so of a removal and a run starting at once one
+/// sees the other: the removal is refused, or the run is (it removes its record and
+/// starts nothing). Without it a run starting between rm's check and its purge went on in
+/// a fleet that was gone.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Removing {
+    /// The definition's revision being removed: a marker of an earlier definition of the
+    /// same name (a removal that died half-way) does not apply to a fleet created since.
+    pub revision: u64,
+    /// When the removal started, unix ms.
+    pub at: u64,
+}
+
+impl Removing {
+    /// A marker older than this is of a removal that died (a removal takes well under a
+    /// second): it no longer refuses runs, ms.
+    pub const STALE_MS: u64 = 60_000;
+
+    /// Whether this marker refuses a run of the definition at `revision`, at `now` (unix ms).
+    pub fn applies(&self, revision: u64, now: u64) -> bool {
+        self.revision == revision && now.saturating_sub(self.at) < Self::STALE_MS
+    }
 }
 
 /// The fleet a [`FLEETS_BUCKET`] key defines, when it is a `def.` key.
@@ -768,6 +800,16 @@ mod run_tests {
             members: BTreeMap::new(),
             jobs: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn a_removal_mark_holds_runs_of_its_revision_back_for_a_minute() {
+        let mark = Removing { revision: 7, at: 100_000 };
+        assert!(mark.applies(7, 100_000));
+        assert!(mark.applies(7, 159_999));
+        assert!(!mark.applies(7, 160_000), "a removal that died a minute ago");
+        assert!(!mark.applies(8, 100_500), "a definition made since");
+        assert_eq!(removing_key("pair"), "removing.pair");
     }
 
     #[test]

@@ -785,9 +785,51 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     );
     assert_eq!(ok(&sb, &["jobs", "pair", "--json"]).last_json()[0]["id"], job.as_str(), "nothing was removed");
     ok(&sb, &["show", "pair"]);
+    assert_eq!(kv.get(fleet_store::removing_key("pair")).await?, None, "a refused removal leaves no mark");
     run["state"] = json!("done");
     kv.put(fleet_store::run_key("run_going"), serde_json::to_vec(&run)?.into()).await?;
     assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
+    assert_eq!(kv.get(fleet_store::removing_key("pair")).await?, None, "a removal leaves no mark");
+    Ok(())
+}
+
+/// `mur fleet rm` marks the fleet before it looks for a run going, and a run looks for the
+/// mark once its record is written: of a removal and a run at once, one sees the other. A
+/// run that finds the mark of the definition it read starts nothing and leaves no record;
+/// a stale mark (a removal that died) or one of an earlier definition of the same name
+/// holds no run back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_starting_while_its_fleet_is_being_removed_starts_nothing() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let kv = fleets_kv(&sb).await;
+    let revision = kv.entry(fleet_store::def_key("pair")).await?.unwrap().revision;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
+    let mark = |revision: u64, at: u64| serde_json::to_vec(&fleet_store::Removing { revision, at }).unwrap();
+    let run_keys = || async {
+        let keys: Vec<String> = futures::TryStreamExt::try_collect(kv.keys().await.unwrap()).await.unwrap();
+        keys.into_iter().filter(|k| k.starts_with("run.")).collect::<Vec<_>>()
+    };
+
+    kv.put(fleet_store::removing_key("pair"), mark(revision, now).into()).await?;
+    let run = fleet(&sb, &["run", "pair"]);
+    assert_eq!(
+        (run.code, run.stdout.as_str(), run.stderr.as_str()),
+        (2, "", "mur fleet run: refused: conflict: fleet pair is being removed (mur fleet rm); nothing was run\n")
+    );
+    assert_eq!(run_keys().await, Vec::<String>::new(), "no run record is left");
+    assert_eq!(ok(&sb, &["log", "pair"]).stdout, "", "nothing was written to the channel");
+
+    // A removal that died a minute ago, and one of an earlier definition, hold nothing back:
+    // the run starts (and fails, its members not being pushed).
+    for (revision, at) in [(revision, now - fleet_store::Removing::STALE_MS - 1_000), (revision - 1, now)] {
+        kv.put(fleet_store::removing_key("pair"), mark(revision, at).into()).await?;
+        let run = fleet(&sb, &["run", "pair"]);
+        assert_eq!(run.code, 1, "{run:?}");
+        assert!(run.stderr.contains("ended: iteration-failed"), "{run:?}");
+    }
+    assert_eq!(run_keys().await.len(), 2);
     Ok(())
 }
 
