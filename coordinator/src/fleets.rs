@@ -497,10 +497,10 @@ impl Fleets {
         // A run going would go on writing jobs and channel events for a fleet that is gone
         // (and into a new fleet of the same name): refused, nothing removed.
         let going = self.run_going(&req.fleet).await;
-        if !matches!(going, Ok(None)) {
-            if let Err(e) = self.defs.purge(&removing).await {
-                tracing::warn!(fleet = %req.fleet, "clearing the removal mark: {e}");
-            }
+        if !matches!(going, Ok(None))
+            && let Err(e) = self.defs.purge(&removing).await
+        {
+            tracing::warn!(fleet = %req.fleet, "clearing the removal mark: {e}");
         }
         if let Some(run_id) = going? {
             return Err(ApiError::new(
