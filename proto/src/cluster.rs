@@ -118,6 +118,10 @@ pub fn is_valid_digest(digest: &str) -> bool {
 // ---------------------------------------------------------------------------------------
 // Records.
 
+/// Room a [`TaskRecord`] leaves under the server's `max_payload` for what wraps it (a
+/// KV put's headers), bytes.
+pub const RECORD_MARGIN: usize = 4 * 1024;
+
 /// A task as the cluster keeps it in [`TASKS_BUCKET`] (key = `task_id`). Times are unix
 /// milliseconds. Every change is a compare-and-set on the key's revision.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -252,6 +256,48 @@ impl TaskRecord {
             traceparent: None,
             usage: None,
         }
+    }
+
+    /// Clips the `result`, then the `error`, so that the record's JSON fits a message of
+    /// `max_payload` bytes less [`RECORD_MARGIN`]: a server refuses a larger one, and a
+    /// terminal record that cannot be written leaves its task `working` until its dispatch
+    /// dead-letters. A clipped field keeps its start and ends with a note of the bytes cut;
+    /// the whole result stays in the session folder's `out/result.txt`. Returns whether it
+    /// clipped; a record that no clipping of these two fits (its text alone near the limit)
+    /// is left as it is.
+    pub fn fit(&mut self, max_payload: usize) -> bool {
+        let budget = max_payload.saturating_sub(RECORD_MARGIN);
+        let size = |r: &TaskRecord| serde_json::to_vec(r).map_or(usize::MAX, |j| j.len());
+        if size(self) <= budget {
+            return false;
+        }
+        let mut fitted = self.clone();
+        for field in [0, 1] {
+            let over = size(&fitted).saturating_sub(budget);
+            let text = match field {
+                0 => fitted.result.as_mut(),
+                _ => fitted.error.as_mut(),
+            };
+            let Some(text) = text.filter(|_| over > 0) else { continue };
+            let note = format!("\n… [clipped: {} bytes in all; the whole is in out/result.txt]", text.len());
+            // Each byte cut shortens the JSON by at least one byte (escapes only add); the
+            // note is counted as JSON (its line break is two bytes there).
+            let note_json = serde_json::to_string(&note).map_or(note.len() * 6, |j| j.len() - 2);
+            if text.len() <= note_json {
+                continue;
+            }
+            let mut cut = text.len().saturating_sub(over + note_json);
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+            text.push_str(&note);
+        }
+        if size(&fitted) > budget {
+            return false;
+        }
+        *self = fitted;
+        true
     }
 }
 
@@ -1000,6 +1046,39 @@ fn strip_position(message: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_terminal_record_too_large_for_a_message_clips_its_result_to_fit() {
+        let request = SubmitRequest::new("echo", "y".repeat(100_000), Origin::User);
+        let mut record = TaskRecord::submitted("tsk_1".into(), request, "ab".repeat(32), 5);
+        let max = 1 << 20;
+        // Fits already: unchanged.
+        record.result = Some("short".into());
+        assert!(!record.fit(max));
+        assert_eq!(record.result.as_deref(), Some("short"));
+        // Ten times the text, with quotes (two JSON bytes each) and a multi-byte character
+        // where the cut would fall.
+        let whole = format!("{}é{}", "\"".repeat(300_000), "z".repeat(800_000));
+        record.result = Some(whole.clone());
+        assert!(record.fit(max));
+        let json = serde_json::to_vec(&record).unwrap();
+        assert!(json.len() <= max - RECORD_MARGIN, "{}", json.len());
+        let result = record.result.as_deref().unwrap();
+        let note = format!("\n… [clipped: {} bytes in all; the whole is in out/result.txt]", whole.len());
+        assert!(result.ends_with(&note), "{}", &result[result.len() - 100..]);
+        assert!(whole.starts_with(result.strip_suffix(&note).unwrap()), "the start is kept");
+        assert!(result.len() > 400_000, "as much as fits is kept: {}", result.len());
+        // A record whose text alone is too large is left as it is.
+        let mut big = TaskRecord::submitted(
+            "tsk_2".into(),
+            SubmitRequest::new("echo", "y".repeat(max), Origin::User),
+            "ab".repeat(32),
+            5,
+        );
+        big.result = Some("ok".into());
+        assert!(!big.fit(max));
+        assert_eq!(big.result.as_deref(), Some("ok"));
+    }
 
     #[test]
     fn a_worker_silent_past_the_timeout_is_not_live_in_the_status() {

@@ -469,3 +469,30 @@ async fn a_worker_keeps_its_newest_session_folders_and_removes_older_ones() {
     })
     .await;
 }
+
+/// A result too large for its task record (a message over the server's `max_payload`, 1 MiB)
+/// is clipped to fit, with a note: the task ends at once, where the record the server
+/// refused used to leave it `working` until its dispatch dead-lettered, run five times.
+/// The whole result stays in the session folder's `out/result.txt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_larger_than_a_message_is_clipped_to_fit_the_task_record() {
+    use mur_tests::procs::Procs;
+    let cluster = Procs::start("").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-big", 1);
+    let capsule = TestCapsule::new(
+        "name: echo10\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", &format!("replies:\n  - text: \"{}\"\n", "{{task}}".repeat(10)))],
+    );
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let id = cluster.submit("echo10", &"y".repeat(110_000), Origin::User).await;
+    let record = cluster.wait_record(&id, Duration::from_secs(60), |r| r.state.is_terminal()).await;
+    assert_eq!((record.state, record.attempt), (TaskState::Completed, 1), "{:?}", record.dead_letter);
+    let result = record.result.unwrap();
+    let note = "\n… [clipped: 1100000 bytes in all; the whole is in out/result.txt]";
+    assert!(result.ends_with(note), "{}", &result[result.len().saturating_sub(200)..]);
+    assert!(result.len() > 800_000 && result[..result.len() - note.len()].bytes().all(|b| b == b'y'));
+    let whole = cluster.dir().join("wkr-big/sessions").join(record.session_id.unwrap()).join("out/result.txt");
+    assert_eq!(std::fs::read_to_string(whole).unwrap().len(), 1_100_000);
+}

@@ -706,7 +706,7 @@ async fn run_dispatch_holding(
                     if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                         return false;
                     }
-                    end_record(r, ExitStatus::Canceled, "canceled", None);
+                    end_record(r, ExitStatus::Canceled, "canceled", None, sh.client.server_info().max_payload);
                     true
                 })
                 .await,
@@ -730,7 +730,7 @@ async fn run_dispatch_holding(
                             return false;
                         }
                         r.worker = Some(w.clone());
-                        end_record(r, ExitStatus::Failed, &reason, Some(&reason));
+                        end_record(r, ExitStatus::Failed, &reason, Some(&reason), sh.client.server_info().max_payload);
                         true
                     })
                     .await,
@@ -797,7 +797,7 @@ async fn run_dispatch_holding(
                             if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                                 return false;
                             }
-                            end_record(r, exit, exit.as_str(), None);
+                            end_record(r, exit, exit.as_str(), None, sh.client.server_info().max_payload);
                             true
                         })
                         .await,
@@ -922,7 +922,7 @@ async fn run_dispatch_holding(
                     if r.state.is_terminal() {
                         return false;
                     }
-                    end_record(r, exit, &result, error.as_deref());
+                    end_record(r, exit, &result, error.as_deref(), sh.client.server_info().max_payload);
                     r.usage.clone_from(&usage);
                     true
                 })
@@ -1069,12 +1069,18 @@ fn finished(written: Result<Option<(TaskRecord, u64)>, String>, key: &str) -> An
     }
 }
 
-fn end_record(r: &mut TaskRecord, exit: ExitStatus, result: &str, error: Option<&str>) {
+/// Ends `r` with `exit`, its `result` and `error`, clipped to fit a message of
+/// `max_payload` bytes ([`TaskRecord::fit`]): a terminal record the server refuses would
+/// leave the task `working` until its dispatch dead-letters.
+fn end_record(r: &mut TaskRecord, exit: ExitStatus, result: &str, error: Option<&str>, max_payload: usize) {
     r.state = exit.task_state();
     r.exit_status = Some(exit);
     r.result = Some(result.to_string());
     r.error = error.map(str::to_string);
     r.ended_at = Some(SystemClock.now_ms());
+    if r.fit(max_payload) {
+        tracing::info!(task_id = %r.task_id, max_payload, "the result was clipped to fit the task record");
+    }
 }
 
 /// Fetches (or finds in the cache) and loads the record's capsule bundle. A bundle is
