@@ -317,6 +317,10 @@ impl Journal {
     }
 }
 
+/// How long an exited command's open streams get to end once the grace period is up before
+/// the command is demoted anyway (a child it left in the background holds them).
+pub(crate) const DRAIN: Duration = Duration::from_millis(250);
+
 /// What the foreground hands to the background at a demotion: the streams still open and
 /// everything read so far.
 pub(crate) struct Handover {
@@ -351,8 +355,11 @@ pub(crate) enum Foreground {
 /// Waits for `child` in the foreground for at most `grace`, reading both streams into
 /// `out`, `err` and (combined, in order) `journal`. When the grace period is up — at once
 /// for zero — the command is demoted unless `try_wait` finds it exited; an exited command
-/// is then waited for until both streams end, as without a grace period. Dropped before it
-/// returns, it leaves the child to its caller (whose group guard kills it).
+/// whose streams are still open (a child it started in the background holds them:
+/// `server & echo started`) gets [`DRAIN`] more for them to end, and is demoted after it:
+/// its output goes on to the background, and the turn carries on (`seeds/session-loop.md`
+/// §Detached shell). Dropped before it returns, it leaves the child to its caller (whose
+/// group guard kills it).
 pub(crate) async fn foreground(
     child: &mut Child,
     stdout: ChildStdout,
@@ -370,6 +377,10 @@ pub(crate) async fn foreground(
     let deadline = tokio::time::sleep(grace);
     tokio::pin!(deadline);
     let mut checked = false;
+    // Armed at the check when the command has exited but its streams are still open.
+    let drain = tokio::time::sleep(Duration::MAX);
+    tokio::pin!(drain);
+    let mut draining = false;
     loop {
         if !checked && (grace.is_zero() || deadline.is_elapsed()) {
             checked = true;
@@ -379,6 +390,8 @@ pub(crate) async fn foreground(
                 Ok(None) => {}
                 Err(e) => status = Some(Err(e)),
             }
+            draining = true;
+            drain.as_mut().reset(tokio::time::Instant::now() + DRAIN);
         }
         if stdout.is_none()
             && stderr.is_none()
@@ -405,6 +418,8 @@ pub(crate) async fn foreground(
             },
             s = child.wait(), if status.is_none() => status = Some(s),
             () = &mut deadline, if !checked => {}
+            // Its exit status stays with `child` (tokio keeps it): the background reads it.
+            () = &mut drain, if draining => break,
         }
     }
     Foreground::Demoted {
@@ -479,6 +494,23 @@ mod tests {
         assert!(matches!(demoted, Foreground::Demoted { .. }));
         process::kill_group(pgid).unwrap();
         child.wait().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_exited_command_whose_background_child_holds_its_streams_is_demoted_after_the_drain() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = spawn("(sleep 30; echo late) & echo started");
+        let pgid = child.id().unwrap();
+        let started = Instant::now();
+        let grace = Duration::from_millis(300);
+        let demoted = run_foreground(&mut child, grace, dir.path()).await;
+        let took = started.elapsed();
+        assert!(took >= grace + DRAIN && took < Duration::from_secs(5), "{took:?}");
+        let Foreground::Demoted { out, .. } = demoted else { panic!("a command whose output goes on was kept") };
+        assert_eq!(out.kept_text(), "started\n");
+        // The shell's exit status is still there for the background to read.
+        assert!(child.wait().await.unwrap().success());
+        process::kill_group(pgid).unwrap();
     }
 
     #[tokio::test]
