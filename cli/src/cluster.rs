@@ -299,7 +299,8 @@ fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coo
         #[serde(default)]
         autorun: bool,
     }
-    let file: File = serde_yaml_ng::from_str(&text).with_context(|| format!("--config {}", path.display()))?;
+    let file: File = serde_yaml_ng::from_str(mur_proto::without_bom(&text))
+        .with_context(|| format!("--config {}", path.display()))?;
     file.prices.validate().map_err(|e| anyhow::anyhow!("--config {}: {e}", path.display()))?;
     let limits = mur_proto::fleet::LimitsBlock::from_config(file.limits)
         .map_err(|e| anyhow::anyhow!("--config {}: {}", path.display(), e.join("; ")))?;

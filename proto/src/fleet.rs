@@ -855,6 +855,7 @@ impl Fleet {
     /// an enum value outside its set), naming the field path; [`Error::Invalid`] listing
     /// every broken rule, one `path: rule` line each.
     pub fn parse(text: &str) -> Result<Fleet, Error> {
+        let text = crate::without_bom(text);
         // Every unknown key at once (serde stops at the first), in serde's words.
         if let Ok(Value::Mapping(map)) = serde_yaml_ng::from_str::<Value>(text) {
             let unknown = unknown_keys(&map);
@@ -873,7 +874,8 @@ impl Fleet {
     /// Text that is not a YAML mapping, a wrong type outside `limits:`, or a rule that
     /// applies when any fleet loads (the name, the `procedure:` rules).
     pub fn load_stored(text: &str) -> Result<Fleet, Error> {
-        let mut value: Value = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
+        let mut value: Value =
+            serde_yaml_ng::from_str(crate::without_bom(text)).map_err(|e| Error::Parse(e.to_string()))?;
         let Some(map) = value.as_mapping_mut() else {
             return Err(Error::Parse("fleet.yaml must be a mapping of keys".to_string()));
         };
@@ -1346,7 +1348,8 @@ pub fn apply_loop_edit(stored: &str, edit: &LoopEdit) -> Result<String, Error> {
     if !errors.is_empty() {
         return Err(Error::Invalid(errors));
     }
-    let mut value: Value = serde_yaml_ng::from_str(stored).map_err(|e| Error::Parse(e.to_string()))?;
+    let mut value: Value =
+        serde_yaml_ng::from_str(crate::without_bom(stored)).map_err(|e| Error::Parse(e.to_string()))?;
     let map = value.as_mapping_mut().ok_or_else(|| Error::Parse("fleet.yaml must be a mapping of keys".to_string()))?;
     // With a `limits:` block the legacy `loop.deadline` / `loop.budget_usd` are ignored
     // (§The bounds; reference §9 Limits/resolution): write the bounds where they apply,

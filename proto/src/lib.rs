@@ -16,6 +16,14 @@ pub mod page;
 pub mod task;
 pub mod trace;
 
+/// `text` without a leading UTF-8 byte order mark: YAML allows one (YAML 1.2 §5.2) and
+/// editors on Windows write one, but `serde_yaml_ng` reads it as content and then reports
+/// "more than one document". Every YAML file murmur reads (manifests, replies files, fleet
+/// definitions, the cluster config) goes through this first.
+pub fn without_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
 pub use fleet::Fleet;
 pub use ids::{Id, IdKind};
 pub use manifest::Manifest;

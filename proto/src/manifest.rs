@@ -18,7 +18,7 @@ pub struct Manifest {
     /// Capsule name: 1–64 chars of `a-z`, `0-9`, `-`, `_`, starting with a letter or digit
     /// (it becomes a NATS subject token on the cluster).
     pub name: String,
-    /// Capsule version, free text (`1.0.0`).
+    /// Capsule version, free text (`1.0.0`) of 1-64 characters on one line.
     pub version: String,
     /// One-line description for the agent card.
     pub description: Option<String>,
@@ -603,7 +603,7 @@ impl Manifest {
     /// type, an enum value outside its set), naming the field path; [`Error::Invalid`]
     /// listing every broken rule, one `path: rule` line each.
     pub fn from_yaml(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, Error> {
-        let raw: Raw = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
+        let raw: Raw = serde_yaml_ng::from_str(crate::without_bom(text)).map_err(|e| Error::Parse(e.to_string()))?;
         validate(raw, env)
     }
 }
@@ -628,7 +628,12 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
             r.fail("version", "required");
             String::new()
         }
-        Some(v) => v,
+        Some(v) => {
+            if v.trim().is_empty() || v.len() > 64 || v.chars().any(char::is_control) {
+                r.fail("version", format_args!("must be 1-64 characters on one line (1.0.0), got {v:?}"));
+            }
+            v
+        }
     };
 
     let inference = match raw.inference {

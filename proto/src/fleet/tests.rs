@@ -1117,3 +1117,9 @@ fn every_unknown_key_is_reported_at_once() {
         ]
     );
 }
+
+#[test]
+fn a_leading_byte_order_mark_is_read_past() {
+    assert_eq!(Fleet::parse(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");
+    assert_eq!(Fleet::load_stored(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");
+}

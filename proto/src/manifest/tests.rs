@@ -438,3 +438,21 @@ fn a_block_of_the_wrong_type_is_named_as_a_mapping_not_an_internal_type() {
     let err = load("name: demo\nversion: 1.0.0\ninference: 5\n").unwrap_err().to_string();
     assert_eq!(err, "inference: invalid type: integer `5`, expected a mapping at line 3 column 12");
 }
+
+#[test]
+fn a_version_is_one_line_of_1_to_64_characters() {
+    // Written YAML-quoted, each reads back in the message as Rust quotes it: the same text.
+    for bad in ["\"\"", "\"  \"", "\"1.0\\n2.0\"", &format!("\"{}\"", "1".repeat(65))] {
+        assert_eq!(
+            rules(&MINIMAL.replace("version: 1.0.0", &format!("version: {bad}"))),
+            [format!("version: must be 1-64 characters on one line (1.0.0), got {bad}")],
+        );
+    }
+    assert_eq!(load(&MINIMAL.replace("1.0.0", "2026.12-rc1")).unwrap().version, "2026.12-rc1");
+}
+
+#[test]
+fn a_leading_byte_order_mark_is_read_past() {
+    let m = load(&format!("\u{feff}{MINIMAL}")).unwrap();
+    assert_eq!(m.name, "demo");
+}

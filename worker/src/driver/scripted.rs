@@ -100,9 +100,14 @@ impl Script {
     /// Parses a replies file.
     ///
     /// # Errors
-    /// The YAML error, with the field path.
+    /// The YAML error, with the field path; a file with no reply (every model call of a
+    /// task would fail).
     pub fn parse(text: &str) -> Result<Script, String> {
-        serde_yaml_ng::from_str(text).map_err(|e| e.to_string())
+        let script: Script = serde_yaml_ng::from_str(mur_proto::without_bom(text)).map_err(|e| e.to_string())?;
+        if script.replies.is_empty() {
+            return Err("replies: must hold at least one reply (every model call would fail)".into());
+        }
+        Ok(script)
     }
 }
 
@@ -282,6 +287,15 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(r.content, vec![Block::Text { text: "saw: second".into() }]);
+    }
+
+    #[test]
+    fn a_replies_file_with_no_reply_is_refused_and_a_byte_order_mark_is_read_past() {
+        assert_eq!(
+            Script::parse("replies: []\n").unwrap_err(),
+            "replies: must hold at least one reply (every model call would fail)"
+        );
+        assert_eq!(Script::parse("\u{feff}replies:\n  - text: hi\n").unwrap().replies.len(), 1);
     }
 
     #[test]
