@@ -76,7 +76,9 @@ fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<Optio
         (capsule_dir, "input.txt", "input_txt"),
     ] {
         let p = dir.join(name);
-        if p.is_file() {
+        // Anything there by that name is meant as the task: a folder is an error, not a
+        // launch without a task (which would wait for messages).
+        if p.exists() {
             let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
             return Ok(Some((text, source)));
         }

@@ -157,6 +157,20 @@ fn task_flag_takes_text_or_a_file() {
     assert_eq!(trace_lines(&dir)[1]["source"], "cli");
 }
 
+/// A `task.md` that is a folder is an error naming it, not a launch without a task (which
+/// would wait for messages for ever).
+#[test]
+fn a_task_md_that_is_a_folder_is_an_error() {
+    let capsule = TestCapsule::example("hello");
+    let _ = std::fs::remove_file(capsule.dir().join("task.md"));
+    std::fs::create_dir(capsule.dir().join("task.md")).unwrap();
+    // Under `timeout`: the old behaviour waits for ever.
+    let run =
+        Run::of(std::process::Command::new("timeout").arg("60").arg(mur().get_program()).arg("run").arg(capsule.dir()));
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains(&format!("reading {}", capsule.dir().join("task.md").display())), "{}", run.stderr);
+}
+
 #[test]
 fn workdir_flag_puts_sessions_under_dot_murmur() {
     let capsule = TestCapsule::example("hello");
