@@ -59,7 +59,9 @@ pub enum Command {
 /// `mur task send [CAPSULE] TEXT --url URL [--origin O] [--context ID] [--wait] [--json]`
 #[derive(clap::Args, Debug)]
 pub struct SendArgs {
-    /// The task's text (with `--url`), or the capsule then the text (cluster).
+    /// The task's text (with `--url`), or the capsule then the text (cluster). A text of
+    /// `-` is read from stdin (a text too long for an argument: `mur task send CAPSULE - <
+    /// task.md`).
     #[arg(num_args = 1..=2, required = true, value_name = "[CAPSULE] TEXT")]
     words: Vec<String>,
     /// An A2A endpoint to send to (the `url` printed by `mur run --json`).
@@ -227,6 +229,14 @@ fn print_record(rec: &TaskRecord, json: bool) {
     }
 }
 
+/// The task's text as given, or stdin's when it is `-`.
+fn task_text(word: &str) -> Result<String> {
+    if word == "-" {
+        return std::io::read_to_string(std::io::stdin()).context("reading the task's text from stdin");
+    }
+    Ok(word.to_string())
+}
+
 /// `mur task send CAPSULE TEXT`: submits over the coordinator's NATS API; the caller is
 /// an authenticated client and may state any origin (default `user`).
 fn send_cluster(args: SendArgs) -> Result<ExitCode> {
@@ -238,7 +248,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
     let request = SubmitRequest {
         capsule: capsule.clone(),
-        text: text.clone(),
+        text: task_text(text)?,
         origin,
         context_id: args.context.clone(),
         deadline_at: None,
@@ -308,6 +318,7 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     let [text] = args.words.as_slice() else {
         bail!("with --url give only the task's text (the endpoint is the capsule)");
     };
+    let text = &task_text(text)?;
     let options = SendOptions { origin: Some(origin), context_id: args.context.clone() };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`

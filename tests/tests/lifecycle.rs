@@ -171,7 +171,7 @@ fn sigterm_interrupts_the_running_task_and_writes_session_end() {
 fn mur_task_send_reaches_a_running_capsule() {
     let c = TestCapsule::new(
         &manifest("queue", "  after_task: sleep\n"),
-        &[("r.yaml", "replies:\n  - text: \"got: {{task}}\"\n")],
+        &[("r.yaml", "replies:\n  - text: \"got: {{task}}\"\n  - text: \"got: {{task}}\"\n")],
     );
     let (bg, first) = start(&c, &["--idle-exit", "5"]);
     let url = first["url"].as_str().unwrap();
@@ -193,5 +193,13 @@ fn mur_task_send_reaches_a_running_capsule() {
         (rec["lane"].as_str(), rec["origin"].as_str(), rec["exit_status"].as_str()),
         (Some("peer"), Some("peer"), Some("ok"))
     );
+    // A text of `-` is read from stdin.
+    let mut send = mur();
+    send.args(["task", "send", "--url", url, "-", "--wait", "--json"]);
+    let mut child = send.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"from stdin\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rec["result"], "got: from stdin\n", "{rec}");
     drop(bg);
 }
