@@ -116,8 +116,8 @@ pub enum Error {
     Reference {
         /// The manifest file.
         path: PathBuf,
-        /// The manifest field naming the file, e.g. `inference.script`.
-        field: &'static str,
+        /// The manifest field naming the file, e.g. `inference.script`, `tools[0].command`.
+        field: String,
         /// The rule it breaks.
         reason: String,
     },
@@ -280,13 +280,18 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
 /// Refuses a bundle a worker could not run for want of a file its manifest names: the
 /// scripted driver's replies file (`inference.script`, which must also parse) and the
 /// system prompt file (`inference.system_prompt_file`, UTF-8 text) must be files packed
-/// from the folder — no path out of it, no file left behind. These are what `mur run`
+/// from the folder — no path out of it, no file left behind — and a tool's, a hook's or
+/// the process transport's program named by a path in the folder an executable one. These are what `mur run`
 /// reads on the same folder before the first turn; a push that skipped them stored a
 /// version every task of which failed, in place of one that ran.
 fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String, Item)]) -> Result<(), Error> {
     use mur_proto::manifest::{DriverKind, SystemPrompt, Transport};
     let inf = &manifest.inference;
-    let refused = |field, reason: String| Error::Reference { path: manifest_path.to_path_buf(), field, reason };
+    let refused = |field: &str, reason: String| Error::Reference {
+        path: manifest_path.to_path_buf(),
+        field: field.into(),
+        reason,
+    };
     let packed = |field, name: &str| -> Result<String, Error> {
         let rel = inside(name)
             .ok_or_else(|| refused(field, format!("must name a file inside the capsule folder, got {name}")))?;
@@ -309,6 +314,33 @@ fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String,
     }
     if let SystemPrompt::File(file) = &inf.system_prompt {
         packed("inference.system_prompt_file", file)?;
+    }
+    // Programs named by a path in the folder (`./tool.sh`, `bin/gate`) must be packed
+    // executable files: a bare name is looked up on the worker's `PATH` and an absolute path
+    // is the worker's own, so neither is checked here.
+    let process = inf.transport == Transport::Process;
+    let programs = manifest
+        .tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (format!("tools[{i}].command"), t.command.first()))
+        .chain(manifest.hooks.iter().enumerate().map(|(i, h)| (format!("hooks[{i}].command"), h.command.first())))
+        .chain(process.then(|| ("inference.command".to_string(), inf.command.as_ref().and_then(|c| c.first()))));
+    for (field, program) in programs {
+        let Some(program) = program else { continue };
+        if program.starts_with("builtin:") || !program.contains('/') || Path::new(program).is_absolute() {
+            continue;
+        }
+        let rel = inside(program).ok_or_else(|| {
+            refused(&field, format!("must name a program inside the capsule folder (or on PATH), got {program}"))
+        })?;
+        match items.iter().find(|(path, _)| *path == rel).map(|(_, item)| item) {
+            Some(Item::File { executable: true, .. }) => {}
+            Some(Item::File { executable: false, .. }) => {
+                return Err(refused(&field, format!("{program} is not executable (chmod +x {program})")));
+            }
+            _ => return Err(refused(&field, format!("no file {program} in the capsule folder"))),
+        }
     }
     Ok(())
 }
@@ -758,6 +790,40 @@ mod tests {
         assert_eq!(pack(dir.path()).unwrap().name, "quick");
         std::fs::write(dir.path().join(MANIFEST_FILE), prompt_file).unwrap();
         assert_eq!(pack(dir.path()).unwrap().name, "quick");
+    }
+
+    #[test]
+    fn programs_named_by_a_path_in_the_folder_must_be_packed_executables() {
+        let with = |block: &str| format!("{MANIFEST}{block}");
+        let refused = |manifest: String, files: &[(&str, &str)]| {
+            let dir = capsule(files);
+            std::fs::write(dir.path().join(MANIFEST_FILE), manifest).unwrap();
+            pack(dir.path()).unwrap_err().to_string().rsplit_once("murmur.yaml: ").unwrap().1.to_string()
+        };
+        let tool =
+            |command: &str| with(&format!("tools:\n  - name: t\n    description: d\n    command: [{command}]\n"));
+        let hook = |command: &str| with(&format!("hooks:\n  - name: gate\n    command: [{command}]\n"));
+        assert_eq!(refused(tool("./t.sh"), &[]), "tools[0].command: no file ./t.sh in the capsule folder");
+        assert_eq!(
+            refused(tool("bin/t"), &[("bin/t", "#!/bin/sh\n")]),
+            "tools[0].command: bin/t is not executable (chmod +x bin/t)"
+        );
+        assert_eq!(
+            refused(hook("../hooks/gate.py"), &[]),
+            "hooks[0].command: must name a program inside the capsule folder (or on PATH), got ../hooks/gate.py"
+        );
+        // Packed and executable, on PATH, absolute, built in: packed.
+        for (manifest, files) in [
+            (tool("./t.sh"), &[("t.sh", "#!/bin/sh\n")][..]),
+            (hook("hooks/gate.sh"), &[("hooks/gate.sh", "#!/bin/sh\n")][..]),
+            (tool("python3"), &[][..]),
+            (hook("/usr/bin/env"), &[][..]),
+            (hook("builtin:compact"), &[][..]),
+        ] {
+            let dir = capsule(files);
+            std::fs::write(dir.path().join(MANIFEST_FILE), &manifest).unwrap();
+            assert!(pack(dir.path()).is_ok(), "{manifest}");
+        }
     }
 
     #[test]
