@@ -97,17 +97,30 @@ impl CommandTool {
         .await;
 
         let Ok((status, out, err)) = finished else {
-            if let Some(pgid) = pgid
-                && let Err(e) = process::kill_group(pgid)
-            {
-                tracing::warn!(pgid, error = %e, "cannot kill a timed-out command tool");
-            }
+            // The tool's own process may have exited already, its output held open by a
+            // process it started (`setsid cmd &` leaves its group, and escapes the kill).
+            let exited = matches!(child.try_wait(), Ok(Some(_)));
+            let killed = pgid.is_some_and(|pgid| match process::kill_group(pgid) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(pgid, error = %e, "cannot kill a timed-out command tool");
+                    false
+                }
+            });
             guard.disarm();
             let _ = child.wait().await;
-            return Outcome::error(format!(
-                "tool {name:?} timed out after {} s and was killed",
-                self.decl.timeout_secs
-            ));
+            let secs = self.decl.timeout_secs;
+            return Outcome::error(match (exited, killed) {
+                (false, _) => format!("tool {name:?} timed out after {secs} s and was killed"),
+                (true, true) => format!(
+                    "tool {name:?} timed out after {secs} s: it had exited, but a process it started held its \
+                     output open; its process group was killed"
+                ),
+                (true, false) => format!(
+                    "tool {name:?} timed out after {secs} s: it had exited, but a process it started outside its \
+                     process group (setsid) held its output open, and was not killed"
+                ),
+            });
         };
         guard.disarm();
         let status = match status {
@@ -299,5 +312,29 @@ mod tests {
             assert!(Instant::now() < deadline, "process group {pgid} still alive");
             tokio::task::yield_now().await;
         }
+    }
+
+    #[tokio::test]
+    async fn a_timeout_after_the_tool_exited_says_what_held_its_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = context(dir.path());
+        // In its group: killed with it.
+        let held = script(&ctx, "held.sh", "(sleep 30) & echo done");
+        let out = run(&tool(&[&held], 1), &json!({}), &ctx).await;
+        assert_eq!(
+            out.text,
+            "tool \"probe\" timed out after 1 s: it had exited, but a process it started held its output open; \
+             its process group was killed"
+        );
+        // Out of its group: not killed (the test kills it).
+        let escaped = script(&ctx, "escaped.sh", "setsid sh -c 'echo $$ > escaped.pid; sleep 30' & echo done");
+        let out = run(&tool(&[&escaped], 1), &json!({}), &ctx).await;
+        assert_eq!(
+            out.text,
+            "tool \"probe\" timed out after 1 s: it had exited, but a process it started outside its process \
+             group (setsid) held its output open, and was not killed"
+        );
+        let pid: i32 = std::fs::read_to_string(ctx.workdir.join("escaped.pid")).unwrap().trim().parse().unwrap();
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
 }
