@@ -340,6 +340,20 @@ pub async fn put_record(fleets: &Fleets, record: &RunRecord) -> Result<(), ApiEr
         .map_err(|e| ApiError::new(ErrorCode::Unavailable, format!("mur_fleets: put: {e}")))
 }
 
+/// `at` (unix ms) plus `d`, saturating: a time that does not fit is the end of time.
+pub(crate) fn ms_after(at: u64, d: Duration) -> u64 {
+    at.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// One run being carried out.
 struct Exec {
     client: async_nats::Client,
@@ -412,8 +426,9 @@ impl Exec {
         let fleet = self.record.fleet.clone();
         self.active.lock().expect("active runs poisoned").insert(self.record.run_id.clone());
         let _active = ActiveGuard(self.active.clone(), self.record.run_id.clone());
-        // The heartbeat `mur job status` judges liveness by.
-        let beat = tokio::spawn({
+        // The heartbeat `mur job status` judges liveness by; it stops with this future, how
+        // ever it ends (a panic included: the run is then dead, not alive for ever).
+        let beat = AbortOnDrop(tokio::spawn({
             let defs = self.fleets.defs().clone();
             let key = fleet_store::beat_key(&self.record.run_id);
             async move {
@@ -425,7 +440,7 @@ impl Exec {
                     }
                 }
             }
-        });
+        }));
         if self.record.iterations == 0 {
             self.event(
                 EventKind::StateChange,
@@ -443,7 +458,7 @@ impl Exec {
         let stop = loop {
             if !self.still_ours().await {
                 tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
-                beat.abort();
+                beat.0.abort();
                 return;
             }
             let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
@@ -473,7 +488,7 @@ impl Exec {
                     job.as_deref(),
                 )
                 .await;
-                let deadline_at = now_ms() + time_left.as_millis() as u64;
+                let deadline_at = ms_after(now_ms(), *time_left);
                 let (ok, reply) = match self.submit(router, text, deadline_at).await {
                     Ok(task_id) => self.wait(&task_id, *time_left).await,
                     Err(e) => (false, format!("error: the router's task was refused: {e}")),
@@ -503,7 +518,7 @@ impl Exec {
                     if let Some((router, text)) = &it.judge {
                         let elapsed = Duration::from_millis(now_ms().saturating_sub(run.spec().started_at));
                         let left = fleet::inherited_deadline(run.spec().deadline, elapsed);
-                        let (_, verdict) = match self.submit(router, text, now_ms() + left.as_millis() as u64).await {
+                        let (_, verdict) = match self.submit(router, text, ms_after(now_ms(), left)).await {
                             Ok(task_id) => self.wait(&task_id, left).await,
                             Err(e) => (false, format!("error: {e}")),
                         };
@@ -541,7 +556,7 @@ impl Exec {
                     self.record.updated_at = now_ms();
                     if !self.still_ours().await {
                         tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
-                        beat.abort();
+                        beat.0.abort();
                         return;
                     }
                     if let Err(e) = put_record(&self.fleets, &self.record).await {
@@ -550,7 +565,7 @@ impl Exec {
                 }
             }
         };
-        beat.abort();
+        beat.0.abort();
         self.finish(stop).await;
     }
 
@@ -672,5 +687,17 @@ impl Exec {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(250));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_past_the_end_of_time_is_the_end_of_time() {
+        assert_eq!(ms_after(1_000, Duration::from_secs(2)), 3_000);
+        assert_eq!(ms_after(u64::MAX - 1, Duration::from_millis(5)), u64::MAX);
+        assert_eq!(ms_after(1, Duration::MAX), u64::MAX);
     }
 }

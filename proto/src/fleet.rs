@@ -59,6 +59,11 @@ pub const MAX_ITERATIONS_NOTICE: &str = "is ignored: loops are bounded by deadli
      (a 10000-iteration diagnostic ceiling remains)";
 
 const DURATION_RULE: &str = "must be a duration such as 30s, 5m, 2h, 1d or 1h30m";
+
+/// The longest duration a fleet takes (a deadline, a stuck window, a trigger's interval):
+/// 365 days. Longer is no bound a loop could meet, and a clock reading plus a few hundred
+/// thousand years of milliseconds overflows.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_'";
 const CAPSULE_NAME_RULE: &str =
     "must be a capsule name (1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit)";
@@ -566,8 +571,9 @@ pub fn fleet_of_channel(channel: &str) -> Option<&str> {
 /// Parses a relative duration: `30s`, `5m`, `2h`, `1d`, compounds such as `1h30m`, or a
 /// bare integer of seconds; surrounding whitespace is trimmed (reference §2). The units are
 /// checked here and the arithmetic is `humantime`'s. Refused: empty, `off`, `2 hours`,
-/// `1h3`, `h`, `-5m`, `1.5h`, other units, and calendar dates (a deadline is relative to
-/// when the loop started, §The bounds; an older version read `2026-12-31` as no deadline).
+/// `1h3`, `h`, `-5m`, `1.5h`, other units, calendar dates (a deadline is relative to when
+/// the loop started, §The bounds; an older version read `2026-12-31` as no deadline), and
+/// anything over [`MAX_DURATION`].
 ///
 /// # Errors
 /// The rule broken, with the value.
@@ -583,7 +589,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(bad());
     }
     if t.bytes().all(|b| b.is_ascii_digit()) {
-        return t.parse::<u64>().map(Duration::from_secs).map_err(|_| bad());
+        let d = t.parse::<u64>().map(Duration::from_secs).map_err(|_| bad())?;
+        if d > MAX_DURATION {
+            return Err(format!("must be at most 365d, got {t:?}"));
+        }
+        return Ok(d);
     }
     // Each part is digits followed by exactly one of s, m, h, d.
     let mut digits = 0usize;
@@ -597,7 +607,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if digits > 0 {
         return Err(bad());
     }
-    humantime::parse_duration(t).map_err(|_| bad())
+    let d = humantime::parse_duration(t).map_err(|_| bad())?;
+    if d > MAX_DURATION {
+        return Err(format!("must be at most 365d, got {t:?}"));
+    }
+    Ok(d)
 }
 
 fn looks_like_date(t: &str) -> bool {

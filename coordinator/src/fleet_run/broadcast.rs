@@ -5,7 +5,7 @@
 //! ([`fleet::resolve_fanout`]: the fleet's `fanout:`, else `MUR_FLEET_FANOUT`, else 3), and
 //! the replies come back in step order.
 
-use super::Exec;
+use super::{Exec, ms_after};
 use crate::fleet_loop::{Reply, Spec, Step};
 use crate::fleets::now_ms;
 use futures::StreamExt;
@@ -34,7 +34,7 @@ impl Exec {
         // fan-out slot does not get a longer clock.
         let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
         let time_left = fleet::inherited_deadline(spec.deadline, elapsed).min(step.time_left);
-        match self.submit(&step.member, &step.text, now_ms() + time_left.as_millis() as u64).await {
+        match self.submit(&step.member, &step.text, ms_after(now_ms(), time_left)).await {
             Ok(task_id) => {
                 let (ok, text) = self.wait(&task_id, time_left).await;
                 let author = Author::Member(step.member.clone());

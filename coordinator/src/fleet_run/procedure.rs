@@ -9,7 +9,7 @@
 //! continues from there. With `hitl.mode: wait` it parks the request on the job and waits
 //! for the answer (until the loop's deadline) before the next rank.
 
-use super::{Exec, put_record};
+use super::{Exec, ms_after, put_record};
 use crate::fleet_loop::{Run, Spec};
 use crate::fleet_plan::{Launch, Outcome, Procedure, Rank};
 use crate::fleets::now_ms;
@@ -208,7 +208,7 @@ impl Exec {
         }
         let text = format!("job {job} blocked: waiting for approval of step {} (hitl.mode wait)", parked.join(", "));
         self.event(EventKind::StateChange, Author::System, text, Some(iteration_run_id), Some(job)).await;
-        let until = spec.started_at + spec.deadline.as_millis() as u64;
+        let until = ms_after(spec.started_at, spec.deadline);
         loop {
             match self.fleets.job(fleet, job).await {
                 Ok(Some(j)) if j.status.is_terminal() => return None,
@@ -251,7 +251,7 @@ impl Exec {
             self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
             let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
             let time_left = fleet::inherited_deadline(spec.deadline, elapsed);
-            match self.submit(&launch.member, &launch.text, now_ms() + time_left.as_millis() as u64).await {
+            match self.submit(&launch.member, &launch.text, ms_after(now_ms(), time_left)).await {
                 Ok(task_id) => {
                     last = self.wait(&task_id, time_left).await;
                     let author = Author::Member(launch.member.clone());

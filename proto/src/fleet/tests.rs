@@ -272,6 +272,22 @@ fn durations_refuse_everything_else() {
 }
 
 #[test]
+fn durations_are_at_most_365_days() {
+    assert_eq!(parse_duration("365d"), Ok(MAX_DURATION));
+    assert_eq!(parse_duration("31536000"), Ok(MAX_DURATION));
+    for bad in ["366d", "365d1s", "31536001", "18446744073709551615", "99999999999999d"] {
+        assert_eq!(parse_duration(bad), Err(format!("must be at most 365d, got {bad:?}")), "{bad}");
+    }
+    let flags = RunFlags { deadline: Some("18446744073709551615".into()), ..RunFlags::default() };
+    assert_eq!(
+        resolve_bounds(&Fleet::parse(MINIMAL).unwrap(), &flags, &LimitsBlock::Absent),
+        Err(Error::Invalid(vec![
+            "fleet 'builder': --deadline: must be at most 365d, got \"18446744073709551615\"".into()
+        ]))
+    );
+}
+
+#[test]
 fn unquoted_integer_durations_are_seconds() {
     let f = Fleet::parse(&format!("{MINIMAL}limits:\n  deadline: 90\n")).unwrap();
     let LimitsBlock::Set(l) = f.limits else { panic!() };
