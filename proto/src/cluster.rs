@@ -122,6 +122,11 @@ pub fn is_valid_digest(digest: &str) -> bool {
 /// KV put's headers), bytes.
 pub const RECORD_MARGIN: usize = 4 * 1024;
 
+/// Room a submitted task's record must leave for its result under the server's
+/// `max_payload` (less [`RECORD_MARGIN`]), bytes: a text that leaves less is refused at
+/// submission, so [`TaskRecord::fit`] can always fit the terminal record.
+pub const RESULT_ROOM: usize = 16 * 1024;
+
 /// A task as the cluster keeps it in [`TASKS_BUCKET`] (key = `task_id`). Times are unix
 /// milliseconds. Every change is a compare-and-set on the key's revision.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -894,6 +894,35 @@ async fn submit_refuses_bad_requests_with_their_error_and_stores_nothing() -> Re
     let err = refuse(serde_json::to_vec(&over)?).await;
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest, "{err}");
 
+    // A text the request carries but whose record would leave no room for the result
+    // (under the server's 1 MiB max_payload): refused with the most this cluster takes.
+    let near = serde_json::json!({"capsule": "greeter", "text": "a".repeat(1_040_000)});
+    let err = refuse(serde_json::to_vec(&near)?).await;
+    assert_eq!(err.code, cluster::ErrorCode::InvalidRequest, "{err}");
+    let most: usize = err
+        .message
+        .strip_prefix("text: at most about ")
+        .and_then(|m| m.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{}", err.message));
+    assert!(
+        err.message.ends_with(
+            " bytes on this cluster (its nats-server's max_payload is 1048576 bytes, and a task's record keeps \
+             16384 of them for the result), got 1040000"
+        ),
+        "{}",
+        err.message
+    );
+    assert!((1_000_000..1_040_000).contains(&most), "{most}");
+    let fits = serde_json::json!({"capsule": "greeter", "text": "a".repeat(most)});
+    api::call::<cluster::SubmitReply>(&client, cluster::api::TASK_SUBMIT, serde_json::to_vec(&fits)?).await?;
+    let stored = task_keys(&server).await?;
+    assert_eq!(stored.len(), 1, "only the text that fits was stored");
+    for key in stored {
+        let js = async_nats::jetstream::new(client.clone());
+        js.get_key_value(cluster::TASKS_BUCKET).await?.purge(key).await?;
+    }
+
     // The error travels as micro service error headers too.
     let raw = client.request(cluster::api::TASK_SUBMIT, r#"{"capsule":"nope","text":"hi"}"#.into()).await?;
     let headers = raw.headers.expect("error headers");
