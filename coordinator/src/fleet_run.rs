@@ -310,11 +310,7 @@ async fn still_defined(fleets: &Fleets, fleet: &str, revision: u64) -> Result<()
             format!("fleet {fleet} was removed or replaced while the run started; nothing was run"),
         )
     };
-    let marker = fleets.defs().get(fleet_store::removing_key(fleet)).await.map_err(read)?;
-    if marker
-        .and_then(|v| serde_json::from_slice::<fleet_store::Removing>(&v).ok())
-        .is_some_and(|m| m.applies(revision, now_ms()))
-    {
+    if fleets.removal_under_way(fleet, revision).await? {
         return Err(ApiError::new(
             ErrorCode::Conflict,
             format!("fleet {fleet} is being removed (mur fleet rm); nothing was run"),

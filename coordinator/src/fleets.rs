@@ -533,6 +533,19 @@ impl Fleets {
         Ok(req)
     }
 
+    /// Whether a `mur fleet rm` of `fleet`'s definition at `revision` is under way: its
+    /// mark is there and fresh ([`fleet_store::Removing`]).
+    ///
+    /// # Errors
+    /// `unavailable` when the bucket cannot be read.
+    pub async fn removal_under_way(&self, fleet: &str, revision: u64) -> Result<bool, ApiError> {
+        let mark =
+            self.defs.get(fleet_store::removing_key(fleet)).await.map_err(|e| unavailable("mur_fleets: read", e))?;
+        Ok(mark
+            .and_then(|v| serde_json::from_slice::<fleet_store::Removing>(&v).ok())
+            .is_some_and(|m| m.applies(revision, now_ms())))
+    }
+
     /// The id of a run of `fleet` that is not over (its record says `running`), if any.
     async fn run_going(&self, fleet: &str) -> Result<Option<String>, ApiError> {
         use futures::StreamExt;
@@ -555,7 +568,7 @@ impl Fleets {
 
     /// `fleet.send`: queues a job; runs nothing.
     async fn send(&self, req: SendRequest) -> Result<Job, ApiError> {
-        self.definition(&req.fleet).await?;
+        let (revision, _) = self.definition(&req.fleet).await?;
         if req.text.trim().is_empty() {
             return Err(ApiError::invalid("text: must not be empty"));
         }
@@ -572,6 +585,27 @@ impl Fleets {
             .create(fleet_store::job_key(&req.fleet, &job.id), to_json(&job)?)
             .await
             .map_err(|e| unavailable("mur_jobs: create", e))?;
+        // As a run does (`fleet_store::Removing`): a job written while `mur fleet rm` runs
+        // is taken back, or it would be left for the next fleet of the name.
+        let removed = match self.removal_under_way(&req.fleet, revision).await {
+            Ok(true) => Some(format!("fleet {} is being removed (mur fleet rm); the job was not queued", req.fleet)),
+            Ok(false) => match self.definition(&req.fleet).await {
+                Err(e) if e.code == ErrorCode::NotFound => {
+                    Some(format!("fleet {} was removed while the job was sent; it was not queued", req.fleet))
+                }
+                _ => None,
+            },
+            Err(e) => {
+                tracing::warn!(fleet = %req.fleet, "reading the removal mark: {e}");
+                None
+            }
+        };
+        if let Some(reason) = removed {
+            if let Err(e) = self.jobs.purge(fleet_store::job_key(&req.fleet, &job.id)).await {
+                tracing::warn!(fleet = %req.fleet, job = %job.id, "taking back a job sent during a removal: {e}");
+            }
+            return Err(ApiError::new(ErrorCode::Conflict, reason));
+        }
         tracing::info!(instance = %self.instance, fleet = %req.fleet, job = %job.id, "job queued");
         self.note(&req.fleet, EventKind::StateChange, format!("job {} queued", job.id), Some(&job.id)).await;
         Ok(job)

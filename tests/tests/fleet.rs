@@ -795,11 +795,12 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
 
 /// `mur fleet rm` marks the fleet before it looks for a run going, and a run looks for the
 /// mark once its record is written: of a removal and a run at once, one sees the other. A
-/// run that finds the mark of the definition it read starts nothing and leaves no record;
+/// run that finds the mark of the definition it read starts nothing and leaves no record,
+/// a job sent then is taken back;
 /// a stale mark (a removal that died) or one of an earlier definition of the same name
 /// holds no run back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_starting_while_its_fleet_is_being_removed_starts_nothing() -> Result<()> {
+async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -> Result<()> {
     let sb = Sandbox::start(0, 1).await;
     let dir = tempfile::tempdir()?;
     ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
@@ -819,6 +820,12 @@ async fn a_run_starting_while_its_fleet_is_being_removed_starts_nothing() -> Res
         (2, "", "mur fleet run: refused: conflict: fleet pair is being removed (mur fleet rm); nothing was run\n")
     );
     assert_eq!(run_keys().await, Vec::<String>::new(), "no run record is left");
+    // A job sent meanwhile is taken back: it would be left for the next fleet of the name.
+    assert_eq!(
+        refused(&sb, &["send", "pair", "Late."]),
+        "mur: conflict: fleet pair is being removed (mur fleet rm); the job was not queued\n"
+    );
+    assert_eq!(ok(&sb, &["jobs", "pair", "--all", "--json"]).stdout.trim(), "[]");
     assert_eq!(ok(&sb, &["log", "pair"]).stdout, "", "nothing was written to the channel");
 
     // A removal that died a minute ago, and one of an earlier definition, hold nothing back:
