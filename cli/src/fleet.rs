@@ -68,7 +68,7 @@ pub enum Command {
     Send {
         /// The fleet.
         name: String,
-        /// The work.
+        /// The work; `-` reads it from stdin (a text too long for an argument).
         text: String,
         #[command(flatten)]
         common: Common,
@@ -326,6 +326,11 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Send { name, text, common } => {
+            let text = if text == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading the job's text from stdin")?
+            } else {
+                text
+            };
             let job: Job =
                 request(&common, "mur fleet send", api::SEND, &SendRequest { fleet: name, text, source: None })?;
             if common.json {

@@ -654,6 +654,8 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     );
     let missing = Run::of(mur().args(["job", "status", "run-nope"]).env("NATS_URL", sb.nats.url()));
     assert_eq!((missing.code, missing.stderr.trim()), (2, "mur: no run run-nope"));
+    let dash = Run::of(mur().args(["job", "status", "--", "-1"]).env("NATS_URL", sb.nats.url()));
+    assert_eq!((dash.code, dash.stderr.trim()), (2, "mur: no run -1"));
 
     ok(&sb, &["stop", "builder"]);
     let refused = fleet(&sb, &["run", "builder"]);
@@ -852,5 +854,22 @@ async fn fleet_status_tells_a_fleet_without_runs_from_one_that_does_not_exist() 
         refused(&sb, &["status", "ghost"]),
         "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
     );
+    Ok(())
+}
+
+/// `mur fleet send NAME -` reads the job's text from stdin, as `mur task send` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_text_of_a_dash_is_read_from_stdin() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let mut send = mur();
+    send.args(["fleet", "send", "pair", "-", "--json"]).env("NATS_URL", sb.nats.url());
+    let mut child = send.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn()?;
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"Line one.\nLine two.\n")?;
+    let out = child.wait_with_output()?;
+    assert!(out.status.success(), "{out:?}");
+    let job: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(job["text"], "Line one.\nLine two.\n");
     Ok(())
 }

@@ -260,7 +260,8 @@ async fn base_run_id(defs: &kv::Store, id: &str) -> Result<String, String> {
     if defs.get(fleet_store::run_key(id)).await.map_err(|e| format!("mur_fleets: {e}"))?.is_some() {
         return Ok(id.to_string());
     }
-    match id.rsplit_once('-').filter(|(_, n)| n.parse::<u64>().is_ok()) {
+    // `-1` is no iteration of anything (and `run.` no key).
+    match id.rsplit_once('-').filter(|(base, n)| !base.is_empty() && n.parse::<u64>().is_ok()) {
         Some((base, _)) => Ok(base.to_string()),
         None => Ok(id.to_string()),
     }
