@@ -751,6 +751,9 @@ const LIMITS_KEYS: &[&str] = &["deadline", "stuck", "cost_usd"];
 const HITL_KEYS: &[&str] = &["mode", "auto_approve_tiers"];
 const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on", "on_failure", "max_retries", "tier"];
 const PARALLEL_KEYS: &[&str] = &["mode", "tracks", "judge", "pre_filter", "partition"];
+const TRACK_KEYS: &[&str] = &["name", "approach", "model"];
+const JUDGE_KEYS: &[&str] = &["model", "rubric"];
+const PARTITION_KEYS: &[&str] = &["target_file"];
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
@@ -981,7 +984,8 @@ impl Fleet {
 }
 
 /// One line per unknown key of a fleet's mapping and of its `loop:`, `limits:`, `hitl:`,
-/// `parallel:` and `procedure[i]` mappings, worded as serde words the first:
+/// `parallel:` (and its tracks, judge and partition) and `procedure[i]` mappings, worded
+/// as serde words the first:
 /// ``loop: unknown field `max_iteration`, expected one of `trigger`, …``.
 fn unknown_keys(map: &Mapping) -> Vec<String> {
     fn check(map: &Mapping, allowed: &[&str], path: &str, out: &mut Vec<String>) {
@@ -1007,6 +1011,20 @@ fn unknown_keys(map: &Mapping) -> Vec<String> {
         for (i, step) in steps.iter().enumerate() {
             if let Value::Mapping(m) = step {
                 check(m, STEP_KEYS, &format!("procedure[{i}]: "), &mut out);
+            }
+        }
+    }
+    if let Some(Value::Mapping(parallel)) = map.get("parallel") {
+        if let Some(Value::Sequence(tracks)) = parallel.get("tracks") {
+            for (i, track) in tracks.iter().enumerate() {
+                if let Value::Mapping(m) = track {
+                    check(m, TRACK_KEYS, &format!("parallel.tracks[{i}]: "), &mut out);
+                }
+            }
+        }
+        for (key, allowed) in [("judge", JUDGE_KEYS), ("partition", PARTITION_KEYS)] {
+            if let Some(Value::Mapping(m)) = parallel.get(key) {
+                check(m, allowed, &format!("parallel.{key}: "), &mut out);
             }
         }
     }

@@ -1132,6 +1132,16 @@ fn every_unknown_key_is_reported_at_once() {
              `on_failure`, `max_retries`, `tier`",
         ]
     );
+    let err = parse_err(&format!(
+        "{MINIMAL}parallel:\n  mode: speculative\n  tracks:\n    - name: a\n      zzz: 1\n  judge:\n    yyy: 2\n"
+    ));
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            "parallel.tracks[0]: unknown field `zzz`, expected one of `name`, `approach`, `model`",
+            "parallel.judge: unknown field `yyy`, expected one of `model`, `rubric`",
+        ]
+    );
 }
 
 #[test]
