@@ -272,6 +272,13 @@ impl Run {
     /// What to do next, after the checks in the module docs.
     pub fn next(&mut self, view: &View<'_>) -> Next {
         if let Some(stop) = self.over {
+            // An iteration that failed once the deadline had passed failed for it (its steps
+            // inherit the deadline and are stopped at it): the run ended at its deadline, and
+            // the remedy to give is to raise that.
+            let elapsed = Duration::from_millis(view.now.saturating_sub(self.spec.started_at));
+            let stop =
+                if stop == Stop::IterationFailed && elapsed >= self.spec.deadline { Stop::Deadline } else { stop };
+            self.over = Some(stop);
             return Next::Stop(stop);
         }
         let stop = self.check(view);
@@ -596,6 +603,18 @@ mod tests {
             it,
             Iteration { judge: None, job_done: false, result: "error: boom".into(), stop: Some(Stop::IterationFailed) }
         );
+        assert_eq!(run.next(&view(1_030_000, &[])), Next::Stop(Stop::IterationFailed));
+    }
+
+    #[test]
+    fn an_iteration_that_failed_past_the_deadline_ends_the_run_at_its_deadline() {
+        let mut run = Run::start(spec(fleet("name: one\nmembers: [a]\n"), true), &view(1_000_000, &[])).unwrap();
+        run.next(&view(1_000_000, &[]));
+        let it = run.iteration_ended(&[Reply { member: "a".into(), ok: false, text: "error: deadline".into() }]);
+        assert_eq!(it.stop, Some(Stop::IterationFailed));
+        // The spec's deadline is 60 s from 1_000_000.
+        assert_eq!(run.next(&view(1_060_000, &[])), Next::Stop(Stop::Deadline));
+        assert_eq!(run.next(&view(1_000_000, &[])), Next::Stop(Stop::Deadline), "decided once");
     }
 
     #[test]

@@ -671,7 +671,7 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
 /// `seeds/fleet-loops.md` §The bounds: "Every member the loop delegates to inherits the
 /// remaining time". A step still running when the loop's deadline passes is stopped by its
 /// worker (its shell command killed): the task ends `deadline_exceeded`, the job `failed`,
-/// and the run ends `iteration-failed` (exit 1).
+/// and the run ends `deadline` (exit 1): its iteration failed for the deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     let sb = Sandbox::start(1, 1).await;
@@ -687,7 +687,7 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     .unwrap();
     assert_eq!(run.code, 1, "{run:?}");
     assert!(started.elapsed() < Duration::from_secs(30), "the step was stopped, not waited for");
-    assert!(run.stderr.contains("ended: iteration-failed"), "{}", run.stderr);
+    assert!(run.stderr.contains("ended: deadline"), "{}", run.stderr);
     let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "builder", "--all", "--json"]).stdout.trim()).unwrap();
     let job = &jobs[0];
     assert_eq!(job["status"], "failed");
