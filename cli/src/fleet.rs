@@ -326,11 +326,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Send { name, text, common } => {
-            let text = if text == "-" {
-                std::io::read_to_string(std::io::stdin()).context("reading the job's text from stdin")?
-            } else {
-                text
-            };
+            let text = crate::task::text_or_stdin(&text, "the job's text")?;
             let job: Job =
                 request(&common, "mur fleet send", api::SEND, &SendRequest { fleet: name, text, source: None })?;
             if common.json {

@@ -229,10 +229,10 @@ fn print_record(rec: &TaskRecord, json: bool) {
     }
 }
 
-/// The task's text as given, or stdin's when it is `-`.
-fn task_text(word: &str) -> Result<String> {
+/// A text argument as given, or stdin's when it is `-` (`what` names it in an error).
+pub fn text_or_stdin(word: &str, what: &str) -> Result<String> {
     if word == "-" {
-        return std::io::read_to_string(std::io::stdin()).context("reading the task's text from stdin");
+        return std::io::read_to_string(std::io::stdin()).with_context(|| format!("reading {what} from stdin"));
     }
     Ok(word.to_string())
 }
@@ -248,7 +248,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
     let request = SubmitRequest {
         capsule: capsule.clone(),
-        text: task_text(text)?,
+        text: text_or_stdin(text, "the task's text")?,
         origin,
         context_id: args.context.clone(),
         deadline_at: None,
@@ -318,7 +318,7 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     let [text] = args.words.as_slice() else {
         bail!("with --url give only the task's text (the endpoint is the capsule)");
     };
-    let text = &task_text(text)?;
+    let text = &text_or_stdin(text, "the task's text")?;
     let options = SendOptions { origin: Some(origin), context_id: args.context.clone() };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`
