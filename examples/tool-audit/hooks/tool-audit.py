@@ -8,7 +8,7 @@ commit_policy: reopen-task, so its answer to on-task-end is honoured:
       - name: tool-audit
         commit_policy: reopen-task
         persistent: true
-        command: [../hooks/tool-audit.py]
+        command: [hooks/tool-audit.py]
 
 With persistent: true the runtime starts this program once per session and writes one
 event per line on stdin; the program must answer every line with exactly one line on
