@@ -341,15 +341,6 @@ pub(crate) fn ms_after(at: u64, d: Duration) -> u64 {
     at.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A task aborted when its handle is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// One run being carried out.
 struct Exec {
     client: async_nats::Client,
@@ -424,7 +415,7 @@ impl Exec {
         let _active = ActiveGuard(self.active.clone(), self.record.run_id.clone());
         // The heartbeat `mur job status` judges liveness by; it stops with this future, how
         // ever it ends (a panic included: the run is then dead, not alive for ever).
-        let beat = AbortOnDrop(tokio::spawn({
+        let beat = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
             let defs = self.fleets.defs().clone();
             let key = fleet_store::beat_key(&self.record.run_id);
             async move {
@@ -454,7 +445,7 @@ impl Exec {
         let stop = loop {
             if !self.still_ours().await {
                 tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
-                beat.0.abort();
+                beat.abort();
                 return;
             }
             let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
@@ -552,7 +543,7 @@ impl Exec {
                     self.record.updated_at = now_ms();
                     if !self.still_ours().await {
                         tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
-                        beat.0.abort();
+                        beat.abort();
                         return;
                     }
                     if let Err(e) = put_record(&self.fleets, &self.record).await {
@@ -561,7 +552,7 @@ impl Exec {
                 }
             }
         };
-        beat.0.abort();
+        beat.abort();
         self.finish(stop).await;
     }
 

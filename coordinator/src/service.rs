@@ -579,19 +579,7 @@ impl Ctx {
         record.traceparent = traceparent;
         // Room for the result: a terminal record the server refuses would leave the task
         // `working` until its dispatch dead-letters, and only the result can be clipped.
-        // (A text far from it is not measured: a byte of it is at most six in JSON.)
-        let max_payload = self.js.client().server_info().max_payload;
-        let room = max_payload.saturating_sub(cluster::RECORD_MARGIN + cluster::RESULT_ROOM);
-        let size = if record.text.len().saturating_mul(6) + 64 * 1024 > room { to_json(&record)?.len() } else { 0 };
-        if size > room {
-            let most = room.saturating_sub(size - record.text.len());
-            return Err(ApiError::invalid(format!(
-                "text: at most about {most} bytes on this cluster (its nats-server's max_payload is {max_payload} \
-                 bytes, and a task's record keeps {} of them for the result), got {}",
-                cluster::RESULT_ROOM,
-                record.text.len()
-            )));
-        }
+        record.check_room(self.js.client().server_info().max_payload).map_err(ApiError::invalid)?;
         // A task that would be released at once is stored released (attempt 1) and its
         // dispatch published: one record write and one hop fewer (issue #9).
         let admitted = self.admit(&record, latest.queue).await;

@@ -263,6 +263,39 @@ impl TaskRecord {
         }
     }
 
+    /// Whether the record's JSON is surely at most `budget` bytes without serializing it:
+    /// most records are far from any limit, and the checks on the hot path (submission,
+    /// the terminal write) skip the serializing for them. A byte of text is at most six in
+    /// JSON (`\u001b`); the other fields are names, ids and numbers (64 KiB allowed them).
+    fn surely_within(&self, budget: usize) -> bool {
+        let texts =
+            self.text.len() + self.result.as_ref().map_or(0, String::len) + self.error.as_ref().map_or(0, String::len);
+        texts.saturating_mul(6) + 64 * 1024 <= budget
+    }
+
+    /// Checks, at submission, that the record leaves [`RESULT_ROOM`] bytes for the result
+    /// under `max_payload` less [`RECORD_MARGIN`], so [`TaskRecord::fit`] can always fit the
+    /// terminal record.
+    ///
+    /// # Errors
+    /// The `text: …` rule broken, naming about how many bytes of text this server takes.
+    pub fn check_room(&self, max_payload: usize) -> Result<(), String> {
+        let room = max_payload.saturating_sub(RECORD_MARGIN + RESULT_ROOM);
+        if self.surely_within(room) {
+            return Ok(());
+        }
+        let size = serde_json::to_vec(self).map_or(usize::MAX, |j| j.len());
+        if size <= room {
+            return Ok(());
+        }
+        let most = room.saturating_sub(size.saturating_sub(self.text.len()));
+        Err(format!(
+            "text: at most about {most} bytes on this cluster (its nats-server's max_payload is {max_payload} bytes, \
+             and a task's record keeps {RESULT_ROOM} of them for the result), got {}",
+            self.text.len()
+        ))
+    }
+
     /// Clips the `result`, then the `error`, so that the record's JSON fits a message of
     /// `max_payload` bytes less [`RECORD_MARGIN`]: a server refuses a larger one, and a
     /// terminal record that cannot be written leaves its task `working` until its dispatch
@@ -272,15 +305,8 @@ impl TaskRecord {
     /// is left as it is.
     pub fn fit(&mut self, max_payload: usize) -> bool {
         let budget = max_payload.saturating_sub(RECORD_MARGIN);
-        // Most records are far from it: no serializing on the hot path. A byte of text is at
-        // most six in JSON (`\u001b`); the other fields are names, ids and numbers.
-        let texts =
-            self.text.len() + self.result.as_ref().map_or(0, String::len) + self.error.as_ref().map_or(0, String::len);
-        if texts.saturating_mul(6) + 64 * 1024 <= budget {
-            return false;
-        }
         let size = |r: &TaskRecord| serde_json::to_vec(r).map_or(usize::MAX, |j| j.len());
-        if size(self) <= budget {
+        if self.surely_within(budget) || size(self) <= budget {
             return false;
         }
         let mut fitted = self.clone();
@@ -1090,6 +1116,16 @@ mod tests {
         big.result = Some("ok".into());
         assert!(!big.fit(max));
         assert_eq!(big.result.as_deref(), Some("ok"));
+        // Submission refuses such a text, so a record always leaves room for its result.
+        let err = big.check_room(max).unwrap_err();
+        assert!(err.starts_with("text: at most about 10") && err.ends_with(", got 1048576"), "{err}");
+        let small = TaskRecord::submitted(
+            "tsk_3".into(),
+            SubmitRequest::new("echo", "y".repeat(100_000), Origin::User),
+            "ab".repeat(32),
+            5,
+        );
+        assert_eq!(small.check_room(max), Ok(()));
     }
 
     #[test]

@@ -672,6 +672,8 @@ async fn run_dispatch_holding(
         }
     };
     let key = dispatch.task_id.as_str();
+    // What a terminal record is fitted to ([`end_record`]).
+    let max_payload = sh.client.server_info().max_payload;
     // The record as the release wrote it, when the dispatch carries it: no read. The
     // compare-and-set to `working` below is on its revision, so a record that changed
     // since (cancel requested, an earlier delivery took it) is read and looked at afresh.
@@ -706,7 +708,7 @@ async fn run_dispatch_holding(
                     if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                         return false;
                     }
-                    end_record(r, ExitStatus::Canceled, "canceled", None, sh.client.server_info().max_payload);
+                    end_record(r, ExitStatus::Canceled, "canceled", None, max_payload);
                     true
                 })
                 .await,
@@ -730,7 +732,7 @@ async fn run_dispatch_holding(
                             return false;
                         }
                         r.worker = Some(w.clone());
-                        end_record(r, ExitStatus::Failed, &reason, Some(&reason), sh.client.server_info().max_payload);
+                        end_record(r, ExitStatus::Failed, &reason, Some(&reason), max_payload);
                         true
                     })
                     .await,
@@ -797,7 +799,7 @@ async fn run_dispatch_holding(
                             if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                                 return false;
                             }
-                            end_record(r, exit, exit.as_str(), None, sh.client.server_info().max_payload);
+                            end_record(r, exit, exit.as_str(), None, max_payload);
                             true
                         })
                         .await,
@@ -922,8 +924,8 @@ async fn run_dispatch_holding(
                     if r.state.is_terminal() {
                         return false;
                     }
-                    end_record(r, exit, &result, error.as_deref(), sh.client.server_info().max_payload);
                     r.usage.clone_from(&usage);
+                    end_record(r, exit, &result, error.as_deref(), max_payload);
                     true
                 })
                 .await

@@ -46,15 +46,6 @@ use tracing::Instrument;
 /// (`reference/murmur-runtime.md` §3, "Async").
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
 
-/// Aborts a spawned task when dropped (the deadline timer goes with its task).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// A task taken over from a session that stopped answering for it (issue #8 §Takeover):
 /// where its last per-turn checkpoint left it, if it wrote one, and who ran it (for the
 /// `task_takeover` line).
@@ -472,7 +463,8 @@ impl Session {
             Some(at) => {
                 let token = cancel.child_token();
                 let (fire, hit) = (token.clone(), deadline_hit.clone());
-                timer = Some(AbortOnDrop(tokio::spawn(async move {
+                // Aborted when dropped: the deadline timer goes with its task.
+                timer = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
                     tokio::time::sleep_until(at).await;
                     hit.store(true, Ordering::SeqCst);
                     fire.cancel();
