@@ -241,13 +241,9 @@ fn table(header: &[&str]) -> comfy_table::Table {
 }
 
 /// A job's text cut to 50 characters (49 and `…` when longer), on one line.
+/// A job's text or result in a table cell: one escaped line of at most 50 characters.
 fn cut(text: &str) -> String {
-    let one_line = text.replace('\n', " ");
-    if one_line.chars().count() > 50 {
-        format!("{}…", one_line.chars().take(49).collect::<String>())
-    } else {
-        one_line
-    }
+    crate::text::cell(text, 50)
 }
 
 fn print_show(info: &FleetInfo) {
@@ -262,7 +258,7 @@ fn print_show(info: &FleetInfo) {
     );
     println!("jobs      {} queued, {} running, {} blocked", s.queued, s.running, s.blocked);
     if let Some(e) = &s.error {
-        println!("error     {}", e.replace('\n', "; "));
+        println!("error     {}", crate::text::printable(e).replace('\n', "; "));
     }
     for n in &info.notices {
         println!("notice    {n}");
@@ -339,7 +335,12 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         Command::Jobs { name, all, since, common } => {
             let page: Page<Job> =
                 request(&common, "mur fleet jobs", api::JOBS, &JobsRequest { fleet: name.clone(), all, since })?;
-            crate::task::page_notes(&page, "jobs", "the later ones were left out", None);
+            crate::task::page_notes(
+                &page,
+                "jobs",
+                "the oldest finished ones were left out (--since RUN narrows)",
+                None,
+            );
             let jobs = page.items;
             if common.json {
                 return print_json(&jobs).map(|()| ExitCode::SUCCESS);
@@ -429,7 +430,8 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 return print_json(&events).map(|()| ExitCode::SUCCESS);
             }
             for e in events {
-                let mut line = format!("#{} {} {}: {}", e.seq, e.author, e.kind, e.text.replace('\n', "\n    "));
+                let text = crate::text::printable(&e.text).replace('\n', "\n    ");
+                let mut line = format!("#{} {} {}: {text}", e.seq, e.author, e.kind);
                 if let Some(r) = &e.run_id {
                     line.push_str(&format!(" [run {r}]"));
                 }
@@ -839,7 +841,7 @@ impl Live {
         if self.json {
             return print_typed("event", e);
         }
-        let line = format!("{} {}: {}", e.author, e.kind, e.text.replace('\n', "\n    "));
+        let line = format!("{} {}: {}", e.author, e.kind, crate::text::printable(&e.text).replace('\n', "\n    "));
         match &self.bars {
             Some((multi, _, _)) => multi.println(line)?,
             None => eprintln!("{line}"),

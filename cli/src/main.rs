@@ -9,6 +9,7 @@ mod nats;
 mod run;
 mod task;
 mod telemetry;
+mod text;
 mod trace;
 
 use clap::{Parser, Subcommand};

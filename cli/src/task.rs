@@ -151,8 +151,8 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 for r in recs {
                     // One line per task: the text's first line, cut at 40 characters.
                     let first = r.text.lines().next().unwrap_or_default();
-                    let mut text: String = first.chars().take(40).collect();
-                    if text.len() < r.text.len() {
+                    let mut text = crate::text::cell(first, 40);
+                    if first.len() < r.text.trim_end().len() && !text.ends_with('…') {
                         text.push('…');
                     }
                     t.add_row(vec![
@@ -175,7 +175,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
 /// ones whose long fields were clipped (see `proto/src/page.rs`).
 pub fn page_notes<T>(page: &Page<T>, what: &str, narrow: &str, whole: Option<&str>) {
     if page.more {
-        eprintln!("note: only the first {} {what} fit in one reply; {narrow}", page.items.len());
+        eprintln!("note: only {} {what} fit in one reply; {narrow}", page.items.len());
     }
     if !page.clipped.is_empty() {
         let whole = whole.map(|w| format!("; `{w}` shows one whole")).unwrap_or_default();
@@ -222,10 +222,10 @@ fn print_record(rec: &TaskRecord, json: bool) {
         println!("cancel    requested; the worker stops it within one progress interval");
     }
     if let Some(r) = &rec.result {
-        println!("result\n{r}");
+        println!("result\n{}", crate::text::printable(r));
     }
     if let Some(e) = &rec.error {
-        println!("error     {e}");
+        println!("error     {}", crate::text::printable(e));
     }
 }
 
