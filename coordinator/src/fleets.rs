@@ -611,16 +611,12 @@ impl Fleets {
         Ok(job)
     }
 
-    /// `fleet.jobs`: oldest first, fitted into one reply ([`page::fit`]: long texts,
-    /// results and errors clipped, the newest left out when they do not fit).
+    /// `fleet.jobs`: the fleet's jobs that `req` asks for, as [`jobs_page`] fits them.
     async fn list_jobs(&self, req: JobsRequest) -> Result<Page<Job>, ApiError> {
         self.definition(&req.fleet).await?;
         let filter = JobFilter { all: req.all, since: req.since };
         let jobs = self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j));
-        Ok(page::fit(jobs, self.js.client().server_info().max_payload, |j| {
-            let fields = [Some(&mut j.text), j.result.as_mut(), j.error.as_mut()];
-            page::clip_fields(fields.into_iter().flatten()).then(|| j.id.clone())
-        }))
+        Ok(jobs_page(jobs.collect(), self.js.client().server_info().max_payload))
     }
 
     /// The id of `fleet`'s job named by `wanted`: its id, or a prefix naming one job.
@@ -767,5 +763,55 @@ impl Fleets {
     async fn log(&self, req: LogRequest) -> Result<Vec<ChannelEvent>, ApiError> {
         self.definition(&req.fleet).await?;
         self.channel(&req.fleet, req.since.unwrap_or(0)).await
+    }
+}
+
+/// `jobs` (oldest first) fitted into one reply of at most `max_payload` bytes
+/// ([`page::fit`]: long texts, results and errors clipped), oldest first. When not all
+/// fit, the open jobs come before the finished ones and the newest finished before older
+/// ones: what is left out is the oldest history, never a queued job or the latest result.
+fn jobs_page(jobs: Vec<Job>, max_payload: usize) -> Page<Job> {
+    let (mut finished, open): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.status.is_terminal());
+    finished.reverse();
+    let mut page = page::fit(open.into_iter().chain(finished), max_payload, |j| {
+        let fields = [Some(&mut j.text), j.result.as_mut(), j.error.as_mut()];
+        page::clip_fields(fields.into_iter().flatten()).then(|| j.id.clone())
+    });
+    // Ids are UUIDv7s: id order is the order they were queued in.
+    page.items.sort_by(|a, b| a.id.cmp(&b.id));
+    page
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jobs_page_too_small_for_all_leaves_out_the_oldest_finished_jobs() {
+        // 30 jobs of ~4 KiB each, queued in order; the 10 oldest and the 10 newest are
+        // finished, the 10 between are open.
+        let jobs: Vec<Job> = (0..30u64)
+            .map(|i| {
+                let mut j =
+                    Job::with_id(uuid::Uuid::from_u64_pair(0x0190_0000_0000_7000, i), "x".repeat(4000), "cli", i);
+                if !(10..20).contains(&i) {
+                    j.status = JobStatus::Done;
+                }
+                j
+            })
+            .collect();
+        let ids: Vec<String> = jobs.iter().map(|j| j.id.clone()).collect();
+        // Room for 15 of them (page::fit keeps REPLY_MARGIN for the reply's envelope).
+        let size = serde_json::to_vec(&jobs[0]).unwrap().len() + 1;
+        let page = jobs_page(jobs.clone(), page::REPLY_MARGIN + 15 * size + size / 2);
+        assert!(page.more);
+        let kept: Vec<&str> = page.items.iter().map(|j| j.id.as_str()).collect();
+        // Every open job, then the five newest finished, shown oldest first.
+        let expected: Vec<&str> = ids[10..20].iter().chain(&ids[25..30]).map(String::as_str).collect();
+        assert_eq!(kept, expected);
+        // With room for all: all, in the order they were queued.
+        let all = jobs_page(jobs, 1 << 20);
+        assert!(!all.more);
+        assert_eq!(all.items.iter().map(|j| j.id.as_str()).collect::<Vec<_>>(), ids);
     }
 }
