@@ -869,15 +869,26 @@ impl Fleet {
     ///
     /// # Errors
     /// [`Error::Parse`] for text that does not fit the shape (an unknown key, a wrong type,
-    /// an enum value outside its set), naming the field path; [`Error::Invalid`] listing
-    /// every broken rule, one `path: rule` line each.
+    /// an enum value outside its set), naming the field path; with unknown keys, one line
+    /// each, followed by what the rest breaks (its shape or its rules). [`Error::Invalid`]
+    /// listing every broken rule, one `path: rule` line each.
     pub fn parse(text: &str) -> Result<Fleet, Error> {
         let text = crate::without_bom(text);
-        // Every unknown key at once (serde stops at the first), in serde's words.
-        if let Ok(Value::Mapping(map)) = serde_yaml_ng::from_str::<Value>(text) {
-            let unknown = unknown_keys(&map);
+        // Every unknown key at once (serde stops at the first), in serde's words, and then
+        // what the rest breaks: one answer names everything there is to mend.
+        if let Ok(Value::Mapping(mut map)) = serde_yaml_ng::from_str::<Value>(text) {
+            let unknown = remove_unknown(&mut map, |_| true);
             if !unknown.is_empty() {
-                return Err(Error::Parse(unknown.join("\n")));
+                let mut lines: Vec<String> = unknown.iter().map(Unknown::refused).collect();
+                match serde_yaml_ng::from_value::<Raw>(Value::Mapping(map)) {
+                    Err(e) => lines.push(e.to_string()),
+                    Ok(raw) => match validate(raw, None, Mode::Strict) {
+                        Err(Error::Invalid(rules)) => lines.extend(rules),
+                        Err(Error::Parse(line)) => lines.push(line),
+                        Ok(_) => {}
+                    },
+                }
+                return Err(Error::Parse(lines.join("\n")));
             }
         }
         let raw: Raw = serde_yaml_ng::from_str(text).map_err(|e| Error::Parse(e.to_string()))?;
@@ -896,24 +907,9 @@ impl Fleet {
         let Some(map) = value.as_mapping_mut() else {
             return Err(Error::Parse("fleet.yaml must be a mapping of keys".to_string()));
         };
-        let mut notices = Vec::new();
-        strip_unknown(map, TOP_KEYS, "", &mut notices);
-        if let Some(Value::Mapping(m)) = map.get_mut("loop") {
-            strip_unknown(m, LOOP_KEYS, "loop.", &mut notices);
-        }
-        if let Some(Value::Mapping(m)) = map.get_mut("hitl") {
-            strip_unknown(m, HITL_KEYS, "hitl.", &mut notices);
-        }
-        if let Some(Value::Mapping(m)) = map.get_mut("parallel") {
-            strip_unknown(m, PARALLEL_KEYS, "parallel.", &mut notices);
-        }
-        if let Some(Value::Sequence(steps)) = map.get_mut("procedure") {
-            for (i, step) in steps.iter_mut().enumerate() {
-                if let Value::Mapping(m) = step {
-                    strip_unknown(m, STEP_KEYS, &format!("procedure[{i}]."), &mut notices);
-                }
-            }
-        }
+        // `limits:` keeps its unknown keys: a block that does not parse is reported below.
+        let mut notices: Vec<String> =
+            remove_unknown(map, |path| path != "limits").iter().map(Unknown::ignored).collect();
         // The limits block is read on its own: one that does not parse leaves the fleet
         // loadable but unbounded-by-choice, so it never resolves (§Unattended runs).
         let stored_limits = map.remove("limits").map(|v| match serde_yaml_ng::from_value::<Option<RawLimits>>(v) {
@@ -983,62 +979,77 @@ impl Fleet {
     }
 }
 
-/// One line per unknown key of a fleet's mapping and of its `loop:`, `limits:`, `hitl:`,
-/// `parallel:` (and its tracks, judge and partition) and `procedure[i]` mappings, worded
-/// as serde words the first:
-/// ``loop: unknown field `max_iteration`, expected one of `trigger`, …``.
-fn unknown_keys(map: &Mapping) -> Vec<String> {
-    fn check(map: &Mapping, allowed: &[&str], path: &str, out: &mut Vec<String>) {
-        for k in map.keys() {
-            if k.as_str().is_some_and(|k| allowed.contains(&k)) {
-                continue;
-            }
-            let shown = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
-            let expected = allowed.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
-            out.push(format!("{path}unknown field `{shown}`, expected one of {expected}"));
-        }
+/// A key outside the closed set of keys of its mapping.
+struct Unknown {
+    /// The mapping's path: `""` for the top, `loop`, `procedure[0]`, `parallel.tracks[1]`.
+    path: String,
+    key: String,
+    allowed: &'static [&'static str],
+}
+
+impl Unknown {
+    /// As strict parsing refuses it, in serde's words (serde reports only the first):
+    /// ``loop: unknown field `max_iteration`, expected one of `trigger`, …``.
+    fn refused(&self) -> String {
+        let prefix = if self.path.is_empty() { String::new() } else { format!("{}: ", self.path) };
+        let expected = self.allowed.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
+        format!("{prefix}unknown field `{}`, expected one of {expected}", self.key)
     }
+
+    /// As loading a stored definition notes it: `loop.max_iteration: unknown key (…; ignored)`.
+    fn ignored(&self) -> String {
+        let prefix = if self.path.is_empty() { String::new() } else { format!("{}.", self.path) };
+        format!("{prefix}{}: unknown key (stored by an older version; ignored)", self.key)
+    }
+}
+
+/// Removes every unknown key of a fleet's mapping and of its `loop:`, `limits:`, `hitl:`,
+/// `parallel:` (its tracks, judge and partition) and `procedure[i]` mappings, of those
+/// whose path `within` accepts, and returns them in document order.
+fn remove_unknown(map: &mut Mapping, within: impl Fn(&str) -> bool) -> Vec<Unknown> {
     let mut out = Vec::new();
-    check(map, TOP_KEYS, "", &mut out);
+    let mut check = |map: &mut Mapping, allowed: &'static [&'static str], path: String| {
+        if !within(&path) {
+            return;
+        }
+        let unknown: Vec<Value> =
+            map.keys().filter(|k| !k.as_str().is_some_and(|k| allowed.contains(&k))).cloned().collect();
+        for k in unknown {
+            map.remove(&k);
+            let key = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
+            out.push(Unknown { path: path.clone(), key, allowed });
+        }
+    };
+    check(map, TOP_KEYS, String::new());
     for (key, allowed) in
         [("loop", LOOP_KEYS), ("limits", LIMITS_KEYS), ("hitl", HITL_KEYS), ("parallel", PARALLEL_KEYS)]
     {
-        if let Some(Value::Mapping(m)) = map.get(key) {
-            check(m, allowed, &format!("{key}: "), &mut out);
+        if let Some(Value::Mapping(m)) = map.get_mut(key) {
+            check(m, allowed, key.to_string());
         }
     }
-    if let Some(Value::Sequence(steps)) = map.get("procedure") {
-        for (i, step) in steps.iter().enumerate() {
+    if let Some(Value::Sequence(steps)) = map.get_mut("procedure") {
+        for (i, step) in steps.iter_mut().enumerate() {
             if let Value::Mapping(m) = step {
-                check(m, STEP_KEYS, &format!("procedure[{i}]: "), &mut out);
+                check(m, STEP_KEYS, format!("procedure[{i}]"));
             }
         }
     }
-    if let Some(Value::Mapping(parallel)) = map.get("parallel") {
-        if let Some(Value::Sequence(tracks)) = parallel.get("tracks") {
-            for (i, track) in tracks.iter().enumerate() {
+    if let Some(Value::Mapping(parallel)) = map.get_mut("parallel") {
+        if let Some(Value::Sequence(tracks)) = parallel.get_mut("tracks") {
+            for (i, track) in tracks.iter_mut().enumerate() {
                 if let Value::Mapping(m) = track {
-                    check(m, TRACK_KEYS, &format!("parallel.tracks[{i}]: "), &mut out);
+                    check(m, TRACK_KEYS, format!("parallel.tracks[{i}]"));
                 }
             }
         }
         for (key, allowed) in [("judge", JUDGE_KEYS), ("partition", PARTITION_KEYS)] {
-            if let Some(Value::Mapping(m)) = parallel.get(key) {
-                check(m, allowed, &format!("parallel.{key}: "), &mut out);
+            if let Some(Value::Mapping(m)) = parallel.get_mut(key) {
+                check(m, allowed, format!("parallel.{key}"));
             }
         }
     }
     out
-}
-
-fn strip_unknown(map: &mut Mapping, allowed: &[&str], prefix: &str, notices: &mut Vec<String>) {
-    let unknown: Vec<Value> =
-        map.keys().filter(|k| !k.as_str().is_some_and(|k| allowed.contains(&k))).cloned().collect();
-    for k in unknown {
-        map.remove(&k);
-        let shown = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
-        notices.push(format!("{prefix}{shown}: unknown key (stored by an older version; ignored)"));
-    }
 }
 
 fn validate_limits(raw: RawLimits, errors: &mut Vec<String>) -> Limits {

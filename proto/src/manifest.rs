@@ -535,6 +535,26 @@ impl Rules {
     }
 }
 
+/// Whether `c` shows as something: not white space and not one of the invisible
+/// format characters (zero-width space and joiners, word joiner, soft hyphen, BOM, Hangul
+/// fillers), so a `version` of only those reads as empty and is refused.
+fn is_visible(c: char) -> bool {
+    !c.is_whitespace()
+        && !matches!(
+            c,
+            '\u{00AD}'
+                | '\u{034F}'
+                | '\u{115F}'
+                | '\u{1160}'
+                | '\u{180E}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{2060}'..='\u{2064}'
+                | '\u{3164}'
+                | '\u{FEFF}'
+                | '\u{FFA0}'
+        )
+}
+
 /// Whether `name` is a valid capsule, hook or tool name: 1–64 chars of `a-z 0-9 - _`,
 /// starting with a letter or digit.
 pub fn is_valid_name(name: &str) -> bool {
@@ -629,7 +649,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
             String::new()
         }
         Some(v) => {
-            if v.trim().is_empty() || v.len() > 64 || v.chars().any(char::is_control) {
+            if !v.chars().any(is_visible) || v.len() > 64 || v.chars().any(char::is_control) {
                 r.fail("version", format_args!("must be 1-64 characters on one line (1.0.0), got {v:?}"));
             }
             v

@@ -1145,6 +1145,37 @@ fn every_unknown_key_is_reported_at_once() {
 }
 
 #[test]
+fn unknown_keys_and_the_rules_the_rest_breaks_are_reported_together() {
+    // The unknown key first, then what the rest breaks: one answer names all there is to mend.
+    let err = parse_err(&format!("{MINIMAL}colour: blue\nloop:\n  deadline: 0m\n  budget_usd: -1\n"));
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 3, "{err}");
+    assert!(lines[0].starts_with("unknown field `colour`, expected one of"), "{err}");
+    assert_eq!(lines[1], "loop.deadline: must be longer than zero (leave it out for the built-in), got \"0m\"");
+    assert!(lines[2].starts_with("loop.budget_usd: must be a non-negative number"), "{err}");
+    // A wrong type left after the unknown keys is named too.
+    let err = parse_err(&format!("{MINIMAL}colour: blue\nfanout: lots\n"));
+    assert_eq!(err.lines().nth(1), Some("fanout: must be a positive integer, got \"lots\""), "{err}");
+    assert_eq!(err.lines().count(), 2, "{err}");
+}
+
+#[test]
+fn a_stored_fleet_with_unknown_keys_in_its_tracks_judge_or_partition_still_loads() {
+    let f = Fleet::load_stored(&format!(
+        "{MINIMAL}parallel:\n  mode: speculative\n  tracks:\n    - name: a\n      zzz: 1\n    - name: b\n  \
+         judge:\n    yyy: 2\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        f.notices,
+        [
+            "parallel.tracks[0].zzz: unknown key (stored by an older version; ignored)",
+            "parallel.judge.yyy: unknown key (stored by an older version; ignored)",
+        ]
+    );
+}
+
+#[test]
 fn a_leading_byte_order_mark_is_read_past() {
     assert_eq!(Fleet::parse(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");
     assert_eq!(Fleet::load_stored(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");

@@ -449,6 +449,12 @@ fn a_version_is_one_line_of_1_to_64_characters() {
         );
     }
     assert_eq!(load(&MINIMAL.replace("1.0.0", "2026.12-rc1")).unwrap().version, "2026.12-rc1");
+    // Nothing visible (a zero-width space, a BOM, a soft hyphen and a space) is as empty.
+    assert_eq!(
+        rules(&MINIMAL.replace("version: 1.0.0", "version: \"\\u200B\\uFEFF\\u00AD \"")),
+        ["version: must be 1-64 characters on one line (1.0.0), got \"\\u{200b}\\u{feff}\\u{ad} \""],
+    );
+    assert_eq!(load(&MINIMAL.replace("1.0.0", "\"\\u200B1.0\"")).unwrap().version, "\u{200b}1.0");
 }
 
 #[test]
