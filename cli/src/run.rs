@@ -239,7 +239,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let background = local::Background { sink, notices };
         let summary = local::serve(&mut session, intake, &options, Some(background), shutdown).await?;
         let totals = session.totals();
-        session.end(None).await?;
+        // A signal while the session ends (its `on-session-end` hook, the async hooks'
+        // drain) cuts the end short: the hook under way is killed, no other is waited for,
+        // and `session_end` is still written.
+        let end_stop = tokio_util::sync::CancellationToken::new();
+        let _end_watch = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
+            let (signal, end_stop) = (shutdown_signal(), end_stop.clone());
+            async move {
+                signal.await;
+                eprintln!("mur run: interrupted while the session ends; its hooks are stopped");
+                end_stop.cancel();
+            }
+        }));
+        session.end_until(None, &end_stop).await?;
         let _ = server.shutdown().await;
         anyhow::Ok((summary, totals))
     })?;

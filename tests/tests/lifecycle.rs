@@ -167,6 +167,43 @@ fn sigterm_interrupts_the_running_task_and_writes_session_end() {
     assert_eq!(bg.wait(WAIT).0, Some(1));
 }
 
+/// A second signal while the session ends stops its `on-session-end` hook: `mur run`
+/// does not wait out a hook that hangs (here for a minute), and still writes `session_end`.
+#[test]
+fn a_second_signal_stops_a_hanging_on_session_end_hook() {
+    let c = TestCapsule::new(
+        &manifest(
+            "queue",
+            "  after_task: sleep\nhooks:\n  - name: bye\n    binding: on-session-end\n    command: [sh, bye.sh]\n    \
+             timeout_secs: 120\n",
+        ),
+        &[
+            ("r.yaml", "replies:\n  - text: done\n"),
+            ("bye.sh", "cat > /dev/null\ntouch hook-started\nsleep 60\necho '{\"action\":\"none\"}'\n"),
+        ],
+    );
+    let (mut bg, first) = start(&c, &[]);
+    let dir = first["session_dir"].as_str().unwrap().to_string();
+    bg.signal(15);
+    let marker = c.dir().join("hook-started");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !marker.exists() {
+        assert!(std::time::Instant::now() < deadline, "the on-session-end hook never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let interrupted = std::time::Instant::now();
+    bg.signal(15);
+    let last = bg.next_json(WAIT);
+    // Idle when the first signal came: nothing was cut short, so the session is `done`.
+    assert_eq!((last["stopped"].as_str(), last["exit_status"].as_str()), (Some("done"), Some("ok")), "{last}");
+    let (code, stderr) = bg.wait(WAIT);
+    assert!(interrupted.elapsed() < Duration::from_secs(30), "took {:?}", interrupted.elapsed());
+    assert!(stderr.contains("mur run: interrupted while the session ends; its hooks are stopped"), "{stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines = trace_lines(Path::new(&dir));
+    assert_eq!(lines.last().unwrap()["event_type"], "session_end", "{lines:?}");
+}
+
 #[test]
 fn mur_task_send_reaches_a_running_capsule() {
     let c = TestCapsule::new(
