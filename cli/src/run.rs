@@ -141,6 +141,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.manifest.clone().unwrap_or_else(|| args.dir.clone());
     let env = |k: &str| std::env::var(k).ok();
     let capsule = Capsule::load(&path, &env)?;
+    for named in mur_worker::bundle::named_outside(&capsule.manifest) {
+        eprintln!(
+            "note: {named} is outside the capsule folder: mur run reads it, `mur capsule push` refuses it \
+             (a worker gets only the folder)"
+        );
+    }
     let (sink, notices) = DetachSink::channel();
     let grace = std::time::Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
     let tools: Arc<Toolbox> = Arc::new(Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()));

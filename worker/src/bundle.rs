@@ -318,16 +318,7 @@ fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String,
     // Programs named by a path in the folder (`./tool.sh`, `bin/gate`) must be packed
     // executable files: a bare name is looked up on the worker's `PATH` and an absolute path
     // is the worker's own, so neither is checked here.
-    let process = inf.transport == Transport::Process;
-    let programs = manifest
-        .tools
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (format!("tools[{i}].command"), t.command.first()))
-        .chain(manifest.hooks.iter().enumerate().map(|(i, h)| (format!("hooks[{i}].command"), h.command.first())))
-        .chain(process.then(|| ("inference.command".to_string(), inf.command.as_ref().and_then(|c| c.first()))));
-    for (field, program) in programs {
-        let Some(program) = program else { continue };
+    for (field, program) in programs(manifest) {
         if program.starts_with("builtin:") || !program.contains('/') || Path::new(program).is_absolute() {
             continue;
         }
@@ -343,6 +334,47 @@ fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String,
         }
     }
     Ok(())
+}
+
+/// The files and programs `manifest` names outside its capsule folder, one
+/// `field: name` line each (`inference.script: ../shared/r.yaml`): `mur run` reads them
+/// where they are, but a bundle carries only the folder, so [`pack`] refuses them
+/// ([`Error::Reference`]). Absolute program paths and bare program names are the worker's
+/// own and are not listed.
+pub fn named_outside(manifest: &Manifest) -> Vec<String> {
+    use mur_proto::manifest::{DriverKind, SystemPrompt, Transport};
+    let inf = &manifest.inference;
+    let mut out = Vec::new();
+    if inf.transport != Transport::Process
+        && inf.driver == Some(DriverKind::Scripted)
+        && let Some(script) = &inf.script
+        && inside(script).is_none()
+    {
+        out.push(format!("inference.script: {script}"));
+    }
+    if let SystemPrompt::File(file) = &inf.system_prompt
+        && inside(file).is_none()
+    {
+        out.push(format!("inference.system_prompt_file: {file}"));
+    }
+    for (field, program) in programs(manifest) {
+        if program.contains('/') && !Path::new(program).is_absolute() && inside(program).is_none() {
+            out.push(format!("{field}: {program}"));
+        }
+    }
+    out
+}
+
+/// The programs `manifest` runs, with the field naming each: every tool's and hook's
+/// `command[0]`, and `inference.command[0]` for the process transport.
+fn programs(manifest: &Manifest) -> impl Iterator<Item = (String, &String)> {
+    use mur_proto::manifest::Transport;
+    let inf = &manifest.inference;
+    let tools = manifest.tools.iter().enumerate().map(|(i, t)| (format!("tools[{i}].command"), t.command.first()));
+    let hooks = manifest.hooks.iter().enumerate().map(|(i, h)| (format!("hooks[{i}].command"), h.command.first()));
+    let model = (inf.transport == Transport::Process)
+        .then(|| ("inference.command".to_string(), inf.command.as_ref().and_then(|c| c.first())));
+    tools.chain(hooks).chain(model).filter_map(|(field, program)| Some((field, program?)))
 }
 
 /// `name` (a path in a manifest, relative to the capsule folder) as a bundle path
@@ -790,6 +822,27 @@ mod tests {
         assert_eq!(pack(dir.path()).unwrap().name, "quick");
         std::fs::write(dir.path().join(MANIFEST_FILE), prompt_file).unwrap();
         assert_eq!(pack(dir.path()).unwrap().name, "quick");
+    }
+
+    #[test]
+    fn the_files_named_outside_the_folder_are_listed_for_mur_run() {
+        let manifest = |yaml: &str| Manifest::from_yaml(yaml, &|_| None).unwrap();
+        let m = manifest(&format!(
+            "name: quick\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: ../shared/r.yaml\n\
+             hooks:\n  - name: gate\n    binding: on-tool-call\n    command: [../hooks/gate.py]\n  \
+             - name: log\n    binding: on-shell\n    command: [/usr/bin/logger]\n  \
+             - name: own\n    binding: on-task-end\n    command: [./hooks/own.sh]\n"
+        ));
+        assert_eq!(named_outside(&m), ["inference.script: ../shared/r.yaml", "hooks[0].command: ../hooks/gate.py"]);
+        let m = manifest(
+            "name: quick\nversion: 2.0.0\ninference:\n  driver: openai\n  model: m\n  endpoint: http://127.0.0.1:9/v1\n  \
+             system_prompt_file: /etc/prompt.md\n",
+        );
+        assert_eq!(named_outside(&m), ["inference.system_prompt_file: /etc/prompt.md"]);
+        assert!(
+            named_outside(&manifest("name: quick\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n"))
+                .is_empty()
+        );
     }
 
     #[test]
