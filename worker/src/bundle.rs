@@ -827,12 +827,12 @@ mod tests {
     #[test]
     fn the_files_named_outside_the_folder_are_listed_for_mur_run() {
         let manifest = |yaml: &str| Manifest::from_yaml(yaml, &|_| None).unwrap();
-        let m = manifest(&format!(
+        let m = manifest(
             "name: quick\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: ../shared/r.yaml\n\
              hooks:\n  - name: gate\n    binding: on-tool-call\n    command: [../hooks/gate.py]\n  \
              - name: log\n    binding: on-shell\n    command: [/usr/bin/logger]\n  \
-             - name: own\n    binding: on-task-end\n    command: [./hooks/own.sh]\n"
-        ));
+             - name: own\n    binding: on-task-end\n    command: [./hooks/own.sh]\n",
+        );
         assert_eq!(named_outside(&m), ["inference.script: ../shared/r.yaml", "hooks[0].command: ../hooks/gate.py"]);
         let m = manifest(
             "name: quick\nversion: 2.0.0\ninference:\n  driver: openai\n  model: m\n  endpoint: http://127.0.0.1:9/v1\n  \
