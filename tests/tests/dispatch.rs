@@ -317,7 +317,6 @@ async fn agent_cards_advertise_the_public_url_and_healthz_answers() {
 /// starts empty. The model is the fake OpenAI server, over a real socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_threaded_capsule_continues_its_context_across_workers() {
-    use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
     use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
     let fake = FakeOpenAi::start(vec![FakeReply::text("one done"), FakeReply::text("two done"), FakeReply::text("x")]);
     let sb = Sandbox::start(2, 1).await;
@@ -329,27 +328,8 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
         &[],
     );
     sb.push(c.dir()).await;
-    let submit = |text: &'static str, context: &'static str| {
-        let client = sb.client.clone();
-        async move {
-            let request = SubmitRequest {
-                capsule: "thread".into(),
-                text: text.into(),
-                origin: Origin::User,
-                context_id: Some(context.into()),
-                deadline_at: None,
-                fleet_step: None,
-                needs: Vec::new(),
-            };
-            let reply: SubmitReply =
-                mur_coordinator::api::call(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
-                    .await
-                    .unwrap();
-            reply.task_id
-        }
-    };
     for (text, context) in [("first", "conv-a"), ("second", "conv-a"), ("other", "conv-b")] {
-        let id = submit(text, context).await;
+        let id = submit_in_context(&sb.client, "thread", text, context).await;
         let r = sb.wait_all(&[id], WAIT).await.remove(0);
         assert_eq!(r.state, TaskState::Completed, "{r:?}");
     }
@@ -367,6 +347,79 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
     assert_eq!(texts(0), [pair("user", "first")]);
     assert_eq!(texts(1), [pair("user", "first"), pair("assistant", "one done"), pair("user", "second")]);
     assert_eq!(texts(2), [pair("user", "other")]);
+    sb.shutdown().await;
+}
+
+/// Submits `text` to `capsule` in conversation `context`; returns the task id.
+async fn submit_in_context(client: &async_nats::Client, capsule: &str, text: &str, context: &str) -> String {
+    use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
+    let request = SubmitRequest {
+        capsule: capsule.into(),
+        text: text.into(),
+        origin: Origin::User,
+        context_id: Some(context.into()),
+        deadline_at: None,
+        fleet_step: None,
+        needs: Vec::new(),
+    };
+    let reply: SubmitReply =
+        mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.unwrap();
+    reply.task_id
+}
+
+/// A threaded conversation longer than one message (the server's 1 MiB `max_payload`) is
+/// kept in parts: the next task of the context is sent to the model with every earlier
+/// message, and a rewrite removes the parts of the conversation it replaces. (It was not
+/// kept at all: the next task lost the context.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_threaded_conversation_larger_than_a_message_is_kept_in_parts() {
+    use mur_proto::cluster::{self, StoredConversation};
+    use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
+    let fake = FakeOpenAi::start((0..4).map(|_| FakeReply::text("noted")).collect());
+    let sb = Sandbox::start(1, 1).await;
+    let c = TestCapsule::new(
+        &format!(
+            "name: thread\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\nlifecycle:\n  conversation: threaded\n",
+            fake.url()
+        ),
+        &[],
+    );
+    sb.push(c.dir()).await;
+    let big: Vec<String> = (0..3).map(|i| format!("{i}{}", "w".repeat(400_000))).collect();
+    let js = async_nats::jetstream::new(sb.client.clone());
+    let sessions = js.get_key_value(cluster::SESSIONS_BUCKET).await.unwrap();
+    let key = cluster::context_key("thread", "conv-big");
+    let head = || async {
+        let bytes = sessions.get(&key).await.unwrap().expect("the conversation is stored");
+        serde_json::from_slice::<StoredConversation>(&bytes).unwrap()
+    };
+    for text in &big {
+        let id = submit_in_context(&sb.client, "thread", text, "conv-big").await;
+        let r = sb.wait_all(&[id], WAIT).await.remove(0);
+        assert_eq!(r.state, TaskState::Completed, "{r:?}");
+    }
+    let first_head = head().await;
+    let first_parts = first_head.part_keys(&key);
+    assert!(first_parts.len() >= 2, "{first_head:?}");
+    let id = submit_in_context(&sb.client, "thread", "fourth", "conv-big").await;
+    assert_eq!(sb.wait_all(&[id], WAIT).await.remove(0).state, TaskState::Completed);
+    let requests = fake.requests();
+    let sent: Vec<String> = requests[3]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| m["content"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(sent, [big[0].as_str(), big[1].as_str(), big[2].as_str(), "fourth"]);
+    // Written again after the fourth task: new parts, the first write's removed.
+    let second_head = head().await;
+    assert_ne!(second_head, first_head);
+    for part in &first_parts {
+        assert!(sessions.get(part).await.unwrap().is_none(), "{part} is left behind");
+    }
+    let kept = mur_worker::service::read_conversation(&sessions, &key).await.unwrap();
+    assert_eq!(kept.len(), 8);
     sb.shutdown().await;
 }
 

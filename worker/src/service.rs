@@ -68,7 +68,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
 use futures::StreamExt;
-use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, TaskRecord, WorkerInfo, checkpoint_key};
+use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::manifest::Conversation;
 use mur_proto::message::Message;
@@ -882,6 +882,7 @@ async fn run_dispatch_holding(
         session_id: session_id.clone(),
         worker: worker_id.clone(),
         saved: AtomicBool::new(checkpointed),
+        max_payload,
     });
     let (exit, result, error, usage) = match run_session(
         sh,
@@ -1242,6 +1243,8 @@ struct KvCheckpoints {
     worker: String,
     /// Whether the task has checkpoints (to purge at its end).
     saved: AtomicBool,
+    /// The server's `max_payload`: a checkpoint larger than one message is written in parts.
+    max_payload: usize,
 }
 
 #[async_trait::async_trait]
@@ -1264,10 +1267,17 @@ impl Checkpoints for KvCheckpoints {
             session_tokens: c.session_tokens,
             reopens: c.reopens,
             at_ms: SystemClock.now_ms(),
+            part: 0,
+            parts: 0,
         };
-        let json = serde_json::to_vec(&checkpoint).map_err(|e| e.to_string())?;
+        // One value, or its parts in order when one message cannot hold it (a long
+        // history after a compaction or a takeover).
+        let values = checkpoint.split(self.max_payload).map_err(|e| e.to_string())?;
         self.saved.store(true, Ordering::Relaxed);
-        self.sessions.put(checkpoint_key(&self.task_id, c.turn), json.into()).await.map(drop).map_err(|e| e.to_string())
+        for (key, json) in values {
+            self.sessions.put(key, json.into()).await.map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 }
 
@@ -1279,10 +1289,64 @@ async fn prior_conversation(sh: &Shared, task: &TaskRecord, capsule: &Capsule) -
         return Ok(Vec::new());
     }
     let key = cluster::context_key(&task.capsule, &task.context_id);
-    match sh.sessions.get(&key).await.map_err(|e| e.to_string())? {
-        Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("conversation {key} is not valid JSON: {e}")),
-        None => Ok(Vec::new()),
+    read_conversation(&sh.sessions, &key).await
+}
+
+/// The conversation stored under `key` ([`cluster::context_key`]), whole or in parts
+/// ([`StoredConversation`]); empty when there is none.
+///
+/// # Errors
+/// The broker's, a value that is not a conversation, or a part missing.
+pub async fn read_conversation(sessions: &kv::Store, key: &str) -> Result<Vec<Message>, String> {
+    let Some(bytes) = sessions.get(key).await.map_err(|e| e.to_string())? else {
+        return Ok(Vec::new());
+    };
+    let stored: StoredConversation =
+        serde_json::from_slice(&bytes).map_err(|e| format!("conversation {key} is not valid JSON: {e}"))?;
+    let mut messages = Vec::new();
+    match stored {
+        StoredConversation::Whole(whole) => messages = whole,
+        parts => {
+            for part in parts.part_keys(key) {
+                let bytes = sessions
+                    .get(&part)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("conversation {key}: part {part} is missing"))?;
+                let run: Vec<Message> = serde_json::from_slice(&bytes)
+                    .map_err(|e| format!("conversation part {part} is not valid JSON: {e}"))?;
+                messages.extend(run);
+            }
+        }
     }
+    Ok(messages)
+}
+
+/// Stores `history` under `key` ([`cluster::context_key`]) within `max_payload`: whole, or
+/// its parts and then their head ([`StoredConversation::split`]); the parts of the
+/// conversation it replaces are deleted after.
+///
+/// # Errors
+/// The broker's (what was stored before stays readable: a head is written last).
+pub async fn write_conversation(
+    sessions: &kv::Store,
+    key: &str,
+    history: Vec<Message>,
+    max_payload: usize,
+) -> Result<(), String> {
+    let before = match sessions.get(key).await {
+        Ok(Some(bytes)) => serde_json::from_slice::<StoredConversation>(&bytes).ok(),
+        _ => None,
+    };
+    for (k, json) in StoredConversation::split(key, history, max_payload).map_err(|e| e.to_string())? {
+        sessions.put(k, json.into()).await.map_err(|e| e.to_string())?;
+    }
+    for old in before.map(|b| b.part_keys(key)).unwrap_or_default() {
+        if let Err(e) = sessions.purge(&old).await {
+            tracing::debug!(key = old, error = %e, "removing an earlier conversation's part failed");
+        }
+    }
+    Ok(())
 }
 
 fn continues_context(task: &TaskRecord, capsule: &Capsule) -> bool {
@@ -1448,11 +1512,8 @@ async fn run_session(
 /// context starts from the conversation before this one.
 async fn save_conversation(sh: &Shared, task: &TaskRecord, history: &[Message]) {
     let key = cluster::context_key(&task.capsule, &task.context_id);
-    let written = match serde_json::to_vec(history) {
-        Ok(json) => sh.sessions.put(&key, json.into()).await.map(drop).map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
-    };
-    if let Err(e) = written {
+    let max_payload = sh.client.server_info().max_payload;
+    if let Err(e) = write_conversation(&sh.sessions, &key, history.to_vec(), max_payload).await {
         tracing::warn!(task_id = %task.task_id, key, error = %e, "the conversation was not kept");
     }
 }
