@@ -67,6 +67,11 @@ pub struct Settings {
     /// back (issue #11 §The fan-out cap; DESIGN.md invariant 5). Holders renew every third
     /// of it. At least 2. Default 15.
     pub fanout_lease_secs: u64,
+    /// Seconds a worker's registration stays in `mur_workers` after its last heartbeat
+    /// (the bucket's max age): `mur cluster status` lists a worker that stopped without
+    /// deregistering (killed, its machine gone) as silent until then, and forgets it
+    /// after. At least 10 (five heartbeats). Default 3600.
+    pub silent_worker_secs: u64,
 }
 
 impl Default for Settings {
@@ -84,6 +89,7 @@ impl Default for Settings {
             capsule_history: 64,
             leader_lease_secs: 10,
             fanout_lease_secs: 15,
+            silent_worker_secs: 3600,
         }
     }
 }
@@ -117,6 +123,7 @@ impl Settings {
         at_least("duplicate_window_secs", self.duplicate_window_secs, 1);
         at_least("leader_lease_secs", self.leader_lease_secs, 2);
         at_least("fanout_lease_secs", self.fanout_lease_secs, 2);
+        at_least("silent_worker_secs", self.silent_worker_secs, 10);
         if let Some(bytes) = self.trace_max_bytes {
             at_least("trace_max_bytes", bytes, 1);
         }
@@ -367,6 +374,11 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     ];
     let mut streams = vec![settings.dispatch_stream(), settings.trace_stream()];
     streams.extend(kv_buckets.iter().map(|(bucket, text, history)| settings.kv_stream(bucket, text, *history)));
+    for config in &mut streams {
+        if config.name == format!("KV_{}", cluster::WORKERS_BUCKET) {
+            config.max_age = Duration::from_secs(settings.silent_worker_secs);
+        }
+    }
     streams.push(stream::Config {
         max_age: Duration::from_secs(settings.leader_lease_secs),
         ..settings.kv_stream(cluster::LEADER_BUCKET, "murmur: the leading coordinator's lease, key = leader", 1)
