@@ -211,8 +211,9 @@ async fn serve_tasks(
     let watch_intake = Arc::clone(intake);
     let signal = tokio::spawn(async move {
         shutdown.await;
-        watch_intake.close();
+        // Stop first: the loop that sees the intake closed knows it was the signal.
         stop_on_signal.cancel();
+        watch_intake.close();
     });
     // `none` with nothing given at launch has nothing to do.
     if options.acceptance == TaskAcceptance::None && intake.waiting() == 0 {
@@ -239,7 +240,7 @@ async fn serve_tasks(
                 break;
             }
             Next::Closed => {
-                summary.stopped = "done";
+                summary.stopped = if stop.is_cancelled() { "shutdown" } else { "done" };
                 break;
             }
         };
