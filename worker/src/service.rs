@@ -1293,33 +1293,36 @@ async fn prior_conversation(sh: &Shared, task: &TaskRecord, capsule: &Capsule) -
 }
 
 /// The conversation stored under `key` ([`cluster::context_key`]), whole or in parts
-/// ([`StoredConversation`]); empty when there is none.
+/// ([`StoredConversation`]); empty when there is none. A part removed between the head's
+/// read and its own (a newer write replaced the conversation) reads the newer head.
 ///
 /// # Errors
-/// The broker's, a value that is not a conversation, or a part missing.
+/// The broker's, a value that is not a conversation, or a part missing three times over.
 pub async fn read_conversation(sessions: &kv::Store, key: &str) -> Result<Vec<Message>, String> {
-    let Some(bytes) = sessions.get(key).await.map_err(|e| e.to_string())? else {
-        return Ok(Vec::new());
-    };
-    let stored: StoredConversation =
-        serde_json::from_slice(&bytes).map_err(|e| format!("conversation {key} is not valid JSON: {e}"))?;
-    let mut messages = Vec::new();
-    match stored {
-        StoredConversation::Whole(whole) => messages = whole,
-        parts => {
-            for part in parts.part_keys(key) {
-                let bytes = sessions
-                    .get(&part)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or_else(|| format!("conversation {key}: part {part} is missing"))?;
-                let run: Vec<Message> = serde_json::from_slice(&bytes)
-                    .map_err(|e| format!("conversation part {part} is not valid JSON: {e}"))?;
-                messages.extend(run);
-            }
+    let mut missing = String::new();
+    'head: for _ in 0..3 {
+        let Some(bytes) = sessions.get(key).await.map_err(|e| e.to_string())? else {
+            return Ok(Vec::new());
+        };
+        let stored: StoredConversation =
+            serde_json::from_slice(&bytes).map_err(|e| format!("conversation {key} is not valid JSON: {e}"))?;
+        let parts = match stored {
+            StoredConversation::Whole(whole) => return Ok(whole),
+            parts => parts.part_keys(key),
+        };
+        let mut messages = Vec::new();
+        for part in parts {
+            let Some(bytes) = sessions.get(&part).await.map_err(|e| e.to_string())? else {
+                missing = format!("conversation {key}: part {part} is missing");
+                continue 'head;
+            };
+            let run: Vec<Message> = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("conversation part {part} is not valid JSON: {e}"))?;
+            messages.extend(run);
         }
+        return Ok(messages);
     }
-    Ok(messages)
+    Err(missing)
 }
 
 /// Stores `history` under `key` ([`cluster::context_key`]) within `max_payload`: whole, or
