@@ -43,6 +43,9 @@ async fn traced_cluster(collector: &FakeOtlp) -> (Procs, Vec<Proc>, String, Test
     cluster.set_env("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url());
     // Long-running processes export a batch every 100 ms rather than every 5 s.
     cluster.set_env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    // Set and empty, as deploy/docker-compose.yml passes them when they are unset there.
+    cluster.set_env("OTEL_EXPORTER_OTLP_HEADERS", "");
+    cluster.set_env("OTEL_RESOURCE_ATTRIBUTES", "");
     let (coordinator, base) = cluster.coordinator_with_http("coordinator-1").await;
     let worker = cluster.worker("wkr-traced", 1);
     let capsule = shell_capsule("traced");
