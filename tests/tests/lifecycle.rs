@@ -167,6 +167,47 @@ fn sigterm_interrupts_the_running_task_and_writes_session_end() {
     assert_eq!(bg.wait(WAIT).0, Some(1));
 }
 
+/// A stop while an `on-task-end` hook judges the task (a gate that would reopen it) ends
+/// the task `canceled`: the hook's verdict never came, so the task must not end `ok` as if
+/// it had passed (it did, skipping the gate).
+#[test]
+fn a_stop_while_the_on_task_end_gate_runs_ends_the_task_canceled() {
+    let c = TestCapsule::new(
+        &manifest(
+            "queue",
+            "  after_task: sleep\n  max_task_reopens: 1\nhooks:\n  - name: gate\n    binding: on-task-end\n    \
+             command: [sh, gate.sh]\n    timeout_secs: 120\n",
+        ),
+        &[
+            ("r.yaml", "replies:\n  - text: looks done\n  - text: again\n"),
+            (
+                "gate.sh",
+                "cat > /dev/null\ntouch gate-started\nsleep 60\necho '{\"action\":\"reopen-task\",\"reason\":\"no\"}'\n",
+            ),
+        ],
+    );
+    let (mut bg, first) = start(&c, &["--task", "work"]);
+    let dir = first["session_dir"].as_str().unwrap().to_string();
+    let marker = c.dir().join("gate-started");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !marker.exists() {
+        assert!(std::time::Instant::now() < deadline, "the on-task-end hook never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bg.signal(15);
+    let last = bg.next_json(WAIT);
+    assert_eq!(
+        (last["stopped"].as_str(), last["exit_status"].as_str()),
+        (Some("shutdown"), Some("canceled")),
+        "{last}"
+    );
+    assert_eq!(last["result"], "canceled");
+    let lines = trace_lines(Path::new(&dir));
+    let end = lines.iter().find(|l| l["event_type"] == "task_end").unwrap();
+    assert_eq!(end["exit_status"], "canceled");
+    assert_eq!(bg.wait(WAIT).0, Some(1));
+}
+
 /// A second signal while the session ends stops its `on-session-end` hook: `mur run`
 /// does not wait out a hook that hangs (here for a minute), and still writes `session_end`.
 #[test]

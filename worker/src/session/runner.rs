@@ -543,17 +543,21 @@ impl Session {
         let mut fatal = false;
         let mut canceled = false;
         let mut action = machine.start();
+        // What a stop makes of the task: canceled, or past its inherited deadline.
+        let stopped = |machine: &mut TaskMachine| {
+            if deadline_hit.load(Ordering::SeqCst) {
+                machine.abort(
+                    ExitStatus::DeadlineExceeded,
+                    "stopped: the deadline inherited from the fleet loop passed".into(),
+                )
+            } else {
+                machine.abort(ExitStatus::Canceled, "canceled".into())
+            }
+        };
         let outcome = loop {
             if cancel.is_cancelled() && !matches!(action, Action::Finish(_)) {
                 canceled = true;
-                action = Action::Finish(if deadline_hit.load(Ordering::SeqCst) {
-                    machine.abort(
-                        ExitStatus::DeadlineExceeded,
-                        "stopped: the deadline inherited from the fleet loop passed".into(),
-                    )
-                } else {
-                    machine.abort(ExitStatus::Canceled, "canceled".into())
-                });
+                action = Action::Finish(stopped(&mut machine));
             }
             action = match action {
                 Action::Finish(outcome) => {
@@ -570,6 +574,11 @@ impl Session {
                             attempt: machine.reopen_count() + 1,
                         })
                         .await?;
+                    // Stopped while its on-task-end hooks judged it: their verdict (a gate's
+                    // reopen) never came, so the task does not end as if it had passed.
+                    if cancel.is_cancelled() {
+                        break stopped(&mut machine);
+                    }
                     match self.honoured(Binding::OnTaskEnd, replies)? {
                         Some((hook, Answer::ReopenTask { reason })) => {
                             match machine.on_reopen_request(&hook, &reason) {
