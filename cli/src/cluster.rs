@@ -392,9 +392,52 @@ impl Drop for Child {
     }
 }
 
+/// Takes `<data>/mur-dev.lock` (an exclusive lock held while the file stays open) and
+/// writes this process's id in it.
+///
+/// # Errors
+/// The data folder is in use by another `mur dev` (its process id named), or the file
+/// cannot be opened.
+fn lock_data_dir(data: &std::path::Path) -> Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    let path = data.join("mur-dev.lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("--data-dir: opening {}", path.display()))?;
+    if let Err(e) = file.try_lock() {
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        let holder = holder.trim();
+        let by = if holder.is_empty() { String::new() } else { format!(" (process {holder})") };
+        bail!(
+            "--data-dir {}: in use by another mur dev{by} ({e}); stop it, or give another --data-dir",
+            data.display()
+        );
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    write!(file, "{}", std::process::id())?;
+    Ok(file)
+}
+
 pub fn dev(args: DevArgs) -> Result<ExitCode> {
     let data = args.data_dir.clone().unwrap_or_else(default_data_dir);
     std::fs::create_dir_all(data.join("nats")).with_context(|| format!("--data-dir {}", data.display()))?;
+    // Held until `mur dev` exits: two nats-servers on one JetStream store corrupt it.
+    let _lock = lock_data_dir(&data)?;
+    // A nats-server already there would answer for ours (which exits): refuse instead.
+    if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", args.port)) {
+        bail!(
+            "--port {}: 127.0.0.1:{} is taken ({e}); is another `mur dev` or nats-server running? \
+             Stop it or give another --port",
+            args.port,
+            args.port
+        );
+    }
     let bin = nats_server_bin()?;
     let url = format!("nats://127.0.0.1:{}", args.port);
     let log = std::fs::File::create(data.join("nats-server.log"))?;

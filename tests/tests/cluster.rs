@@ -1323,3 +1323,46 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     coordinator.stop().await?;
     Ok(())
 }
+
+/// A free TCP port on 127.0.0.1 (bound, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `mur dev` holds its data folder: a second one on the same folder is refused (two
+/// nats-servers on one JetStream store hung the cluster and lost task records), so is one
+/// whose port is taken (it reported ready and joined the other cluster); once the first
+/// has exited, the folder can be used again.
+#[test]
+fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
+    use mur_tests::mur::{Background, Run, mur};
+    let data = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let capsules = tempfile::tempdir().unwrap();
+    let dev = |port: u16, dir: &std::path::Path| {
+        let mut c = mur();
+        c.args(["dev", "--port", &port.to_string(), "--json", "--capsules"]).arg(capsules.path()).arg("--data-dir");
+        c.arg(dir);
+        c
+    };
+    let port = free_port();
+    let mut first = Background::spawn(&mut dev(port, data.path()));
+    let ready = first.next_json(Duration::from_secs(60));
+    assert_eq!(ready["url"], format!("nats://127.0.0.1:{port}"));
+
+    let same_folder = Run::of(&mut dev(free_port(), data.path()));
+    assert_eq!(same_folder.code, 2, "{same_folder:?}");
+    let expected = format!("--data-dir {}: in use by another mur dev (process {})", data.path().display(), first.pid());
+    assert!(same_folder.stderr.contains(&expected), "{same_folder:?}");
+
+    let same_port = Run::of(&mut dev(port, other.path()));
+    assert_eq!(same_port.code, 2, "{same_port:?}");
+    assert!(same_port.stderr.contains(&format!("--port {port}: 127.0.0.1:{port} is taken")), "{same_port:?}");
+
+    first.signal(15);
+    assert_eq!(first.wait(Duration::from_secs(30)).0, Some(0));
+    let mut again = Background::spawn(&mut dev(free_port(), data.path()));
+    assert!(again.next_json(Duration::from_secs(60))["url"].is_string());
+    again.signal(15);
+    assert_eq!(again.wait(Duration::from_secs(30)).0, Some(0));
+}
