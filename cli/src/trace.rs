@@ -145,15 +145,31 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
     let dir = mur_worker::workdir::find_session(&workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
     let path = dir.join("trace.jsonl");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let lines = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .enumerate()
-        .map(|(i, l)| {
-            serde_json::from_str(l).with_context(|| format!("{}: line {} is not JSON", path.display(), i + 1))
-        })
-        .collect::<Result<Vec<Value>>>()?;
-    Ok((path, lines))
+    Ok((path.clone(), parse_lines(&text, &path)?))
+}
+
+/// The JSON lines of a `trace.jsonl`, blank lines skipped. A last line without its line
+/// break that does not parse was cut short (the session was killed while writing it): it
+/// is left out with a note on stderr, so the trace of a killed session still reads.
+///
+/// # Errors
+/// Any other line that is not JSON, named by its line number.
+fn parse_lines(text: &str, path: &std::path::Path) -> Result<Vec<Value>> {
+    let mut lines = Vec::new();
+    let count = text.lines().count();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(line) {
+            Ok(v) => lines.push(v),
+            Err(e) if i + 1 == count && !text.ends_with('\n') => {
+                eprintln!("note: {}: line {} is cut short ({e}); left out", path.display(), i + 1);
+            }
+            Err(e) => return Err(e).with_context(|| format!("{}: line {} is not JSON", path.display(), i + 1)),
+        }
+    }
+    Ok(lines)
 }
 
 fn s<'a>(v: &'a Value, k: &str) -> &'a str {
@@ -301,11 +317,13 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 summary["model"].as_str().unwrap_or(""),
                 summary["driver"].as_str().unwrap_or("")
             );
+            // The totals come from `session_end`: a running or killed session has none.
+            let total = |k: &str| if summary[k].is_null() { "-".to_string() } else { summary[k].to_string() };
             println!("  exit        {}", summary["exit_status"].as_str().unwrap_or("(running or killed)"));
-            println!("  duration    {} ms", summary["duration_ms"]);
-            println!("  turns       {}", summary["turns"]);
-            println!("  tokens      {} in / {} out (estimated)", summary["input_tokens"], summary["output_tokens"]);
-            println!("  tool calls  {} ({} shell)", summary["tool_calls"], summary["shell_calls"]);
+            println!("  duration    {} ms", total("duration_ms"));
+            println!("  turns       {}", total("turns"));
+            println!("  tokens      {} in / {} out (estimated)", total("input_tokens"), total("output_tokens"));
+            println!("  tool calls  {} ({} shell)", total("tool_calls"), total("shell_calls"));
             let tasks = summary["tasks"].as_array().cloned().unwrap_or_default();
             if tasks.len() > 1 {
                 println!("\nTasks");
@@ -370,6 +388,21 @@ pub fn show(lines: &[Value]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_last_line_cut_short_is_left_out_and_any_other_bad_line_is_an_error() {
+        let path = std::path::Path::new("t/trace.jsonl");
+        let whole = "{\"event_type\":\"session_start\"}\n\n{\"event_type\":\"task_start\"}\n";
+        assert_eq!(parse_lines(whole, path).unwrap().len(), 2);
+        let cut = format!("{whole}{{\"event_type\":\"tur");
+        let lines = parse_lines(&cut, path).unwrap();
+        assert_eq!(lines.iter().map(|l| s(l, "event_type")).collect::<Vec<_>>(), ["session_start", "task_start"]);
+        // A bad line with its line break was written whole: an error naming its number.
+        let bad = format!("{whole}{{\"event_type\":\"tur\n");
+        assert_eq!(parse_lines(&bad, path).unwrap_err().to_string(), "t/trace.jsonl: line 4 is not JSON");
+        let middle = "{\"a\":1}\nnope\n{\"b\":2}";
+        assert_eq!(parse_lines(middle, path).unwrap_err().to_string(), "t/trace.jsonl: line 2 is not JSON");
+    }
     use clap::Parser;
 
     #[derive(Parser)]
