@@ -5,9 +5,10 @@
 //! Every line is `<time> <event> <kind>: <text>`, with `<time>` in RFC 3339 UTC with
 //! milliseconds, `<event>` the binding being handled (`on-task-end`) or `drain`, and
 //! `<kind>` one of `error`, `queue-overflow`, `timeout`, `restart`, `stderr`. Newlines
-//! inside `<text>` are written as `\n`, so one entry is one line.
+//! inside `<text>` are written as `\n`, so one entry is one line. A log stops at
+//! [`MAX_LOG_BYTES`] with one `<time> - log-full: …` line.
 
-use std::io::Write;
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -16,12 +17,22 @@ use std::time::{SystemTime, UNIX_EPOCH};
 #[derive(Clone, Debug)]
 pub(crate) struct HookLog {
     path: PathBuf,
+    /// Bytes the file may reach ([`MAX_LOG_BYTES`]).
+    cap: u64,
 }
+
+/// Bytes a hook log may reach (10 MiB): a hook writing without end to its stderr does not
+/// fill the worker's disk. Past it one `log-full` line is written and later lines are
+/// dropped.
+pub(crate) const MAX_LOG_BYTES: u64 = 10 * 1024 * 1024;
+
+/// How the `log-full` line ends.
+const LOG_FULL_END: &str = "; later lines are dropped\n";
 
 impl HookLog {
     /// The log of hook `hook` in `logs_dir` (created on the first write).
     pub fn new(logs_dir: &Path, hook: &str) -> Self {
-        HookLog { path: logs_dir.join(format!("hook-{hook}.log")) }
+        HookLog { path: logs_dir.join(format!("hook-{hook}.log")), cap: MAX_LOG_BYTES }
     }
 
     /// Appends one `<time> <event> <kind>: <text>` line.
@@ -49,8 +60,20 @@ impl HookLog {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
-        f.write_all(bytes)
+        let mut f = std::fs::OpenOptions::new().read(true).create(true).append(true).open(&self.path)?;
+        let len = f.metadata()?.len();
+        if len + bytes.len() as u64 <= self.cap {
+            return f.write_all(bytes);
+        }
+        // Full: said once, at the end of the file; the lines are dropped.
+        let mut tail = Vec::new();
+        f.seek(std::io::SeekFrom::Start(len.saturating_sub(LOG_FULL_END.len() as u64)))?;
+        f.read_to_end(&mut tail)?;
+        if tail.ends_with(LOG_FULL_END.as_bytes()) {
+            return Ok(());
+        }
+        let full = format!("{} - log-full: this log reached {} bytes{LOG_FULL_END}", rfc3339_ms(now_ms()), self.cap);
+        f.write_all(full.as_bytes())
     }
 }
 
@@ -100,6 +123,25 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_stops_at_its_cap_with_one_log_full_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = HookLog { cap: 300, ..HookLog::new(dir.path(), "noisy") };
+        for i in 0..20 {
+            log.write("on-tool-call", "stderr", &format!("line {i}"));
+        }
+        let text = std::fs::read_to_string(dir.path().join("hook-noisy.log")).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].ends_with(" on-tool-call stderr: line 0"), "{text}");
+        assert!(
+            lines.last().unwrap().ends_with(" - log-full: this log reached 300 bytes; later lines are dropped"),
+            "{text}"
+        );
+        assert_eq!(lines.iter().filter(|l| l.contains("log-full")).count(), 1, "{text}");
+        assert!(lines.len() < 10, "{text}");
+        assert!(!text.contains('\0') && text.len() < 300 + 100, "{text:?}");
+    }
 
     #[test]
     fn times_are_rfc3339_utc_with_milliseconds() {
