@@ -569,3 +569,17 @@ async fn subscribe_to_task_streams_a_running_task_and_refuses_an_ended_one() {
     assert_eq!(error_code(&ended), -32004);
     assert_eq!(error_code(&f.rpc(None, "tasks/resubscribe", json!({ "id": id })).await), -32004);
 }
+
+/// An endpoint nobody listens on: the error names the URL once and the causes after it
+/// (it repeated reqwest's `error sending request for url (…)` twice).
+#[tokio::test]
+async fn a_refused_connection_names_the_url_once_and_the_cause() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}/");
+    let err = Client::new(&url).send("x", &SendOptions::default()).await.unwrap_err().to_string();
+    let prefix = format!("a2a request to {url} failed: ");
+    assert!(err.starts_with(&prefix), "{err}");
+    assert!(err.ends_with("Connection refused (os error 111)"), "{err}");
+    assert_eq!(err.matches(&url).count(), 1, "{err}");
+    assert!(!err.contains("error sending request"), "{err}");
+}

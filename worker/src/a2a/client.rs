@@ -37,13 +37,13 @@ use mur_proto::{Id, IdKind, Origin};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The request did not reach the endpoint, or its body could not be read.
-    #[error("a2a request to {url} failed: {source}")]
+    #[error("a2a request to {url} failed: {reason}")]
     Transport {
         /// The endpoint.
         url: String,
-        /// What failed.
-        #[source]
-        source: reqwest::Error,
+        /// What failed: the HTTP client's causes, innermost last
+        /// (`client error (Connect): tcp connect error: Connection refused (os error 111)`).
+        reason: String,
     },
     /// The endpoint answered with a non-2xx HTTP status.
     #[error("a2a endpoint answered http {status}: {body}")]
@@ -104,8 +104,8 @@ impl Client {
         &self.endpoint
     }
 
-    fn transport(&self, source: reqwest::Error) -> Error {
-        Error::Transport { url: self.endpoint.clone(), source }
+    fn transport(&self, e: reqwest::Error) -> Error {
+        Error::Transport { url: self.endpoint.clone(), reason: causes(&e) }
     }
 
     /// The agent card from `/.well-known/agent-card.json` on the endpoint's host.
@@ -257,4 +257,16 @@ fn result_of<T: DeserializeOwned>(mut envelope: Value) -> Result<T, Error> {
     }
     let result = envelope.get_mut("result").map(Value::take).ok_or_else(|| Error::Decode("no result".into()))?;
     serde_json::from_value(result).map_err(|e| Error::Decode(e.to_string()))
+}
+
+/// `e`'s causes joined with `: `, from its first source on when it has one (reqwest's own
+/// text repeats the URL the caller already names: `error sending request for url (…)`).
+fn causes(e: &reqwest::Error) -> String {
+    let mut parts = Vec::new();
+    let mut next: Option<&dyn std::error::Error> = std::error::Error::source(e);
+    while let Some(cause) = next {
+        parts.push(cause.to_string());
+        next = cause.source();
+    }
+    if parts.is_empty() { e.to_string() } else { parts.join(": ") }
 }
