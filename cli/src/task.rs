@@ -343,6 +343,12 @@ fn send(args: SendArgs) -> Result<ExitCode> {
         println!("{}", task.id);
         eprintln!("task {} {}", task.id, rec["state"].as_str().unwrap_or(""));
     }
+    if task.status.state == v1::TaskState::Rejected {
+        // A refusal: nothing was done (README §exit codes).
+        let why = rec["status_message"].as_str().unwrap_or("the capsule did not take the task");
+        eprintln!("mur: rejected: {}", crate::text::printable(why));
+        return Ok(ExitCode::from(2));
+    }
     let ok = !args.wait || task.status.state == v1::TaskState::Completed;
-    Ok(if ok && task.status.state != v1::TaskState::Rejected { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -106,6 +106,13 @@ fn acceptance_single_rejects_a_second_task_while_busy_then_exits() {
     assert_eq!(one.status.state, TaskState::Submitted);
     let two = send(url, "second", None);
     assert_eq!(two.status.state, TaskState::Rejected, "a rejection is a result, not an error");
+    // `mur task send` says so and exits 2: nothing was done.
+    let three = mur_tests::mur::Run::of(mur().args(["task", "send", "--url", url, "third"]));
+    assert_eq!(three.code, 2, "{three:?}");
+    assert!(
+        three.stderr.ends_with("\nmur: rejected: task acceptance is single: a task is already waiting or running\n"),
+        "{three:?}"
+    );
     let last = bg.next_json(WAIT);
     assert_eq!((last["tasks"].as_u64(), last["result"].as_str()), (Some(1), Some("one")));
     assert_eq!(bg.wait(WAIT).0, Some(0));
