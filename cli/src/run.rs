@@ -147,6 +147,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
              (a worker gets only the folder)"
         );
     }
+    for unusable in mur_worker::bundle::unusable_programs(&capsule.dir, &capsule.manifest) {
+        eprintln!("note: {unusable}: it will not start (`mur capsule push` refuses it)");
+    }
     let (sink, notices) = DetachSink::channel();
     let grace = std::time::Duration::from_secs(capsule.manifest.lifecycle.shell_grace_secs);
     let tools: Arc<Toolbox> = Arc::new(Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()));

@@ -365,6 +365,27 @@ pub fn named_outside(manifest: &Manifest) -> Vec<String> {
     out
 }
 
+/// The programs `manifest` names by a path inside `dir` that are not executable files
+/// there (missing, a folder, no execute bit), one `field: why` line each, worded as
+/// [`pack`] refuses them: `mur run` notes them before the session starts, where a hook
+/// that cannot start only shows in its log.
+pub fn unusable_programs(dir: &Path, manifest: &Manifest) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    for (field, program) in programs(manifest) {
+        if program.starts_with("builtin:") || !program.contains('/') || Path::new(program).is_absolute() {
+            continue;
+        }
+        let Some(rel) = inside(program) else { continue };
+        match std::fs::metadata(dir.join(&rel)) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
+            Ok(m) if m.is_file() => out.push(format!("{field}: {program} is not executable (chmod +x {program})")),
+            _ => out.push(format!("{field}: no file {program} in the capsule folder")),
+        }
+    }
+    out
+}
+
 /// The programs `manifest` runs, with the field naming each: every tool's and hook's
 /// `command[0]`, and `inference.command[0]` for the process transport.
 fn programs(manifest: &Manifest) -> impl Iterator<Item = (String, &String)> {
@@ -842,6 +863,32 @@ mod tests {
         assert!(
             named_outside(&manifest("name: quick\nversion: 2.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n"))
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn programs_that_cannot_run_are_listed_for_mur_run_as_push_words_them() {
+        let dir = capsule(&[("hooks/plain.sh", "echo"), ("hooks/ok.sh", "echo")]);
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path().join("hooks/ok.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(dir.path().join("hooks/plain.sh"), std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::create_dir(dir.path().join("adir")).unwrap();
+        let m = Manifest::from_yaml(
+            &format!(
+                "{MANIFEST}hooks:\n  - name: a\n    binding: on-shell\n    command: [./hooks/plain.sh]\n  \
+                 - name: b\n    binding: on-shell\n    command: [./adir]\n  \
+                 - name: c\n    binding: on-shell\n    command: [./hooks/ok.sh]\n  \
+                 - name: d\n    binding: on-shell\n    command: [sh, x.sh]\n"
+            ),
+            &|_| None,
+        )
+        .unwrap();
+        assert_eq!(
+            unusable_programs(dir.path(), &m),
+            [
+                "hooks[0].command: ./hooks/plain.sh is not executable (chmod +x ./hooks/plain.sh)",
+                "hooks[1].command: no file ./adir in the capsule folder",
+            ]
         );
     }
 
