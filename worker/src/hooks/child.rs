@@ -262,6 +262,8 @@ pub(crate) struct Persistent {
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     pump: StderrPump,
+    log: HookLog,
+    label: Label,
 }
 
 impl Persistent {
@@ -275,14 +277,39 @@ impl Persistent {
         let guard = GroupGuard::new(pgid);
         let stdin = child.stdin.take().expect("stdin is piped");
         let stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
-        let pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log, label);
-        Ok(Persistent { child, pgid, guard, stdin, stdout, pump })
+        let pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());
+        Ok(Persistent { child, pgid, guard, stdin, stdout, pump, log, label })
+    }
+
+    /// Reads, without waiting, the lines the process wrote after its last answer (a hook
+    /// that answers with more than one line): they answer no event, and left there the
+    /// next event would read one of them as its answer. Each is logged (kind `stray`)
+    /// and dropped.
+    fn drop_stray_lines(&mut self) {
+        use futures::FutureExt;
+        let mut stray = Vec::new();
+        while let Some(Ok(line)) = read_line(&mut self.stdout, ANSWER_LIMIT).now_or_never() {
+            match line {
+                Line::Text(bytes) => stray.push(format!(
+                    "a line written after the last answer, not an answer to this event: dropped: {}",
+                    String::from_utf8_lossy(&bytes)
+                )),
+                Line::Overlong => stray
+                    .push(format!("a line written after the last answer, longer than {ANSWER_LIMIT} bytes: dropped")),
+                Line::Eof => break,
+            }
+        }
+        if !stray.is_empty() {
+            let event = self.label.lock().map(|l| l.clone()).unwrap_or_default();
+            self.log.write_all(&event, "stray", stray.iter().map(String::as_str));
+        }
     }
 
     /// Writes `line` (one JSON object and `\n`) and reads one answer line. Has no deadline
     /// of its own: the caller bounds it.
     pub async fn exchange(&mut self, line: &[u8]) -> Exchanged {
         self.pump.take_tail();
+        self.drop_stray_lines();
         if let Err(e) = async {
             self.stdin.write_all(line).await?;
             self.stdin.flush().await

@@ -4,7 +4,7 @@
 //!
 //! Every line is `<time> <event> <kind>: <text>`, with `<time>` in RFC 3339 UTC with
 //! milliseconds, `<event>` the binding being handled (`on-task-end`) or `drain`, and
-//! `<kind>` one of `error`, `queue-overflow`, `timeout`, `restart`, `stderr`. Newlines
+//! `<kind>` one of `error`, `queue-overflow`, `timeout`, `restart`, `stderr`, `stray`. Newlines
 //! inside `<text>` are written as `\n`, so one entry is one line. A log stops at
 //! [`MAX_LOG_BYTES`] with one `<time> - log-full: …` line.
 

@@ -737,3 +737,25 @@ async fn a_cancel_kills_the_blocking_hook_under_way_and_starts_no_further_one() 
     assert_eq!(hooks.dispatch(SID, &task_end(2)).await[1].answer, Ok(Answer::None));
     assert!(c.path("ran").exists());
 }
+
+/// A persistent hook that writes two lines per event: the second answers nothing, and is
+/// dropped (and logged) before the next event rather than read as that event's answer.
+#[tokio::test]
+async fn a_persistent_hooks_extra_line_is_dropped_not_read_as_the_next_answer() {
+    let c = Capsule::new();
+    // Both lines in one write, so the extra one is there by the time the answer is read.
+    let script = "n=0\nwhile read -r line; do\n  n=$((n+1))\n  \
+                  printf '{\"action\":\"reopen-task\",\"reason\":\"answer %s\"}\\n{\"action\":\"reopen-task\",\"reason\":\"extra %s\"}\\n' $n $n\n\
+                  done\n";
+    let hooks = c.hooks(vec![Hook { persistent: true, ..hook("chatty", None, &["sh", "-c", script]) }]);
+    assert_eq!(hooks.dispatch(SID, &task_end(1)).await[0].answer, Ok(reopen("answer 1")));
+    assert_eq!(hooks.dispatch(SID, &task_end(2)).await[0].answer, Ok(reopen("answer 2")));
+    let log = c.log("chatty");
+    assert!(
+        log.contains(
+            " stray: a line written after the last answer, not an answer to this event: dropped: \
+             {\"action\":\"reopen-task\",\"reason\":\"extra 1\"}"
+        ),
+        "{log}"
+    );
+}
