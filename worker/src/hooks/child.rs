@@ -141,16 +141,19 @@ impl Launch {
         Ok(Launch { program, args: args.to_vec(), capsule_dir, env })
     }
 
-    /// Starts the program with all three streams piped, in its own process group.
+    /// Starts the program with all three streams piped, in its own process group, marked
+    /// with `mark` ([`process::REAP_MARK_VAR`]) so that what it starts outside its group
+    /// is killed with it.
     ///
     /// # Errors
     /// [`Error::Spawn`] naming the program and the OS error.
-    fn spawn(&self) -> Result<Child, Error> {
+    fn spawn(&self, mark: &str) -> Result<Child, Error> {
         Command::new(&self.program)
             .args(&self.args)
             .current_dir(&self.capsule_dir)
             .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .env(process::REAP_MARK_VAR, mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -177,7 +180,8 @@ pub(crate) async fn run_once(
     label: &Label,
     stop: &mut Stop,
 ) -> Option<Result<Answer, Error>> {
-    let mut child = match launch.spawn() {
+    let mark = process::reap_mark();
+    let mut child = match launch.spawn(&mark) {
         Ok(child) => child,
         Err(e) => return Some(Err(e)),
     };
@@ -203,14 +207,14 @@ pub(crate) async fn run_once(
         tokio::select! {
             r = tokio::time::timeout(Duration::from_secs(timeout_secs), work) => r.ok(),
             () = stop.stopped() => {
-                kill_and_reap(&mut child, pgid, &mut guard).await;
+                kill_and_reap(&mut child, pgid, &mut guard, &mark).await;
                 pump.finished_within(GRACE).await;
                 return None;
             }
         }
     };
     let Some((out, status)) = ended else {
-        kill_and_reap(&mut child, pgid, &mut guard).await;
+        kill_and_reap(&mut child, pgid, &mut guard, &mark).await;
         pump.finished_within(GRACE).await;
         return Some(Err(Error::Timeout(timeout_secs)));
     };
@@ -229,7 +233,10 @@ pub(crate) async fn run_once(
 }
 
 /// Kills group `pgid` and waits for `child` (at most [`REAP_LIMIT`]).
-async fn kill_and_reap(child: &mut Child, pgid: Option<u32>, guard: &mut GroupGuard) {
+async fn kill_and_reap(child: &mut Child, pgid: Option<u32>, guard: &mut GroupGuard, mark: &str) {
+    // What it started outside its group (`setsid cmd &`) first, while the group's members
+    // are still there to be found by their mark too.
+    process::kill_marked(mark);
     if let Some(pgid) = pgid
         && let Err(e) = process::kill_group(pgid)
         && e.raw_os_error() != Some(libc::ESRCH)
@@ -264,6 +271,8 @@ pub(crate) struct Persistent {
     pump: StderrPump,
     log: HookLog,
     label: Label,
+    /// Its [`process::REAP_MARK_VAR`] value.
+    mark: String,
 }
 
 impl Persistent {
@@ -272,13 +281,14 @@ impl Persistent {
     /// # Errors
     /// [`Error::Spawn`].
     pub fn start(launch: &Launch, log: HookLog, label: Label) -> Result<Self, Error> {
-        let mut child = launch.spawn()?;
+        let mark = process::reap_mark();
+        let mut child = launch.spawn(&mark)?;
         let pgid = child.id();
         let guard = GroupGuard::new(pgid);
         let stdin = child.stdin.take().expect("stdin is piped");
         let stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
         let pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());
-        Ok(Persistent { child, pgid, guard, stdin, stdout, pump, log, label })
+        Ok(Persistent { child, pgid, guard, stdin, stdout, pump, log, label, mark })
     }
 
     /// Reads, without waiting, the lines the process wrote after its last answer (a hook
@@ -352,7 +362,7 @@ impl Persistent {
     }
 
     async fn stop_inner(&mut self) -> Option<ExitStatus> {
-        kill_and_reap(&mut self.child, self.pgid, &mut self.guard).await;
+        kill_and_reap(&mut self.child, self.pgid, &mut self.guard, &self.mark).await;
         self.pump.finished_within(GRACE).await;
         self.child.try_wait().ok().flatten()
     }

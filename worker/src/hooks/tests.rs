@@ -551,7 +551,8 @@ async fn hook_processes_see_no_host_environment() {
     let env: HashMap<String, String> = serde_json::from_str(&reason(&reply)).unwrap();
     let mut keys: Vec<&str> = env.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["HOME", "LANG", "MURMUR_HOOK_NAME", "MURMUR_SESSION_ID", "PATH"], "{env:?}");
+    assert_eq!(keys, ["HOME", "LANG", "MURMUR_HOOK_NAME", "MURMUR_REAP_MARK", "MURMUR_SESSION_ID", "PATH"], "{env:?}");
+    assert!(env["MURMUR_REAP_MARK"].len() == 32 && env["MURMUR_REAP_MARK"].bytes().all(|b| b.is_ascii_hexdigit()));
     assert_eq!(env["HOME"], std::path::absolute(&c.config.capsule_dir).unwrap().display().to_string());
     assert_eq!(env["LANG"], "C.UTF-8");
     assert_eq!(env["MURMUR_SESSION_ID"], SID);
@@ -758,4 +759,27 @@ async fn a_persistent_hooks_extra_line_is_dropped_not_read_as_the_next_answer() 
         ),
         "{log}"
     );
+}
+
+/// A hook that times out is killed with what it started outside its process group
+/// (`setsid`): found by the mark every process it starts inherits (`MURMUR_REAP_MARK`).
+#[tokio::test]
+async fn a_timed_out_hook_is_killed_with_what_it_started_outside_its_group() {
+    let c = Capsule::new();
+    let hooks = c.hooks(vec![Hook {
+        timeout_secs: 3,
+        ..hook("escaper", None, &args(&sh("setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' & sleep 60")))
+    }]);
+    assert_eq!(hooks.dispatch(SID, &task_end(1)).await[0].answer, Err(Error::Timeout(3)));
+    let pid: i32 = c.read("escaped.pid").trim().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let running = stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+        if !running {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the escaped process {pid} still runs: {stat}");
+        tokio::task::yield_now().await;
+    }
 }

@@ -60,9 +60,11 @@ impl CommandTool {
                 return Outcome::error(format!("tool {name:?}: cannot resolve {program:?}: {e}"));
             }
         };
+        let mark = process::reap_mark();
         let mut child = match Command::new(&program)
             .args(args)
             .current_dir(&ctx.workdir)
+            .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -100,6 +102,7 @@ impl CommandTool {
             // The tool's own process may have exited already, its output held open by a
             // process it started (`setsid cmd &` leaves its group, and escapes the kill).
             let exited = matches!(child.try_wait(), Ok(Some(_)));
+            let escaped = process::kill_marked(&mark);
             let killed = pgid.is_some_and(|pgid| match process::kill_group(pgid) {
                 Ok(()) => true,
                 Err(e) => {
@@ -110,13 +113,17 @@ impl CommandTool {
             guard.disarm();
             let _ = child.wait().await;
             let secs = self.decl.timeout_secs;
-            return Outcome::error(match (exited, killed) {
-                (false, _) => format!("tool {name:?} timed out after {secs} s and was killed"),
-                (true, true) => format!(
+            return Outcome::error(match (exited, killed, escaped > 0) {
+                (false, ..) => format!("tool {name:?} timed out after {secs} s and was killed"),
+                (true, true, _) => format!(
                     "tool {name:?} timed out after {secs} s: it had exited, but a process it started held its \
                      output open; its process group was killed"
                 ),
-                (true, false) => format!(
+                (true, false, true) => format!(
+                    "tool {name:?} timed out after {secs} s: it had exited, but a process it started outside its \
+                     process group (setsid) held its output open; it was killed"
+                ),
+                (true, false, false) => format!(
                     "tool {name:?} timed out after {secs} s: it had exited, but a process it started outside its \
                      process group (setsid) held its output open, and was not killed"
                 ),
@@ -326,15 +333,27 @@ mod tests {
             "tool \"probe\" timed out after 1 s: it had exited, but a process it started held its output open; \
              its process group was killed"
         );
-        // Out of its group: not killed (the test kills it).
+        // Out of its group: found by its mark (MURMUR_REAP_MARK) and killed too.
         let escaped = script(&ctx, "escaped.sh", "setsid sh -c 'echo $$ > escaped.pid; sleep 30' & echo done");
         let out = run(&tool(&[&escaped], 1), &json!({}), &ctx).await;
         assert_eq!(
             out.text,
             "tool \"probe\" timed out after 1 s: it had exited, but a process it started outside its process \
-             group (setsid) held its output open, and was not killed"
+             group (setsid) held its output open; it was killed"
         );
         let pid: i32 = std::fs::read_to_string(ctx.workdir.join("escaped.pid")).unwrap().trim().parse().unwrap();
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while live(pid) {
+            assert!(Instant::now() < deadline, "the escaped process {pid} still runs");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Whether `pid` runs (exists and is not a zombie).
+    fn live(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+            .unwrap_or(false)
     }
 }

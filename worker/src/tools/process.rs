@@ -228,6 +228,41 @@ pub(crate) fn kill_group(pgid: u32) -> io::Result<()> {
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
+/// The environment variable whose value marks every process a spawned program starts
+/// (they inherit it): those that leave its process group (`setsid`) can still be found and
+/// killed ([`kill_marked`]).
+pub(crate) const REAP_MARK_VAR: &str = "MURMUR_REAP_MARK";
+
+/// A fresh mark for one spawn (32 hex digits, a UUIDv7: unique within the worker).
+pub(crate) fn reap_mark() -> String {
+    uuid::Uuid::now_v7().simple().to_string()
+}
+
+/// Sends SIGKILL to every process of ours, but this one, whose environment holds
+/// `MURMUR_REAP_MARK=<mark>`: what a killed program started outside its process group.
+/// Returns how many were signalled. Reads `/proc/<pid>/environ` (Linux; the environment a
+/// process was started with), which only the processes of our own user let us read.
+pub(crate) fn kill_marked(mark: &str) -> usize {
+    let needle = format!("{REAP_MARK_VAR}={mark}");
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    let mut killed = 0;
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<libc::pid_t>().ok()) else { continue };
+        if pid <= 1 || pid as u32 == me {
+            continue;
+        }
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+        if env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
+            // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+    }
+    killed
+}
+
 /// Kills a child's process group when dropped, unless disarmed first: a run whose future is
 /// dropped (its caller gave up on it) leaves no process behind. While armed, the group is
 /// also tied to this process's life ([`lifeline`]): a worker killed with SIGKILL, which
