@@ -186,7 +186,7 @@ pub(crate) async fn run_once(
         Err(e) => return Some(Err(e)),
     };
     let pgid = child.id();
-    let mut guard = GroupGuard::new(pgid);
+    let mut guard = GroupGuard::new(pgid).marked(&mark);
     let mut pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());
     let mut stdin = child.stdin.take().expect("stdin is piped");
     let stdout = child.stdout.take().expect("stdout is piped");
@@ -284,7 +284,7 @@ impl Persistent {
         let mark = process::reap_mark();
         let mut child = launch.spawn(&mark)?;
         let pgid = child.id();
-        let guard = GroupGuard::new(pgid);
+        let guard = GroupGuard::new(pgid).marked(&mark);
         let stdin = child.stdin.take().expect("stdin is piped");
         let stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
         let pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());

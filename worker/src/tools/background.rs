@@ -62,6 +62,8 @@ pub enum DetachNotice {
 struct Live {
     work_id: String,
     pgid: u32,
+    /// The command's [`process::REAP_MARK_VAR`] value.
+    mark: String,
     /// Turns true once the group leader has been reaped.
     reaped: watch::Receiver<bool>,
 }
@@ -90,10 +92,11 @@ impl DetachSink {
     /// reaped. Returns whether the command was running. Its `Completed` notice follows, with
     /// exit code 137 unless it had exited by itself.
     pub async fn kill(&self, work_id: &str) -> bool {
-        let target = self.lock().iter().find(|l| l.work_id == work_id).map(|l| (l.pgid, l.reaped.clone()));
+        let target =
+            self.lock().iter().find(|l| l.work_id == work_id).map(|l| (l.pgid, l.mark.clone(), l.reaped.clone()));
         match target {
-            Some((pgid, reaped)) => {
-                kill_and_reap(work_id, pgid, reaped).await;
+            Some((pgid, mark, reaped)) => {
+                kill_and_reap(work_id, pgid, &mark, reaped).await;
                 true
             }
             None => false,
@@ -103,10 +106,10 @@ impl DetachSink {
     /// Kills every command still running in the background (a cancelled task, a timeout)
     /// as [`DetachSink::kill`] does, and returns their work ids, oldest first.
     pub async fn kill_all(&self) -> Vec<String> {
-        let targets: Vec<(String, u32, watch::Receiver<bool>)> =
-            self.lock().iter().map(|l| (l.work_id.clone(), l.pgid, l.reaped.clone())).collect();
-        for (work_id, pgid, reaped) in &targets {
-            kill_and_reap(work_id, *pgid, reaped.clone()).await;
+        let targets: Vec<(String, u32, String, watch::Receiver<bool>)> =
+            self.lock().iter().map(|l| (l.work_id.clone(), l.pgid, l.mark.clone(), l.reaped.clone())).collect();
+        for (work_id, pgid, mark, reaped) in &targets {
+            kill_and_reap(work_id, *pgid, mark, reaped.clone()).await;
         }
         targets.into_iter().map(|(work_id, ..)| work_id).collect()
     }
@@ -133,13 +136,14 @@ impl DetachSink {
         handover: Box<Handover>,
         started: Instant,
         work: &DetachedWork,
+        mark: String,
     ) -> Option<String> {
         let Handover { stdout, stderr, mut journal } = *handover;
         journal.open().await;
         let log_error = journal.failed.clone();
         let (reaped_tx, reaped) = watch::channel(false);
         if let Some(pgid) = child.id() {
-            self.lock().push(Live { work_id: work.work_id.clone(), pgid, reaped });
+            self.lock().push(Live { work_id: work.work_id.clone(), pgid, mark, reaped });
         }
         let _ = self.tx.send(DetachNotice::Detached(work.clone()));
         let drain = Drain {
@@ -154,8 +158,10 @@ impl DetachSink {
     }
 }
 
-/// Sends SIGKILL to group `pgid` and waits for its leader to be reaped by the drain task.
-async fn kill_and_reap(work_id: &str, pgid: u32, mut reaped: watch::Receiver<bool>) {
+/// Sends SIGKILL to group `pgid` and to what it started outside the group (its `mark`),
+/// and waits for its leader to be reaped by the drain task.
+async fn kill_and_reap(work_id: &str, pgid: u32, mark: &str, mut reaped: watch::Receiver<bool>) {
+    process::kill_marked(mark);
     if let Err(e) = process::kill_group(pgid)
         && e.raw_os_error() != Some(libc::ESRCH)
     {

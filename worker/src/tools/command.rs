@@ -77,7 +77,7 @@ impl CommandTool {
             }
         };
         let pgid = child.id();
-        let mut guard = GroupGuard::new(pgid);
+        let mut guard = GroupGuard::new(pgid).marked(&mark);
 
         let mut payload = serde_json::to_vec(input).expect("a JSON value serializes");
         payload.push(b'\n');

@@ -270,13 +270,21 @@ pub(crate) fn kill_marked(mark: &str) -> usize {
 pub(crate) struct GroupGuard {
     pgid: Option<u32>,
     tie: Option<lifeline::Tie>,
+    /// The child's [`REAP_MARK_VAR`] value: its processes outside the group die with it.
+    mark: Option<String>,
 }
 
 impl GroupGuard {
     /// Guards group `pgid` (the child's pid; `None` when the child has no pid any more) and
     /// ties it to this process's life.
     pub fn new(pgid: Option<u32>) -> Self {
-        GroupGuard { pgid, tie: pgid.map(lifeline::tie) }
+        GroupGuard { pgid, tie: pgid.map(lifeline::tie), mark: None }
+    }
+
+    /// Kills, with the group, the processes marked `mark` ([`kill_marked`]).
+    pub fn marked(mut self, mark: &str) -> Self {
+        self.mark = Some(mark.to_string());
+        self
     }
 
     /// Leaves the group alone on drop and unties it: call it once the group's leader has
@@ -291,6 +299,9 @@ impl GroupGuard {
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         if let Some(pgid) = self.pgid {
+            if let Some(mark) = &self.mark {
+                kill_marked(mark);
+            }
             let _ = kill_group(pgid);
         }
         // `tie` is dropped after this, once the group is killed.

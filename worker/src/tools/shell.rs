@@ -118,10 +118,12 @@ impl Shell {
             return Outcome::error(format!("cannot create {}: {e}", home.display()));
         }
 
+        let mark = process::reap_mark();
         let mut child = match Command::new(resolved.as_deref().unwrap_or(Path::new(binary)))
             .args(&args)
             .current_dir(&ctx.workdir)
             .env("HOME", &home)
+            .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -132,7 +134,7 @@ impl Shell {
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
         let started = Instant::now();
-        let mut guard = GroupGuard::new(child.id());
+        let mut guard = GroupGuard::new(child.id()).marked(&mark);
         let shown_binary = resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string());
 
         let stem = log_stem();
@@ -152,7 +154,7 @@ impl Shell {
                 };
                 // The guard stays armed until the sink holds the group: a run dropped before
                 // that still kills its command; from here on nothing kills it on drop.
-                let log_error = sink.adopt(child, handover, started, &work).await;
+                let log_error = sink.adopt(child, handover, started, &work, mark).await;
                 guard.disarm();
                 remove_parts(&out, &err).await;
                 return demoted(binary, work, log_error);
@@ -803,6 +805,31 @@ mod tests {
             assert_eq!(sink.kill_all().await, [work.work_id.as_str()]);
             assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
             until("the group is gone, zombies included", || group(pgid).is_empty()).await;
+        }
+
+        #[tokio::test]
+        async fn killing_a_detached_command_kills_what_it_started_outside_its_group() {
+            let dir = tempfile::tempdir().unwrap();
+            let ctx = context(dir.path());
+            let (shell, sink, mut rx) = detaching(Duration::ZERO);
+            let out = sh(&shell, "setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' & sleep 300", &ctx).await;
+            let work = detached(&out).clone();
+            let pid_file = ctx.workdir.join("escaped.pid");
+            until("the escaped process writes its pid", || {
+                std::fs::read_to_string(&pid_file).is_ok_and(|t| t.ends_with('\n'))
+            })
+            .await;
+            let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+            let running = |pid: u32| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .ok()
+                    .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+                    .unwrap_or(false)
+            };
+            assert!(running(pid));
+            assert!(sink.kill(&work.work_id).await);
+            assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
+            until("the escaped process is gone", || !running(pid)).await;
         }
 
         #[tokio::test]
