@@ -441,15 +441,27 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
     let bin = nats_server_bin()?;
     let url = format!("nats://127.0.0.1:{}", args.port);
     let log = std::fs::File::create(data.join("nats-server.log"))?;
-    let server = Child(
-        std::process::Command::new(&bin)
-            .args(["-js", "-a", "127.0.0.1", "-p", &args.port.to_string(), "--store_dir"])
-            .arg(data.join("nats"))
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?,
-    );
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(&bin);
+    command
+        .args(["-js", "-a", "127.0.0.1", "-p", &args.port.to_string(), "--store_dir"])
+        .arg(data.join("nats"))
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // Out of the terminal's process group: a Ctrl-C reaches `mur dev` alone, which stops
+        // its coordinator and workers while the server still answers, then the server.
+        .process_group(0);
+    // SAFETY: prctl(2) with plain integers, async-signal-safe, between fork and exec: the
+    // server gets SIGTERM when `mur dev` dies without stopping it (SIGKILL).
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let server = Child(command.spawn().with_context(|| format!("starting {}", bin.display()))?);
     eprintln!("nats-server (JetStream) starting on {url}, store in {}", data.join("nats").display());
     let rt = tokio::runtime::Runtime::new()?;
     let code = rt.block_on(async {
@@ -488,7 +500,13 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
             }));
         }
         let mut pushed = Vec::new();
-        if args.capsules.is_dir() {
+        if !args.capsules.is_dir() {
+            eprintln!(
+                "note: --capsules {}: no such folder here, so no capsule is pushed (run from the repository's root \
+                 for its examples, or give --capsules DIR)",
+                args.capsules.display()
+            );
+        } else {
             let mut dirs: Vec<PathBuf> = std::fs::read_dir(&args.capsules)?
                 .flatten()
                 .map(|e| e.path())

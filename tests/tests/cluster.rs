@@ -1346,7 +1346,9 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
         c
     };
     let port = free_port();
-    let mut first = Background::spawn(&mut dev(port, data.path()));
+    // In a process group of its own, as a terminal runs it: Ctrl-C goes to the group.
+    let mut first =
+        Background::spawn(std::os::unix::process::CommandExt::process_group(&mut dev(port, data.path()), 0));
     let ready = first.next_json(Duration::from_secs(60));
     assert_eq!(ready["url"], format!("nats://127.0.0.1:{port}"));
 
@@ -1359,8 +1361,16 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
     assert_eq!(same_port.code, 2, "{same_port:?}");
     assert!(same_port.stderr.contains(&format!("--port {port}: 127.0.0.1:{port} is taken")), "{same_port:?}");
 
-    first.signal(15);
-    assert_eq!(first.wait(Duration::from_secs(30)).0, Some(0));
+    // Ctrl-C: the whole group gets SIGINT; nats-server, in a group of its own, is stopped
+    // by `mur dev` after its coordinator and workers (they used to time out on a server
+    // that was already gone, for ~20 s).
+    let group = libc::pid_t::try_from(first.pid()).unwrap();
+    assert!(group > 1);
+    // SAFETY: kill(2) with plain integers; the group is `mur dev`'s own (process_group(0)).
+    assert_eq!(unsafe { libc::kill(-group, libc::SIGINT) }, 0);
+    let (code, stderr) = first.wait(Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!stderr.contains("failed"), "{stderr}");
     let mut again = Background::spawn(&mut dev(free_port(), data.path()));
     assert!(again.next_json(Duration::from_secs(60))["url"].is_string());
     again.signal(15);
