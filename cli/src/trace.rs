@@ -254,6 +254,12 @@ fn tail(capsule: Option<String>, conn: crate::nats::Connection, json: bool) -> R
                         format!("{} {} ({} turns)", s(&line, "task_id"), s(&line, "exit_status"), n(&line, "turns"))
                     }
                     "session_start" => format!("{} {}", s(&line, "capsule_name"), s(&line, "capsule_version")),
+                    "shell" => format!(
+                        "exit {} {} ms: {}",
+                        line["exit_code"],
+                        n(&line, "duration_ms"),
+                        crate::text::cell(s(&line, "command"), 60)
+                    ),
                     _ => String::new(),
                 };
                 println!("{sid}  {:<16} {detail}", s(&line, "event_type"));
