@@ -219,6 +219,32 @@ pub fn steps(lines: &[Value]) -> Vec<Value> {
 }
 
 /// `mur trace tail`: prints every trace line published from now on.
+/// The detail `mur trace tail` prints after a line's session id and event type.
+fn tail_detail(line: &Value) -> String {
+    match s(line, "event_type") {
+        "task_start" => {
+            format!("{} lane {} origin {}", s(line, "task_id"), s(line, "lane"), s(line, "origin"))
+        }
+        "inference" => {
+            format!("turn {} {} {}", n(line, "turn"), s(line, "decision"), s(line, "tool_name"))
+        }
+        "tool_call" => {
+            format!("{} {} {} ms", s(line, "tool_name"), s(line, "status"), n(line, "duration_ms"))
+        }
+        "task_end" => {
+            format!("{} {} ({} turns)", s(line, "task_id"), s(line, "exit_status"), n(line, "turns"))
+        }
+        "session_start" => format!("{} {}", s(line, "capsule_name"), s(line, "capsule_version")),
+        "shell" => format!(
+            "exit {} {} ms: {}",
+            line["exit_code"],
+            n(line, "duration_ms"),
+            crate::text::cell(s(line, "command"), 60)
+        ),
+        _ => String::new(),
+    }
+}
+
 fn tail(capsule: Option<String>, conn: crate::nats::Connection, json: bool) -> Result<ExitCode> {
     use futures::StreamExt;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -240,28 +266,7 @@ fn tail(capsule: Option<String>, conn: crate::nats::Connection, json: bool) -> R
             if json {
                 println!("{line}");
             } else {
-                let detail = match s(&line, "event_type") {
-                    "task_start" => {
-                        format!("{} lane {} origin {}", s(&line, "task_id"), s(&line, "lane"), s(&line, "origin"))
-                    }
-                    "inference" => {
-                        format!("turn {} {} {}", n(&line, "turn"), s(&line, "decision"), s(&line, "tool_name"))
-                    }
-                    "tool_call" => {
-                        format!("{} {} {} ms", s(&line, "tool_name"), s(&line, "status"), n(&line, "duration_ms"))
-                    }
-                    "task_end" => {
-                        format!("{} {} ({} turns)", s(&line, "task_id"), s(&line, "exit_status"), n(&line, "turns"))
-                    }
-                    "session_start" => format!("{} {}", s(&line, "capsule_name"), s(&line, "capsule_version")),
-                    "shell" => format!(
-                        "exit {} {} ms: {}",
-                        line["exit_code"],
-                        n(&line, "duration_ms"),
-                        crate::text::cell(s(&line, "command"), 60)
-                    ),
-                    _ => String::new(),
-                };
+                let detail = tail_detail(&line);
                 println!("{sid}  {:<16} {detail}", s(&line, "event_type"));
             }
         }
@@ -394,6 +399,16 @@ pub fn show(lines: &[Value]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tail_details_name_what_each_event_did() {
+        let shell =
+            serde_json::json!({"event_type": "shell", "exit_code": 3, "duration_ms": 12, "command": "make\ntest"});
+        assert_eq!(tail_detail(&shell), "exit 3 12 ms: make test");
+        let end = serde_json::json!({"event_type": "task_end", "task_id": "tsk_1", "exit_status": "ok", "turns": 2});
+        assert_eq!(tail_detail(&end), "tsk_1 ok (2 turns)");
+        assert_eq!(tail_detail(&serde_json::json!({"event_type": "hook_fault"})), "");
+    }
 
     #[test]
     fn a_last_line_cut_short_is_left_out_and_any_other_bad_line_is_an_error() {
