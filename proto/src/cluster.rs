@@ -790,9 +790,10 @@ pub fn context_key(capsule: &str, context_id: &str) -> String {
 }
 
 /// The key of part `part` of generation `generation` of the conversation under `key`
-/// ([`context_key`]): `<key>.<generation>.<part>`.
+/// ([`context_key`]): `<key>=<generation>.<part>`. No context id holds a `=`
+/// ([`is_valid_context_id`]), so no context's key is another's part.
 pub fn conversation_part_key(key: &str, generation: &str, part: u32) -> String {
-    format!("{key}.{generation}.{part}")
+    format!("{key}={generation}.{part}")
 }
 
 /// A worker's registration, refreshed by its heartbeat, in [`WORKERS_BUCKET`] (key =
@@ -1083,7 +1084,7 @@ impl SubmitRequest {
         if let Some(ctx) = self.context_id.as_deref().filter(|c| !is_valid_context_id(c)) {
             errors.push(format!(
                 "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
-                 not starting or ending with '.', got {ctx:?}"
+                 not starting or ending with '.' nor holding '..', got {ctx:?}"
             ));
         }
         if self.needs.len() > MAX_NEEDS {
@@ -1099,13 +1100,15 @@ impl SubmitRequest {
 }
 
 /// Whether `id` is acceptable as a context id: a `ctx_…` id, or 1–64 characters of
-/// `A-Z a-z 0-9 - _ .` that neither start nor end with `.`.
+/// `A-Z a-z 0-9 - _ .` that neither start nor end with `.` nor hold `..` (it is a part of
+/// a KV key: an empty token is no key).
 pub fn is_valid_context_id(id: &str) -> bool {
     Id::is_valid(IdKind::Context, id)
         || (!id.is_empty()
             && id.len() <= MAX_CONTEXT_ID_CHARS
             && !id.starts_with('.')
             && !id.ends_with('.')
+            && !id.contains("..")
             && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')))
 }
 
@@ -1327,7 +1330,7 @@ mod tests {
         let part_keys = head.part_keys(&key);
         assert_eq!(part_keys.len(), values.len() - 1);
         assert_eq!(part_keys, values[..values.len() - 1].iter().map(|(k, _)| k.clone()).collect::<Vec<_>>());
-        assert!(part_keys[0].starts_with("ctx.chat.ctx_1.") && part_keys[0].ends_with(".0"), "{part_keys:?}");
+        assert!(part_keys[0].starts_with("ctx.chat.ctx_1=") && part_keys[0].ends_with(".0"), "{part_keys:?}");
         let joined: Vec<Message> = values[..values.len() - 1]
             .iter()
             .flat_map(|(_, json)| serde_json::from_slice::<Vec<Message>>(json).unwrap())
@@ -1479,12 +1482,12 @@ mod tests {
         assert_eq!(ok("ctx_0123456789abcdef0123456789abcdef").unwrap(), "ctx_0123456789abcdef0123456789abcdef");
         assert!(ok("Build.42_x-y").is_ok());
         assert!(ok(&"a".repeat(64)).is_ok());
-        for bad in ["", "a/b", "..", ".hidden", "trailing.", "sp ace", "é", &"a".repeat(65)] {
+        for bad in ["", "a/b", "..", "x..y", ".hidden", "trailing.", "sp ace", "a=b", "é", &"a".repeat(65)] {
             assert_eq!(
                 ok(bad).unwrap_err().message,
                 format!(
                     "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
-                     not starting or ending with '.', got {bad:?}"
+                     not starting or ending with '.' nor holding '..', got {bad:?}"
                 )
             );
         }

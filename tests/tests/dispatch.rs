@@ -423,6 +423,58 @@ async fn a_threaded_conversation_larger_than_a_message_is_kept_in_parts() {
     sb.shutdown().await;
 }
 
+/// Two tasks of one threaded context that ran at once: the second to end does not
+/// overwrite the first's exchange (its compare-and-set on the conversation it started from
+/// fails, it reads the newer one and appends what it added), and no part of a replaced or
+/// losing write is left in the bucket. Messages of 400 KB put every write in parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_tasks_of_a_threaded_context_keep_both_exchanges_and_leave_no_parts() {
+    use futures::TryStreamExt;
+    use mur_proto::cluster;
+    use mur_proto::message::Message;
+    use mur_worker::service::{read_conversation, read_conversation_at, write_conversation};
+    let sb = Sandbox::start(1, 1).await;
+    let js = async_nats::jetstream::new(sb.client.clone());
+    let sessions = js.get_key_value(cluster::SESSIONS_BUCKET).await.unwrap();
+    let max = sb.client.server_info().max_payload;
+    let key = cluster::context_key("thread", "conv-race");
+    let big = |tag: &str| Message::user(format!("{tag}{}", "q".repeat(400_000)));
+    let first = vec![big("u1"), big("a1")];
+    write_conversation(&sessions, &key, first.clone(), None, max).await.unwrap();
+
+    // Both start from the same conversation …
+    let base = read_conversation_at(&sessions, &key).await.unwrap();
+    assert_eq!(base.messages, first);
+    let mut a = first.clone();
+    a.extend([big("uA"), Message::user("aA")]);
+    let mut b = first.clone();
+    b.extend([Message::user("uB"), big("aB")]);
+    // … A ends first, then B.
+    write_conversation(&sessions, &key, a, Some(&base), max).await.unwrap();
+    write_conversation(&sessions, &key, b, Some(&base), max).await.unwrap();
+
+    let kept = read_conversation(&sessions, &key).await.unwrap();
+    let tags: Vec<String> = kept.iter().map(|m| m.text().chars().take(2).collect()).collect();
+    assert_eq!(tags, ["u1", "a1", "uA", "aA", "uB", "aB"]);
+    let head: cluster::StoredConversation =
+        serde_json::from_slice(&sessions.get(&key).await.unwrap().unwrap()).unwrap();
+    let mut parts: Vec<String> = sessions
+        .keys()
+        .await
+        .unwrap()
+        .try_collect::<Vec<String>>()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|k| k.starts_with(&format!("{key}=")))
+        .collect();
+    parts.sort();
+    let mut named = head.part_keys(&key);
+    named.sort();
+    assert_eq!(parts, named, "only the parts the head names are left");
+    sb.shutdown().await;
+}
+
 /// A dispatch published again for a task that is already running — as a republish past
 /// `MUR_DISPATCH`'s two-minute duplicate window would be — is dropped by the worker that
 /// gets it: the running session is not taken over (that is for a redelivery of the running
