@@ -1501,7 +1501,7 @@ mod tests {
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
-             ending with '.', got \"a/b\""
+             ending with '.' nor holding '..', got \"a/b\""
         );
     }
 
