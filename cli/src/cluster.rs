@@ -442,9 +442,12 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
     let url = format!("nats://127.0.0.1:{}", args.port);
     let log = std::fs::File::create(data.join("nats-server.log"))?;
     use std::os::unix::process::CommandExt;
+    // Named, so that the server answering on the port is known to be this one (two
+    // `mur dev` started at once both find the port free; the second server exits).
+    let server_name = format!("mur-dev-{}", std::process::id());
     let mut command = std::process::Command::new(&bin);
     command
-        .args(["-js", "-a", "127.0.0.1", "-p", &args.port.to_string(), "--store_dir"])
+        .args(["-js", "-a", "127.0.0.1", "-p", &args.port.to_string(), "-n", &server_name, "--store_dir"])
         .arg(data.join("nats"))
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -475,6 +478,14 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         };
+        if client.server_info().server_name != server_name {
+            bail!(
+                "--port {}: another server answers there ({}), not the one this mur dev started (see {})",
+                args.port,
+                client.server_info().server_name,
+                data.join("nats-server.log").display()
+            );
+        }
         let js = async_nats::jetstream::new(client.clone());
         mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await?;
         let shutdown = tokio_util::sync::CancellationToken::new();

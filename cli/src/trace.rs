@@ -144,8 +144,8 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
     };
     let dir = mur_worker::workdir::find_session(&workdir, args.session.as_deref()).map_err(anyhow::Error::msg)?;
     let path = dir.join("trace.jsonl");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok((path.clone(), parse_lines(&text, &path)?))
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok((path.clone(), parse_lines(&bytes, &path)?))
 }
 
 /// The JSON lines of a `trace.jsonl`, blank lines skipped. A last line without its line
@@ -154,16 +154,18 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
 ///
 /// # Errors
 /// Any other line that is not JSON, named by its line number.
-fn parse_lines(text: &str, path: &std::path::Path) -> Result<Vec<Value>> {
+fn parse_lines(text: &[u8], path: &std::path::Path) -> Result<Vec<Value>> {
     let mut lines = Vec::new();
-    let count = text.lines().count();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    let all: Vec<&[u8]> = text.strip_suffix(b"\n").unwrap_or(text).split(|b| *b == b'\n').collect();
+    let count = if text.is_empty() { 0 } else { all.len() };
+    for (i, line) in all.into_iter().take(count).enumerate() {
+        if line.trim_ascii().is_empty() {
             continue;
         }
-        match serde_json::from_str(line) {
+        // Bytes, not text: a line cut inside a multi-byte character is still the last line.
+        match serde_json::from_slice(line) {
             Ok(v) => lines.push(v),
-            Err(e) if i + 1 == count && !text.ends_with('\n') => {
+            Err(e) if i + 1 == count && !text.ends_with(b"\n") => {
                 eprintln!("note: {}: line {} is cut short ({e}); left out", path.display(), i + 1);
             }
             Err(e) => return Err(e).with_context(|| format!("{}: line {} is not JSON", path.display(), i + 1)),
@@ -414,15 +416,19 @@ mod tests {
     fn a_last_line_cut_short_is_left_out_and_any_other_bad_line_is_an_error() {
         let path = std::path::Path::new("t/trace.jsonl");
         let whole = "{\"event_type\":\"session_start\"}\n\n{\"event_type\":\"task_start\"}\n";
-        assert_eq!(parse_lines(whole, path).unwrap().len(), 2);
+        assert_eq!(parse_lines(whole.as_bytes(), path).unwrap().len(), 2);
         let cut = format!("{whole}{{\"event_type\":\"tur");
-        let lines = parse_lines(&cut, path).unwrap();
+        let lines = parse_lines(cut.as_bytes(), path).unwrap();
         assert_eq!(lines.iter().map(|l| s(l, "event_type")).collect::<Vec<_>>(), ["session_start", "task_start"]);
         // A bad line with its line break was written whole: an error naming its number.
         let bad = format!("{whole}{{\"event_type\":\"tur\n");
-        assert_eq!(parse_lines(&bad, path).unwrap_err().to_string(), "t/trace.jsonl: line 4 is not JSON");
+        assert_eq!(parse_lines(bad.as_bytes(), path).unwrap_err().to_string(), "t/trace.jsonl: line 4 is not JSON");
         let middle = "{\"a\":1}\nnope\n{\"b\":2}";
-        assert_eq!(parse_lines(middle, path).unwrap_err().to_string(), "t/trace.jsonl: line 2 is not JSON");
+        assert_eq!(parse_lines(middle.as_bytes(), path).unwrap_err().to_string(), "t/trace.jsonl: line 2 is not JSON");
+        // Cut inside a multi-byte character (✓ is three bytes): still the last line, left out.
+        let mut mid_char = format!("{whole}{{\"command\":\"echo ✓\"}}").into_bytes();
+        mid_char.truncate(mid_char.len() - 4);
+        assert_eq!(parse_lines(&mid_char, path).unwrap().len(), 2);
     }
     use clap::Parser;
 

@@ -70,9 +70,16 @@ pub struct Settings {
     /// Seconds a worker's registration stays in `mur_workers` after its last heartbeat
     /// (the bucket's max age): `mur cluster status` lists a worker that stopped without
     /// deregistering (killed, its machine gone) as silent until then, and forgets it
-    /// after. At least 10 (five heartbeats). Default 3600.
+    /// after. 30 ([`DEFAULT_WORKER_TIMEOUT`] with room) to [`MAX_SILENT_WORKER_SECS`].
+    /// Default 3600.
+    ///
+    /// [`DEFAULT_WORKER_TIMEOUT`]: crate::service::DEFAULT_WORKER_TIMEOUT
     pub silent_worker_secs: u64,
 }
+
+/// The most `silent_worker_secs` may be: one year (the server keeps no longer max age
+/// exactly; a refused value must leave the bucket as it was).
+pub const MAX_SILENT_WORKER_SECS: u64 = 365 * 24 * 3600;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -123,9 +130,17 @@ impl Settings {
         at_least("duplicate_window_secs", self.duplicate_window_secs, 1);
         at_least("leader_lease_secs", self.leader_lease_secs, 2);
         at_least("fanout_lease_secs", self.fanout_lease_secs, 2);
-        at_least("silent_worker_secs", self.silent_worker_secs, 10);
+        // Past the coordinator's worker timeout (10 s) with room, or a killed worker's
+        // entry expires before it is ever listed silent.
+        at_least("silent_worker_secs", self.silent_worker_secs, 30);
         if let Some(bytes) = self.trace_max_bytes {
             at_least("trace_max_bytes", bytes, 1);
+        }
+        if self.silent_worker_secs > MAX_SILENT_WORKER_SECS {
+            errors.push(format!(
+                "silent_worker_secs: must be at most {MAX_SILENT_WORKER_SECS} (one year), got {}",
+                self.silent_worker_secs
+            ));
         }
         for (field, value, max) in [
             ("replicas", self.replicas, 5),
@@ -617,6 +632,17 @@ mod tests {
              replicas: must be between 1 and 5, got 7; capsule_history: must be between 1 and 64, got 65"
         );
         Settings::default().validate().unwrap();
+        // Below 30 a killed worker's entry would expire before it is listed silent; above
+        // a year the server would keep another max age (and a refused start must not have
+        // changed the bucket).
+        for (secs, rule) in [
+            (29, "silent_worker_secs: must be at least 30, got 29"),
+            (31_536_001, "silent_worker_secs: must be at most 31536000 (one year), got 31536001"),
+        ] {
+            let s = Settings { silent_worker_secs: secs, ..Settings::default() };
+            assert_eq!(s.validate().unwrap_err().to_string(), format!("settings: {rule}"));
+        }
+        Settings { silent_worker_secs: 30, ..Settings::default() }.validate().unwrap();
     }
 
     #[test]

@@ -1376,3 +1376,46 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
     again.signal(15);
     assert_eq!(again.wait(Duration::from_secs(30)).0, Some(0));
 }
+
+/// A worker killed without deregistering is listed silent by `mur cluster status`, and
+/// forgotten once `silent_worker_secs` (here the least, 30 s) have passed since its last heartbeat:
+/// `mur_workers`' max age. A live worker's heartbeats keep it listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_is_listed_silent_then_forgotten_after_silent_worker_secs() {
+    let cluster = mur_tests::procs::Procs::start("jetstream:\n  silent_worker_secs: 30\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _live = cluster.worker("wkr-live", 1);
+    let mut killed = cluster.worker("wkr-killed", 1);
+    cluster.wait_workers(2).await;
+    killed.kill9();
+    let workers = || async {
+        let out = mur_tests::mur::Run::of(
+            mur_tests::mur::mur().args(["cluster", "status", "--json"]).env("NATS_URL", cluster.nats.url()),
+        );
+        let mut listed: Vec<(String, bool)> = out.last_json()["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| (w["worker_id"].as_str().unwrap().to_string(), w["live"].as_bool().unwrap()))
+            .collect();
+        listed.sort();
+        listed
+    };
+    let pair = |id: &str, live: bool| (id.to_string(), live);
+    mur_tests::procs::until("the killed worker listed silent", Duration::from_secs(60), || async {
+        (workers().await == [pair("wkr-killed", false), pair("wkr-live", true)]).then_some(())
+    })
+    .await;
+    let silent_at = std::time::Instant::now();
+    mur_tests::procs::until("the killed worker forgotten", Duration::from_secs(60), || async {
+        (workers().await == [pair("wkr-live", true)]).then_some(())
+    })
+    .await;
+    // Silent 10 s after its last heartbeat (the coordinator's worker timeout), forgotten
+    // 30 s after it: listed silent for about 20 s.
+    let listed_silent = silent_at.elapsed();
+    assert!(listed_silent > Duration::from_secs(12) && listed_silent < Duration::from_secs(28), "{listed_silent:?}");
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let info = js.get_stream(format!("KV_{}", cluster::WORKERS_BUCKET)).await.unwrap().cached_info().clone();
+    assert_eq!(info.config.max_age, Duration::from_secs(30));
+}

@@ -19,6 +19,8 @@ pub(crate) struct HookLog {
     path: PathBuf,
     /// Bytes the file may reach ([`MAX_LOG_BYTES`]).
     cap: u64,
+    /// Set once the `log-full` line is written (or found): nothing is written after it.
+    full: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Bytes a hook log may reach (10 MiB): a hook writing without end to its stderr does not
@@ -32,7 +34,7 @@ const LOG_FULL_END: &str = "; later lines are dropped\n";
 impl HookLog {
     /// The log of hook `hook` in `logs_dir` (created on the first write).
     pub fn new(logs_dir: &Path, hook: &str) -> Self {
-        HookLog { path: logs_dir.join(format!("hook-{hook}.log")), cap: MAX_LOG_BYTES }
+        HookLog { path: logs_dir.join(format!("hook-{hook}.log")), cap: MAX_LOG_BYTES, full: Default::default() }
     }
 
     /// Appends one `<time> <event> <kind>: <text>` line.
@@ -60,18 +62,25 @@ impl HookLog {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
+        use std::sync::atomic::Ordering;
+        if self.full.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let mut f = std::fs::OpenOptions::new().read(true).create(true).append(true).open(&self.path)?;
         let len = f.metadata()?.len();
-        if len + bytes.len() as u64 <= self.cap {
-            return f.write_all(bytes);
-        }
-        // Full: said once, at the end of the file; the lines are dropped.
+        // A log another run of the hook filled ends with the line.
         let mut tail = Vec::new();
         f.seek(std::io::SeekFrom::Start(len.saturating_sub(LOG_FULL_END.len() as u64)))?;
         f.read_to_end(&mut tail)?;
         if tail.ends_with(LOG_FULL_END.as_bytes()) {
+            self.full.store(true, Ordering::Relaxed);
             return Ok(());
         }
+        if len + bytes.len() as u64 <= self.cap {
+            return f.write_all(bytes);
+        }
+        // Full: said once, at the end of the file; this write and every later one dropped.
+        self.full.store(true, Ordering::Relaxed);
         let full = format!("{} - log-full: this log reached {} bytes{LOG_FULL_END}", rfc3339_ms(now_ms()), self.cap);
         f.write_all(full.as_bytes())
     }
@@ -131,6 +140,15 @@ mod tests {
         for i in 0..20 {
             log.write("on-tool-call", "stderr", &format!("line {i}"));
         }
+        // A write larger than all the room, then small ones that would fit: all dropped.
+        let fresh = HookLog { cap: 300, ..HookLog::new(dir.path(), "burst") };
+        fresh.write("on-tool-call", "stderr", &"x".repeat(1000));
+        fresh.write("on-tool-call", "stray", "small");
+        let again = HookLog { cap: 300, ..HookLog::new(dir.path(), "burst") };
+        again.write("on-tool-call", "stray", "small too");
+        let burst = std::fs::read_to_string(dir.path().join("hook-burst.log")).unwrap();
+        assert_eq!(burst.lines().count(), 1, "{burst}");
+        assert!(burst.ends_with(" - log-full: this log reached 300 bytes; later lines are dropped\n"), "{burst}");
         let text = std::fs::read_to_string(dir.path().join("hook-noisy.log")).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[0].ends_with(" on-tool-call stderr: line 0"), "{text}");
