@@ -11,7 +11,7 @@ use std::borrow::Cow;
 /// for an ESC), and a carriage return that ends a line dropped (CRLF texts print as
 /// lines). Borrowed when there is nothing to escape.
 pub fn printable(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+    if !text.chars().any(|c| escaped(c) && c != '\n' && c != '\t') {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 16);
@@ -20,24 +20,46 @@ pub fn printable(text: &str) -> Cow<'_, str> {
         match c {
             '\n' | '\t' => out.push(c),
             '\r' if chars.peek() == Some(&'\n') => {}
-            c if c.is_control() => out.extend(c.escape_debug()),
+            c if escaped(c) => out.extend(c.escape_unicode()),
             c => out.push(c),
         }
     }
     Cow::Owned(out)
 }
 
-/// `text` on one line for a table cell: line breaks become spaces, the rest as
-/// [`printable`], cut to `max` characters with `…` when longer.
+/// Whether `c` is written escaped: a control character, or a bidirectional override or
+/// isolate (U+202A–U+202E, U+2066–U+2069), which reorders the text shown after it.
+fn escaped(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` on one line for a table cell: line breaks and tabs become spaces, the rest as
+/// [`printable`], cut to `max` characters with `…` when longer (never inside an escape).
 pub fn cell(text: &str, max: usize) -> String {
-    let flat = printable(text).replace(['\n', '\t'], " ");
-    if flat.chars().count() > max {
-        let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
-        cut.push('…');
-        cut
-    } else {
-        flat
+    let pieces: Vec<String> = text
+        .chars()
+        .filter(|c| *c != '\r')
+        .map(|c| match c {
+            '\n' | '\t' => " ".to_string(),
+            c if escaped(c) => c.escape_unicode().to_string(),
+            c => c.to_string(),
+        })
+        .collect();
+    let width = |p: &String| p.chars().count();
+    if pieces.iter().map(width).sum::<usize>() <= max {
+        return pieces.concat();
     }
+    let mut out = String::new();
+    let mut used = 0;
+    for p in &pieces {
+        if used + width(p) > max.saturating_sub(1) {
+            break;
+        }
+        used += width(p);
+        out.push_str(p);
+    }
+    out.push('…');
+    out
 }
 
 #[cfg(test)]
@@ -47,7 +69,8 @@ mod tests {
     #[test]
     fn control_characters_are_escaped_and_line_breaks_and_tabs_kept() {
         assert_eq!(printable("\u{1b}[2J\u{1b}]0;owned\u{7}red\n\tok"), "\\u{1b}[2J\\u{1b}]0;owned\\u{7}red\n\tok");
-        assert_eq!(printable("a\r\nb\rc"), "a\nb\\rc");
+        assert_eq!(printable("a\r\nb\rc"), "a\nb\\u{d}c");
+        assert_eq!(printable("file\u{202E}txt.exe"), "file\\u{202e}txt.exe");
         assert!(matches!(printable("plain\ntext"), Cow::Borrowed(_)));
     }
 
@@ -57,5 +80,8 @@ mod tests {
         assert_eq!(cell("\u{1b}[31mred", 50), "\\u{1b}[31mred");
         assert_eq!(cell("abcdef", 4), "abc…");
         assert_eq!(cell("abcd", 4), "abcd");
+        // An escape is kept whole or left out, never cut.
+        assert_eq!(cell("ab\u{1b}[31m", 6), "ab…");
+        assert_eq!(cell("ab\u{1b}[31m", 12), "ab\\u{1b}[31m");
     }
 }
