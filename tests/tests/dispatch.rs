@@ -320,13 +320,7 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
     use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
     let fake = FakeOpenAi::start(vec![FakeReply::text("one done"), FakeReply::text("two done"), FakeReply::text("x")]);
     let sb = Sandbox::start(2, 1).await;
-    let c = TestCapsule::new(
-        &format!(
-            "name: thread\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\nlifecycle:\n  conversation: threaded\n",
-            fake.url()
-        ),
-        &[],
-    );
+    let c = threaded_capsule(&fake.url());
     sb.push(c.dir()).await;
     for (text, context) in [("first", "conv-a"), ("second", "conv-a"), ("other", "conv-b")] {
         let id = submit_in_context(&sb.client, "thread", text, context).await;
@@ -348,6 +342,16 @@ async fn a_threaded_capsule_continues_its_context_across_workers() {
     assert_eq!(texts(1), [pair("user", "first"), pair("assistant", "one done"), pair("user", "second")]);
     assert_eq!(texts(2), [pair("user", "other")]);
     sb.shutdown().await;
+}
+
+/// The capsule `thread`: a threaded conversation with the model at `url` (a fake OpenAI).
+fn threaded_capsule(url: &str) -> TestCapsule {
+    TestCapsule::new(
+        &format!(
+            "name: thread\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {url}\n  model: fake-model\nlifecycle:\n  conversation: threaded\n"
+        ),
+        &[],
+    )
 }
 
 /// Submits `text` to `capsule` in conversation `context`; returns the task id.
@@ -377,13 +381,7 @@ async fn a_threaded_conversation_larger_than_a_message_is_kept_in_parts() {
     use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
     let fake = FakeOpenAi::start((0..4).map(|_| FakeReply::text("noted")).collect());
     let sb = Sandbox::start(1, 1).await;
-    let c = TestCapsule::new(
-        &format!(
-            "name: thread\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\nlifecycle:\n  conversation: threaded\n",
-            fake.url()
-        ),
-        &[],
-    );
+    let c = threaded_capsule(&fake.url());
     sb.push(c.dir()).await;
     let big: Vec<String> = (0..3).map(|i| format!("{i}{}", "w".repeat(400_000))).collect();
     let js = async_nats::jetstream::new(sb.client.clone());
