@@ -50,10 +50,12 @@ pub async fn call_with_headers<T: DeserializeOwned>(
     headers: HeaderMap,
     body: impl Into<Bytes>,
 ) -> Result<T, ApiError> {
+    let body: Bytes = body.into();
+    let size = body.len();
     let sent = if headers.is_empty() {
-        client.request(subject.to_string(), body.into()).await
+        client.request(subject.to_string(), body).await
     } else {
-        client.request_with_headers(subject.to_string(), headers, body.into()).await
+        client.request_with_headers(subject.to_string(), headers, body).await
     };
     let reply = sent.map_err(|e| match e.kind() {
         RequestErrorKind::NoResponders => {
@@ -62,9 +64,12 @@ pub async fn call_with_headers<T: DeserializeOwned>(
         RequestErrorKind::TimedOut => {
             ApiError::new(ErrorCode::Unavailable, format!("{subject}: the coordinator did not answer in time"))
         }
-        RequestErrorKind::InvalidSubject | RequestErrorKind::MaxPayloadExceeded => {
-            ApiError::invalid(format!("{subject}: request not sent: {e}"))
-        }
+        RequestErrorKind::MaxPayloadExceeded => ApiError::invalid(format!(
+            "{subject}: request not sent: it is {size} bytes, over this cluster's max_payload of {} bytes \
+             (in JSON a text's quotes, backslashes and control characters take two bytes or more each)",
+            client.server_info().max_payload
+        )),
+        RequestErrorKind::InvalidSubject => ApiError::invalid(format!("{subject}: request not sent: {e}")),
         _ => ApiError::new(ErrorCode::Unavailable, format!("{subject}: request failed: {e}")),
     })?;
     decode(subject, &reply)

@@ -891,8 +891,17 @@ async fn submit_refuses_bad_requests_with_their_error_and_stores_nothing() -> Re
     // One byte over the limit: the request itself is over the server's 1 MiB max_payload,
     // so the client refuses to send it (the service-side rule is proto's unit test).
     let over = serde_json::json!({"capsule": "greeter", "text": "a".repeat(cluster::MAX_TASK_BYTES + 1)});
-    let err = refuse(serde_json::to_vec(&over)?).await;
+    let over = serde_json::to_vec(&over)?;
+    let size = over.len();
+    let err = refuse(over).await;
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest, "{err}");
+    assert_eq!(
+        err.message,
+        format!(
+            "mur.api.task.submit: request not sent: it is {size} bytes, over this cluster's max_payload of 1048576 bytes \
+             (in JSON a text's quotes, backslashes and control characters take two bytes or more each)"
+        )
+    );
 
     // A text the request carries but whose record would leave no room for the result
     // (under the server's 1 MiB max_payload): refused with the most this cluster takes.
