@@ -773,13 +773,8 @@ async fn a_timed_out_hook_is_killed_with_what_it_started_outside_its_group() {
     assert_eq!(hooks.dispatch(SID, &task_end(1)).await[0].answer, Err(Error::Timeout(3)));
     let pid: i32 = c.read("escaped.pid").trim().parse().unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let running = stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
-        if !running {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the escaped process {pid} still runs: {stat}");
+    while crate::tools::process::is_running(pid) {
+        assert!(Instant::now() < deadline, "the escaped process {pid} still runs");
         tokio::task::yield_now().await;
     }
 }

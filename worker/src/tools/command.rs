@@ -343,17 +343,9 @@ mod tests {
         );
         let pid: i32 = std::fs::read_to_string(ctx.workdir.join("escaped.pid")).unwrap().trim().parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while live(pid) {
+        while process::is_running(pid) {
             assert!(Instant::now() < deadline, "the escaped process {pid} still runs");
             tokio::task::yield_now().await;
         }
-    }
-
-    /// Whether `pid` runs (exists and is not a zombie).
-    fn live(pid: i32) -> bool {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
-            .unwrap_or(false)
     }
 }

@@ -308,6 +308,16 @@ impl Drop for GroupGuard {
     }
 }
 
+/// Whether process `pid` runs: it exists and is neither a zombie nor dead (tests wait on
+/// it to see a kill land).
+#[cfg(test)]
+pub(crate) fn is_running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with(['Z', 'X'])))
+        .unwrap_or(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -819,17 +819,11 @@ mod tests {
                 std::fs::read_to_string(&pid_file).is_ok_and(|t| t.ends_with('\n'))
             })
             .await;
-            let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
-            let running = |pid: u32| {
-                std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .ok()
-                    .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
-                    .unwrap_or(false)
-            };
-            assert!(running(pid));
+            let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+            assert!(process::is_running(pid));
             assert!(sink.kill(&work.work_id).await);
             assert_eq!(completion(&mut rx, &work.work_id).await.0, 137);
-            until("the escaped process is gone", || !running(pid)).await;
+            until("the escaped process is gone", || !process::is_running(pid)).await;
         }
 
         #[tokio::test]
