@@ -157,8 +157,8 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
 fn parse_lines(text: &[u8], path: &std::path::Path) -> Result<Vec<Value>> {
     let mut lines = Vec::new();
     let all: Vec<&[u8]> = text.strip_suffix(b"\n").unwrap_or(text).split(|b| *b == b'\n').collect();
-    let count = if text.is_empty() { 0 } else { all.len() };
-    for (i, line) in all.into_iter().take(count).enumerate() {
+    let count = all.len();
+    for (i, line) in all.into_iter().enumerate() {
         if line.trim_ascii().is_empty() {
             continue;
         }

@@ -318,10 +318,7 @@ fn check_references(manifest_path: &Path, manifest: &Manifest, items: &[(String,
     // Programs named by a path in the folder (`./tool.sh`, `bin/gate`) must be packed
     // executable files: a bare name is looked up on the worker's `PATH` and an absolute path
     // is the worker's own, so neither is checked here.
-    for (field, program) in programs(manifest) {
-        if program.starts_with("builtin:") || !program.contains('/') || Path::new(program).is_absolute() {
-            continue;
-        }
+    for (field, program) in path_programs(manifest) {
         let rel = inside(program).ok_or_else(|| {
             refused(&field, format!("must name a program inside the capsule folder (or on PATH), got {program}"))
         })?;
@@ -357,8 +354,8 @@ pub fn named_outside(manifest: &Manifest) -> Vec<String> {
     {
         out.push(format!("inference.system_prompt_file: {file}"));
     }
-    for (field, program) in programs(manifest) {
-        if program.contains('/') && !Path::new(program).is_absolute() && inside(program).is_none() {
+    for (field, program) in path_programs(manifest) {
+        if inside(program).is_none() {
             out.push(format!("{field}: {program}"));
         }
     }
@@ -372,10 +369,7 @@ pub fn named_outside(manifest: &Manifest) -> Vec<String> {
 pub fn unusable_programs(dir: &Path, manifest: &Manifest) -> Vec<String> {
     use std::os::unix::fs::PermissionsExt;
     let mut out = Vec::new();
-    for (field, program) in programs(manifest) {
-        if program.starts_with("builtin:") || !program.contains('/') || Path::new(program).is_absolute() {
-            continue;
-        }
+    for (field, program) in path_programs(manifest) {
         let Some(rel) = inside(program) else { continue };
         match std::fs::metadata(dir.join(&rel)) {
             Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
@@ -386,16 +380,21 @@ pub fn unusable_programs(dir: &Path, manifest: &Manifest) -> Vec<String> {
     out
 }
 
-/// The programs `manifest` runs, with the field naming each: every tool's and hook's
-/// `command[0]`, and `inference.command[0]` for the process transport.
-fn programs(manifest: &Manifest) -> impl Iterator<Item = (String, &String)> {
+/// The programs `manifest` names by a relative path (`./tool.sh`, `bin/gate`, `../x`),
+/// with the field naming each: every tool's and hook's `command[0]`, and
+/// `inference.command[0]` for the process transport. A bare name (looked up on the
+/// worker's `PATH`), an absolute path (the worker's own) and a `builtin:` are left out:
+/// only a relative path must be a packed executable of the folder.
+fn path_programs(manifest: &Manifest) -> impl Iterator<Item = (String, &String)> {
     use mur_proto::manifest::Transport;
     let inf = &manifest.inference;
     let tools = manifest.tools.iter().enumerate().map(|(i, t)| (format!("tools[{i}].command"), t.command.first()));
     let hooks = manifest.hooks.iter().enumerate().map(|(i, h)| (format!("hooks[{i}].command"), h.command.first()));
     let model = (inf.transport == Transport::Process)
         .then(|| ("inference.command".to_string(), inf.command.as_ref().and_then(|c| c.first())));
-    tools.chain(hooks).chain(model).filter_map(|(field, program)| Some((field, program?)))
+    tools.chain(hooks).chain(model).filter_map(|(field, program)| Some((field, program?))).filter(|(_, program)| {
+        !program.starts_with("builtin:") && program.contains('/') && !Path::new(program.as_str()).is_absolute()
+    })
 }
 
 /// `name` (a path in a manifest, relative to the capsule folder) as a bundle path

@@ -1366,20 +1366,26 @@ pub async fn write_conversation(
     // What this task added, when `history` continues `base`.
     let added: Option<Vec<Message>> =
         base.filter(|b| history.starts_with(&b.messages)).map(|b| history[b.messages.len()..].to_vec());
+    // The head as it is now: its revision when there is no base to compare against, and
+    // the parts to purge once it is replaced.
+    let head_now = || async {
+        let entry = sessions.entry(key).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(
+            entry
+                .filter(|e| e.operation == kv::Operation::Put)
+                .map(|e| (e.revision, serde_json::from_slice::<StoredConversation>(&e.value).ok())),
+        )
+    };
     let mut expected = match (base, &added) {
         (Some(b), Some(_)) => b.revision,
-        _ => read_conversation_at(sessions, key).await?.revision,
+        _ => head_now().await?.map(|(revision, _)| revision),
     };
     let mut messages = history;
     for _ in 0..5 {
-        let before = match expected {
-            Some(_) => sessions
-                .get(key)
-                .await
-                .ok()
-                .flatten()
-                .and_then(|bytes| serde_json::from_slice::<StoredConversation>(&bytes).ok()),
-            None => None,
+        // A head at another revision than expected fails the compare-and-set below.
+        let before = match head_now().await? {
+            Some((revision, head)) if Some(revision) == expected => head,
+            _ => None,
         };
         let values = StoredConversation::split(key, messages.clone(), max_payload).map_err(|e| e.to_string())?;
         let (head_key, head) = values.last().cloned().expect("a head at least");
@@ -1395,8 +1401,6 @@ pub async fn write_conversation(
         };
         match written {
             Ok(()) => {
-                // `before` was read after the compare-and-set's revision was known; if a
-                // write slipped in between, the head check failed instead.
                 for old in before.map(|b| b.part_keys(key)).unwrap_or_default() {
                     if let Err(e) = sessions.purge(&old).await {
                         tracing::debug!(key = old, error = %e, "removing an earlier conversation's part failed");
@@ -1409,12 +1413,15 @@ pub async fn write_conversation(
                 for part in ours {
                     let _ = sessions.purge(&part).await;
                 }
-                let now = read_conversation_at(sessions, key).await?;
-                if let Some(added) = &added {
-                    messages = now.messages;
-                    messages.extend(added.iter().cloned());
-                }
-                expected = now.revision;
+                expected = match &added {
+                    Some(added) => {
+                        let now = read_conversation_at(sessions, key).await?;
+                        messages = now.messages;
+                        messages.extend(added.iter().cloned());
+                        now.revision
+                    }
+                    None => head_now().await?.map(|(revision, _)| revision),
+                };
             }
         }
     }
