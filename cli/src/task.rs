@@ -267,6 +267,8 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
             }
             return Ok(ExitCode::SUCCESS);
         }
+        // The id, before a wait that may be long (a Ctrl-C leaves the task running).
+        eprintln!("task {} submitted; waiting for it to end", reply.task_id);
         let rec = wait_for(&client, &reply.task_id).await?;
         print_record(&rec, args.json);
         Ok(if rec.exit_status == Some(mur_proto::task::ExitStatus::Ok) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
@@ -326,7 +328,17 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     let span = tracing::info_span!("submit_task", otel.kind = "client", url.full = %url);
     let task = runtime
         .block_on(
-            client::send_task(&url, text, &options, args.wait.then_some(Duration::from_millis(200))).instrument(span),
+            async {
+                let client = client::Client::new(&url);
+                let task = client.send(text, &options).await?;
+                if !args.wait || task.status.state.is_settled() {
+                    return Ok(task);
+                }
+                // The id, before a wait that may be long (a Ctrl-C leaves the task running).
+                eprintln!("task {} submitted; waiting for it to end", task.id);
+                client.wait(&task.id, Duration::from_millis(200)).await
+            }
+            .instrument(span),
         )
         .with_context(|| format!("sending to {url}"))?;
     let rec = record(&task);

@@ -288,3 +288,98 @@ fn mur_task_send_reaches_a_running_capsule() {
     assert_eq!(rec["result"], "got: from stdin\n", "{rec}");
     drop(bg);
 }
+
+/// A stop cancels the tasks still waiting: each ends `canceled`, saying why, and whoever
+/// waits on one — a subscriber, `mur task send --url … --wait` — learns it, where it used
+/// to stay `submitted` until the host was gone (the sender then failed to reach it). The
+/// `on-session-end` hook holds the host up until the sender has its answer, so the test
+/// does not race the endpoint's shutdown.
+#[test]
+fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
+    use futures::StreamExt;
+    use mur_worker::a2a::v1::StreamResponse;
+    let c = TestCapsule::new(
+        &manifest(
+            "queue",
+            "  after_task: sleep\n  queue_depth: 5\nhooks:\n  - name: hold\n    binding: on-session-end\n    \
+             command: [sh, hold.sh]\n    timeout_secs: 120\n",
+        ),
+        &[
+            ("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n"),
+            ("hold.sh", "cat > /dev/null\nwhile [ ! -e go ]; do sleep 0.02; done\necho '{\"action\":\"none\"}'\n"),
+        ],
+    );
+    let (mut bg, first) = start(&c, &["--task", "long"]);
+    let url = first["url"].as_str().unwrap().to_string();
+    let dir = first["session_dir"].as_str().unwrap().to_string();
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(Path::new(&dir).join("trace.jsonl")).unwrap_or_default().contains("\"task_start\"") {
+        assert!(std::time::Instant::now() < deadline, "task never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // One waiting task followed by a subscriber (its first event, the snapshot, says the
+    // subscription is in place)…
+    let rt = rt();
+    let client = Client::new(&url);
+    let queued = rt.block_on(client.send("queued", &SendOptions::default())).unwrap();
+    let mut updates = rt.block_on(client.subscribe(&queued.id)).unwrap();
+    let snapshot = rt.block_on(updates.next()).unwrap().unwrap();
+    assert!(matches!(&snapshot, StreamResponse::Task(t) if t.status.state == TaskState::Submitted), "{snapshot:?}");
+    // … and one that `mur task send --wait` waits on; it names the task before it waits.
+    let mut sender = mur()
+        .args(["task", "send", "--url", &url, "also queued", "--wait", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = sender.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let waiting = rx.recv_timeout(WAIT).unwrap();
+    let sent_id = waiting.strip_prefix("task ").and_then(|l| l.strip_suffix(" submitted; waiting for it to end"));
+    let sent_id = sent_id.unwrap_or_else(|| panic!("{waiting}")).to_string();
+
+    bg.signal(15);
+    let why = "canceled: the capsule stopped (shutdown) before the task started";
+    let status = rt.block_on(async {
+        tokio::time::timeout(WAIT, async {
+            while let Some(event) = updates.next().await {
+                if let StreamResponse::StatusUpdate(u) = event.unwrap() {
+                    return u.status;
+                }
+            }
+            panic!("the stream ended without the task's end");
+        })
+        .await
+        .expect("no end within the deadline")
+    });
+    assert_eq!(
+        (status.state, status.message.as_ref().map(|m| m.parts[0].text.clone())),
+        (TaskState::Canceled, Some(Some(why.into())))
+    );
+    let out = {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(sender.wait_with_output()));
+        rx.recv_timeout(WAIT).expect("the sender did not exit").unwrap()
+    };
+    let rec: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert_eq!(
+        (rec["task_id"].as_str(), rec["state"].as_str(), rec["status_message"].as_str()),
+        (Some(sent_id.as_str()), Some("canceled"), Some(why)),
+        "{rec}"
+    );
+    assert_eq!(out.status.code(), Some(1), "a wait that did not end completed exits 1");
+    std::fs::write(c.dir().join("go"), "").unwrap();
+    let last = bg.next_json(WAIT);
+    assert_eq!((last["stopped"].as_str(), last["tasks"].as_u64()), (Some("shutdown"), Some(1)), "{last}");
+    let (code, stderr) = bg.wait(WAIT);
+    assert_eq!(code, Some(1), "{stderr}");
+    for id in [&queued.id, &sent_id] {
+        let line = format!("task {id} canceled: the capsule stopped (shutdown) before it started");
+        assert!(stderr.contains(&line), "{line} in {stderr}");
+    }
+}

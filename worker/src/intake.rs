@@ -549,6 +549,26 @@ impl Intake {
         Ok(self.end_entry(st, entry))
     }
 
+    /// Closes the intake and ends every task still waiting `canceled`, never having
+    /// started, with `message` as its status message (what a subscriber or a `GetTask`
+    /// sees); returns them in lane order. The host calls it when it stops for good (a
+    /// signal, a fatal end), so no waiting task stays `submitted` with nobody left to run
+    /// it. A task already handed to the runner is not touched.
+    pub fn cancel_waiting(&self, message: &str) -> Vec<TaskRecord> {
+        self.close();
+        let mut ended = Vec::new();
+        loop {
+            let mut st = self.lock();
+            let Some(id) = st.waiting.pop() else { break };
+            let Some(mut entry) = st.entries.remove(&id) else { continue };
+            entry.record.exit_status = Some(ExitStatus::Canceled);
+            entry.record.status_message = Some(message.to_string());
+            entry.record.set_state(TaskState::Canceled);
+            ended.push(self.end_entry(st, entry));
+        }
+        ended
+    }
+
     /// Whether a cancel was asked for task `id` (false for an unknown id).
     pub fn is_cancel_requested(&self, id: &str) -> bool {
         self.lock().entries.get(id).is_some_and(|e| *e.cancel.borrow())
@@ -801,6 +821,34 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
         let done = intake.finish(&id, ExitStatus::Canceled, "").unwrap();
         assert_eq!(done.state, TaskState::Canceled);
+    }
+
+    #[tokio::test]
+    async fn a_stopping_host_cancels_the_waiting_tasks_and_leaves_the_running_one() {
+        let intake = Intake::new(TaskAcceptance::Queue, 10);
+        let running = intake.submit(msg("run", Origin::Peer)).unwrap().id;
+        intake.next().await.unwrap();
+        intake.mark_working(&running).unwrap();
+        let bg = intake.submit(msg("bg", Origin::Event)).unwrap().id;
+        let peer = intake.submit(msg("peer", Origin::Peer)).unwrap().id;
+        let sub = intake.subscribe(&bg).unwrap();
+        let ended = intake.cancel_waiting("canceled: stopped before it started (shutdown)");
+        let ids: Vec<&str> = ended.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, [peer.as_str(), bg.as_str()], "lane order");
+        for id in [&bg, &peer] {
+            let r = intake.get(id).unwrap();
+            assert_eq!((r.state, r.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)));
+            assert_eq!(r.status_message.as_deref(), Some("canceled: stopped before it started (shutdown)"));
+        }
+        let updates: Vec<TaskUpdate> = sub.updates.collect().await;
+        assert!(
+            matches!(updates.last(), Some(TaskUpdate::Status { state: TaskState::Canceled, .. })),
+            "the subscriber sees the end: {updates:?}"
+        );
+        assert_eq!(intake.get(&running).unwrap().state, TaskState::Working);
+        assert_eq!(intake.waiting(), 0);
+        assert!(intake.is_closed());
+        assert!(intake.submit(msg("late", Origin::Peer)).is_err(), "closed");
     }
 
     #[tokio::test]

@@ -12,6 +12,10 @@
 //! Tasks the capsule generates for itself (a detached command's completion, a resume's
 //! loss report) are enqueued past admission and always run before the host exits, under
 //! every mode (`seeds/session-loop.md` §What a resume reports).
+//!
+//! When the host stops (a signal, a fatal end), a task still waiting never runs: it ends
+//! `canceled`, its status message saying why, so its sender is not left waiting on a
+//! task that stays `submitted`.
 
 use crate::clock::{Clock, SystemClock};
 use crate::intake::{Intake, Next, Submission};
@@ -263,6 +267,7 @@ async fn serve_tasks(
             Ok(r) => r,
             Err(e) => {
                 let _ = intake.finish(&record.id, ExitStatus::Failed, &format!("error: {e}"));
+                intake.cancel_waiting("canceled: the capsule stopped (error) before the task started");
                 signal.abort();
                 return Err(e);
             }
@@ -299,7 +304,12 @@ async fn serve_tasks(
             break;
         }
     }
-    intake.close();
+    // Nothing runs a task still waiting now: it ends `canceled` (its sender learns it),
+    // not `submitted` for good.
+    let why = format!("canceled: the capsule stopped ({}) before the task started", summary.stopped);
+    for waiting in intake.cancel_waiting(&why) {
+        eprintln!("task {} canceled: the capsule stopped ({}) before it started", waiting.id, summary.stopped);
+    }
     signal.abort();
     Ok(summary)
 }

@@ -14,7 +14,7 @@
 //! let options = SendOptions { origin: None, context_id: Some("ctx_1".into()) };
 //! // Without --wait: the task as admitted (`TASK_STATE_SUBMITTED`, or `REJECTED`).
 //! let task = send_task("http://127.0.0.1:4000/", "summarise the logs", &options, None).await?;
-//! // With --wait: polls `GetTask` until the task ends, then prints its result.
+//! // With --wait: follows the task's updates until it ends, then prints its result.
 //! let done = send_task("http://127.0.0.1:4000/", "again", &options, Some(Duration::from_millis(250))).await?;
 //! println!("{} {:?}: {}", done.id, done.status.state, done.artifact_text());
 //! # Ok(()) }
@@ -156,9 +156,18 @@ impl Client {
         text: &str,
         options: &SendOptions,
     ) -> Result<BoxStream<'static, Result<StreamResponse, Error>>, Error> {
-        let params = send_params(text, options, None);
+        self.stream("SendStreamingMessage", send_params(text, options, None), options.origin).await
+    }
+
+    /// Calls a streaming method: its JSON-RPC results, one per SSE event.
+    async fn stream(
+        &self,
+        method: &str,
+        params: Value,
+        origin: Option<Origin>,
+    ) -> Result<BoxStream<'static, Result<StreamResponse, Error>>, Error> {
         let response = self
-            .request("SendStreamingMessage", params, options.origin)
+            .request(method, params, origin)
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .send()
             .await
@@ -194,20 +203,57 @@ impl Client {
         self.call("CancelTask", json!({ "id": id }), None).await
     }
 
-    /// Polls `GetTask` every `every` until the task is terminal or interrupted.
+    /// `SubscribeToTask`: the task first, then its status and artifact updates until it
+    /// ends (an endpoint refuses a task that already ended).
+    pub async fn subscribe(&self, id: &str) -> Result<BoxStream<'static, Result<StreamResponse, Error>>, Error> {
+        self.stream("SubscribeToTask", json!({ "id": id }), None).await
+    }
+
+    /// Waits until task `id` is terminal or interrupted and returns it. Follows the task's
+    /// updates (`SubscribeToTask`), so its end is seen the moment it is written, even by a
+    /// host that stops right after (a `mur run` canceling its waiting tasks as it exits);
+    /// where the stream is refused or breaks off, reads it again (`GetTask`) every `every`.
     pub async fn wait(&self, id: &str, every: Duration) -> Result<v1::Task, Error> {
         loop {
             let task = self.get(id).await?;
             if task.status.state.is_settled() {
                 return Ok(task);
             }
+            if let Some(ended) = self.follow(task).await {
+                return Ok(ended);
+            }
             tokio::time::sleep(every).await;
         }
+    }
+
+    /// Folds `task`'s updates into it until it settles; `None` when the stream could not be
+    /// opened or ended first. The settled task is read again for its whole record (its
+    /// metadata: exit status, lane); when the endpoint is gone by then, the fold is it.
+    async fn follow(&self, mut task: v1::Task) -> Option<v1::Task> {
+        let mut events = self.subscribe(&task.id).await.ok()?;
+        while let Some(Ok(event)) = events.next().await {
+            match event {
+                StreamResponse::Task(t) => task = t,
+                StreamResponse::StatusUpdate(u) => task.status = u.status,
+                StreamResponse::ArtifactUpdate(u) => {
+                    match task.artifacts.iter_mut().find(|a| a.artifact_id == u.artifact.artifact_id) {
+                        Some(a) if u.append == Some(true) => a.parts.extend(u.artifact.parts),
+                        Some(a) => *a = u.artifact,
+                        None => task.artifacts.push(u.artifact),
+                    }
+                }
+                StreamResponse::Message(_) => {}
+            }
+            if task.status.state.is_settled() {
+                return Some(self.get(&task.id).await.unwrap_or(task));
+            }
+        }
+        None
     }
 }
 
 /// `mur task send`: sends `text` to the endpoint at `url`; with `wait: Some(every)`,
-/// polls until the task ends and returns it finished.
+/// waits until the task ends ([`Client::wait`]) and returns it finished.
 pub async fn send_task(
     url: &str,
     text: &str,
