@@ -456,6 +456,29 @@ async fn versions_must_match_the_method_generation() {
     assert_eq!(query["result"]["task"]["status"]["state"], "TASK_STATE_SUBMITTED", "{query}");
 }
 
+/// A request without an `id` member is a notification: carried out, never answered
+/// (JSON-RPC 2.0 §4.1) — HTTP 204 with an empty body, for a good one and a failing one
+/// alike. An `id` of null is an id, answered.
+#[tokio::test]
+async fn a_notification_is_carried_out_and_not_answered() {
+    let f = start(TaskAcceptance::Queue, 4).await;
+    let notify = |method: &'static str, params: Value| {
+        let f = &f;
+        async move {
+            let body = json!({ "jsonrpc": "2.0", "method": method, "params": params });
+            let response = f.post(Some("1.0"), None, &body).send().await.unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    assert_eq!(notify("SendMessage", send_v1("told", true)).await, (204, String::new()));
+    assert_eq!(f.intake.waiting(), 1, "the notification's task was admitted");
+    assert_eq!(notify("GetTask", json!({ "id": "tsk_nope" })).await, (204, String::new()));
+    assert_eq!(notify("NoSuchMethod", json!({})).await, (204, String::new()));
+    let body = json!({ "jsonrpc": "2.0", "id": null, "method": "GetTask", "params": { "id": "tsk_nope" } });
+    let answered: Value = f.post(Some("1.0"), None, &body).send().await.unwrap().json().await.unwrap();
+    assert_eq!((answered["id"].clone(), error_code(&answered)), (Value::Null, -32001), "{answered}");
+}
+
 #[tokio::test]
 async fn malformed_requests_get_the_json_rpc_error_codes() {
     let f = start(TaskAcceptance::Queue, 4).await;

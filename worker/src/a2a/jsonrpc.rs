@@ -111,6 +111,9 @@ pub struct Request {
     pub method: String,
     /// The params object (`{}` when absent).
     pub params: Value,
+    /// A notification: the request has no `id` member. It is carried out, and never
+    /// answered (JSON-RPC 2.0 §4.1: "The Server MUST NOT reply to a Notification").
+    pub notification: bool,
 }
 
 /// Reads a JSON-RPC 2.0 request from a body. On failure returns the id to answer with (null
@@ -123,6 +126,7 @@ pub fn parse_request(body: &[u8]) -> Result<Request, (Value, RpcError)> {
         let what = if value.is_array() { "batch requests are not supported" } else { "request must be an object" };
         return Err((Value::Null, RpcError::invalid_request(what)));
     };
+    let notification = !object.contains_key("id");
     let id = object.remove("id").unwrap_or(Value::Null);
     if !(id.is_string() || id.is_number() || id.is_null()) {
         return Err((Value::Null, RpcError::invalid_request("id must be a string, a number or null")));
@@ -139,7 +143,7 @@ pub fn parse_request(body: &[u8]) -> Result<Request, (Value, RpcError)> {
         Some(p @ Value::Object(_)) => p,
         Some(_) => return Err((id, RpcError::invalid_request("params must be an object"))),
     };
-    Ok(Request { id, method, params })
+    Ok(Request { id, method, params, notification })
 }
 
 /// `{"jsonrpc":"2.0","id":…,"result":…}`.

@@ -30,11 +30,14 @@
 //! carries the task, the later ones its status and artifact updates (1.0:
 //! `{"statusUpdate"|"artifactUpdate": …}`; 0.3: `kind: status-update` with `final`,
 //! `kind: artifact-update`); the stream ends after the terminal status.
+//!
+//! Notifications (a request without an `id` member) are carried out and not answered:
+//! HTTP 204 with no body (JSON-RPC 2.0 §4.1). An `id` of null is an id.
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
@@ -173,10 +176,22 @@ async fn serve_rpc(
         Ok(request) => request,
         Err((id, error)) => return Json(jsonrpc::failure(&id, &error)).into_response(),
     };
+    // A notification is carried out and not answered (JSON-RPC 2.0 §4.1): HTTP 204, no
+    // body, whatever came of it. A request whose envelope is broken is answered, for it
+    // cannot be told from a notification.
+    if request.notification {
+        drop(answer(&app, &headers, query.as_deref(), request).await);
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    answer(&app, &headers, query.as_deref(), request).await
+}
+
+/// The response to a request that passed the envelope checks.
+async fn answer(app: &App, headers: &HeaderMap, query: Option<&str>, request: jsonrpc::Request) -> Response {
     let Some((version, op)) = method(&request.method) else {
         return Json(jsonrpc::failure(&request.id, &RpcError::method_not_found(&request.method))).into_response();
     };
-    let asked = match Version::requested(&headers, query.as_deref()) {
+    let asked = match Version::requested(headers, query) {
         Ok(asked) => asked,
         Err(error) => return Json(jsonrpc::failure(&request.id, &error)).into_response(),
     };
@@ -189,7 +204,7 @@ async fn serve_rpc(
     }
     let origin = Origin::from_http_header(headers.get(ORIGIN_HEADER).and_then(|v| v.to_str().ok()));
     let id = request.id.clone();
-    let reply = match handle(&app, version, op, &request.method, request.params, origin).await {
+    let reply = match handle(app, version, op, &request.method, request.params, origin).await {
         Ok(reply) => reply,
         Err(error) => return with_version(Json(jsonrpc::failure(&id, &error)).into_response(), version),
     };
