@@ -10,3 +10,4 @@ pub mod nats;
 pub mod permits;
 pub mod procs;
 pub mod sandbox;
+pub mod timer;
