@@ -406,7 +406,9 @@ pub enum Event {
     },
     /// Once per launch, last; totals are sums over the task records.
     SessionEnd {
-        /// Sum of `task_end.turns`.
+        /// Sum of `task_end.turns`. Every total counts what this session ran: a task it
+        /// took over adds its counts less those of the checkpoint it resumed from (the
+        /// earlier session's), so the totals match this session's trace.
         total_turns: u32,
         /// Sum of `task_end.input_tokens`.
         total_input_tokens: u64,

@@ -99,6 +99,16 @@ async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
     assert_eq!(of_type(&trace, "task_end").len(), 1);
     let end = of_type(&trace, "task_end")[0];
     assert_eq!((end["exit_status"].as_str(), end["turns"].as_u64()), (Some("ok"), Some(9)));
+    // The task counts every turn; the taking-over session's `session_end` only its own,
+    // as many as its `inference` lines (`mur trace show` and `steps` agree).
+    let session_id = t["session_id"].as_str().unwrap();
+    let session =
+        mur_tests::nats::stream_json(&cluster.client, cluster::TRACE_STREAM, Some(cluster::trace_subject(session_id)))
+            .await;
+    let ends = of_type(&session, "session_end");
+    assert_eq!(ends.len(), 1, "{session:?}");
+    assert_eq!(ends[0]["total_turns"].as_u64(), Some(turns_after.len() as u64), "{:?}", ends[0]);
+    assert_eq!(ends[0]["total_tool_calls"].as_u64(), Some(turns_after.len() as u64 - 1), "{:?}", ends[0]);
 
     // Every turn before the checkpoint ran once; only the one in flight may have run twice.
     let ran = ran_turns(&capsule);

@@ -535,6 +535,10 @@ impl Session {
         )
         .with_compaction(rule)
         .with_reopens(m.lifecycle.max_task_reopens);
+        // What an earlier session of the task already did: the task's counters go on
+        // from it (`task_end` counts the whole task), this session's totals do not (its
+        // `session_end` counts what it ran itself, as its trace shows).
+        let earlier = resumed.as_ref().map(|t| t.counters).unwrap_or_default();
         if let Some(t) = resumed {
             self.parts.driver.taken_over_at(t.counters.turns);
             machine = machine.resumed(t.history, t.counters, t.session_tokens, t.reopens);
@@ -664,11 +668,11 @@ impl Session {
         self.write_result(&outcome.result);
         self.emit(machine.task_end(started.elapsed().as_millis() as u64))?;
         let c = machine.counters();
-        self.totals.turns += c.turns;
-        self.totals.input_tokens += c.input_tokens;
-        self.totals.output_tokens += c.output_tokens;
-        self.totals.tool_calls += c.tool_calls;
-        self.totals.shell_calls += c.shell_calls;
+        self.totals.turns += c.turns.saturating_sub(earlier.turns);
+        self.totals.input_tokens += c.input_tokens.saturating_sub(earlier.input_tokens);
+        self.totals.output_tokens += c.output_tokens.saturating_sub(earlier.output_tokens);
+        self.totals.tool_calls += c.tool_calls.saturating_sub(earlier.tool_calls);
+        self.totals.shell_calls += c.shell_calls.saturating_sub(earlier.shell_calls);
         self.last_exit = outcome.exit_status;
         *self.parts.position.task_id.lock().expect("position lock") = None;
         Ok(TaskReport {
