@@ -420,7 +420,7 @@ fn scripted(turns: usize) -> Arc<dyn Driver> {
         .map(|_| reply(None, vec![ScriptedCall { name: "noop".into(), input: json!({}), id: None }]))
         .collect();
     replies.push(reply(Some("done"), vec![]));
-    Arc::new(Scripted::new(Script { replies }))
+    Arc::new(Scripted::new(Script { replies, repeat: false }))
 }
 
 /// A tool-call completion as OpenAI sends it.

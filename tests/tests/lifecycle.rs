@@ -383,3 +383,40 @@ fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
         assert!(stderr.contains(&line), "{line} in {stderr}");
     }
 }
+
+/// `examples/queue` answers every task it is sent, however many: its two replies start
+/// over for each (`repeat: true`); it ran out after its first twenty tasks.
+#[test]
+fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
+    let mut bg = Background::spawn(mur().arg("run").arg(mur_tests::mur::example("examples/queue")).args([
+        "--json",
+        "--idle-exit",
+        "30",
+    ]));
+    let first = bg.next_json(WAIT);
+    let url = first["url"].as_str().unwrap().to_string();
+    for n in 1..=3 {
+        let run = mur_tests::mur::Run::of(mur().args([
+            "task",
+            "send",
+            "--url",
+            &url,
+            &format!("echo task {n}"),
+            "--wait",
+            "--json",
+        ]));
+        assert_eq!(run.code, 0, "{run:?}");
+        let rec = run.last_json();
+        assert_eq!(
+            (rec["state"].as_str(), rec["result"].as_str()),
+            (
+                Some("completed"),
+                Some(format!("$ echo task {n}\nExit code: 0\nStdout:\ntask {n}\n\nStderr:\n").as_str())
+            ),
+            "{rec}"
+        );
+    }
+    bg.signal(15);
+    let last = bg.next_json(WAIT);
+    assert_eq!((last["tasks"].as_u64(), last["stopped"].as_str()), (Some(3), Some("shutdown")), "{last}");
+}

@@ -16,7 +16,9 @@
 //! `{{task}}` anywhere in a reply's text or in a tool call's input strings is replaced by
 //! the task's text, verbatim; `{{tool_result}}` by the text of the latest tool result in
 //! the conversation (empty when there is none), so a scripted capsule can report what its
-//! command printed. Running out of replies is an error that ends the task `failed`.
+//! command printed. Running out of replies is an error that ends the task `failed`,
+//! unless the file says `repeat: true` (beside `replies:`): then the replies start over at
+//! the first.
 //!
 //! The replies belong to the session: in a `queue` session the next task gets the next
 //! reply. On the cluster every task is a session of its own and starts at the first reply;
@@ -38,6 +40,11 @@ use std::time::Duration;
 pub struct Script {
     /// One entry per model call.
     pub replies: Vec<Reply>,
+    /// Start over at the first reply once the last is used (default false: running out
+    /// is an error). A `queue` capsule answering every task the same way needs only one
+    /// task's replies.
+    #[serde(default)]
+    pub repeat: bool,
 }
 
 /// One scripted model reply.
@@ -198,7 +205,9 @@ impl Driver for Scripted {
 
     async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
         let index = self.next.fetch_add(1, Ordering::SeqCst);
-        let Some(reply) = self.script.replies.get(index) else {
+        let replies = &self.script.replies;
+        let at = if self.script.repeat && !replies.is_empty() { index % replies.len() } else { index };
+        let Some(reply) = replies.get(at) else {
             return Err(Error::Script(format!(
                 "no reply left for model call {} (the script has {} replies)",
                 index + 1,
@@ -252,6 +261,20 @@ mod tests {
         assert_eq!(second.content, vec![Block::Text { text: "done: hi there".into() }]);
         let err = d.call(&req("x")).await.unwrap_err();
         assert_eq!(err.to_string(), "scripted driver: no reply left for model call 3 (the script has 2 replies)");
+    }
+
+    #[tokio::test]
+    async fn a_repeating_script_starts_over_at_the_first_reply() {
+        let d = Scripted::new(
+            Script::parse("repeat: true\nreplies:\n  - text: one\n  - text: \"two: {{task}}\"\n").unwrap(),
+        );
+        let mut texts = Vec::new();
+        for task in ["a", "b", "c", "d", "e"] {
+            let reply = d.call(&req(task)).await.unwrap();
+            texts.push(reply.content[0].clone());
+        }
+        let text = |t: &str| Block::Text { text: t.into() };
+        assert_eq!(texts, [text("one"), text("two: b"), text("one"), text("two: d"), text("one")]);
     }
 
     #[test]
