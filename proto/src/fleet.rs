@@ -809,7 +809,7 @@ impl Text {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawHitl {
-    mode: Option<HitlMode>,
+    mode: Option<Value>,
     auto_approve_tiers: Option<Vec<String>>,
 }
 
@@ -820,15 +820,15 @@ struct RawStep {
     member: Option<String>,
     task: Option<String>,
     depends_on: Option<Vec<String>>,
-    on_failure: Option<OnFailure>,
+    on_failure: Option<Value>,
     max_retries: Option<u32>,
-    tier: Option<RiskTier>,
+    tier: Option<Value>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawParallel {
-    mode: ParallelMode,
+    mode: Value,
     tracks: Option<Vec<Track>>,
     judge: Option<Judge>,
     pre_filter: Option<String>,
@@ -853,6 +853,25 @@ impl Rules {
         self.errors.push(format!("{path}: {rule}"));
     }
 
+    /// One of an enum's values (`hitl.mode`, `parallel.mode`, a step's `on_failure` and
+    /// `tier`), read from what the text holds there; anything else is a broken rule in
+    /// serde's words (`unknown variant `sometimes`, expected one of …`), reported with the
+    /// others rather than stopping the parse.
+    fn choice<T: serde::de::DeserializeOwned>(&mut self, path: &str, value: Value) -> Option<T> {
+        if value.is_string() {
+            return serde_yaml_ng::from_value(value).map_err(|e| self.fail(path, e)).ok();
+        }
+        // Not text at all: serde's words for it name YAML internals; the values allowed are
+        // the ones an unknown one is told.
+        let allowed = serde_yaml_ng::from_value::<T>(Value::String(String::new()))
+            .err()
+            .and_then(|e| e.to_string().split_once("expected ").map(|(_, list)| list.to_string()))
+            .unwrap_or_else(|| "text".into());
+        let shown = serde_json::to_string(&value).unwrap_or_default();
+        self.fail(path, format_args!("must be {allowed}, got {shown}"));
+        None
+    }
+
     /// A rule older versions did not apply: refused when strict, a notice (saying what is
     /// used instead) when stored.
     fn soft(&mut self, path: &str, rule: impl fmt::Display, instead: &str) {
@@ -868,10 +887,11 @@ impl Fleet {
     /// do.
     ///
     /// # Errors
-    /// [`Error::Parse`] for text that does not fit the shape (an unknown key, a wrong type,
-    /// an enum value outside its set), naming the field path; with unknown keys, one line
-    /// each, followed by what the rest breaks (its shape or its rules). [`Error::Invalid`]
-    /// listing every broken rule, one `path: rule` line each.
+    /// [`Error::Parse`] for text that does not fit the shape (an unknown key, a wrong type),
+    /// naming the field path; with unknown keys, one line each, followed by what the rest
+    /// breaks (its shape or its rules). [`Error::Invalid`] listing every broken rule, one
+    /// `path: rule` line each — a value outside its set (`hitl.mode`, `parallel.mode`, a
+    /// step's `on_failure` or `tier`) among them.
     pub fn parse(text: &str) -> Result<Fleet, Error> {
         let text = crate::without_bom(text);
         // Every unknown key at once (serde stops at the first), in serde's words, and then
@@ -1137,7 +1157,8 @@ fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<
     let procedure = validate_procedure(raw.procedure.unwrap_or_default(), &members, &mut r);
 
     let parallel = raw.parallel.map(|p| Parallel {
-        mode: p.mode,
+        // A wrong mode is a broken rule: no fleet comes of it, the stand-in is never seen.
+        mode: r.choice("parallel.mode", p.mode).unwrap_or(ParallelMode::Speculative),
         tracks: p.tracks.unwrap_or_default(),
         judge: p.judge,
         pre_filter: p.pre_filter,
@@ -1256,7 +1277,8 @@ fn validate_hitl(h: RawHitl, r: &mut Rules) -> Hitl {
             }
         }
     }
-    Hitl { mode: h.mode, auto_approve_tiers: tiers }
+    let mode = h.mode.and_then(|v| r.choice("hitl.mode", v));
+    Hitl { mode, auto_approve_tiers: tiers }
 }
 
 fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> Vec<Step> {
@@ -1265,14 +1287,18 @@ fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> V
     }
     let steps: Vec<Step> = raw
         .into_iter()
-        .map(|s| Step {
+        .enumerate()
+        .map(|(i, s)| Step {
             id: s.id.unwrap_or_default().trim().to_string(),
             member: s.member.unwrap_or_default().trim().to_string(),
             task: s.task.unwrap_or_default(),
             depends_on: s.depends_on.unwrap_or_default().into_iter().map(|d| d.trim().to_string()).collect(),
-            on_failure: s.on_failure.unwrap_or_default(),
+            on_failure: s
+                .on_failure
+                .and_then(|v| r.choice(&format!("procedure[{i}].on_failure"), v))
+                .unwrap_or_default(),
             max_retries: s.max_retries.unwrap_or(DEFAULT_MAX_RETRIES),
-            tier: s.tier,
+            tier: s.tier.and_then(|v| r.choice(&format!("procedure[{i}].tier"), v)),
         })
         .collect();
     let ids: BTreeSet<&str> = steps.iter().map(|s| s.id.as_str()).collect();

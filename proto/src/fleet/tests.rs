@@ -151,8 +151,28 @@ fn hitl_mode_is_one_of_defer_wait_deny() {
         let f = Fleet::parse(&format!("{MINIMAL}hitl:\n  mode: {m}\n")).unwrap();
         assert_eq!(serde_yaml_ng::to_string(&f.hitl.mode.unwrap()).unwrap().trim(), m);
     }
-    let err = parse_err(&format!("{MINIMAL}hitl:\n  mode: ask\n"));
-    assert!(err.starts_with("hitl.mode: unknown variant `ask`, expected one of `defer`, `wait`, `deny`"), "{err}");
+    assert_eq!(
+        rules(&format!("{MINIMAL}hitl:\n  mode: ask\n")),
+        ["hitl.mode: unknown variant `ask`, expected one of `defer`, `wait`, `deny`"]
+    );
+}
+
+/// A value outside its set (`hitl.mode`, `parallel.mode`, a step's `on_failure` and `tier`)
+/// is one broken rule among the others, not a parse error that hides them.
+#[test]
+fn a_value_outside_its_set_is_reported_with_the_other_broken_rules() {
+    let y = "name: Dev\nmembers: [w]\nhitl:\n  mode: sometimes\nparallel:\n  mode: [a]\n  tracks:\n    - name: a\n    \
+             - name: a\nfanout: 0\n";
+    assert_eq!(
+        rules(y),
+        [
+            "name: must be 1-64 characters of a-z, 0-9, '-' or '_', got \"Dev\"",
+            "fanout: must be a positive integer, got 0",
+            "hitl.mode: unknown variant `sometimes`, expected one of `defer`, `wait`, `deny`",
+            "parallel.mode: must be `speculative` or `partition`, got [\"a\"]",
+            "parallel.tracks[1].name: duplicate track \"a\"",
+        ]
+    );
 }
 
 #[test]
@@ -488,10 +508,14 @@ fn step_failure_policy_and_tier_default_to_abort_one_retry_and_none() {
     let f = Fleet::parse(&y).unwrap();
     assert_eq!((f.procedure[3].on_failure, f.procedure[3].max_retries), (OnFailure::Retry, 3));
     assert_eq!(f.procedure[3].tier, Some(RiskTier::Destructive));
-    let err = parse_err(&format!("{PROCEDURE}  - id: x\n    member: critic\n    on_failure: ignore\n"));
-    assert!(err.starts_with("procedure[3].on_failure: unknown variant `ignore`"), "{err}");
-    let err = parse_err(&format!("{PROCEDURE}  - id: x\n    member: critic\n    tier: scary\n"));
-    assert!(err.starts_with("procedure[3].tier: unknown variant `scary`"), "{err}");
+    assert_eq!(
+        rules(&format!("{PROCEDURE}  - id: x\n    member: critic\n    on_failure: ignore\n    tier: scary\n")),
+        [
+            "procedure[3].on_failure: unknown variant `ignore`, expected one of `abort`, `skip`, `retry`",
+            "procedure[3].tier: unknown variant `scary`, expected one of `read`, `write`, `network-egress`, `spend`, \
+             `destructive`, `privileged`",
+        ]
+    );
 }
 
 #[test]
