@@ -216,7 +216,8 @@ pub struct WorkerArgs {
     #[arg(long)]
     id: Option<String>,
     /// Finished session folders kept under DIR/sessions (the newest); older ones are
-    /// removed as sessions finish.
+    /// removed as sessions finish. A worker alone on DIR counts those an earlier worker
+    /// left there too.
     #[arg(long, value_name = "N", default_value_t = mur_worker::service::KEEP_SESSIONS)]
     keep_sessions: usize,
     #[command(flatten)]

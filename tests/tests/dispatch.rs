@@ -540,13 +540,15 @@ async fn a_second_dispatch_of_a_running_task_is_dropped_not_taken_over() {
 
 /// A worker keeps its newest finished session folders (`mur worker --keep-sessions N`,
 /// default 1000) and removes older ones as sessions finish, so a long-lived worker's disk
-/// stays bounded: with N = 2, after four tasks the folders of the last two remain.
+/// stays bounded: with N = 2, after four tasks the folders of the last two remain. A
+/// worker started again on the same workdir counts the folders the earlier process left:
+/// its first task's end removes the older of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_keeps_its_newest_session_folders_and_removes_older_ones() {
     use mur_tests::procs::{Procs, until};
     let cluster = Procs::start("").await;
     let _coordinator = cluster.coordinator("coordinator-1");
-    let _worker = cluster.worker_with("wkr-keep", 1, &["--keep-sessions", "2"]);
+    let mut worker = cluster.worker_with("wkr-keep", 1, &["--keep-sessions", "2"]);
     let capsule = TestCapsule::new(
         "name: brief\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
         &[("r.yaml", "replies:\n  - text: done\n")],
@@ -562,13 +564,26 @@ async fn a_worker_keeps_its_newest_session_folders_and_removes_older_ones() {
     }
     let dir = cluster.dir().join("wkr-keep").join("sessions");
     let kept = || {
-        let mut names: Vec<String> =
-            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| !name.starts_with('.'))
+            .collect();
         names.sort();
         names
     };
     until("the two oldest folders are removed", Duration::from_secs(30), || async {
         (kept() == sessions[2..]).then_some(())
+    })
+    .await;
+
+    assert_eq!(worker.terminate(Duration::from_secs(30)), Some(0));
+    let _again = cluster.worker_with("wkr-keep", 1, &["--keep-sessions", "2"]);
+    let id = cluster.submit("brief", "after the restart", Origin::User).await;
+    let record = cluster.wait_record(&id, Duration::from_secs(60), |r| r.state.is_terminal()).await;
+    sessions.push(record.session_id.unwrap());
+    until("the older folder the earlier process left is removed", Duration::from_secs(30), || async {
+        (kept() == sessions[3..]).then_some(())
     })
     .await;
 }

@@ -309,7 +309,15 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
         .await
         .map_err(|e| Error::Register { worker_id: config.worker_id.clone(), reason: e.to_string() })?;
-    let keep_sessions = config.keep_sessions;
+    let retention = Arc::new(retention::Retention::new(config.keep_sessions));
+    // Held while the worker runs: a worker starting alone on this workdir counts what an
+    // earlier process left there (`service/retention.rs`).
+    let sessions_dir = config.workdir.join("sessions");
+    let (_sessions_lock, adopted) = retention::lock_and_adopt(&sessions_dir, &retention)
+        .map_err(|source| Error::Io { path: sessions_dir.clone(), source })?;
+    if adopted > 0 {
+        tracing::info!(adopted, dir = %sessions_dir.display(), "session folders an earlier worker left are counted for --keep-sessions");
+    }
     let shared = Arc::new(Shared {
         client,
         tasks,
@@ -323,7 +331,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         detached: tokio_util::task::TaskTracker::new(),
         detached_stop: CancellationToken::new(),
         loaded: std::sync::Mutex::new(HashMap::new()),
-        retention: Arc::new(retention::Retention::new(keep_sessions)),
+        retention,
         slot_freed: tokio::sync::Notify::new(),
     });
     let cancel_listener = tokio::spawn(listen_for_cancels(shared.clone(), cancels));
