@@ -385,7 +385,8 @@ fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
 }
 
 /// `examples/queue` answers every task it is sent, however many: its two replies start
-/// over for each (`repeat: true`); it ran out after its first twenty tasks.
+/// over for each (`repeat: true`), a task canceled halfway included; it ran out after its
+/// first twenty tasks.
 #[test]
 fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
     let mut bg = Background::spawn(mur().arg("run").arg(mur_tests::mur::example("examples/queue")).args([
@@ -395,6 +396,19 @@ fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
     ]));
     let first = bg.next_json(WAIT);
     let url = first["url"].as_str().unwrap().to_string();
+    // A task canceled after its first reply (its command running) leaves the next in step.
+    let trace = Path::new(first["session_dir"].as_str().unwrap()).join("trace.jsonl");
+    let client = Client::new(&url);
+    let rt = rt();
+    let cut = rt.block_on(client.send("sleep 30", &SendOptions::default())).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(&trace).unwrap_or_default().contains("\"inference\"") {
+        assert!(std::time::Instant::now() < deadline, "the first task's model call never came");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    rt.block_on(client.cancel(&cut.id)).unwrap();
+    let cut = rt.block_on(client.wait(&cut.id, Duration::from_millis(50))).unwrap();
+    assert_eq!(cut.status.state, TaskState::Canceled);
     for n in 1..=3 {
         let run = mur_tests::mur::Run::of(mur().args([
             "task",
@@ -418,5 +432,5 @@ fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
     }
     bg.signal(15);
     let last = bg.next_json(WAIT);
-    assert_eq!((last["tasks"].as_u64(), last["stopped"].as_str()), (Some(3), Some("shutdown")), "{last}");
+    assert_eq!((last["tasks"].as_u64(), last["stopped"].as_str()), (Some(4), Some("shutdown")), "{last}");
 }

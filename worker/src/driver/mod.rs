@@ -130,4 +130,10 @@ pub trait Driver: Send + Sync {
     fn taken_over_at(&self, turns: u32) {
         let _ = turns;
     }
+
+    /// A task starts in this session (before its first model call, and before
+    /// [`Driver::taken_over_at`] when it is taken over). Models keep no state between
+    /// calls, so the default does nothing; a repeating scripted driver starts its replies
+    /// over.
+    fn task_started(&self) {}
 }

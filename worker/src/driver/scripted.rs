@@ -17,8 +17,9 @@
 //! the task's text, verbatim; `{{tool_result}}` by the text of the latest tool result in
 //! the conversation (empty when there is none), so a scripted capsule can report what its
 //! command printed. Running out of replies is an error that ends the task `failed`,
-//! unless the file says `repeat: true` (beside `replies:`): then the replies start over at
-//! the first.
+//! unless the file says `repeat: true` (beside `replies:`): then every task starts at the
+//! first reply (a task cut short leaves the next one in step), and the replies start over
+//! once the last is used.
 //!
 //! The replies belong to the session: in a `queue` session the next task gets the next
 //! reply. On the cluster every task is a session of its own and starts at the first reply;
@@ -40,9 +41,10 @@ use std::time::Duration;
 pub struct Script {
     /// One entry per model call.
     pub replies: Vec<Reply>,
-    /// Start over at the first reply once the last is used (default false: running out
-    /// is an error). A `queue` capsule answering every task the same way needs only one
-    /// task's replies.
+    /// Every task starts at the first reply, and the replies start over once the last is
+    /// used (default false: the replies belong to the session, and running out is an
+    /// error). A `queue` capsule answering every task the same way needs only one task's
+    /// replies, whatever became of the task before.
     #[serde(default)]
     pub repeat: bool,
 }
@@ -203,6 +205,12 @@ impl Driver for Scripted {
         self.next.store(turns as usize, Ordering::SeqCst);
     }
 
+    fn task_started(&self) {
+        if self.script.repeat {
+            self.next.store(0, Ordering::SeqCst);
+        }
+    }
+
     async fn call(&self, request: &ModelRequest<'_>) -> Result<ModelResponse, Error> {
         let index = self.next.fetch_add(1, Ordering::SeqCst);
         let replies = &self.script.replies;
@@ -275,6 +283,16 @@ mod tests {
         }
         let text = |t: &str| Block::Text { text: t.into() };
         assert_eq!(texts, [text("one"), text("two: b"), text("one"), text("two: d"), text("one")]);
+        // A new task starts at the first reply, wherever the last one stopped.
+        d.task_started();
+        assert_eq!(d.call(&req("f")).await.unwrap().content[0], text("one"));
+        d.task_started();
+        assert_eq!(d.call(&req("g")).await.unwrap().content[0], text("one"));
+        // Without `repeat` the replies belong to the session: a new task takes the next.
+        let plain = Scripted::new(Script::parse("replies:\n  - text: one\n  - text: two\n").unwrap());
+        plain.call(&req("a")).await.unwrap();
+        plain.task_started();
+        assert_eq!(plain.call(&req("b")).await.unwrap().content[0], text("two"));
     }
 
     #[test]

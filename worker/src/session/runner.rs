@@ -490,6 +490,7 @@ impl Session {
             trace_id: crate::trace_context::trace_id(&tracing::Span::current()),
         })?;
 
+        self.parts.driver.task_started();
         let takeover = durable.as_mut().and_then(|d| d.takeover.take());
         let resumed = takeover.as_ref().and_then(|t| t.checkpoint.clone());
         if let Some(t) = &takeover {
