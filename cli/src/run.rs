@@ -246,7 +246,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             contexts: resume.as_ref().map(|r| r.contexts.clone()).unwrap_or_default(),
         };
         let background = local::Background { sink, notices };
-        let summary = local::serve(&mut session, intake, &options, Some(background), shutdown).await?;
+        let summary = local::serve(&mut session, intake.clone(), &options, Some(background), shutdown).await?;
         let totals = session.totals();
         // A signal while the session ends (its `on-session-end` hook, the async hooks'
         // drain) cuts the end short: the hook under way is killed, no other is waited for,
@@ -261,6 +261,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
             }
         }));
         session.end_until(None, &end_stop).await?;
+        // The senders of tasks canceled at the stop learn it before the endpoint goes (a
+        // second signal does not wait).
+        tokio::select! {
+            _ = intake.wait_untold(UNTOLD_GRACE) => {}
+            () = end_stop.cancelled() => {}
+        }
         let _ = server.shutdown().await;
         anyhow::Ok((summary, totals))
     })?;
@@ -294,6 +300,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     Ok(if exit == ExitStatus::Ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
+
+/// How long a stopping `mur run` keeps its endpoint up for the senders of the tasks it
+/// canceled (waiting ones) to read their end: `--wait` reads every 200 ms.
+const UNTOLD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Resolves on SIGTERM or Ctrl-C. The handlers are installed when this is called (not
 /// when the future is first polled), so a signal that arrives early is not lost.

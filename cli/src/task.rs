@@ -269,7 +269,18 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         }
         // The id, before a wait that may be long (a Ctrl-C leaves the task running).
         eprintln!("task {} submitted; waiting for it to end", reply.task_id);
-        let rec = wait_for(&client, &reply.task_id).await?;
+        let rec = match wait_for(&client, &reply.task_id).await {
+            Ok(rec) => rec,
+            Err(e) => {
+                // Submitted: something was done, its end is not known (exit 1, not 2).
+                eprintln!(
+                    "mur: task {} was accepted, but its end is unknown: {}",
+                    reply.task_id,
+                    crate::text::printable(&format!("{e:#}"))
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+        };
         print_record(&rec, args.json);
         Ok(if rec.exit_status == Some(mur_proto::task::ExitStatus::Ok) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
     })
@@ -326,21 +337,29 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`
     // goes in the HTTP headers).
     let span = tracing::info_span!("submit_task", otel.kind = "client", url.full = %url);
+    let client = client::Client::new(&url);
     let task = runtime
-        .block_on(
-            async {
-                let client = client::Client::new(&url);
-                let task = client.send(text, &options).await?;
-                if !args.wait || task.status.state.is_settled() {
-                    return Ok(task);
-                }
-                // The id, before a wait that may be long (a Ctrl-C leaves the task running).
-                eprintln!("task {} submitted; waiting for it to end", task.id);
-                client.wait(&task.id, Duration::from_millis(200)).await
-            }
-            .instrument(span),
-        )
+        .block_on(client.send(text, &options).instrument(span.clone()))
         .with_context(|| format!("sending to {url}"))?;
+    let task = if args.wait && !task.status.state.is_settled() {
+        // The id, before a wait that may be long (a Ctrl-C leaves the task running).
+        eprintln!("task {} submitted; waiting for it to end", task.id);
+        match runtime.block_on(client.wait(&task.id, Duration::from_millis(200)).instrument(span)) {
+            Ok(task) => task,
+            Err(e) => {
+                // The task was taken: something was done, its end is not known (exit 1,
+                // not the 2 of a send that reached nobody).
+                eprintln!(
+                    "mur: task {} was accepted, but its end is unknown: {}",
+                    task.id,
+                    crate::text::printable(&format!("{e:#}"))
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    } else {
+        task
+    };
     let rec = record(&task);
     if args.json {
         if args.wait {

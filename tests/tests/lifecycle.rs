@@ -434,3 +434,41 @@ fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
     let last = bg.next_json(WAIT);
     assert_eq!((last["tasks"].as_u64(), last["stopped"].as_str()), (Some(4), Some("shutdown")), "{last}");
 }
+
+/// A sender waiting on a task the host took (`--wait`) whose host then dies outright
+/// cannot learn the end: it says so and exits 1 — the task was accepted, something was
+/// done — not 2 as a send that reached no one.
+#[test]
+fn a_waiting_sender_whose_host_dies_exits_1_saying_the_end_is_unknown() {
+    let c = TestCapsule::new(
+        &manifest("queue", "  after_task: sleep\n"),
+        &[("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n")],
+    );
+    let (bg, first) = start(&c, &[]);
+    let url = first["url"].as_str().unwrap().to_string();
+    let mut sender = mur()
+        .args(["task", "send", "--url", &url, "slow", "--wait"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = sender.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let waiting = rx.recv_timeout(WAIT).unwrap();
+    let id = waiting.strip_prefix("task ").and_then(|l| l.strip_suffix(" submitted; waiting for it to end"));
+    let id = id.unwrap_or_else(|| panic!("{waiting}")).to_string();
+    bg.signal(9);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done_tx.send(sender.wait()));
+    let status = done_rx.recv_timeout(WAIT).expect("the sender did not exit").unwrap();
+    // The reader's channel closes at the pipe's end, after the exit: every line is in.
+    let said: Vec<String> = rx.iter().collect();
+    assert_eq!(status.code(), Some(1), "{said:?}");
+    let expected = format!("mur: task {id} was accepted, but its end is unknown: ");
+    assert!(said.iter().any(|l| l.starts_with(&expected)), "{expected} in {said:?}");
+}

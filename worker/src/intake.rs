@@ -316,6 +316,9 @@ struct State {
     /// Submissions admitted through `submit` (what `single` counts).
     admitted: u64,
     closed: bool,
+    /// Tasks [`Intake::cancel_waiting`] ended that no one has been told of yet (no
+    /// subscriber then, no read since).
+    untold: HashSet<String>,
 }
 
 /// The task intake of one capsule. Share it behind an `Arc`.
@@ -553,7 +556,8 @@ impl Intake {
     /// started, with `message` as its status message (what a subscriber or a `GetTask`
     /// sees); returns them in lane order. The host calls it when it stops for good (a
     /// signal, a fatal end), so no waiting task stays `submitted` with nobody left to run
-    /// it. A task already handed to the runner is not touched.
+    /// it. A task already handed to the runner is not touched. Those no subscriber follows
+    /// count as untold until read ([`Intake::wait_untold`]).
     pub fn cancel_waiting(&self, message: &str) -> Vec<TaskRecord> {
         self.close();
         let mut ended = Vec::new();
@@ -561,6 +565,9 @@ impl Intake {
             let mut st = self.lock();
             let Some(id) = st.waiting.pop() else { break };
             let Some(mut entry) = st.entries.remove(&id) else { continue };
+            if entry.updates.as_ref().is_none_or(|tx| tx.receiver_count() == 0) {
+                st.untold.insert(id.clone());
+            }
             entry.record.exit_status = Some(ExitStatus::Canceled);
             entry.record.status_message = Some(message.to_string());
             entry.record.set_state(TaskState::Canceled);
@@ -586,16 +593,46 @@ impl Intake {
 
     /// The task's current snapshot; `None` for an unknown id or one beyond the history.
     pub fn get(&self, id: &str) -> Option<TaskRecord> {
-        self.lock().entries.get(id).map(|e| e.record.clone())
+        let mut st = self.lock();
+        let record = st.entries.get(id).map(|e| e.record.clone());
+        if record.as_ref().is_some_and(|r| r.state.is_terminal()) && st.untold.remove(id) {
+            drop(st);
+            self.wake.notify_waiters();
+        }
+        record
     }
 
     /// The task's snapshot and its later updates, taken atomically (no update is lost
     /// between them). `None` for an unknown id.
     pub fn subscribe(&self, id: &str) -> Option<Subscription> {
-        let st = self.lock();
+        let mut st = self.lock();
         let entry = st.entries.get(id)?;
         let updates = updates_stream(entry.updates.as_ref().map(|tx| tx.subscribe()));
-        Some(Subscription { snapshot: entry.record.clone(), updates })
+        let subscription = Subscription { snapshot: entry.record.clone(), updates };
+        if subscription.snapshot.state.is_terminal() && st.untold.remove(id) {
+            drop(st);
+            self.wake.notify_waiters();
+        }
+        Some(subscription)
+    }
+
+    /// Waits until everyone sending a task [`Intake::cancel_waiting`] ended has been told
+    /// (a subscriber was there, or the task was read since), at most `timeout`; returns
+    /// whether all were. The host keeps its endpoint up meanwhile, so a sender between its
+    /// send and its first read learns the end instead of finding the endpoint gone.
+    pub async fn wait_untold(&self, timeout: Duration) -> bool {
+        let told = async {
+            loop {
+                let notified = self.wake.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self.lock().untold.is_empty() {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(timeout, told).await.is_ok()
     }
 
     /// How many tasks wait (not yet started).
@@ -835,6 +872,10 @@ mod tests {
         let ended = intake.cancel_waiting("canceled: stopped before it started (shutdown)");
         let ids: Vec<&str> = ended.iter().map(|r| r.id.as_str()).collect();
         assert_eq!(ids, [peer.as_str(), bg.as_str()], "lane order");
+        // `bg`'s subscriber was told by its stream; `peer`'s sender only once it reads.
+        assert!(!intake.wait_untold(Duration::ZERO).await, "peer's end is untold");
+        assert_eq!(intake.get(&peer).unwrap().state, TaskState::Canceled);
+        assert!(intake.wait_untold(Duration::ZERO).await, "read: told");
         for id in [&bg, &peer] {
             let r = intake.get(id).unwrap();
             assert_eq!((r.state, r.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)));

@@ -267,7 +267,7 @@ async fn serve_tasks(
             Ok(r) => r,
             Err(e) => {
                 let _ = intake.finish(&record.id, ExitStatus::Failed, &format!("error: {e}"));
-                intake.cancel_waiting("canceled: the capsule stopped (error) before the task started");
+                cancel_waiting(intake, "error");
                 signal.abort();
                 return Err(e);
             }
@@ -304,14 +304,19 @@ async fn serve_tasks(
             break;
         }
     }
-    // Nothing runs a task still waiting now: it ends `canceled` (its sender learns it),
-    // not `submitted` for good.
-    let why = format!("canceled: the capsule stopped ({}) before the task started", summary.stopped);
-    for waiting in intake.cancel_waiting(&why) {
-        eprintln!("task {} canceled: the capsule stopped ({}) before it started", waiting.id, summary.stopped);
-    }
+    cancel_waiting(intake, summary.stopped);
     signal.abort();
     Ok(summary)
+}
+
+/// Nothing runs a task still waiting once the host stops (`stopped`: `shutdown`, `fatal`,
+/// `error`, …): it ends `canceled`, its sender told why, not `submitted` for good; a line
+/// on stderr names each.
+fn cancel_waiting(intake: &Intake, stopped: &str) {
+    let why = format!("canceled: the capsule stopped ({stopped}) before the task started");
+    for waiting in intake.cancel_waiting(&why) {
+        eprintln!("task {} canceled: the capsule stopped ({stopped}) before it started", waiting.id);
+    }
 }
 
 /// A submission for a task given at launch (`--task`, `task.md`): origin `user`.
