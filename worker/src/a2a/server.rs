@@ -180,7 +180,10 @@ async fn serve_rpc(
     // body, whatever came of it. A request whose envelope is broken is answered, for it
     // cannot be told from a notification.
     if request.notification {
-        drop(answer(&app, &headers, query.as_deref(), request).await);
+        // Carried out on its own, so a send that would wait for its task's end (a 1.0
+        // `SendMessage` without `returnImmediately`) does not hold the connection for a
+        // reply that never comes.
+        tokio::spawn(async move { drop(answer(&app, &headers, query.as_deref(), request).await) });
         return StatusCode::NO_CONTENT.into_response();
     }
     answer(&app, &headers, query.as_deref(), request).await
