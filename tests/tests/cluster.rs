@@ -614,7 +614,10 @@ mod worker_service {
         assert_eq!((record.state, record.result.as_deref()), (TaskState::Completed, Some("patient")));
         let info = dispatch_settled(&c).await?;
         assert_eq!((info.delivered.consumer_sequence, info.num_redelivered), (1, 0), "delivered once");
-        let sessions = std::fs::read_dir(workdir.path().join("sessions"))?.count();
+        // Session folders, not the workdir's `.lock`.
+        let sessions = std::fs::read_dir(workdir.path().join("sessions"))?
+            .filter(|e| e.as_ref().is_ok_and(|e| !e.file_name().to_string_lossy().starts_with('.')))
+            .count();
         assert_eq!(sessions, 1, "one session ran");
         assert_eq!(c.record(&task_id).await?.session_id, record.session_id);
         worker.shutdown().await

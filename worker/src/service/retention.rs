@@ -77,7 +77,8 @@ const LOCK_FILE: &str = ".lock";
 
 /// Takes the workdir's lock on `sessions` (the folder of session folders) for the life of
 /// the returned file: shared, after adopting — when the lock could be had exclusively, no
-/// other worker using the folder — every session folder already there into `retention`.
+/// other worker using the folder — every session folder (`ses_…`) already there into
+/// `retention`; nothing else there is touched.
 /// Returns how many were adopted.
 ///
 /// # Errors
@@ -91,7 +92,7 @@ pub fn lock_and_adopt(sessions: &std::path::Path, retention: &Retention) -> std:
             let mut dirs: Vec<PathBuf> = std::fs::read_dir(sessions)?
                 .filter_map(Result::ok)
                 .filter(|e| {
-                    e.file_type().is_ok_and(|t| t.is_dir()) && !e.file_name().to_string_lossy().starts_with('.')
+                    e.file_type().is_ok_and(|t| t.is_dir()) && e.file_name().to_string_lossy().starts_with("ses_")
                 })
                 .map(|e| e.path())
                 .collect();
@@ -166,7 +167,7 @@ mod tests {
     fn a_worker_alone_on_its_workdir_adopts_the_folders_there_and_one_beside_another_does_not() {
         let root = tempfile::tempdir().unwrap();
         let sessions = root.path().join("sessions");
-        for name in ["ses_2", "ses_1", ".hidden"] {
+        for name in ["ses_2", "ses_1", ".hidden", "notes"] {
             std::fs::create_dir_all(sessions.join(name)).unwrap();
         }
         std::fs::create_dir_all(&sessions).unwrap();
