@@ -83,6 +83,9 @@ pub enum Command {
         /// Only jobs whose run id starts with this (a loop's id selects its iterations).
         #[arg(long, value_name = "RUN_ID_PREFIX")]
         since: Option<String>,
+        /// Only jobs in this status (a finished one is listed without --all).
+        #[arg(long, value_parser = ["queued", "running", "blocked", "done", "failed", "canceled"])]
+        status: Option<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -332,9 +335,11 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Jobs { name, all, since, common } => {
-            let page: Page<Job> =
-                request(&common, "mur fleet jobs", api::JOBS, &JobsRequest { fleet: name.clone(), all, since })?;
+        Command::Jobs { name, all, since, status, common } => {
+            // The parser allows only the spellings of a status.
+            let status = status.and_then(|s| serde_json::from_value(serde_json::Value::String(s)).ok());
+            let req = JobsRequest { fleet: name.clone(), all, since, status };
+            let page: Page<Job> = request(&common, "mur fleet jobs", api::JOBS, &req)?;
             crate::task::page_notes(
                 &page,
                 "jobs",
@@ -620,6 +625,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             members.extend(f.router.clone());
             members.extend(f.members.clone());
         }
+        // The channel's last event before the run: the run's own come after it, so the
+        // follower never pages through the fleet's history (which may never end).
+        let mut seen = match js.get_stream(fleet_store::FLEET_STREAM).await {
+            Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.last_sequence),
+            Err(_) => 0,
+        };
         let body = serde_json::to_vec(request)?;
         if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
             eprintln!("mur fleet run: interrupted; no run was started");
@@ -652,10 +663,16 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         let mut permit_updates = fanout_kv.watch_with_history(">").await.context("mur_fanout: watch")?;
         let mut our_permits = std::collections::BTreeSet::new();
         let key = fleet_store::run_key(&started.run_id);
-        let mut seen = 0u64;
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
+        // A tick that overran (a slow coordinator) is not made up in a burst: the watches
+        // are read between ticks, and must keep up (unread entries hold whole read
+        // buffers of the connection: the client grew by a megabyte an iteration).
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // In this order: the watches are read whenever they hold something, the tick's
+            // requests only when they are empty, so the follower never falls behind them.
             tokio::select! {
+                biased;
                 _ = &mut ctrl_c => {
                     view.finish();
                     eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
@@ -686,6 +703,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 _ = tick.tick() => {}
             }
             seen = milestones(&client, &started, seen, &view).await?;
+            // This run's blocked jobs only: a short reply, where the run's every job (the
+            // view needs no more) grew it to a whole page of a megabyte, asked for five
+            // times a second.
             let jobs: Vec<Job> = call::<Page<Job>>(
                 &client,
                 api::JOBS,
@@ -693,12 +713,13 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                     fleet: started.fleet.clone(),
                     all: false,
                     since: Some(started.run_id.clone()),
+                    status: Some(mur_proto::fleet::JobStatus::Blocked),
                 })?,
             )
             .await
             .map(|page| page.items)
             .unwrap_or_default();
-            let blocked = jobs.iter().any(|j| j.status == mur_proto::fleet::JobStatus::Blocked);
+            let blocked = !jobs.is_empty();
             let changed = view.follow.set_blocked(blocked);
             view.changed(changed)?;
             let record = defs

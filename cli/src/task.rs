@@ -171,6 +171,9 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
     }
 }
 
+/// Ids a note names at most.
+const NOTE_IDS: usize = 5;
+
 /// Says on stderr what a list reply left out: the items that did not fit (`more`) and the
 /// ones whose long fields were clipped (see `proto/src/page.rs`).
 pub fn page_notes<T>(page: &Page<T>, what: &str, narrow: &str, whole: Option<&str>) {
@@ -179,11 +182,14 @@ pub fn page_notes<T>(page: &Page<T>, what: &str, narrow: &str, whole: Option<&st
     }
     if !page.clipped.is_empty() {
         let whole = whole.map(|w| format!("; `{w}` shows one whole")).unwrap_or_default();
+        // A few ids say which; hundreds would bury the list itself.
+        let shown = page.clipped.iter().take(NOTE_IDS).map(String::as_str).collect::<Vec<_>>().join(", ");
+        let more = page.clipped.len().saturating_sub(NOTE_IDS);
+        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
         eprintln!(
-            "note: long texts cut after {} bytes (then `…`) in {} of them: {}{whole}",
+            "note: long texts cut after {} bytes (then `…`) in {} of them: {shown}{more}{whole}",
             mur_proto::page::FIELD_BYTES,
             page.clipped.len(),
-            page.clipped.join(", "),
         );
     }
 }

@@ -258,16 +258,66 @@ impl Fleets {
     /// # Errors
     /// `unavailable` when `mur_jobs` cannot be read.
     pub async fn jobs_of(&self, fleet: &str) -> Result<Vec<(u64, Job)>, ApiError> {
-        let prefix = format!("{fleet}.");
-        let keys = self.job_keys().await?;
-        let mut jobs = Vec::new();
-        for key in keys.into_iter().filter(|k| k.starts_with(&prefix)) {
-            if let Some(job) = self.read_job(&key).await? {
-                jobs.push(job);
-            }
-        }
+        let mut jobs: Vec<(u64, Job)> = self
+            .read_jobs(&format!("{fleet}.>"))
+            .await?
+            .into_iter()
+            .map(|(_, revision, job)| (revision, job))
+            .collect();
         jobs.sort_by(|a, b| a.1.id.cmp(&b.1.id));
         Ok(jobs)
+    }
+
+    /// The jobs under the `mur_jobs` keys `keys` matches (`<fleet>.>`, or `>` for every
+    /// fleet's), each with its key and revision, in one pass over the bucket's stream: an
+    /// ordered consumer delivering the last value of each key. (A request per key took
+    /// 650 ms for a fleet of 2,000 jobs, every time its jobs were listed or a run looked
+    /// for the next one.) Deleted keys and malformed jobs (logged) are left out.
+    async fn read_jobs(&self, keys: &str) -> Result<Vec<(String, u64, Job)>, ApiError> {
+        use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+        use futures::StreamExt;
+        let prefix = format!("$KV.{}.", fleet_store::JOBS_BUCKET);
+        let read = |e: &dyn std::fmt::Display| unavailable("mur_jobs: read", e);
+        let mut consumer = self
+            .jobs
+            .stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: format!("{prefix}{keys}"),
+                deliver_policy: DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| read(&e))?;
+        // By key: a key written while it is read comes again (the consumer delivers what
+        // arrives before it is drained), and its latest value is the one kept.
+        let mut jobs: BTreeMap<String, (u64, Job)> = BTreeMap::new();
+        if consumer.info().await.map_err(|e| read(&e))?.num_pending == 0 {
+            return Ok(Vec::new());
+        }
+        let mut messages = consumer.messages().await.map_err(|e| read(&e))?;
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| read(&e))?;
+            let info = message.info().map_err(|e| read(&e))?;
+            let (revision, left) = (info.stream_sequence, info.pending);
+            let removed = message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+            let key = message.subject.as_str().strip_prefix(&prefix).unwrap_or_default().to_string();
+            match serde_json::from_slice::<Job>(&message.payload) {
+                _ if removed => drop(jobs.remove(&key)),
+                Ok(job) => drop(jobs.insert(key, (revision, job))),
+                Err(e) => {
+                    tracing::warn!(instance = %self.instance, key, "skipping a malformed job: {e}");
+                    jobs.remove(&key);
+                }
+            }
+            if left == 0 {
+                break;
+            }
+        }
+        Ok(jobs.into_iter().map(|(key, (revision, job))| (key, revision, job)).collect())
     }
 
     /// Stores a new job of `fleet` as it is (the run engine's job for a parked standing
@@ -289,16 +339,6 @@ impl Fleets {
     /// `unavailable` when `mur_jobs` cannot be read.
     pub async fn job(&self, fleet: &str, job_id: &str) -> Result<Option<Job>, ApiError> {
         Ok(self.read_job(&fleet_store::job_key(fleet, job_id)).await?.map(|(_, j)| j))
-    }
-
-    async fn job_keys(&self) -> Result<Vec<String>, ApiError> {
-        self.jobs
-            .keys()
-            .await
-            .map_err(|e| unavailable("mur_jobs: keys", e))?
-            .try_collect()
-            .await
-            .map_err(|e| unavailable("mur_jobs: keys", e))
     }
 
     async fn read_job(&self, key: &str) -> Result<Option<(u64, Job)>, ApiError> {
@@ -455,10 +495,8 @@ impl Fleets {
             .await
             .map_err(|e| unavailable("mur_fleets: keys", e))?;
         let mut jobs: BTreeMap<String, Vec<Job>> = BTreeMap::new();
-        for key in self.job_keys().await? {
-            if let Some((fleet, _)) = fleet_store::split_job_key(&key)
-                && let Some((_, job)) = self.read_job(&key).await?
-            {
+        for (key, _, job) in self.read_jobs(">").await? {
+            if let Some((fleet, _)) = fleet_store::split_job_key(&key) {
                 jobs.entry(fleet.to_string()).or_default().push(job);
             }
         }
@@ -614,7 +652,7 @@ impl Fleets {
     /// `fleet.jobs`: the fleet's jobs that `req` asks for, as [`jobs_page`] fits them.
     async fn list_jobs(&self, req: JobsRequest) -> Result<Page<Job>, ApiError> {
         self.definition(&req.fleet).await?;
-        let filter = JobFilter { all: req.all, since: req.since };
+        let filter = JobFilter { all: req.all, since: req.since, status: req.status };
         let jobs = self.jobs_of(&req.fleet).await?.into_iter().map(|(_, j)| j).filter(|j| filter.matches(j));
         Ok(jobs_page(jobs.collect(), self.js.client().server_info().max_payload))
     }

@@ -1943,16 +1943,20 @@ pub struct JobFilter {
     pub all: bool,
     /// `--since <run-id>`: only jobs whose run id starts with it (any status).
     pub since: Option<String>,
+    /// `--status S`: only jobs in status S (with `--since`, or among those listed without).
+    pub status: Option<JobStatus>,
 }
 
 impl JobFilter {
     /// Whether `job` is listed: with `--since`, by run-id prefix; otherwise non-terminal
-    /// jobs, or every job with `--all`.
+    /// jobs, or every job with `--all`; with `--status`, only those in it.
     pub fn matches(&self, job: &Job) -> bool {
-        match &self.since {
+        let listed = match &self.since {
             Some(since) => run_id_matches(job.run_id.as_deref(), since),
-            None => self.all || !job.status.is_terminal(),
-        }
+            // A status asked for is listed whether or not it is terminal.
+            None => self.all || self.status.is_some() || !job.status.is_terminal(),
+        };
+        listed && self.status.is_none_or(|s| s == job.status)
     }
 }
 

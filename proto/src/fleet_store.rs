@@ -503,6 +503,10 @@ pub struct JobsRequest {
     /// Only jobs whose run id starts with this.
     #[serde(default)]
     pub since: Option<String>,
+    /// Only jobs in this status (`mur fleet run`'s view asks for its run's blocked ones:
+    /// a short reply, where the run's every job may be a long one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<crate::fleet::JobStatus>,
 }
 
 /// `fleet.cancel`: a job by id or by a prefix naming one job.

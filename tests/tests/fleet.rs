@@ -108,12 +108,20 @@ async fn definitions_round_trip_through_create_apply_ls_show_and_rm() -> Result<
     let show = ok(&sb, &["show", "pair", "--json"]).last_json();
     assert_eq!((show["yaml"].as_str(), show["notices"].clone()), (Some(PAIR), json!([])));
 
+    ok(&sb, &["send", "pair", "one"]);
+    ok(&sb, &["send", "pair", "two"]);
+    assert_eq!(ok(&sb, &["ls", "--json"]).last_json()[1]["queued"], 2);
     assert_eq!(ok(&sb, &["rm", "pair"]).stdout, "removed fleet pair\n");
     assert_eq!(
         refused(&sb, &["show", "pair"]),
         "mur: not_found: fleet: no fleet named \"pair\" (create it with `mur fleet create FILE`)\n"
     );
     assert_eq!(ok(&sb, &["ls", "--json"]).last_json(), json!([ls[0].clone()]));
+    // A fleet made again under the name starts without the removed one's jobs.
+    ok(&sb, &["create", pair.to_str().unwrap()]);
+    assert_eq!(ok(&sb, &["jobs", "pair", "--all", "--json"]).last_json(), json!([]));
+    assert_eq!(ok(&sb, &["ls", "--json"]).last_json()[1]["queued"], 0);
+    ok(&sb, &["rm", "pair"]);
     assert_eq!(
         refused(&sb, &["show", "Bad"]),
         "mur: invalid_request: fleet: must be 1-64 characters of a-z, 0-9, '-' or '_', got \"Bad\"\n"
@@ -350,6 +358,11 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
     );
     assert_eq!(listed(&["--since", "loop1"]), [row(0, "done", json!("loop1-0")), row(1, "running", json!("loop1-1"))]);
     assert_eq!(listed(&["--since", "loop2-0"]), [row(2, "failed", json!("loop2-0"))]);
+    // `--status`: only jobs in it, a finished status without `--all`, with `--since` too.
+    assert_eq!(listed(&["--status", "queued"]), [row(3, "queued", Value::Null), row(4, "queued", Value::Null)]);
+    assert_eq!(listed(&["--status", "done"]), [row(0, "done", json!("loop1-0"))]);
+    assert_eq!(listed(&["--since", "loop1", "--status", "running"]), [row(1, "running", json!("loop1-1"))]);
+    assert_eq!(listed(&["--since", "loop2", "--status", "running"]), []);
     // The --json objects carry every field.
     let done = &ok(&sb, &["jobs", "pair", "--all", "--json"]).last_json()[0];
     assert_eq!(
@@ -668,6 +681,37 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     sb.shutdown().await;
 }
 
+/// `mur fleet run` follows the run's own channel events from where the channel stood
+/// when it started: a fleet whose channel already holds many pages (8 MB here, 16 of
+/// the log's 512 KB pages) still shows the run's milestones, where the follower paged
+/// through the history from the first event and never reached them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_shows_its_milestones_however_long_the_channel_before_it() {
+    let sb = Sandbox::start(1, 1).await;
+    sb.push(&example("examples/builder")).await;
+    ok(&sb, &["create", example("examples/fleets/builder.yaml").to_str().unwrap()]);
+    let fleets = handle(&sb).await;
+    for n in 0..80u64 {
+        let old = ChannelEvent::system(EventKind::Reply, format!("{n}:{}", "x".repeat(100_000)), n);
+        fleets.publish("builder", &old).await.unwrap();
+    }
+    ok(&sb, &["send", "builder", "echo followed"]);
+    let url = sb.nats.url();
+    let run = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "builder", "--json"]).env("NATS_URL", url))
+    })
+    .await
+    .unwrap();
+    assert_eq!(run.code, 0, "{run:?}");
+    let lines: Vec<Value> = run.stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let run_id = lines[0]["run_id"].as_str().unwrap();
+    let events: Vec<&Value> = lines.iter().filter(|l| l["type"] == "event").collect();
+    assert!(!events.is_empty(), "no milestone shown: {}", run.stdout);
+    assert!(events.iter().all(|e| e["run_id"].as_str().is_some_and(|r| r.starts_with(run_id))), "{events:?}");
+    assert!(events.iter().any(|e| e["text"].as_str().is_some_and(|t| t.contains("echo followed"))), "{events:?}");
+    sb.shutdown().await;
+}
+
 /// `seeds/fleet-loops.md` §The bounds: "Every member the loop delegates to inherits the
 /// remaining time". A step still running when the loop's deadline passes is stopped by its
 /// worker (its shell command killed): the task ends `deadline_exceeded`, the job `failed`,
@@ -743,7 +787,8 @@ async fn a_fleet_with_a_router_plans_each_iteration_and_converges_when_the_route
 
 /// `fleet.jobs` answers in one NATS message (1 MiB here) while a job's text may be up to
 /// 1 MiB: twelve jobs of 100 KB each list with their texts clipped, and the CLI says which
-/// (before, the reply was refused by the server and `mur fleet jobs` timed out).
+/// (before, the reply was refused by the server and `mur fleet jobs` timed out), naming
+/// five of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     let sb = Sandbox::start(0, 1).await;
@@ -759,7 +804,7 @@ async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     assert!(jobs.as_array().unwrap().iter().all(|j| j["text"] == clipped.as_str()));
     assert_eq!(
         run.stderr,
-        format!("note: long texts cut after 4096 bytes (then `…`) in 12 of them: {}\n", ids.join(", "))
+        format!("note: long texts cut after 4096 bytes (then `…`) in 12 of them: {} and 7 more\n", ids[..5].join(", "))
     );
     Ok(())
 }

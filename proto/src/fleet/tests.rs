@@ -1003,8 +1003,11 @@ fn job_listing_hides_terminal_jobs_unless_all_or_since() {
     ];
     let ids = |f: &JobFilter| jobs.iter().filter(|j| f.matches(j)).map(|j| j.text.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&JobFilter::default()), ["job 2", "job 3", "job 5"]);
-    assert_eq!(ids(&JobFilter { all: true, since: None }), ["job 1", "job 2", "job 3", "job 4", "job 5"]);
-    assert_eq!(ids(&JobFilter { all: false, since: Some("nightly".into()) }), ["job 1", "job 2"]);
+    assert_eq!(ids(&JobFilter { all: true, ..JobFilter::default() }), ["job 1", "job 2", "job 3", "job 4", "job 5"]);
+    assert_eq!(ids(&JobFilter { since: Some("nightly".into()), ..JobFilter::default() }), ["job 1", "job 2"]);
+    let blocked = JobFilter { since: Some("other".into()), status: Some(JobStatus::Blocked), ..JobFilter::default() };
+    assert_eq!(ids(&blocked), ["job 5"]);
+    assert_eq!(ids(&JobFilter { status: Some(JobStatus::Done), ..JobFilter::default() }), ["job 1"]);
 }
 
 #[test]
