@@ -108,6 +108,9 @@ impl Op {
     }
 }
 
+/// Jobs read from `mur_jobs` at once when a fleet's jobs are listed.
+const JOB_READS_AT_ONCE: usize = 16;
+
 /// Handles on the fleet buckets and stream.
 #[derive(Clone)]
 pub struct Fleets {
@@ -258,66 +261,35 @@ impl Fleets {
     /// # Errors
     /// `unavailable` when `mur_jobs` cannot be read.
     pub async fn jobs_of(&self, fleet: &str) -> Result<Vec<(u64, Job)>, ApiError> {
-        let mut jobs: Vec<(u64, Job)> = self
-            .read_jobs(&format!("{fleet}.>"))
-            .await?
-            .into_iter()
-            .map(|(_, revision, job)| (revision, job))
-            .collect();
+        let mut jobs: Vec<(u64, Job)> =
+            self.read_jobs(&format!("{fleet}.")).await?.into_iter().map(|(_, revision, job)| (revision, job)).collect();
         jobs.sort_by(|a, b| a.1.id.cmp(&b.1.id));
         Ok(jobs)
     }
 
-    /// The jobs under the `mur_jobs` keys `keys` matches (`<fleet>.>`, or `>` for every
-    /// fleet's), each with its key and revision, in one pass over the bucket's stream: an
-    /// ordered consumer delivering the last value of each key. (A request per key took
-    /// 650 ms for a fleet of 2,000 jobs, every time its jobs were listed or a run looked
-    /// for the next one.) Deleted keys and malformed jobs (logged) are left out.
-    async fn read_jobs(&self, keys: &str) -> Result<Vec<(String, u64, Job)>, ApiError> {
-        use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+    /// The jobs whose `mur_jobs` keys start with `prefix` (`<fleet>.`, or `` for every
+    /// fleet's), each with its key and revision, in key order. The keys are listed once
+    /// (a key written while they are listed comes once, not twice) and read 16 at a time:
+    /// one request after another took 650 ms for a fleet of 2,000 jobs, every time its
+    /// jobs were listed or a run looked for the next one. Deleted keys and malformed jobs
+    /// (logged) are left out.
+    async fn read_jobs(&self, prefix: &str) -> Result<Vec<(String, u64, Job)>, ApiError> {
         use futures::StreamExt;
-        let prefix = format!("$KV.{}.", fleet_store::JOBS_BUCKET);
-        let read = |e: &dyn std::fmt::Display| unavailable("mur_jobs: read", e);
-        let mut consumer = self
+        let keys: std::collections::BTreeSet<String> = self
             .jobs
-            .stream
-            .create_consumer(pull::OrderedConfig {
-                filter_subject: format!("{prefix}{keys}"),
-                deliver_policy: DeliverPolicy::LastPerSubject,
-                ..Default::default()
-            })
+            .keys()
             .await
-            .map_err(|e| read(&e))?;
-        // By key: a key written while it is read comes again (the consumer delivers what
-        // arrives before it is drained), and its latest value is the one kept.
-        let mut jobs: BTreeMap<String, (u64, Job)> = BTreeMap::new();
-        if consumer.info().await.map_err(|e| read(&e))?.num_pending == 0 {
-            return Ok(Vec::new());
-        }
-        let mut messages = consumer.messages().await.map_err(|e| read(&e))?;
-        while let Some(message) = messages.next().await {
-            let message = message.map_err(|e| read(&e))?;
-            let info = message.info().map_err(|e| read(&e))?;
-            let (revision, left) = (info.stream_sequence, info.pending);
-            let removed = message
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-            let key = message.subject.as_str().strip_prefix(&prefix).unwrap_or_default().to_string();
-            match serde_json::from_slice::<Job>(&message.payload) {
-                _ if removed => drop(jobs.remove(&key)),
-                Ok(job) => drop(jobs.insert(key, (revision, job))),
-                Err(e) => {
-                    tracing::warn!(instance = %self.instance, key, "skipping a malformed job: {e}");
-                    jobs.remove(&key);
-                }
-            }
-            if left == 0 {
-                break;
-            }
-        }
-        Ok(jobs.into_iter().map(|(key, (revision, job))| (key, revision, job)).collect())
+            .map_err(|e| unavailable("mur_jobs: keys", e))?
+            .try_filter(|k| std::future::ready(k.starts_with(prefix)))
+            .try_collect()
+            .await
+            .map_err(|e| unavailable("mur_jobs: keys", e))?;
+        let read: Vec<Result<Option<(String, u64, Job)>, ApiError>> = futures::stream::iter(keys)
+            .map(|key| async move { Ok(self.read_job(&key).await?.map(|(revision, job)| (key, revision, job))) })
+            .buffered(JOB_READS_AT_ONCE)
+            .collect()
+            .await;
+        read.into_iter().filter_map(Result::transpose).collect()
     }
 
     /// Stores a new job of `fleet` as it is (the run engine's job for a parked standing
@@ -495,7 +467,7 @@ impl Fleets {
             .await
             .map_err(|e| unavailable("mur_fleets: keys", e))?;
         let mut jobs: BTreeMap<String, Vec<Job>> = BTreeMap::new();
-        for (key, _, job) in self.read_jobs(">").await? {
+        for (key, _, job) in self.read_jobs("").await? {
             if let Some((fleet, _)) = fleet_store::split_job_key(&key) {
                 jobs.entry(fleet.to_string()).or_default().push(job);
             }
