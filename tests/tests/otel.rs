@@ -134,13 +134,14 @@ async fn a_send_message_over_http_joins_the_callers_trace() {
     let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
     assert_eq!(record.state, TaskState::Completed, "{record:?}");
 
+    // The request span ends after its child, the submit, and may be exported in a later
+    // batch: it is waited for too (the wait's own requests have spans of the same name).
     let spans = until("the spans of every process", WAIT, || async {
         let spans = collector.spans();
         let has = |service: &str, name: &str| spans.iter().any(|s| s.service == service && s.name == name);
-        (has("mur", "submit_task")
-            && has("mur-coordinator", "process mur.api.task.submit")
-            && has("mur-worker", "invoke_agent traced"))
-        .then_some(spans)
+        let accept = spans.iter().find(|s| s.service == "mur-coordinator" && s.name == "process mur.api.task.submit");
+        let request = accept.is_some_and(|a| spans.iter().any(|s| s.span_id == a.parent_span_id));
+        (has("mur", "submit_task") && request && has("mur-worker", "invoke_agent traced")).then_some(spans)
     })
     .await;
     let submit = one(&spans, "mur", "submit_task");
