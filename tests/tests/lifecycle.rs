@@ -31,6 +31,33 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
+/// Starts `mur task send --url URL TEXT --wait [more]` and waits for the line that names
+/// its task; returns the process, the task id and the rest of its stderr, line by line.
+fn waiting_sender(
+    url: &str,
+    text: &str,
+    more: &[&str],
+) -> (std::process::Child, String, std::sync::mpsc::Receiver<String>) {
+    let mut sender = mur()
+        .args(["task", "send", "--url", url, text, "--wait"])
+        .args(more)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = sender.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let waiting = rx.recv_timeout(WAIT).unwrap();
+    let id = waiting.strip_prefix("task ").and_then(|l| l.strip_suffix(" submitted; waiting for it to end"));
+    let id = id.unwrap_or_else(|| panic!("{waiting}")).to_string();
+    (sender, id, rx)
+}
+
 fn send(url: &str, text: &str, origin: Option<Origin>) -> mur_worker::a2a::v1::Task {
     rt().block_on(Client::new(url).send(text, &SendOptions { origin, context_id: None })).unwrap()
 }
@@ -326,22 +353,7 @@ fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
     let snapshot = rt.block_on(updates.next()).unwrap().unwrap();
     assert!(matches!(&snapshot, StreamResponse::Task(t) if t.status.state == TaskState::Submitted), "{snapshot:?}");
     // … and one that `mur task send --wait` waits on; it names the task before it waits.
-    let mut sender = mur()
-        .args(["task", "send", "--url", &url, "also queued", "--wait", "--json"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = sender.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let waiting = rx.recv_timeout(WAIT).unwrap();
-    let sent_id = waiting.strip_prefix("task ").and_then(|l| l.strip_suffix(" submitted; waiting for it to end"));
-    let sent_id = sent_id.unwrap_or_else(|| panic!("{waiting}")).to_string();
+    let (sender, sent_id, _stderr) = waiting_sender(&url, "also queued", &["--json"]);
 
     bg.signal(15);
     let why = "canceled: the capsule stopped (shutdown) before the task started";
@@ -446,22 +458,7 @@ fn a_waiting_sender_whose_host_dies_exits_1_saying_the_end_is_unknown() {
     );
     let (bg, first) = start(&c, &[]);
     let url = first["url"].as_str().unwrap().to_string();
-    let mut sender = mur()
-        .args(["task", "send", "--url", &url, "slow", "--wait"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = sender.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let waiting = rx.recv_timeout(WAIT).unwrap();
-    let id = waiting.strip_prefix("task ").and_then(|l| l.strip_suffix(" submitted; waiting for it to end"));
-    let id = id.unwrap_or_else(|| panic!("{waiting}")).to_string();
+    let (mut sender, id, rx) = waiting_sender(&url, "slow", &[]);
     bg.signal(9);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || done_tx.send(sender.wait()));
