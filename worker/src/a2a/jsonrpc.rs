@@ -116,10 +116,14 @@ pub struct Request {
     pub notification: bool,
 }
 
+/// 2^53: from here on a float no longer holds every whole number.
+const MAX_EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
+
 /// Reads a JSON-RPC 2.0 request from a body. On failure returns the id to answer with (null
 /// when unknown) and the error: -32700 for bad JSON; -32600 for a batch, a missing or wrong
-/// `jsonrpc`, a missing method, an id that is not a string, number or null, or params that
-/// are not an object.
+/// `jsonrpc`, a missing method, an id that is not a string, number or null (or a whole
+/// number beyond 64 bits, which could not be echoed as sent), or params that are not an
+/// object.
 pub fn parse_request(body: &[u8]) -> Result<Request, (Value, RpcError)> {
     let value: Value = serde_json::from_slice(body).map_err(|e| (Value::Null, RpcError::parse(e)))?;
     let Value::Object(mut object) = value else {
@@ -130,6 +134,11 @@ pub fn parse_request(body: &[u8]) -> Result<Request, (Value, RpcError)> {
     let id = object.remove("id").unwrap_or(Value::Null);
     if !(id.is_string() || id.is_number() || id.is_null()) {
         return Err((Value::Null, RpcError::invalid_request("id must be a string, a number or null")));
+    }
+    // A whole number beyond 64 bits is read as a float and could not be echoed as sent
+    // (18446744073709551617 came back as 1.8446744073709552e19): refused, not changed.
+    if id.as_f64().is_some_and(|f| id.is_f64() && f.fract() == 0.0 && f.abs() >= MAX_EXACT_FLOAT) {
+        return Err((Value::Null, RpcError::invalid_request("id: a whole number must fit in 64 bits")));
     }
     if object.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
         return Err((id, RpcError::invalid_request("jsonrpc must be exactly \"2.0\"")));
@@ -174,6 +183,17 @@ mod tests {
         assert_eq!((ok.id, ok.method.as_str(), ok.params), (json!("a"), "GetTask", json!({})));
         let (id, _) = parse_request(br#"{"jsonrpc":"2.0","id":7}"#).unwrap_err();
         assert_eq!(id, json!(7), "a known id is echoed on the error");
+        // Whole numbers that fit 64 bits are echoed exactly; one beyond is refused.
+        let big = parse_request(br#"{"jsonrpc":"2.0","id":18446744073709551615,"method":"GetTask"}"#).unwrap();
+        assert_eq!(big.id.to_string(), "18446744073709551615");
+        let low = parse_request(br#"{"jsonrpc":"2.0","id":-9223372036854775808,"method":"GetTask"}"#).unwrap();
+        assert_eq!(low.id.to_string(), "-9223372036854775808");
+        let (id, e) = parse_request(br#"{"jsonrpc":"2.0","id":18446744073709551617,"method":"GetTask"}"#).unwrap_err();
+        assert_eq!(
+            (id, e.code, e.message.as_str()),
+            (Value::Null, INVALID_REQUEST, "id: a whole number must fit in 64 bits")
+        );
+        assert_eq!(parse_request(br#"{"jsonrpc":"2.0","id":1.5,"method":"GetTask"}"#).unwrap().id, json!(1.5));
     }
 
     #[test]
