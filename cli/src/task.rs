@@ -273,9 +273,18 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
             }
             return Ok(ExitCode::SUCCESS);
         }
+        // Ctrl-C is ours before the line that invites it: it stops the wait, not the task.
+        let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
         // The id, before a wait that may be long (a Ctrl-C leaves the task running).
         eprintln!("task {} submitted; waiting for it to end", reply.task_id);
-        let rec = match wait_for(&client, &reply.task_id).await {
+        let waited = tokio::select! {
+            waited = wait_for(&client, &reply.task_id) => waited,
+            _ = interrupt.recv() => {
+                eprintln!("mur: interrupted; task {} goes on (mur task status {})", reply.task_id, reply.task_id);
+                return Ok(ExitCode::from(130));
+            }
+        };
+        let rec = match waited {
             Ok(rec) => rec,
             Err(e) => {
                 // Submitted: something was done, its end is not known (exit 1, not 2).
@@ -348,9 +357,24 @@ fn send(args: SendArgs) -> Result<ExitCode> {
         .block_on(client.send(text, &options).instrument(span.clone()))
         .with_context(|| format!("sending to {url}"))?;
     let task = if args.wait && !task.status.state.is_settled() {
+        // Ctrl-C is ours before the line that invites it: it stops the wait, not the task.
+        let mut interrupt = {
+            let _runtime = runtime.enter();
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?
+        };
         // The id, before a wait that may be long (a Ctrl-C leaves the task running).
         eprintln!("task {} submitted; waiting for it to end", task.id);
-        match runtime.block_on(client.wait(&task.id, Duration::from_millis(200)).instrument(span)) {
+        let waited = runtime.block_on(async {
+            tokio::select! {
+                waited = client.wait(&task.id, Duration::from_millis(200)).instrument(span) => Some(waited),
+                _ = interrupt.recv() => None,
+            }
+        });
+        let Some(waited) = waited else {
+            eprintln!("mur: interrupted; task {} goes on", task.id);
+            return Ok(ExitCode::from(130));
+        };
+        match waited {
             Ok(task) => task,
             Err(e) => {
                 // The task was taken: something was done, its end is not known (exit 1,

@@ -469,3 +469,26 @@ fn a_waiting_sender_whose_host_dies_exits_1_saying_the_end_is_unknown() {
     let expected = format!("mur: task {id} was accepted, but its end is unknown: ");
     assert!(said.iter().any(|l| l.starts_with(&expected)), "{expected} in {said:?}");
 }
+
+/// Ctrl-C on `mur task send --wait` stops the wait, not the task: it says the task goes
+/// on and exits 130 (it died of the signal, saying nothing).
+#[test]
+fn ctrl_c_on_a_waiting_sender_leaves_the_task_running() {
+    let c = TestCapsule::new(
+        &manifest("queue", "  after_task: sleep\n"),
+        &[("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n")],
+    );
+    let (_bg, first) = start(&c, &[]);
+    let url = first["url"].as_str().unwrap().to_string();
+    let (mut sender, id, rx) = waiting_sender(&url, "slow", &[]);
+    // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+    unsafe { libc::kill(sender.id() as i32, libc::SIGINT) };
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done_tx.send(sender.wait()));
+    let status = done_rx.recv_timeout(WAIT).expect("the sender did not exit").unwrap();
+    let said: Vec<String> = rx.iter().collect();
+    assert_eq!(status.code(), Some(130), "{said:?}");
+    assert_eq!(said, [format!("mur: interrupted; task {id} goes on")]);
+    let task = rt().block_on(Client::new(&url).get(&id)).unwrap();
+    assert!(matches!(task.status.state, TaskState::Submitted | TaskState::Working), "{:?}", task.status);
+}
