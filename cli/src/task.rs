@@ -273,32 +273,43 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
             }
             return Ok(ExitCode::SUCCESS);
         }
-        // Ctrl-C is ours before the line that invites it: it stops the wait, not the task.
-        let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-        // The id, before a wait that may be long (a Ctrl-C leaves the task running).
-        eprintln!("task {} submitted; waiting for it to end", reply.task_id);
-        let waited = tokio::select! {
-            waited = wait_for(&client, &reply.task_id) => waited,
-            _ = interrupt.recv() => {
-                eprintln!("mur: interrupted; task {} goes on (mur task status {})", reply.task_id, reply.task_id);
-                return Ok(ExitCode::from(130));
-            }
-        };
-        let rec = match waited {
+        let hint = format!(" (mur task status {})", reply.task_id);
+        let rec = match wait_for_end(&reply.task_id, &hint, wait_for(&client, &reply.task_id)).await? {
             Ok(rec) => rec,
-            Err(e) => {
-                // Submitted: something was done, its end is not known (exit 1, not 2).
-                eprintln!(
-                    "mur: task {} was accepted, but its end is unknown: {}",
-                    reply.task_id,
-                    crate::text::printable(&format!("{e:#}"))
-                );
-                return Ok(ExitCode::FAILURE);
-            }
+            Err(code) => return Ok(code),
         };
         print_record(&rec, args.json);
         Ok(if rec.exit_status == Some(mur_proto::task::ExitStatus::Ok) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
     })
+}
+
+/// `--wait` on an accepted task: says it waits, then waits with `wait`. Ctrl-C stops the
+/// wait, not the task (`mur: interrupted; task … goes on{hint}`, exit 130; the handler is
+/// in place before the line that invites it); a wait that fails is exit 1 — the task was
+/// accepted, its end is unknown — not the 2 of a send that reached nobody (README §exit
+/// codes).
+///
+/// # Errors
+/// The interrupt handler cannot be installed.
+async fn wait_for_end<T, E: std::fmt::Display>(
+    task_id: &str,
+    hint: &str,
+    wait: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<Result<T, ExitCode>> {
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    eprintln!("task {task_id} submitted; waiting for it to end");
+    tokio::select! {
+        waited = wait => Ok(waited.map_err(|e| {
+            let why = format!("{e:#}");
+            let why = crate::text::printable(&why);
+            eprintln!("mur: task {task_id} was accepted, but its end is unknown: {why}");
+            ExitCode::FAILURE
+        })),
+        _ = interrupt.recv() => {
+            eprintln!("mur: interrupted; task {task_id} goes on{hint}");
+            Ok(Err(ExitCode::from(130)))
+        }
+    }
 }
 
 /// Submits `request` in a `submit_task` span whose W3C `traceparent` goes along in the
@@ -357,35 +368,10 @@ fn send(args: SendArgs) -> Result<ExitCode> {
         .block_on(client.send(text, &options).instrument(span.clone()))
         .with_context(|| format!("sending to {url}"))?;
     let task = if args.wait && !task.status.state.is_settled() {
-        // Ctrl-C is ours before the line that invites it: it stops the wait, not the task.
-        let mut interrupt = {
-            let _runtime = runtime.enter();
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?
-        };
-        // The id, before a wait that may be long (a Ctrl-C leaves the task running).
-        eprintln!("task {} submitted; waiting for it to end", task.id);
-        let waited = runtime.block_on(async {
-            tokio::select! {
-                waited = client.wait(&task.id, Duration::from_millis(200)).instrument(span) => Some(waited),
-                _ = interrupt.recv() => None,
-            }
-        });
-        let Some(waited) = waited else {
-            eprintln!("mur: interrupted; task {} goes on", task.id);
-            return Ok(ExitCode::from(130));
-        };
-        match waited {
+        let wait = client.wait(&task.id, Duration::from_millis(200)).instrument(span);
+        match runtime.block_on(wait_for_end(&task.id, "", wait))? {
             Ok(task) => task,
-            Err(e) => {
-                // The task was taken: something was done, its end is not known (exit 1,
-                // not the 2 of a send that reached nobody).
-                eprintln!(
-                    "mur: task {} was accepted, but its end is unknown: {}",
-                    task.id,
-                    crate::text::printable(&format!("{e:#}"))
-                );
-                return Ok(ExitCode::FAILURE);
-            }
+            Err(code) => return Ok(code),
         }
     } else {
         task

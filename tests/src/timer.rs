@@ -4,12 +4,11 @@
 //! A fake model that is to answer "after 200 ms" then does, and a benchmark's ideal is
 //! not missed by the fixture's own clock.
 //!
-//! One thread holds every deadline in a heap and waits on a channel with a timeout
+//! One thread holds every deadline in an ordered map and waits on a channel with a timeout
 //! (a futex with a nanosecond deadline, under the kernel's 50 µs timer slack); at each
 //! deadline it completes the sleeper's oneshot, which wakes its task at once.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -48,30 +47,22 @@ fn timer() -> mpsc::Sender<Request> {
 }
 
 fn run(requests: &mpsc::Receiver<Request>) {
-    // Ordered by deadline, then by arrival (the sequence number), earliest first.
-    let mut due: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
-    let mut senders: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+    // By deadline, then by arrival (the sequence number), earliest first.
+    let mut due: BTreeMap<(Instant, u64), oneshot::Sender<()>> = BTreeMap::new();
     let mut next = 0u64;
     loop {
         let now = Instant::now();
-        while let Some(Reverse((at, n))) = due.peek().copied() {
-            if at > now {
-                break;
-            }
-            due.pop();
-            if let Some(tx) = senders.remove(&n) {
-                let _ = tx.send(());
-            }
+        while let Some(entry) = due.first_entry().filter(|e| e.key().0 <= now) {
+            let _ = entry.remove().send(());
         }
-        let request = match due.peek() {
+        let request = match due.first_key_value() {
             None => requests.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            Some(Reverse((at, _))) => requests.recv_timeout(at.saturating_duration_since(now)),
+            Some(((at, _), _)) => requests.recv_timeout(at.saturating_duration_since(now)),
         };
         match request {
             Ok((at, tx)) => {
                 next += 1;
-                due.push(Reverse((at, next)));
-                senders.insert(next, tx);
+                due.insert((at, next), tx);
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => return,

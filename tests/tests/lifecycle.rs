@@ -18,6 +18,29 @@ fn manifest(acceptance: &str, extra: &str) -> String {
     )
 }
 
+/// A script whose one reply never comes (a minute's delay): the task runs until stopped.
+const NEVER: &str = "replies:\n  - text: never\n    delay_ms: 60000\n";
+
+/// A `queue` capsule that sleeps between tasks (`extra`: more `lifecycle:` lines) with one
+/// hook bound to `binding`, running `script` under `sh` (for 120 s at most).
+fn hooked(extra: &str, binding: &str, replies: &str, script: &str) -> TestCapsule {
+    let hook = format!("hooks:\n  - name: h\n    binding: {binding}\n    command: [sh, h.sh]\n    timeout_secs: 120\n");
+    TestCapsule::new(
+        &manifest("queue", &format!("  after_task: sleep\n{extra}{hook}")),
+        &[("r.yaml", replies), ("h.sh", script)],
+    )
+}
+
+/// Waits until the session's trace holds its first `task_start`.
+fn wait_for_task_start(session_dir: &str) {
+    let trace = Path::new(session_dir).join("trace.jsonl");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(&trace).unwrap_or_default().contains("\"task_start\"") {
+        assert!(std::time::Instant::now() < deadline, "task never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Starts `mur run --json` on `capsule` with `args`; returns the process and its URL.
 fn start(capsule: &TestCapsule, args: &[&str]) -> (Background, Value) {
     let mut bg = Background::spawn(mur().arg("run").arg(capsule.dir()).arg("--json").args(args));
@@ -171,24 +194,11 @@ fn idle_exit_ends_an_idle_queue_capsule_cleanly() {
 /// whose session is the task's, ends its session under the task's cancel).
 #[test]
 fn sigterm_interrupts_the_running_task_and_writes_session_end() {
-    let c = TestCapsule::new(
-        &manifest(
-            "queue",
-            "  after_task: sleep\nhooks:\n  - name: bye\n    binding: on-session-end\n    command: [sh, bye.sh]\n",
-        ),
-        &[
-            ("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n"),
-            ("bye.sh", "cat > /dev/null\ntouch ended\necho '{\"action\":\"none\"}'\n"),
-        ],
-    );
+    let c = hooked("", "on-session-end", NEVER, "cat > /dev/null\ntouch ended\necho '{\"action\":\"none\"}'\n");
     let (mut bg, first) = start(&c, &["--task", "long"]);
     let dir = first["session_dir"].as_str().unwrap().to_string();
     // Wait until the task has started, then stop the host.
-    let deadline = std::time::Instant::now() + WAIT;
-    while !std::fs::read_to_string(Path::new(&dir).join("trace.jsonl")).unwrap_or_default().contains("\"task_start\"") {
-        assert!(std::time::Instant::now() < deadline, "task never started");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_task_start(&dir);
     bg.signal(15);
     let last = bg.next_json(WAIT);
     assert_eq!((last["stopped"].as_str(), last["exit_status"].as_str()), (Some("shutdown"), Some("canceled")));
@@ -206,19 +216,11 @@ fn sigterm_interrupts_the_running_task_and_writes_session_end() {
 /// it had passed (it did, skipping the gate).
 #[test]
 fn a_stop_while_the_on_task_end_gate_runs_ends_the_task_canceled() {
-    let c = TestCapsule::new(
-        &manifest(
-            "queue",
-            "  after_task: sleep\n  max_task_reopens: 1\nhooks:\n  - name: gate\n    binding: on-task-end\n    \
-             command: [sh, gate.sh]\n    timeout_secs: 120\n",
-        ),
-        &[
-            ("r.yaml", "replies:\n  - text: looks done\n  - text: again\n"),
-            (
-                "gate.sh",
-                "cat > /dev/null\ntouch gate-started\nsleep 60\necho '{\"action\":\"reopen-task\",\"reason\":\"no\"}'\n",
-            ),
-        ],
+    let c = hooked(
+        "  max_task_reopens: 1\n",
+        "on-task-end",
+        "replies:\n  - text: looks done\n  - text: again\n",
+        "cat > /dev/null\ntouch gate-started\nsleep 60\necho '{\"action\":\"reopen-task\",\"reason\":\"no\"}'\n",
     );
     let (mut bg, first) = start(&c, &["--task", "work"]);
     let dir = first["session_dir"].as_str().unwrap().to_string();
@@ -246,16 +248,11 @@ fn a_stop_while_the_on_task_end_gate_runs_ends_the_task_canceled() {
 /// does not wait out a hook that hangs (here for a minute), and still writes `session_end`.
 #[test]
 fn a_second_signal_stops_a_hanging_on_session_end_hook() {
-    let c = TestCapsule::new(
-        &manifest(
-            "queue",
-            "  after_task: sleep\nhooks:\n  - name: bye\n    binding: on-session-end\n    command: [sh, bye.sh]\n    \
-             timeout_secs: 120\n",
-        ),
-        &[
-            ("r.yaml", "replies:\n  - text: done\n"),
-            ("bye.sh", "cat > /dev/null\ntouch hook-started\nsleep 60\necho '{\"action\":\"none\"}'\n"),
-        ],
+    let c = hooked(
+        "",
+        "on-session-end",
+        "replies:\n  - text: done\n",
+        "cat > /dev/null\ntouch hook-started\nsleep 60\necho '{\"action\":\"none\"}'\n",
     );
     let (mut bg, first) = start(&c, &[]);
     let dir = first["session_dir"].as_str().unwrap().to_string();
@@ -325,25 +322,15 @@ fn mur_task_send_reaches_a_running_capsule() {
 fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
     use futures::StreamExt;
     use mur_worker::a2a::v1::StreamResponse;
-    let c = TestCapsule::new(
-        &manifest(
-            "queue",
-            "  after_task: sleep\n  queue_depth: 5\nhooks:\n  - name: hold\n    binding: on-session-end\n    \
-             command: [sh, hold.sh]\n    timeout_secs: 120\n",
-        ),
-        &[
-            ("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n"),
-            ("hold.sh", "cat > /dev/null\nwhile [ ! -e go ]; do sleep 0.02; done\necho '{\"action\":\"none\"}'\n"),
-        ],
+    let c = hooked(
+        "  queue_depth: 5\n",
+        "on-session-end",
+        NEVER,
+        "cat > /dev/null\nwhile [ ! -e go ]; do sleep 0.02; done\necho '{\"action\":\"none\"}'\n",
     );
     let (mut bg, first) = start(&c, &["--task", "long"]);
     let url = first["url"].as_str().unwrap().to_string();
-    let dir = first["session_dir"].as_str().unwrap().to_string();
-    let deadline = std::time::Instant::now() + WAIT;
-    while !std::fs::read_to_string(Path::new(&dir).join("trace.jsonl")).unwrap_or_default().contains("\"task_start\"") {
-        assert!(std::time::Instant::now() < deadline, "task never started");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_task_start(first["session_dir"].as_str().unwrap());
     // One waiting task followed by a subscriber (its first event, the snapshot, says the
     // subscription is in place)…
     let rt = rt();
@@ -452,10 +439,7 @@ fn the_queue_example_answers_more_tasks_than_its_replies_hold() {
 /// done — not 2 as a send that reached no one.
 #[test]
 fn a_waiting_sender_whose_host_dies_exits_1_saying_the_end_is_unknown() {
-    let c = TestCapsule::new(
-        &manifest("queue", "  after_task: sleep\n"),
-        &[("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n")],
-    );
+    let c = TestCapsule::new(&manifest("queue", "  after_task: sleep\n"), &[("r.yaml", NEVER)]);
     let (bg, first) = start(&c, &[]);
     let url = first["url"].as_str().unwrap().to_string();
     let (mut sender, id, rx) = waiting_sender(&url, "slow", &[]);
@@ -474,10 +458,7 @@ fn a_waiting_sender_whose_host_dies_exits_1_saying_the_end_is_unknown() {
 /// on and exits 130 (it died of the signal, saying nothing).
 #[test]
 fn ctrl_c_on_a_waiting_sender_leaves_the_task_running() {
-    let c = TestCapsule::new(
-        &manifest("queue", "  after_task: sleep\n"),
-        &[("r.yaml", "replies:\n  - text: never\n    delay_ms: 60000\n")],
-    );
+    let c = TestCapsule::new(&manifest("queue", "  after_task: sleep\n"), &[("r.yaml", NEVER)]);
     let (_bg, first) = start(&c, &[]);
     let url = first["url"].as_str().unwrap().to_string();
     let (mut sender, id, rx) = waiting_sender(&url, "slow", &[]);

@@ -593,26 +593,32 @@ impl Intake {
 
     /// The task's current snapshot; `None` for an unknown id or one beyond the history.
     pub fn get(&self, id: &str) -> Option<TaskRecord> {
-        let mut st = self.lock();
+        let st = self.lock();
         let record = st.entries.get(id).map(|e| e.record.clone());
-        if record.as_ref().is_some_and(|r| r.state.is_terminal()) && st.untold.remove(id) {
+        self.told(st, record.as_ref());
+        record
+    }
+
+    /// Someone read `record` (a `GetTask`, a subscription's snapshot): if it is the end of
+    /// a task [`Intake::cancel_waiting`] ended, that end is told; [`Intake::wait_untold`]
+    /// is woken.
+    fn told(&self, mut st: MutexGuard<'_, State>, record: Option<&TaskRecord>) {
+        if let Some(r) = record.filter(|r| r.state.is_terminal())
+            && st.untold.remove(&r.id)
+        {
             drop(st);
             self.wake.notify_waiters();
         }
-        record
     }
 
     /// The task's snapshot and its later updates, taken atomically (no update is lost
     /// between them). `None` for an unknown id.
     pub fn subscribe(&self, id: &str) -> Option<Subscription> {
-        let mut st = self.lock();
+        let st = self.lock();
         let entry = st.entries.get(id)?;
         let updates = updates_stream(entry.updates.as_ref().map(|tx| tx.subscribe()));
         let subscription = Subscription { snapshot: entry.record.clone(), updates };
-        if subscription.snapshot.state.is_terminal() && st.untold.remove(id) {
-            drop(st);
-            self.wake.notify_waiters();
-        }
+        self.told(st, Some(&subscription.snapshot));
         Some(subscription)
     }
 

@@ -170,7 +170,6 @@ mod tests {
         for name in ["ses_2", "ses_1", ".hidden", "notes"] {
             std::fs::create_dir_all(sessions.join(name)).unwrap();
         }
-        std::fs::create_dir_all(&sessions).unwrap();
         std::fs::write(sessions.join("stray-file"), "").unwrap();
         let first = Retention::new(0);
         let (held, adopted) = lock_and_adopt(&sessions, &first).unwrap();
