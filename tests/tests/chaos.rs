@@ -487,11 +487,16 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
         &[],
     );
     let log = capsule.dir().join("log.txt");
+    let (pids, go) = (capsule.dir().join("pids.txt"), capsule.dir().join("go"));
+    // Each run notes its shell's pid and "start N", then holds until the test says go: the
+    // killed run cannot reach "end 1" before its worker is killed, however loaded the box.
     std::fs::write(
         capsule.dir().join("r.yaml"),
         format!(
-            "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"echo start {{{{task}}}} >> {l} && sleep 1 && echo end {{{{task}}}} >> {l}\" }} }}]\n  - text: done\n",
-            l = log.display()
+            "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"echo $$ >> {p} && echo start {{{{task}}}} >> {l} && while [ ! -e {g} ]; do sleep 0.05; done && echo end {{{{task}}}} >> {l}\" }} }}]\n  - text: done\n",
+            p = pids.display(),
+            l = log.display(),
+            g = go.display(),
         ),
     )
     .unwrap();
@@ -507,6 +512,13 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     })
     .await;
     first.kill9();
+    // Its command dies with it (the lifeline); only then may the runs go on.
+    let pid: u32 = std::fs::read_to_string(&pids).unwrap().lines().next().unwrap().trim().parse().unwrap();
+    until("the killed worker's command is gone", WAIT, || async {
+        matches!(proc_state(pid), None | Some('Z')).then_some(())
+    })
+    .await;
+    std::fs::write(&go, "").unwrap();
     let _second = cluster.worker("wkr-second", 2);
     for id in &ids {
         let r = cluster.wait_record(id, WAIT, |r| r.state.is_terminal()).await;
