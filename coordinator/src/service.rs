@@ -322,8 +322,8 @@ async fn lead(
     // and the live feed.
     let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
     let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
-    let task_entries = caught_up(&res.tasks, &mut task_watch).await?;
-    let worker_entries = caught_up(&res.workers, &mut worker_watch).await?;
+    let task_entries = caught_up(&res.tasks, &mut task_watch, |entry| !ended_or_gone(entry)).await?;
+    let worker_entries = caught_up(&res.workers, &mut worker_watch, |_| true).await?;
 
     let (inputs, input_rx) = mpsc::unbounded_channel();
     let (admissions, admission_rx) = mpsc::unbounded_channel();
@@ -408,8 +408,14 @@ async fn lead(
 }
 
 /// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
-/// started (or later), and returns what it read: the bucket's current state.
-async fn caught_up(store: &kv::Store, watch: &mut kv::Watch) -> Result<Vec<kv::Entry>, Error> {
+/// started (or later), and returns the entries of what it read that `keep` accepts: the
+/// bucket's current state, or the part of it the caller needs (entries not kept are dropped
+/// as they are read).
+async fn caught_up(
+    store: &kv::Store,
+    watch: &mut kv::Watch,
+    keep: impl Fn(&kv::Entry) -> bool,
+) -> Result<Vec<kv::Entry>, Error> {
     // Messages are never removed from these streams except by newer revisions, so a
     // stream empty now was empty when the watcher started: it has nothing to replay.
     let info = store.stream.get_info().await.map_err(nats(format!("{}: info", store.name)))?;
@@ -420,12 +426,29 @@ async fn caught_up(store: &kv::Store, watch: &mut kv::Watch) -> Result<Vec<kv::E
     while let Some(entry) = watch.next().await {
         let entry = entry.map_err(nats(format!("{}: watch", store.name)))?;
         let last = entry.delta == 0;
-        entries.push(entry);
+        if keep(&entry) {
+            entries.push(entry);
+        }
         if last {
             return Ok(entries);
         }
     }
     Err(Error::LoopEnded("a bucket watch"))
+}
+
+/// Whether a `mur_tasks` entry is one the restart replay skips: a delete or purge marker,
+/// or a record that has ended. Only the record's `state` is read, so an ended record is
+/// looked at and dropped, not held until the replay is over: a store of thousands of ended
+/// tasks with long results made a restarting coordinator hold them all at once (390 MiB
+/// resident over 300 MB of results; issue #9). A record whose state cannot be read is
+/// kept, for [`Ctx::record_of`] to report.
+fn ended_or_gone(entry: &kv::Entry) -> bool {
+    #[derive(Deserialize)]
+    struct StateOnly {
+        state: TaskState,
+    }
+    entry.operation != kv::Operation::Put
+        || serde_json::from_slice::<StateOnly>(&entry.value).is_ok_and(|r| r.state.is_terminal())
 }
 
 /// What every endpoint handler shares.

@@ -20,14 +20,17 @@
 //!   640 tasks from the first submit to the last end, three runs, the median judged (with
 //!   one round of 64 and the rate once every slot is busy beside it);
 //! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
-//!   16 sessions running against that fake model (idle = registered, before any task).
+//!   16 sessions running against that fake model (idle = registered, before any task);
+//! - a `mur coordinator` process restarting over a store of 3000 ended tasks with 100 KB
+//!   results each: the time until it has restored its scheduler and its peak resident
+//!   memory (`VmHWM`), against the same over an empty store.
 //!
 //! The coordinator, the in-process workers and the client share this process and its
 //! runtime, and the machine with nats-server; on a 2-core box everything competes for the
 //! same two cores, as it would in `mur dev`.
 //!
 //! `MUR_BENCH_PHASES` picks phases, for profiling one: any of `noop` (baseline, round
-//! trips, dispatch, no-op throughput), `slow` and `memory`, comma-separated; all by default.
+//! trips, dispatch, no-op throughput), `slow`, `memory` and `restore`, comma-separated; all by default.
 //!
 //! Sizes: a release build runs the full counts; a debug build (`cargo test --workspace`,
 //! CI's smoke run) or `MUR_BENCH_QUICK=1` runs a few dozen tasks per figure. Figures and
@@ -65,15 +68,39 @@ struct Sizes {
     slow_rounds: usize,
     /// How many times the slow-model run is repeated; the median is judged.
     slow_runs: usize,
+    /// Ended task records in the store a coordinator restarts over.
+    ended_records: usize,
 }
 
 impl Sizes {
     fn get() -> (Sizes, bool) {
         let quick = cfg!(debug_assertions) || std::env::var_os("MUR_BENCH_QUICK").is_some_and(|v| v != "0");
         if quick {
-            (Sizes { raw: 50, round_trips: 30, waits: 10, noop_tasks: 40, slow_rounds: 1, slow_runs: 1 }, true)
+            (
+                Sizes {
+                    raw: 50,
+                    round_trips: 30,
+                    waits: 10,
+                    noop_tasks: 40,
+                    slow_rounds: 1,
+                    slow_runs: 1,
+                    ended_records: 40,
+                },
+                true,
+            )
         } else {
-            (Sizes { raw: 3000, round_trips: 1000, waits: 200, noop_tasks: 4000, slow_rounds: 10, slow_runs: 3 }, false)
+            (
+                Sizes {
+                    raw: 3000,
+                    round_trips: 1000,
+                    waits: 200,
+                    noop_tasks: 4000,
+                    slow_rounds: 10,
+                    slow_runs: 3,
+                    ended_records: 3000,
+                },
+                false,
+            )
         }
     }
 }
@@ -102,9 +129,9 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let mut table = Table::default();
     table.note(&format!("scratch files (nats-server's store, session folders) under {}", scratch.display()));
-    // `MUR_BENCH_PHASES=noop,slow,memory` (any of them; all by default) runs fewer, for
+    // `MUR_BENCH_PHASES=noop,slow,memory,restore` (any of them; all by default) runs fewer, for
     // profiling one.
-    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory".into());
+    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory,restore".into());
     let phase = |name: &str| phases.split(',').any(|p| p.trim() == name);
     runtime.block_on(async {
         if phase("noop") {
@@ -115,6 +142,9 @@ fn main() {
         }
         if phase("memory") {
             worker_memory(&mut table).await;
+        }
+        if phase("restore") {
+            coordinator_restore(&sizes, &mut table).await;
         }
     });
     table.print(quick);
@@ -574,6 +604,84 @@ async fn worker_memory(table: &mut Table) {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Phase 4: a `mur coordinator` process restarting over a store of ended tasks.
+
+/// The result text of each ended task in the restore figure: a long answer, as agents give.
+const ENDED_RESULT_BYTES: usize = 100_000;
+
+async fn coordinator_restore(sizes: &Sizes, table: &mut Table) {
+    let Some(mur) = mur_binary() else {
+        table.note("coordinator restore: skipped, no `mur` binary (cargo build --release --bin mur, or set MUR_BIN)");
+        return;
+    };
+    let n = sizes.ended_records;
+    let (empty_time, empty_peak) = restore_once(&mur, 0).await;
+    let (full_time, full_peak) = restore_once(&mur, n).await;
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let stored = (n * ENDED_RESULT_BYTES) as f64 / 1e6;
+    table.value(
+        &format!("coordinator restart over {n} ended tasks ({stored:.0} MB of results): time to restored"),
+        ms(full_time),
+        format!("{:.1}× the empty store's {}", full_time.as_secs_f64() / empty_time.as_secs_f64(), ms(empty_time)),
+        None,
+    );
+    table.value(
+        "  coordinator peak RSS (VmHWM) over them",
+        format!("{:.1} MiB", mib(full_peak)),
+        format!("{:.2}× the empty store's {:.1} MiB", full_peak as f64 / empty_peak as f64, mib(empty_peak)),
+        None,
+    );
+}
+
+/// Starts a nats-server, stores `records` ended task records, starts `mur coordinator` on
+/// it and returns how long the coordinator took to log `coordinator restored` and its peak
+/// resident memory by then.
+async fn restore_once(mur: &std::path::Path, records: usize) -> (Duration, u64) {
+    let nats = mur_tests::nats::NatsServer::start();
+    let js = nats.jetstream().await;
+    let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
+    let result = "x".repeat(ENDED_RESULT_BYTES);
+    futures::stream::iter(0..records)
+        .for_each_concurrent(16, |_| {
+            let (tasks, result) = (res.tasks.clone(), &result);
+            async move {
+                let id = Id::generate(IdKind::Task);
+                let request = SubmitRequest::new("noop", "hi", Origin::User);
+                let mut record =
+                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+                record.state = TaskState::Completed;
+                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
+                record.result = Some(result.clone());
+                let value = serde_json::to_vec(&record).expect("record");
+                tasks.put(id.as_str(), value.into()).await.expect("store an ended record");
+            }
+        })
+        .await;
+    let t0 = Instant::now();
+    let mut child = std::process::Command::new(mur)
+        .args(["coordinator", "--server", &nats.url()])
+        .env_remove("NATS_URL")
+        .env("MUR_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn mur coordinator");
+    let pid = child.id();
+    let stderr = child.stderr.take().expect("stderr");
+    let restored = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr).lines().map_while(Result::ok).any(|l| l.contains("coordinator restored"))
+    });
+    let restored = tokio::time::timeout(PHASE_DEADLINE, restored).await;
+    let elapsed = t0.elapsed();
+    let peak = vm_field(pid, "VmHWM:").unwrap_or(0);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(matches!(restored, Ok(Ok(true))), "the coordinator did not restore over {records} ended tasks");
+    (elapsed, peak)
+}
+
 fn mur_binary() -> Option<std::path::PathBuf> {
     if let Some(p) = std::env::var_os("MUR_BIN") {
         return Some(p.into());
@@ -595,8 +703,13 @@ fn cpu_time(pid: u32) -> Option<Duration> {
 
 /// `VmRSS` of process `pid`, in bytes.
 fn vm_rss(pid: u32) -> Option<u64> {
+    vm_field(pid, "VmRSS:")
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`), in bytes.
+fn vm_field(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }

@@ -1208,6 +1208,9 @@ async fn a_restarted_coordinator_keeps_lane_order_and_dispatches_nothing_twice()
     for (text, origin) in [("bg-1", "schedule"), ("peer-1", "peer"), ("user-1", "user")] {
         submit(&client, "greeter", text, origin).await?;
     }
+    // An ended task in the store: the restart's replay passes over it.
+    let canceled = submit(&client, "greeter", "canceled", "user").await?;
+    let _: TaskRecord = api::call(&client, cluster::api::TASK_CANCEL, canceled).await?;
     first.crash().await;
 
     let second = Coordinator::start(&server, "c2").await;
