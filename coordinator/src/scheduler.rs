@@ -20,7 +20,8 @@
 //!    after the ack wait, so it stays in flight until it ends.
 //! 4. **Idempotent inputs**: a second `Submitted` for a known task, an `Ended` for an ended
 //!    one, and the like change nothing (the adapter may replay after a restart); each is
-//!    reported as [`Output::Ignored`] for the adapter to log.
+//!    reported as [`Output::Ignored`] for the adapter to log. Ended tasks are known by the
+//!    last [`ENDED_KEPT`] ids, so the memory of them is bounded.
 //! 5. **Rebuild**: [`Scheduler::restore`] replays the task records of a restarted coordinator
 //!    in any order and ends in the state the old one had, so it releases the same next task.
 //!
@@ -30,7 +31,7 @@
 
 use mur_proto::Lane;
 use mur_proto::lanes::Lanes;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 #[cfg(test)]
 mod tests;
@@ -231,8 +232,8 @@ struct InFlight {
 ///
 /// Feed it with [`Scheduler::apply`]; rebuild it after a restart with
 /// [`Scheduler::restore`]. Costs: a release or a removal scans the waiting tasks (O(n)); an
-/// out-of-order `Submitted` re-sorts them (O(n log n)). Ended task ids are remembered for the
-/// scheduler's lifetime (rule 4), one short string each.
+/// out-of-order `Submitted` re-sorts them (O(n log n)). The last [`ENDED_KEPT`] ended task
+/// ids are remembered (rule 4), one short string each.
 #[derive(Clone, Debug, Default)]
 pub struct Scheduler {
     /// Waiting tasks in dispatch order (sorted by `(seq, task_id)` within each lane whenever
@@ -249,10 +250,41 @@ pub struct Scheduler {
     in_flight: HashMap<String, InFlight>,
     /// Tasks in flight per capsule (only non-zero counts are kept).
     capsule_load: HashMap<String, u32>,
-    /// Every task that ended or was canceled here.
-    ended: HashSet<String>,
+    /// The last [`ENDED_KEPT`] tasks that ended or were canceled here.
+    ended: Ended,
     /// Live workers and their slots.
     workers: BTreeMap<String, u32>,
+}
+
+/// How many ended task ids the scheduler remembers (rule 4). A late input for an ended
+/// task comes from a watch a little behind the intake, within moments of the end; an
+/// unbounded set grew with every task a long-lived coordinator saw (~60 bytes each: 50 MB a
+/// day at 10 tasks/s). 100,000 ids are a few MB.
+pub const ENDED_KEPT: usize = 100_000;
+
+/// The ids of the tasks that ended most recently, at most [`ENDED_KEPT`]: the oldest is
+/// forgotten when one more ends.
+#[derive(Clone, Debug, Default)]
+struct Ended {
+    ids: HashSet<String>,
+    order: VecDeque<String>,
+}
+
+impl Ended {
+    fn contains(&self, task_id: &str) -> bool {
+        self.ids.contains(task_id)
+    }
+
+    fn insert(&mut self, task_id: String) {
+        if self.ids.insert(task_id.clone()) {
+            self.order.push_back(task_id);
+        }
+        while self.order.len() > ENDED_KEPT {
+            if let Some(oldest) = self.order.pop_front() {
+                self.ids.remove(&oldest);
+            }
+        }
+    }
 }
 
 /// Position of `lane` in [`Lane::ALL`].

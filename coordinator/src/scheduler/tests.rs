@@ -237,6 +237,28 @@ fn duplicate_and_late_inputs_are_ignored() {
     assert_eq!(scheduler.snapshot().free_slots, 1);
 }
 
+/// Rule 4's memory of ended tasks is bounded: the last `ENDED_KEPT` ids are known, the
+/// oldest is forgotten first, so a long-lived coordinator does not grow with every task.
+#[test]
+fn ended_tasks_are_remembered_up_to_ended_kept_and_the_oldest_is_forgotten_first() {
+    let mut scheduler = Scheduler::new();
+    for n in 0..=ENDED_KEPT {
+        scheduler.apply(ended(&format!("t{n}")));
+    }
+    assert_eq!(scheduler.ended.ids.len(), ENDED_KEPT);
+    assert_eq!(scheduler.ended.order.len(), ENDED_KEPT);
+    // The oldest is forgotten: its late submit waits like a new task's.
+    assert!(scheduler.apply(submit("t0", "s", User, false, 1)).is_empty());
+    assert_eq!(waiting_counts(&scheduler), [1, 0, 0]);
+    // The second oldest and the newest are still known.
+    assert_eq!(
+        ignored(scheduler.apply(submit("t1", "s", User, false, 2))),
+        Ignored::AlreadyEnded { task_id: "t1".into() }
+    );
+    let newest = format!("t{ENDED_KEPT}");
+    assert_eq!(ignored(scheduler.apply(ended(&newest))), Ignored::AlreadyEnded { task_id: newest });
+}
+
 /// `Submitted` inputs that arrive out of `seq` order still wait in `seq` order within their
 /// lane (ties go to the smaller id).
 #[test]
