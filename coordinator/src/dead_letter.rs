@@ -70,8 +70,7 @@ async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliv
         "dead letter: the dispatch was delivered {} times and never finished (the workers that took it died or could not handle it)",
         advisory.deliveries
     );
-    let max_age = dispatch.ended_max_age_secs.map(std::time::Duration::from_secs);
-    mark(js, tasks, &dispatch.task_id, &reason, advisory.deliveries, max_age).await?;
+    mark(tasks, &dispatch.task_id, &reason, advisory.deliveries).await?;
     tracing::warn!(task_id = %dispatch.task_id, deliveries = advisory.deliveries, "task dead-lettered");
     if let Err(e) = stream.delete_message(advisory.stream_seq).await {
         tracing::debug!(seq = advisory.stream_seq, "deleting the given-up dispatch: {e}");
@@ -80,19 +79,11 @@ async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliv
 }
 
 /// Ends `task_id`'s record `failed` with a [`DeadLetter`] of `reason` unless it is
-/// already terminal (compare-and-set, retried on a conflict); the ended record is kept for
-/// `max_age` (`None`: for good; `mur_worker::task_kv`).
+/// already terminal (compare-and-set, retried on a conflict).
 ///
 /// # Errors
 /// The bucket's error, or a record that is missing or not JSON.
-pub async fn mark(
-    js: &jetstream::Context,
-    tasks: &kv::Store,
-    task_id: &str,
-    reason: &str,
-    deliveries: u64,
-    max_age: Option<std::time::Duration>,
-) -> Result<(), String> {
+pub async fn mark(tasks: &kv::Store, task_id: &str, reason: &str, deliveries: u64) -> Result<(), String> {
     for _ in 0..10 {
         let entry = tasks.entry(task_id).await.map_err(|e| e.to_string())?.ok_or("no task record")?;
         let mut record: TaskRecord = serde_json::from_slice(&entry.value).map_err(|e| e.to_string())?;
@@ -108,7 +99,7 @@ pub async fn mark(
         record.dead_letter =
             Some(DeadLetter { reason: reason.to_string(), deliveries, last_worker: record.worker.clone(), at: now });
         let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
-        match mur_worker::task_kv::update(js, tasks, task_id, json.into(), entry.revision, true, max_age).await {
+        match tasks.update(task_id, json.into(), entry.revision).await {
             Ok(_) => return Ok(()),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
             Err(e) => return Err(e.to_string()),

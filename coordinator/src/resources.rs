@@ -54,12 +54,6 @@ pub struct Settings {
     pub duplicate_window_secs: u64,
     /// Revisions kept per task record in `mur_tasks`, 1–64. Default 5.
     pub task_history: u8,
-    /// Seconds a task's record is kept in `mur_tasks` once the task has ended (completed,
-    /// failed, canceled): then the server removes it, and `mur task show` no longer finds
-    /// the task. Its earlier revisions go when it ends. 0 keeps ended records for good.
-    /// At most [`MAX_ENDED_TASK_SECS`]. Default 604800 (7 days, as `trace_max_age_secs`:
-    /// a task's record goes with its trace).
-    pub ended_task_max_age_secs: u64,
     /// Revisions kept per capsule in `mur_capsule_index`, 1–64: how many earlier pushes
     /// `mur capsule ls` can still name. Default 64.
     pub capsule_history: u8,
@@ -83,9 +77,6 @@ pub struct Settings {
     pub silent_worker_secs: u64,
 }
 
-/// The most `ended_task_max_age_secs` may be: ten years.
-pub const MAX_ENDED_TASK_SECS: u64 = 10 * 365 * 24 * 3600;
-
 /// The most `silent_worker_secs` may be: one year (the server keeps no longer max age
 /// exactly; a refused value must leave the bucket as it was).
 pub const MAX_SILENT_WORKER_SECS: u64 = 365 * 24 * 3600;
@@ -102,7 +93,6 @@ impl Default for Settings {
             trace_max_bytes: None,
             duplicate_window_secs: 120,
             task_history: 5,
-            ended_task_max_age_secs: 7 * 24 * 3600,
             capsule_history: 64,
             leader_lease_secs: 10,
             fanout_lease_secs: 15,
@@ -152,12 +142,6 @@ impl Settings {
                 self.silent_worker_secs
             ));
         }
-        if self.ended_task_max_age_secs > MAX_ENDED_TASK_SECS {
-            errors.push(format!(
-                "ended_task_max_age_secs: must be at most {MAX_ENDED_TASK_SECS} (ten years; 0 keeps ended tasks for good), got {}",
-                self.ended_task_max_age_secs
-            ));
-        }
         for (field, value, max) in [
             ("replicas", self.replicas, 5),
             ("task_history", self.task_history, 64),
@@ -168,12 +152,6 @@ impl Settings {
             }
         }
         if errors.is_empty() { Ok(()) } else { Err(Error::Settings(errors)) }
-    }
-
-    /// How long an ended task's record is kept: `None` for good (`ended_task_max_age_secs`
-    /// 0).
-    pub fn ended_task_max_age(&self) -> Option<Duration> {
-        (self.ended_task_max_age_secs > 0).then(|| Duration::from_secs(self.ended_task_max_age_secs))
     }
 
     fn storage_type(&self) -> StorageType {
@@ -414,11 +392,6 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     for config in &mut streams {
         if config.name == format!("KV_{}", cluster::WORKERS_BUCKET) {
             config.max_age = Duration::from_secs(settings.silent_worker_secs);
-        }
-        // An ended task's record carries a TTL (`mur_worker::task_kv`); allowed whatever
-        // `ended_task_max_age_secs` is, so that changing it changes no stream.
-        if config.name == format!("KV_{}", cluster::TASKS_BUCKET) {
-            config.allow_message_ttl = true;
         }
     }
     streams.push(stream::Config {
@@ -670,23 +643,6 @@ mod tests {
             assert_eq!(s.validate().unwrap_err().to_string(), format!("settings: {rule}"));
         }
         Settings { silent_worker_secs: 30, ..Settings::default() }.validate().unwrap();
-        let s = Settings { ended_task_max_age_secs: MAX_ENDED_TASK_SECS + 1, ..Settings::default() };
-        assert_eq!(
-            s.validate().unwrap_err().to_string(),
-            "settings: ended_task_max_age_secs: must be at most 315360000 (ten years; 0 keeps ended tasks for good), \
-             got 315360001"
-        );
-    }
-
-    /// Ended task records are kept 7 days by default (`trace_max_age_secs`'s 7 days); 0
-    /// keeps them for good.
-    #[test]
-    fn ended_task_records_are_kept_seven_days_by_default_and_for_good_at_zero() {
-        assert_eq!(Settings::default().ended_task_max_age_secs, 604_800);
-        assert_eq!(Settings::default().ended_task_max_age(), Some(Duration::from_secs(604_800)));
-        let keep: Settings = serde_yaml_ng::from_str("ended_task_max_age_secs: 0\n").unwrap();
-        assert_eq!(keep.ended_task_max_age(), None);
-        keep.validate().unwrap();
     }
 
     #[test]

@@ -179,7 +179,6 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
-        ended_max_age: config.settings.ended_task_max_age(),
     });
     let service = client
         .service_builder()
@@ -340,7 +339,6 @@ async fn lead(
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
-        ended_max_age: config.settings.ended_task_max_age(),
     });
 
     // The replay.
@@ -360,7 +358,6 @@ async fn lead(
                 task_id: record.task_id.clone(),
                 attempt: record.attempt,
                 released: Some(Released { revision: entry.revision, record: record.clone() }),
-                ended_max_age_secs: ctx.ended_max_age.map(|d| d.as_secs()),
             });
         }
         replay.extend(progress_input(&record));
@@ -483,10 +480,6 @@ struct Ctx {
     releasing: Mutex<HashSet<String>>,
     /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
     worker_timeout_ms: u64,
-    /// How long an ended task's record is kept (`Settings::ended_task_max_age_secs`;
-    /// `None`: for good): the ended records this coordinator writes carry it, and so does
-    /// every dispatch it publishes, for the worker's.
-    ended_max_age: Option<Duration>,
 }
 
 /// The API endpoints.
@@ -679,11 +672,7 @@ impl Ctx {
     async fn read_task(&self, task_id: &str) -> Result<(u64, TaskRecord), ApiError> {
         let entry = self.tasks.entry(task_id).await.map_err(|e| unavailable("mur_tasks: read", e))?;
         let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
-            let kept = match self.ended_max_age {
-                Some(age) => format!(" (an ended task is kept {}, then removed)", humantime::format_duration(age)),
-                None => String::new(),
-            };
-            return Err(ApiError::new(ErrorCode::NotFound, format!("task: no task {task_id}{kept}")));
+            return Err(ApiError::new(ErrorCode::NotFound, format!("task: no task {task_id}")));
         };
         let record =
             serde_json::from_slice(&entry.value).map_err(|e| internal(&format!("task record {task_id}"), e))?;
@@ -770,18 +759,7 @@ impl Ctx {
             } else if record.cancel_requested_at.is_none() {
                 record.cancel_requested_at = Some(now_ms());
             }
-            let value = to_json(&record)?;
-            match mur_worker::task_kv::update(
-                &self.js,
-                &self.tasks,
-                &task_id,
-                value,
-                revision,
-                waiting,
-                self.ended_max_age,
-            )
-            .await
-            {
+            match self.tasks.update(&task_id, to_json(&record)?, revision).await {
                 Ok(_) => {
                     if waiting {
                         tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
@@ -924,12 +902,8 @@ impl Ctx {
     async fn dispatch_released(&self, released: Released) {
         let task_id = released.record.task_id.to_string();
         let traceparent = released.record.traceparent.clone();
-        let dispatch = Dispatch {
-            task_id: task_id.clone(),
-            attempt: released.record.attempt,
-            released: Some(released),
-            ended_max_age_secs: self.ended_max_age.map(|d| d.as_secs()),
-        };
+        let dispatch =
+            Dispatch { task_id: task_id.clone(), attempt: released.record.attempt, released: Some(released) };
         if self.retrying(&task_id, || self.publish(&dispatch, traceparent.as_deref())).await.is_some() {
             tracing::info!(instance = %self.instance, %task_id, attempt = dispatch.attempt, "task released");
         }

@@ -356,13 +356,6 @@ pub struct Dispatch {
     /// published by an earlier coordinator version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub released: Option<Released>,
-    /// Seconds the task's record is kept in [`TASKS_BUCKET`] once it has ended: the
-    /// cluster's `ended_task_max_age_secs` when the task was released. The worker writes
-    /// the ended record with this TTL (`mur_worker::task_kv`). Absent (`None`): kept for
-    /// good, as that setting's 0 says, or as a dispatch of an earlier coordinator version
-    /// had it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended_max_age_secs: Option<u64>,
 }
 
 /// A task record and the revision it has in [`TASKS_BUCKET`] (see [`Dispatch::released`]).
@@ -378,7 +371,7 @@ impl Dispatch {
     /// A dispatch of `task_id`'s attempt `attempt` carrying nothing more (the worker reads
     /// the record).
     pub fn bare(task_id: impl Into<String>, attempt: u32) -> Dispatch {
-        Dispatch { task_id: task_id.into(), attempt, released: None, ended_max_age_secs: None }
+        Dispatch { task_id: task_id.into(), attempt, released: None }
     }
 
     /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (`reference/jetstream-patterns.md` §1.4).

@@ -312,8 +312,7 @@ fn noop_dispatch() -> Dispatch {
     let mut record = cluster::TaskRecord::submitted(task_id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
     record.attempt = 1;
     record.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
-    let ended_max_age_secs = Some(604_800);
-    Dispatch { task_id, attempt: 1, released: Some(cluster::Released { revision: 12345, record }), ended_max_age_secs }
+    Dispatch { task_id, attempt: 1, released: Some(cluster::Released { revision: 12345, record }) }
 }
 
 /// A throughput run: tasks ended per second, and where a task's time went under that load.

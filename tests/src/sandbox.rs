@@ -19,7 +19,6 @@ pub struct Sandbox {
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: tempfile::TempDir,
-    settings: mur_coordinator::Settings,
 }
 
 impl Sandbox {
@@ -49,23 +48,16 @@ impl Sandbox {
 
     /// Starts a server, a coordinator and `workers` workers with `slots` slots each.
     pub async fn start(workers: usize, slots: u32) -> Sandbox {
-        Sandbox::start_with(workers, slots, mur_coordinator::Settings::default()).await
-    }
-
-    /// [`Sandbox::start`] with the cluster's `settings` (every coordinator it starts uses
-    /// them).
-    pub async fn start_with(workers: usize, slots: u32, settings: mur_coordinator::Settings) -> Sandbox {
         let nats = NatsServer::start();
         let client = nats.connect().await;
         let js = async_nats::jetstream::new(client.clone());
-        mur_coordinator::ensure(&js, &settings).await.expect("resources");
+        mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
         let mut sandbox = Sandbox {
             nats,
             client,
             stop: CancellationToken::new(),
             tasks: Vec::new(),
             dir: tempfile::tempdir().unwrap(),
-            settings,
         };
         sandbox.add_coordinator().await;
         for i in 0..workers {
@@ -109,8 +101,8 @@ impl Sandbox {
     pub async fn add_coordinator(&mut self) {
         let client = self.nats.connect().await;
         let stop = self.stop.clone();
-        let config = mur_coordinator::service::Config::new(self.settings.clone(), "coordinator");
         self.tasks.push(tokio::spawn(async move {
+            let config = mur_coordinator::service::Config::default();
             if let Err(e) = mur_coordinator::service::run(client, config, async move { stop.cancelled().await }).await {
                 panic!("coordinator: {e}");
             }

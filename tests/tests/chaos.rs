@@ -257,8 +257,7 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 /// dead letters with the reason; a task behind it in the same lane still runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flows() {
-    let cluster =
-        Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 3\n  ended_task_max_age_secs: 3600\n").await;
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 3\n").await;
     let _coordinator = cluster.coordinator("coordinator-1");
     let capsule = shell_capsule("risky");
     cluster.push(capsule.dir()).await;
@@ -283,13 +282,6 @@ async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flo
     assert_eq!(dead.deliveries, 3);
     assert!(dead.reason.contains("delivered 3 times"), "{}", dead.reason);
     assert_eq!(record.error.as_deref(), Some(dead.reason.as_str()));
-    // A dead-lettered record is an ended one: kept `ended_task_max_age_secs`, its earlier
-    // revisions rolled up.
-    let js = cluster.nats.jetstream().await;
-    let stream = js.get_stream("KV_mur_tasks").await.unwrap();
-    let subject = format!("$KV.mur_tasks.{poison}");
-    let last = stream.get_last_raw_message_by_subject(&subject).await.unwrap();
-    assert_eq!(last.headers.get("Nats-TTL").map(|v| v.as_str()), Some("3600"));
 
     // Three deliveries, each after the previous one's ack wait (2 s), never at once.
     let starts = local_task_starts(cluster.dir(), &poison);

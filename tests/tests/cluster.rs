@@ -161,9 +161,6 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
         let status = js.get_key_value(bucket).await?.status().await?;
         assert_eq!(status.history(), history, "{bucket}");
     }
-    // Ended task records carry a TTL (`ended_task_max_age_secs`).
-    let tasks = js.get_stream("KV_mur_tasks").await?.get_info().await?.config;
-    assert!(tasks.allow_message_ttl, "KV_mur_tasks allows per-message TTLs");
     // The handles work: a KV round trip and an object store listing.
     res.tasks.put("tsk_1", "{}".into()).await?;
     assert_eq!(res.tasks.get("tsk_1").await?.as_deref(), Some(&b"{}"[..]));
@@ -192,26 +189,6 @@ async fn ensure_twice_changes_nothing_and_a_changed_setting_is_applied() -> Resu
     assert_eq!(trace.max_age, Duration::from_secs(60));
     let third = resources::ensure(&js, &changed).await?;
     assert!(third.outcomes.iter().all(|o| o.action == Action::Unchanged), "{:?}", third.outcomes);
-    Ok(())
-}
-
-/// A `mur_tasks` bucket made before ended records expired (no per-message TTL) is updated
-/// in place at the next start, its records kept.
-#[tokio::test]
-async fn a_tasks_bucket_without_ttls_is_updated_to_allow_them_and_keeps_its_records() -> Result<()> {
-    let server = NatsServer::start();
-    let js = server.jetstream().await;
-    let settings = Settings::default();
-    let old = settings.kv_stream(cluster::TASKS_BUCKET, "murmur: task records, key = task id", settings.task_history);
-    assert!(!old.allow_message_ttl);
-    js.create_stream(old).await?;
-    let kv = js.get_key_value(cluster::TASKS_BUCKET).await?;
-    kv.put("tsk_1", "{}".into()).await?;
-    let res = resources::ensure(&js, &settings).await?;
-    let outcome = res.outcomes.iter().find(|o| o.resource == "KV_mur_tasks").expect("an outcome for KV_mur_tasks");
-    assert_eq!(outcome.action, Action::Updated);
-    assert!(js.get_stream("KV_mur_tasks").await?.get_info().await?.config.allow_message_ttl);
-    assert_eq!(res.tasks.get("tsk_1").await?.as_deref(), Some(&b"{}"[..]));
     Ok(())
 }
 
@@ -1299,10 +1276,7 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     assert_eq!(bare.task_id, a);
     let unknown = Id::generate(IdKind::Task);
     let err = get(&client, &unknown).await.unwrap_err();
-    assert_eq!(
-        (err.code, err.message),
-        (cluster::ErrorCode::NotFound, format!("task: no task {unknown} (an ended task is kept 7days, then removed)"))
-    );
+    assert_eq!((err.code, err.message), (cluster::ErrorCode::NotFound, format!("task: no task {unknown}")));
     let err = get(&client, "../etc").await.unwrap_err();
     assert_eq!(err.code, cluster::ErrorCode::InvalidRequest);
 

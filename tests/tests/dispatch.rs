@@ -506,7 +506,7 @@ async fn a_second_dispatch_of_a_running_task_is_dropped_not_taken_over() {
         (TaskState::Submitted, None, None, None);
     let carried = cluster::Released { revision: revision - 1, record: as_released };
     for (n, released) in [Some(carried), None].into_iter().enumerate() {
-        let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released, ended_max_age_secs: None };
+        let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released };
         let duplicate = PublishMessage::build()
             .payload(serde_json::to_vec(&dispatch).unwrap().into())
             .message_id(format!("{}:again-{n}", dispatch.msg_id()));
@@ -613,76 +613,4 @@ async fn a_result_larger_than_a_message_is_clipped_to_fit_the_task_record() {
     assert!(result.len() > 800_000 && result[..result.len() - note.len()].bytes().all(|b| b == b'y'));
     let whole = cluster.dir().join("wkr-big/sessions").join(record.session_id.unwrap()).join("out/result.txt");
     assert_eq!(std::fs::read_to_string(whole).unwrap().len(), 1_100_000);
-}
-
-/// The messages `mur_tasks` holds for `task_id`'s key, and the last one's `Nats-TTL` header.
-async fn stored_revisions(sb: &Sandbox, task_id: &str) -> (usize, Option<String>) {
-    use futures::StreamExt;
-    let js = async_nats::jetstream::new(sb.client.clone());
-    let stream = js.get_stream(format!("KV_{}", mur_proto::cluster::TASKS_BUCKET)).await.unwrap();
-    let subject = format!("$KV.{}.{task_id}", mur_proto::cluster::TASKS_BUCKET);
-    let counts: Vec<(String, usize)> =
-        stream.info_with_subjects(&subject).await.unwrap().map(|item| item.unwrap()).collect().await;
-    let count = counts.iter().map(|(_, n)| n).sum();
-    let ttl = match stream.get_last_raw_message_by_subject(&subject).await {
-        Ok(m) => m.headers.get("Nats-TTL").map(|v| v.as_str().to_string()),
-        Err(_) => None,
-    };
-    (count, ttl)
-}
-
-/// An ended task's record is kept `ended_task_max_age_secs`, then the server removes it
-/// whole: the ended record is written with that TTL and the key's earlier revisions rolled
-/// up (were they kept, the key would read `working` again once the ended record went). A
-/// record not ended carries no TTL. Both writers of an end are covered: the worker's
-/// (a task that ran) and the coordinator's (a task canceled while waiting).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_ended_tasks_record_is_kept_ended_task_max_age_secs_then_removed_whole() {
-    let settings = mur_coordinator::Settings { ended_task_max_age_secs: 2, ..Default::default() };
-    let sb = Sandbox::start_with(1, 1, settings).await;
-    let c = shell_capsule("brief", "");
-    sb.push(c.dir()).await;
-    let go = c.dir().join("go");
-    let ran = sb
-        .submit("brief", &format!("while [ ! -e {} ]; do sleep 0.05; done; echo ran", go.display()), Origin::User)
-        .await;
-    let waiting = sb.submit("brief", "echo never", Origin::User).await;
-    let deadline = std::time::Instant::now() + WAIT;
-    while sb.record(&ran).await.state != TaskState::Working {
-        assert!(std::time::Instant::now() < deadline, "the first task never ran");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (revisions, ttl) = stored_revisions(&sb, &ran).await;
-    assert!(revisions >= 2, "submitted, then working: {revisions}");
-    assert_eq!(ttl, None, "a running task's record has no TTL");
-
-    let canceled: TaskRecord =
-        mur_coordinator::api::call(&sb.client, mur_proto::cluster::api::TASK_CANCEL, waiting.clone()).await.unwrap();
-    assert_eq!(canceled.state, TaskState::Canceled);
-    std::fs::write(&go, "").unwrap();
-    let ended = sb.wait_all(std::slice::from_ref(&ran), WAIT).await;
-    assert_eq!((ended[0].state, stdout_of(&ended[0]).as_str()), (TaskState::Completed, "ran"));
-
-    for id in [&ran, &waiting] {
-        let (revisions, ttl) = stored_revisions(&sb, id).await;
-        // Read before the 2 s are up (or the record is already gone, which the loop below
-        // accepts too).
-        if revisions > 0 {
-            assert_eq!((revisions, ttl.as_deref()), (1, Some("2")), "{id}: the ended record alone, with its TTL");
-        }
-    }
-    let js = async_nats::jetstream::new(sb.client.clone());
-    let kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    for id in [&ran, &waiting] {
-        while kv.entry(id.as_str()).await.unwrap().is_some() || stored_revisions(&sb, id).await.0 > 0 {
-            assert!(std::time::Instant::now() < deadline, "{id}: still stored");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let err = mur_coordinator::api::call::<TaskRecord>(&sb.client, mur_proto::cluster::api::TASK_GET, id.clone())
-            .await
-            .unwrap_err();
-        assert_eq!(err.message, format!("task: no task {id} (an ended task is kept 2s, then removed)"));
-    }
-    sb.shutdown().await;
 }

@@ -18,7 +18,6 @@ pub mod local;
 pub mod preflight;
 pub mod service;
 pub mod session;
-pub mod task_kv;
 pub mod tokens;
 pub mod tools;
 pub mod trace;

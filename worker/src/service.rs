@@ -58,7 +58,6 @@ use crate::fanout;
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
-use crate::task_kv;
 use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
@@ -215,8 +214,6 @@ async fn open_resources(js: &jetstream::Context) -> Result<Opened, Error> {
 /// What every task handler shares.
 struct Shared {
     client: async_nats::Client,
-    /// JetStream on `client`, for the writes a bucket handle cannot make ([`task_kv`]).
-    js: jetstream::Context,
     tasks: kv::Store,
     /// `mur_sessions`: per-turn checkpoints and threaded conversations.
     sessions: kv::Store,
@@ -306,7 +303,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let heartbeat_stop = CancellationToken::new();
     let heartbeat = tokio::spawn(registration.clone().beat(heartbeat_stop.clone()));
 
-    let mut puller = Puller::start(&client, js.clone(), consumer).await.map_err(open(cluster::DISPATCH_CONSUMER))?;
+    let mut puller = Puller::start(&client, js, consumer).await.map_err(open(cluster::DISPATCH_CONSUMER))?;
     // Cancel notes (`mur.cancel.<task_id>`) stop the named task at once if it runs here.
     let cancels = client
         .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
@@ -323,7 +320,6 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     }
     let shared = Arc::new(Shared {
         client,
-        js,
         tasks,
         sessions,
         capsules,
@@ -684,8 +680,6 @@ async fn run_dispatch_holding(
         }
     };
     let key = dispatch.task_id.as_str();
-    // How long the record is kept once this dispatch ends it.
-    let ended_max_age = dispatch.ended_max_age_secs.map(Duration::from_secs);
     // What a terminal record is fitted to ([`end_record`]).
     let max_payload = sh.client.server_info().max_payload;
     // The record as the release wrote it, when the dispatch carries it: no read. The
@@ -718,7 +712,7 @@ async fn run_dispatch_holding(
         if current.0.cancel_requested_at.is_some() {
             // Cancelled after its release, before any session ran it: it never starts.
             return finished(
-                cas(sh, ended_max_age, key, current, |r| {
+                cas(&sh.tasks, key, current, |r| {
                     if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                         return false;
                     }
@@ -741,7 +735,7 @@ async fn run_dispatch_holding(
             Err(Loading::Failed(reason)) => {
                 let w = worker_id.clone();
                 return finished(
-                    cas(sh, ended_max_age, key, current, |r| {
+                    cas(&sh.tasks, key, current, |r| {
                         if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                             return false;
                         }
@@ -809,7 +803,7 @@ async fn run_dispatch_holding(
                         Err(_) => return Answer::Nak,
                     };
                     return finished(
-                        cas(sh, ended_max_age, key, base, |r| {
+                        cas(&sh.tasks, key, base, |r| {
                             if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                                 return false;
                             }
@@ -873,7 +867,7 @@ async fn run_dispatch_holding(
                 Err(e) => Err(e.to_string()),
             }
         } else {
-            cas(sh, ended_max_age, key, current, mark_working).await
+            cas(&sh.tasks, key, current, mark_working).await
         };
         match working {
             Ok(Some(c)) => break (c, capsule, takeover, session_id, prepared),
@@ -935,7 +929,7 @@ async fn run_dispatch_holding(
         };
         written = match base {
             Ok(base) => {
-                cas(sh, ended_max_age, key, base, |r| {
+                cas(&sh.tasks, key, base, |r| {
                     if r.state.is_terminal() {
                         return false;
                     }
@@ -1163,11 +1157,9 @@ async fn read(tasks: &kv::Store, key: &str) -> Result<Option<(TaskRecord, u64)>,
 
 /// Applies `change` to the record with compare-and-set on its revision, re-reading and
 /// retrying on a conflict (at most [`CAS_ATTEMPTS`] times). `change` returns false to
-/// leave the record alone: then `Ok(None)`. A record `change` ends is kept for
-/// `ended_max_age` ([`task_kv::update`]; `None`: for good).
+/// leave the record alone: then `Ok(None)`.
 async fn cas(
-    sh: &Shared,
-    ended_max_age: Option<Duration>,
+    tasks: &kv::Store,
     key: &str,
     mut current: (TaskRecord, u64),
     mut change: impl FnMut(&mut TaskRecord) -> bool,
@@ -1179,13 +1171,12 @@ async fn cas(
             return Ok(None);
         }
         let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
-        let ended = record.state.is_terminal();
-        match task_kv::update(&sh.js, &sh.tasks, key, json.into(), current.1, ended, ended_max_age).await {
+        match tasks.update(key, json.into(), current.1).await {
             Ok(revision) => return Ok(Some((record, revision))),
             Err(e) => {
                 last_error = e.to_string();
                 tracing::debug!(task_id = key, error = %e, "task record compare-and-set lost; re-reading");
-                current = read(&sh.tasks, key).await?.ok_or_else(|| format!("task record {key} disappeared"))?;
+                current = read(tasks, key).await?.ok_or_else(|| format!("task record {key} disappeared"))?;
             }
         }
     }
