@@ -532,11 +532,16 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
                 }
             }
         }
-        // Ready means the coordinator answers: wait for it (with a deadline).
+        // Ready means the coordinator answers: wait for it (with a deadline). The capsule
+        // list is the cheap question (the task list reads every record).
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while mur_coordinator::api::call::<serde_json::Value>(&client, mur_proto::cluster::api::TASK_LIST, Vec::new())
-            .await
-            .is_err()
+        while mur_coordinator::api::call::<serde_json::Value>(
+            &client,
+            mur_proto::cluster::api::CAPSULE_LIST,
+            Vec::new(),
+        )
+        .await
+        .is_err()
         {
             if std::time::Instant::now() > deadline {
                 bail!("the coordinator did not answer within 30 s");

@@ -616,28 +616,39 @@ async fn coordinator_restore(sizes: &Sizes, table: &mut Table) {
         return;
     };
     let n = sizes.ended_records;
-    let (empty_time, empty_peak) = restore_once(&mur, 0).await;
-    let (full_time, full_peak) = restore_once(&mur, n).await;
+    let empty = restore_once(&mur, 0).await;
+    let full = restore_once(&mur, n).await;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     let stored = (n * ENDED_RESULT_BYTES) as f64 / 1e6;
+    let times =
+        |a: Duration, b: Duration| format!("{:.1}× the empty store's {}", a.as_secs_f64() / b.as_secs_f64(), ms(b));
+    let sizes = |a: u64, b: u64| format!("{:.2}× the empty store's {:.1} MiB", a as f64 / b as f64, mib(b));
     table.value(
         &format!("coordinator restart over {n} ended tasks ({stored:.0} MB of results): time to restored"),
-        ms(full_time),
-        format!("{:.1}× the empty store's {}", full_time.as_secs_f64() / empty_time.as_secs_f64(), ms(empty_time)),
+        ms(full.elapsed),
+        times(full.elapsed, empty.elapsed),
         None,
     );
     table.value(
-        "  coordinator peak RSS (VmHWM) over them",
-        format!("{:.1} MiB", mib(full_peak)),
-        format!("{:.2}× the empty store's {:.1} MiB", full_peak as f64 / empty_peak as f64, mib(empty_peak)),
+        "  coordinator peak RSS (VmHWM) by then",
+        format!("{:.1} MiB", mib(full.restore_peak)),
+        sizes(full.restore_peak, empty.restore_peak),
+        None,
+    );
+    table.value("  then task.list (limit 20)", ms(full.list), times(full.list, empty.list), None);
+    table.value("  then cluster.status", ms(full.status), times(full.status, empty.status), None);
+    table.value(
+        "  coordinator peak RSS (VmHWM) after both",
+        format!("{:.1} MiB", mib(full.peak)),
+        sizes(full.peak, empty.peak),
         None,
     );
 }
 
 /// Starts a nats-server, stores `records` ended task records, starts `mur coordinator` on
-/// it and returns how long the coordinator took to log `coordinator restored` and its peak
-/// resident memory by then.
-async fn restore_once(mur: &std::path::Path, records: usize) -> (Duration, u64) {
+/// it and returns how long the coordinator took to log `coordinator restored`, its peak
+/// resident memory by then, and how long `task.list` and `cluster.status` then take.
+async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
     let nats = mur_tests::nats::NatsServer::start();
     let js = nats.jetstream().await;
     let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
@@ -675,11 +686,35 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> (Duration, u64) 
     });
     let restored = tokio::time::timeout(PHASE_DEADLINE, restored).await;
     let elapsed = t0.elapsed();
+    let restore_peak = vm_field(pid, "VmHWM:").unwrap_or(0);
+    assert!(matches!(restored, Ok(Ok(true))), "the coordinator did not restore over {records} ended tasks");
+    // The two questions that read every record: `mur task ls` and `mur cluster status`.
+    let client = nats.connect().await;
+    let t = Instant::now();
+    let page: mur_proto::page::Page<cluster::TaskRecord> =
+        mur_coordinator::api::call(&client, api::TASK_LIST, r#"{"limit":20}"#).await.expect("task.list");
+    let list = t.elapsed();
+    assert_eq!(page.items.len(), records.min(20));
+    let t = Instant::now();
+    let _: cluster::ClusterStatus = mur_coordinator::api::call(&client, api::CLUSTER_STATUS, "").await.expect("status");
+    let status = t.elapsed();
     let peak = vm_field(pid, "VmHWM:").unwrap_or(0);
     let _ = child.kill();
     let _ = child.wait();
-    assert!(matches!(restored, Ok(Ok(true))), "the coordinator did not restore over {records} ended tasks");
-    (elapsed, peak)
+    Restore { elapsed, restore_peak, list, status, peak }
+}
+
+/// What [`restore_once`] measured.
+struct Restore {
+    /// Start → `coordinator restored`.
+    elapsed: Duration,
+    /// Peak RSS by then.
+    restore_peak: u64,
+    /// `task.list` with `limit` 20, then `cluster.status`.
+    list: Duration,
+    status: Duration,
+    /// Peak RSS after both.
+    peak: u64,
 }
 
 fn mur_binary() -> Option<std::path::PathBuf> {

@@ -1259,6 +1259,50 @@ async fn tasks_with_texts_near_the_payload_limit_are_listed_clipped_and_got_whol
     Ok(())
 }
 
+/// `task.list` reads the records in one pass and keeps only the newest `limit` that match
+/// as it goes (clipped as they are read): over 40 stored records, 7 of them `failed`, the
+/// newest 3 failed ones come back newest first, with the clipped ones named; `cluster.status`
+/// over the same store counts the waiting ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_list_keeps_the_newest_matching_records_over_a_store_of_many() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let _coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let js = server.jetstream().await;
+    let kv = js.get_key_value(cluster::TASKS_BUCKET).await?;
+    let mut failed = Vec::new();
+    // Stored out of submit order: the list orders by `submitted_at`, not by key or revision.
+    for i in (0..40u64).rev() {
+        let id = Id::generate(IdKind::Task);
+        let request = cluster::SubmitRequest::new("greeter", "hi", mur_proto::task::Origin::User);
+        let mut record = TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000 + i);
+        if i % 6 == 0 {
+            record.state = TaskState::Failed;
+            record.result = Some("x".repeat(if i == 36 { 10_000 } else { 10 }));
+            failed.push((i, id.clone()));
+        } else if i % 2 == 0 {
+            record.state = TaskState::Completed;
+        }
+        kv.put(id.as_str(), serde_json::to_vec(&record)?.into()).await?;
+    }
+    assert_eq!(failed.len(), 7);
+    failed.sort();
+    let newest: Vec<&str> = failed.iter().rev().take(3).map(|(_, id)| id.as_str()).collect();
+    let page: mur_proto::page::Page<TaskRecord> =
+        api::call(&client, cluster::api::TASK_LIST, r#"{"state":"failed","limit":3}"#).await?;
+    assert_eq!(page.items.iter().map(|r| r.task_id.as_str()).collect::<Vec<_>>(), newest);
+    assert_eq!(page.clipped, [newest[0]], "the 10 KB result of the newest failed one is clipped");
+    assert_eq!(page.items[0].result.as_deref().map(str::len), Some(mur_proto::page::FIELD_BYTES + "…".len()));
+    assert!(!page.more);
+    let all: mur_proto::page::Page<TaskRecord> = api::call(&client, cluster::api::TASK_LIST, "").await?;
+    assert_eq!(all.items.len(), 40);
+    let status: cluster::ClusterStatus = api::call(&client, cluster::api::CLUSTER_STATUS, "").await?;
+    let waiting: u64 = status.lanes.iter().map(|l| l.pending).sum();
+    assert_eq!(waiting, 20, "the 20 odd ones wait");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     let server = NatsServer::start();
