@@ -416,21 +416,32 @@ async fn caught_up(
     watch: &mut kv::Watch,
     keep: impl Fn(&kv::Entry) -> bool,
 ) -> Result<Vec<kv::Entry>, Error> {
+    let mut entries = Vec::new();
+    read_current(store, watch, |entry| {
+        if keep(&entry) {
+            entries.push(entry);
+        }
+    })
+    .await?;
+    Ok(entries)
+}
+
+/// Hands `visit` each entry a fresh `watch_with_history` watcher reads, up to the entry that
+/// was the bucket's last when it started (or later): the latest revision of every key, in
+/// one pass over the bucket's stream, nothing held here.
+async fn read_current(store: &kv::Store, watch: &mut kv::Watch, mut visit: impl FnMut(kv::Entry)) -> Result<(), Error> {
     // Messages are never removed from these streams except by newer revisions, so a
     // stream empty now was empty when the watcher started: it has nothing to replay.
     let info = store.stream.get_info().await.map_err(nats(format!("{}: info", store.name)))?;
-    let mut entries = Vec::new();
     if info.state.messages == 0 {
-        return Ok(entries);
+        return Ok(());
     }
     while let Some(entry) = watch.next().await {
         let entry = entry.map_err(nats(format!("{}: watch", store.name)))?;
         let last = entry.delta == 0;
-        if keep(&entry) {
-            entries.push(entry);
-        }
+        visit(entry);
         if last {
-            return Ok(entries);
+            return Ok(());
         }
     }
     Err(Error::LoopEnded("a bucket watch"))
@@ -680,32 +691,25 @@ impl Ctx {
     }
 
     /// Hands `visit` the latest revision of every task record (malformed ones are logged and
-    /// skipped), read in one pass over the bucket's stream: a fresh watcher up to the entry
-    /// that was the last when it started ([`caught_up`]'s way). Nothing is held: a store of
+    /// skipped), read in one pass over the bucket's stream ([`read_current`]). Nothing is held: a store of
     /// thousands of long results used to be read key by key into one `Vec` for every
     /// `task.list` and `cluster.status` (3–4 s and ~1× the store in memory per call at
     /// 600–800 MB; past ~2 GB every call ran out of the caller's 10 s).
     async fn scan_records(&self, mut visit: impl FnMut(TaskRecord)) -> Result<(), ApiError> {
-        let info = self.tasks.stream.get_info().await.map_err(|e| unavailable("mur_tasks: info", e))?;
-        if info.state.messages == 0 {
-            return Ok(());
-        }
         let mut watch = self.tasks.watch_with_history(">").await.map_err(|e| unavailable("mur_tasks: watch", e))?;
-        while let Some(entry) = watch.next().await {
-            let entry = entry.map_err(|e| unavailable("mur_tasks: watch", e))?;
-            if entry.operation == kv::Operation::Put {
-                match serde_json::from_slice::<TaskRecord>(&entry.value) {
-                    Ok(record) => visit(record),
-                    Err(e) => {
-                        tracing::warn!(instance = %self.instance, key = %entry.key, "skipping a malformed record: {e}")
-                    }
+        read_current(&self.tasks, &mut watch, |entry| {
+            if entry.operation != kv::Operation::Put {
+                return;
+            }
+            match serde_json::from_slice::<TaskRecord>(&entry.value) {
+                Ok(record) => visit(record),
+                Err(e) => {
+                    tracing::warn!(instance = %self.instance, key = %entry.key, "skipping a malformed record: {e}")
                 }
             }
-            if entry.delta == 0 {
-                return Ok(());
-            }
-        }
-        Err(ApiError::new(ErrorCode::Unavailable, "mur_tasks: the watch ended before the last record"))
+        })
+        .await
+        .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))
     }
 
     /// `task.list`: newest first, at most the request's `limit` (1 to [`LIST_LIMIT`],
