@@ -691,21 +691,16 @@ impl Ctx {
     }
 
     /// Hands `visit` the latest revision of every task record (malformed ones are logged and
-    /// skipped), read in one pass over the bucket's stream ([`read_current`]). Nothing is held: a store of
-    /// thousands of long results used to be read key by key into one `Vec` for every
-    /// `task.list` and `cluster.status` (3–4 s and ~1× the store in memory per call at
-    /// 600–800 MB; past ~2 GB every call ran out of the caller's 10 s).
+    /// skipped: [`Ctx::record_of`]), read in one pass over the bucket's stream
+    /// ([`read_current`]). Nothing is held: a store of thousands of long results used to be
+    /// read key by key into one `Vec` for every `task.list` and `cluster.status` (3–4 s and
+    /// ~1× the store in memory per call at 600–800 MB; past ~2 GB every call ran out of the
+    /// caller's 10 s).
     async fn scan_records(&self, mut visit: impl FnMut(TaskRecord)) -> Result<(), ApiError> {
         let mut watch = self.tasks.watch_with_history(">").await.map_err(|e| unavailable("mur_tasks: watch", e))?;
         read_current(&self.tasks, &mut watch, |entry| {
-            if entry.operation != kv::Operation::Put {
-                return;
-            }
-            match serde_json::from_slice::<TaskRecord>(&entry.value) {
-                Ok(record) => visit(record),
-                Err(e) => {
-                    tracing::warn!(instance = %self.instance, key = %entry.key, "skipping a malformed record: {e}")
-                }
+            if let Some(record) = self.record_of(&entry) {
+                visit(record);
             }
         })
         .await
