@@ -18,7 +18,10 @@
 //!   against the ideal (slots ÷ 0.2 s): a fake OpenAI server over a real socket, and the
 //!   scripted driver's `delay_ms` (the cluster's own overhead, without an HTTP client);
 //!   640 tasks from the first submit to the last end, three runs, the median judged (with
-//!   one round of 64 and the rate once every slot is busy beside it);
+//!   one round of 64 and the rate once every slot is busy beside it); with the fake
+//!   OpenAI server, where each task's cycle goes (`working` seen → the model's request,
+//!   the request → its answer, the answer → the terminal record seen; every prompt names
+//!   its task, so the server's timings are matched to it);
 //! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
 //!   16 sessions running against that fake model (idle = registered, before any task);
 //! - a `mur coordinator` process restarting over a store of 3000 ended tasks with 100 KB
@@ -228,7 +231,7 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
         None,
     );
 
-    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 8).await;
+    let one = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 8, None).await;
     table.rate(
         &format!("no-op throughput, 1 worker × 8 slots (n={})", sizes.noop_tasks),
         one.per_s,
@@ -240,7 +243,7 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
         sb.add_worker(&format!("wkr-test-{i}"), 8).await;
     }
     sb.wait_ready(4).await;
-    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 32).await;
+    let four = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 32, None).await;
     table.rate(
         &format!("no-op throughput, 4 workers × 8 slots (n={})", sizes.noop_tasks),
         four.per_s,
@@ -331,6 +334,9 @@ struct Load {
     /// CPU time per task over the run, in ms: this process (client, coordinator, in-process
     /// workers, fake model) and the nats-server; `None` where `/proc` does not tell.
     cpu: Option<(f64, f64)>,
+    /// With the fake OpenAI server: p50, p99 and mean of `working` seen → the request
+    /// received, the request → its answer, the answer → the terminal record seen.
+    model: Option<[(Duration, Duration, Duration); 3]>,
     /// Tasks per second ended between the `slots`-th end and the `(n − slots)`-th: the rate
     /// once the slots are filled, before the last round drains; `None` under three rounds.
     steady: Option<f64>,
@@ -352,13 +358,30 @@ impl Load {
                 "; CPU per task {here:.2} ms in this process (coordinator, workers, model, client), \
                  {server:.2} ms in nats-server"
             ))
-        )
+        ) + &self.model.map_or(String::new(), |[start, model, end]| {
+            let three =
+                |(p50, p99, mean): (Duration, Duration, Duration)| format!("{}/{}/{}", ms(p50), ms(p99), ms(mean));
+            format!(
+                "; p50/p99/mean: working → the model's request {}, the request → its answer {}, \
+                 the answer → ended {}",
+                three(start),
+                three(model),
+                three(end)
+            )
+        })
     }
 }
 
 /// Submits `n` tasks from 32 concurrent callers; the rate counts from the first submit to
 /// the last end.
-async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, slots: usize) -> Load {
+async fn throughput(
+    sb: &Sandbox,
+    watcher: &Watcher,
+    capsule: &str,
+    n: usize,
+    slots: usize,
+    fake: Option<&FakeOpenAi>,
+) -> Load {
     let before = watcher.ended_count();
     let cpu_before = (cpu_time(std::process::id()), sb.nats.pid().and_then(cpu_time));
     let t0 = Instant::now();
@@ -366,12 +389,12 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
     let capsule = capsule.to_string();
     let submitter = tokio::spawn(async move {
         futures::stream::iter(0..n)
-            .map(|_| {
+            .map(|i| {
                 let (client, capsule) = (client.clone(), capsule.clone());
-                async move { (submit(&client, &capsule).await, Instant::now()) }
+                async move { (i, submit_prompt(&client, &capsule, &prompt_of(i)).await, Instant::now()) }
             })
             .buffer_unordered(32)
-            .collect::<Vec<(String, Instant)>>()
+            .collect::<Vec<(usize, String, Instant)>>()
             .await
     });
     watcher.wait_count(before + n).await;
@@ -385,7 +408,7 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
     let (mut releases, mut workings, mut ends) = (Vec::new(), Vec::new(), Vec::new());
     {
         let seen = watcher.seen.lock().unwrap();
-        for (id, replied) in &replies {
+        for (_, id, replied) in &replies {
             let Some(Steps { released: Some(r), working: Some(w), ended: Some(e), .. }) = seen.steps.get(id) else {
                 continue;
             };
@@ -397,6 +420,22 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
             ends.push(*e);
         }
     }
+    let model = fake.map(|fake| {
+        let seen = watcher.seen.lock().unwrap();
+        let ids: HashMap<usize, &str> = replies.iter().map(|(i, id, _)| (*i, id.as_str())).collect();
+        let mut parts: [Vec<Duration>; 3] = Default::default();
+        for timed in fake.take_timings() {
+            let Some(i) = index_in(&timed.body) else { continue };
+            let Some(Steps { working: Some(w), ended: Some(e), .. }) = ids.get(&i).and_then(|id| seen.steps.get(*id))
+            else {
+                continue;
+            };
+            parts[0].push(timed.received.saturating_duration_since(*w));
+            parts[1].push(timed.answered.saturating_duration_since(timed.received));
+            parts[2].push(e.saturating_duration_since(timed.answered));
+        }
+        parts.map(|xs| p50_p99_mean(&xs))
+    });
     releases.sort();
     workings.sort();
     ends.sort();
@@ -414,6 +453,7 @@ async fn throughput(sb: &Sandbox, watcher: &Watcher, capsule: &str, n: usize, sl
         handover: p50_p99(&handovers),
         cpu,
         spread,
+        model,
         steady: (ends.len() >= 3 * slots && slots > 0).then(|| {
             let (first, last) = (ends[slots - 1], ends[ends.len() - slots - 1]);
             (ends.len() - 2 * slots) as f64 / last.saturating_duration_since(first).as_secs_f64()
@@ -440,12 +480,14 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     let total_slots = workers * slots as usize;
     let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
     let n = total_slots * sizes.slow_rounds;
+    fake.keep_timings();
     for (capsule, label) in [("slow", "fake OpenAI over HTTP"), ("slow-scripted", "scripted driver's delay")] {
+        let timed = (capsule == "slow").then_some(&fake);
         // Warm up every worker's bundle cache with one round.
-        throughput(&sb, &watcher, capsule, total_slots, total_slots).await;
+        throughput(&sb, &watcher, capsule, total_slots, total_slots, timed).await;
         // One round at once, as the reference's Celery figure ("97 % of ideal with 64 slow
         // tasks"): the fill (64 submits while the first sessions start) weighs a fifth here.
-        let one = throughput(&sb, &watcher, capsule, total_slots, total_slots).await;
+        let one = throughput(&sb, &watcher, capsule, total_slots, total_slots, timed).await;
         table.value(
             &format!("  one round: {total_slots} tasks at once ({label})"),
             format!("{:.0} tasks/s", one.per_s),
@@ -455,7 +497,7 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         // Repeated, the median judged: one run of this phase moves by ±0.7 % on a 2-core box.
         let mut loads = Vec::new();
         for _ in 0..sizes.slow_runs {
-            loads.push(throughput(&sb, &watcher, capsule, n, total_slots).await);
+            loads.push(throughput(&sb, &watcher, capsule, n, total_slots, timed).await);
         }
         loads.sort_by(|a, b| a.per_s.total_cmp(&b.per_s));
         let runs = loads.len();
@@ -486,10 +528,11 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     drop(watcher);
     sb.shutdown().await;
 
-    // The fake models' clocks: 64 sleeps of 200 ms at once, on this runtime. tokio's timer
-    // wheel (the scripted driver's delay) ticks in whole milliseconds and rounds a deadline
-    // up, so its "200 ms" answer comes a little late, and the ideal above does not allow
-    // it; the fake OpenAI server sleeps on `mur_tests::timer`, exact to the timer slack.
+    // The models' clocks: 64 sleeps of 200 ms at once, on this runtime. The scripted
+    // driver's delay and the fake OpenAI server both sleep on `mur_worker::timer`, exact to
+    // the kernel's timer slack; tokio's timer wheel, beside it, ticks in whole milliseconds
+    // and rounds a deadline up, so a "200 ms" answer on it would come 1–2 ms late, which
+    // the ideal above does not allow.
     let late = |exact: bool| async move {
         let sleeps: Vec<Duration> = futures::future::join_all((0..total_slots).map(|_| async move {
             let t = Instant::now();
@@ -506,8 +549,8 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     let (tokio_p50, tokio_p99) = late(false).await;
     let (exact_p50, exact_p99) = late(true).await;
     table.note(&format!(
-        "the fake models' timers: {total_slots} sleeps of {} ms at once end late by p50 {} p99 {} on tokio's \
-         (the scripted driver's delay), p50 {} p99 {} on the exact one (the fake OpenAI server's)",
+        "the models' timers: {total_slots} sleeps of {} ms at once end late by p50 {} p99 {} on tokio's, \
+         p50 {} p99 {} on the exact one (the scripted driver's delay and the fake OpenAI server's)",
         MODEL_DELAY.as_millis(),
         ms(tokio_p50),
         ms(tokio_p99),
@@ -771,7 +814,12 @@ fn openai_capsule(name: &str, url: &str) -> TestCapsule {
 }
 
 async fn submit(client: &async_nats::Client, capsule: &str) -> String {
-    let request = SubmitRequest::new(capsule, "hi", Origin::User);
+    submit_prompt(client, capsule, "hi").await
+}
+
+/// Submits a `user` task of `capsule` with `prompt`; its id.
+async fn submit_prompt(client: &async_nats::Client, capsule: &str, prompt: &str) -> String {
+    let request = SubmitRequest::new(capsule, prompt, Origin::User);
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
             .await
@@ -951,6 +999,29 @@ fn percentile(xs: &[Duration], p: f64) -> Duration {
     let mut xs = xs.to_vec();
     xs.sort();
     xs[((xs.len() - 1) as f64 * p).round() as usize]
+}
+
+/// p50, p99 and the mean; zeros for none.
+fn p50_p99_mean(xs: &[Duration]) -> (Duration, Duration, Duration) {
+    if xs.is_empty() {
+        return Default::default();
+    }
+    let (p50, p99) = quantiles(xs);
+    (p50, p99, xs.iter().sum::<Duration>() / xs.len() as u32)
+}
+
+/// The prompt of a throughput run's `i`-th task: it names the task, so the fake model's
+/// timings can be matched to it ([`index_in`]).
+fn prompt_of(i: usize) -> String {
+    format!("bench task <{i}>")
+}
+
+/// The task index a model request's body names ([`prompt_of`]).
+fn index_in(body: &[u8]) -> Option<usize> {
+    let text = std::str::from_utf8(body).ok()?;
+    let start = text.find("bench task <")? + "bench task <".len();
+    let len = text[start..].find('>')?;
+    text[start..start + len].parse().ok()
 }
 
 fn quantiles(xs: &[Duration]) -> (Duration, Duration) {

@@ -101,6 +101,21 @@ struct Shared {
     /// Requests answered so far.
     served: AtomicUsize,
     received: Mutex<Vec<Received>>,
+    /// Whether answers are timed for [`FakeOpenAi::timings`].
+    timing: std::sync::atomic::AtomicBool,
+    timings: Mutex<Vec<Timed>>,
+}
+
+/// When one request was taken and answered, with its body (for a benchmark to tell which
+/// task it came from).
+#[derive(Clone, Debug)]
+pub struct Timed {
+    /// When the handler was called (the request read).
+    pub received: std::time::Instant,
+    /// When the answer was handed to the server to write, after the delay.
+    pub answered: std::time::Instant,
+    /// The raw JSON body.
+    pub body: Bytes,
 }
 
 /// A running fake server; dropping it shuts the server down.
@@ -162,6 +177,16 @@ impl FakeOpenAi {
         *self.shared.delay.lock().unwrap() = delay;
     }
 
+    /// Times every request from now on ([`FakeOpenAi::timings`]).
+    pub fn keep_timings(&self) {
+        self.shared.timing.store(true, Ordering::Relaxed);
+    }
+
+    /// The timed requests so far, and forgets them.
+    pub fn take_timings(&self) -> Vec<Timed> {
+        std::mem::take(&mut *self.shared.timings.lock().unwrap())
+    }
+
     /// The base URL, up to and including `/v1` (what `inference.endpoint` holds).
     pub fn url(&self) -> String {
         self.url.clone()
@@ -192,10 +217,20 @@ impl Drop for FakeOpenAi {
 }
 
 async fn complete(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let received = std::time::Instant::now();
+    let response = answer(&shared, &headers, &body).await;
+    if shared.timing.load(Ordering::Relaxed) {
+        let answered = std::time::Instant::now();
+        shared.timings.lock().unwrap().push(Timed { received, answered, body });
+    }
+    response
+}
+
+async fn answer(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Response {
     let number = shared.served.fetch_add(1, Ordering::Relaxed) + 1;
     if shared.record {
-        let body = serde_json::from_slice(&body)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+        let body =
+            serde_json::from_slice(body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()));
         let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string);
         shared.received.lock().unwrap().push(Received { authorization, body });
     }

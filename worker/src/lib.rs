@@ -18,6 +18,7 @@ pub mod local;
 pub mod preflight;
 pub mod service;
 pub mod session;
+pub mod timer;
 pub mod tokens;
 pub mod tools;
 pub mod trace;

@@ -70,7 +70,8 @@ pub struct Reply {
     /// Usage to report as the provider's.
     #[serde(default)]
     pub usage: Option<ScriptedUsage>,
-    /// Milliseconds to wait before answering (a slow model).
+    /// Milliseconds to wait before answering (a slow model), to within tens of
+    /// microseconds ([`crate::timer`]; tokio's own timer would end 1–2 ms late).
     #[serde(default)]
     pub delay_ms: Option<u64>,
 }
@@ -223,7 +224,7 @@ impl Driver for Scripted {
             )));
         };
         if let Some(ms) = reply.delay_ms {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            crate::timer::sleep(Duration::from_millis(ms)).await;
         }
         let tool_result =
             request.messages.iter().rev().find(|m| m.role == Role::Tool).map(Message::text).unwrap_or_default();
@@ -269,6 +270,19 @@ mod tests {
         assert_eq!(second.content, vec![Block::Text { text: "done: hi there".into() }]);
         let err = d.call(&req("x")).await.unwrap_err();
         assert_eq!(err.to_string(), "scripted driver: no reply left for model call 3 (the script has 2 replies)");
+    }
+
+    #[tokio::test]
+    async fn a_reply_with_delay_ms_comes_no_sooner_than_its_delay() {
+        let d = Scripted::new(Script::parse("replies:\n  - text: slow\n    delay_ms: 120\n  - text: fast\n").unwrap());
+        let started = std::time::Instant::now();
+        let slow = d.call(&req("a")).await.unwrap();
+        let waited = started.elapsed();
+        assert_eq!(slow.content, vec![Block::Text { text: "slow".into() }]);
+        assert!(waited >= Duration::from_millis(120), "answered after {waited:?}, before its delay_ms of 120");
+        let started = std::time::Instant::now();
+        d.call(&req("b")).await.unwrap();
+        assert!(started.elapsed() < Duration::from_millis(120), "a reply without delay_ms waited");
     }
 
     #[tokio::test]

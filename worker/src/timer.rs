@@ -1,8 +1,9 @@
-//! An exact sleep for fake servers: [`sleep`] ends within a few tens of microseconds of
-//! its deadline, where `tokio::time::sleep` ends 1–2 ms late (its timer wheel ticks in
-//! whole milliseconds, rounds a deadline up, and parks with a timeout in milliseconds).
-//! A fake model that is to answer "after 200 ms" then does, and a benchmark's ideal is
-//! not missed by the fixture's own clock.
+//! An exact sleep for a model that answers after a set time (the scripted driver's
+//! `delay_ms`, the testkit's fake servers): [`sleep`] ends within a few tens of
+//! microseconds of its deadline, where `tokio::time::sleep` ends 1–2 ms late (its timer
+//! wheel ticks in whole milliseconds, rounds a deadline up, and parks with a timeout in
+//! milliseconds). A scripted reply that is to come "after 200 ms" then does, and a
+//! benchmark's ideal is not missed by the fixture's own clock (issue #9).
 //!
 //! One thread holds every deadline in an ordered map and waits on a channel with a timeout
 //! (a futex with a nanosecond deadline, under the kernel's 50 µs timer slack); at each
