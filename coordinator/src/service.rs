@@ -239,15 +239,44 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         };
         standby_logged = false;
         tracing::info!(instance = %instance, term = held.term, "leading");
-        let mut leading = match lead(&client, &config, &res, held.clone(), &active_runs).await {
-            Ok(l) => l,
-            Err(e) => {
-                lease.release(&held).await;
-                break Err(e);
-            }
-        };
         let kept = lease.keep(&held);
         tokio::pin!(kept);
+        // The restore (a replay of every record, seconds over a store of gigabytes) runs
+        // while the lease is renewed and the API is answered as a standby answers it: the
+        // lease does not lapse under it, and callers do not wait for it.
+        let restoring = lead(&client, &config, &res, held.clone(), &active_runs);
+        tokio::pin!(restoring);
+        let mut leading = loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    lease.release(&held).await;
+                    break 'outer Ok(());
+                }
+                lost = &mut kept => {
+                    // The restore stops where it is (what it released, it released while the
+                    // lease was valid: fencing); the next leader's replay takes over.
+                    tracing::warn!(instance = %instance, "stepping down while restoring: {lost}");
+                    continue 'outer;
+                }
+                restored = &mut restoring => match restored {
+                    Ok(l) => break l,
+                    Err(e) => {
+                        lease.release(&held).await;
+                        break 'outer Err(e);
+                    }
+                },
+                request = requests.next() => match request {
+                    Some((kind, request)) => {
+                        let ctx = api_ctx.clone();
+                        tokio::spawn(async move { ctx.handle(kind, request).await });
+                    }
+                    None => {
+                        lease.release(&held).await;
+                        break 'outer Err(Error::LoopEnded("the service"));
+                    }
+                },
+            }
+        };
         let stepped_down = loop {
             tokio::select! {
                 () = &mut shutdown => {

@@ -25,8 +25,9 @@
 //! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
 //!   16 sessions running against that fake model (idle = registered, before any task);
 //! - a `mur coordinator` process restarting over a store of 3000 ended tasks with 100 KB
-//!   results each: the time until it has restored its scheduler and its peak resident
-//!   memory (`VmHWM`), against the same over an empty store.
+//!   results each: the time until it has restored its scheduler, its peak resident
+//!   memory (`VmHWM`), and how long a `capsule.list` asked as the restore starts waits for
+//!   its answer, against the same over an empty store.
 //!
 //! The coordinator, the in-process workers and the client share this process and its
 //! runtime, and the machine with nats-server; on a 2-core box everything competes for the
@@ -678,6 +679,12 @@ async fn coordinator_restore(sizes: &Sizes, table: &mut Table) {
         sizes(full.restore_peak, empty.restore_peak),
         None,
     );
+    table.value(
+        "  capsule.list asked as the restore starts",
+        format!("{} ({} it ended)", ms(full.asked.0), if full.asked.1 { "before" } else { "after" }),
+        times(full.asked.0, empty.asked.0),
+        None,
+    );
     table.value("  then task.list (limit 20)", ms(full.list), times(full.list, empty.list), None);
     table.value("  then cluster.status", ms(full.status), times(full.status, empty.status), None);
     table.value(
@@ -723,16 +730,48 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
         .expect("spawn mur coordinator");
     let pid = child.id();
     let stderr = child.stderr.take().expect("stderr");
-    let restored = tokio::task::spawn_blocking(move || {
+    // The log's "leading" (the restore starts) and "coordinator restored" lines, as they come.
+    let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<bool>();
+    tokio::task::spawn_blocking(move || {
         use std::io::BufRead;
-        std::io::BufReader::new(stderr).lines().map_while(Result::ok).any(|l| l.contains("coordinator restored"))
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let restored = line.contains("coordinator restored");
+            if !restored && !line.contains("service: leading") {
+                continue;
+            }
+            if lines_tx.send(restored).is_err() || restored {
+                return;
+            }
+        }
     });
-    let restored = tokio::time::timeout(PHASE_DEADLINE, restored).await;
+    let client = nats.connect().await;
+    // A question asked as the restore starts: answered meanwhile, or only after it.
+    let mut asked: Option<(Instant, tokio::task::JoinHandle<Instant>)> = None;
+    let restored = tokio::time::timeout(PHASE_DEADLINE, async {
+        while let Some(restored) = lines.recv().await {
+            if restored {
+                return Some(Instant::now());
+            }
+            let client = client.clone();
+            asked = Some((
+                Instant::now(),
+                tokio::spawn(async move {
+                    let _: Vec<cluster::CapsuleEntry> =
+                        mur_coordinator::api::call(&client, api::CAPSULE_LIST, "").await.expect("capsule.list");
+                    Instant::now()
+                }),
+            ));
+        }
+        None
+    })
+    .await;
     let elapsed = t0.elapsed();
     let restore_peak = vm_field(pid, "VmHWM:").unwrap_or(0);
-    assert!(matches!(restored, Ok(Ok(true))), "the coordinator did not restore over {records} ended tasks");
+    let Ok(Some(restored_at)) = restored else { panic!("the coordinator did not restore over {records} ended tasks") };
+    let (asked_at, answer) = asked.expect("the coordinator logged no `leading` before `coordinator restored`");
+    let answered_at = answer.await.expect("capsule.list");
+    let asked = (answered_at - asked_at, answered_at < restored_at);
     // The two questions that read every record: `mur task ls` and `mur cluster status`.
-    let client = nats.connect().await;
     let t = Instant::now();
     let page: mur_proto::page::Page<cluster::TaskRecord> =
         mur_coordinator::api::call(&client, api::TASK_LIST, r#"{"limit":20}"#).await.expect("task.list");
@@ -744,7 +783,7 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
     let peak = vm_field(pid, "VmHWM:").unwrap_or(0);
     let _ = child.kill();
     let _ = child.wait();
-    Restore { elapsed, restore_peak, list, status, peak }
+    Restore { elapsed, restore_peak, asked, list, status, peak }
 }
 
 /// What [`restore_once`] measured.
@@ -753,6 +792,9 @@ struct Restore {
     elapsed: Duration,
     /// Peak RSS by then.
     restore_peak: u64,
+    /// A `capsule.list` sent when the coordinator logged `leading` (its restore starts):
+    /// how long its answer took, and whether it came before the restore ended.
+    asked: (Duration, bool),
     /// `task.list` with `limit` 20, then `cluster.status`.
     list: Duration,
     status: Duration,

@@ -2,6 +2,7 @@
 //! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
 //! DESIGN.md's invariants 2, 3, 4, 7, 8 on what the cluster stored.
 
+use futures::StreamExt;
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
 use mur_tests::capsule::{TestCapsule, shell_capsule};
@@ -422,6 +423,50 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     let mut ran = ran_turns(&capsule);
     ran.sort_unstable();
     assert_eq!(ran, (0..50).collect::<Vec<u32>>());
+}
+
+/// A new leader restores its scheduler from every record (a replay of seconds over a store
+/// of gigabytes) while the API is answered and the lease renewed: a question asked as the
+/// restore starts (`leading` in the log) is answered before it ends (`coordinator
+/// restored`). Before, the API waited for the whole replay (222 ms over 300 MB in a release
+/// build, `MUR_BENCH_PHASES=restore`) and the lease went unrenewed through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
+    // 1500 ended tasks with 100 KB results: the replay reads each (~150 MB).
+    let result = "x".repeat(100_000);
+    futures::stream::iter(0..1500)
+        .for_each_concurrent(16, |_| {
+            let (tasks, result) = (res.tasks.clone(), &result);
+            async move {
+                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
+                let request = cluster::SubmitRequest::new("old", "hi", Origin::User);
+                let mut record =
+                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+                record.state = TaskState::Completed;
+                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
+                record.result = Some(result.clone());
+                tasks.put(id.as_str(), serde_json::to_vec(&record).unwrap().into()).await.expect("store a record");
+            }
+        })
+        .await;
+    let coordinator = cluster.coordinator("coordinator-1");
+    until("the coordinator leads", WAIT, || async { coordinator.log().contains("service: leading").then_some(()) })
+        .await;
+    let capsules: Vec<cluster::CapsuleEntry> =
+        mur_coordinator::api::call(&cluster.client, cluster::api::CAPSULE_LIST, "").await.expect("capsule.list");
+    assert!(capsules.is_empty(), "{capsules:?}");
+    assert!(
+        !coordinator.log().contains("coordinator restored"),
+        "the question was answered only after the restore:\n{}",
+        coordinator.log()
+    );
+    until("the coordinator restores", WAIT, || async {
+        coordinator.log().contains("coordinator restored").then_some(())
+    })
+    .await;
 }
 
 /// Issue #8 §Observability of the queue: `mur cluster status --json` shows each capsule's
