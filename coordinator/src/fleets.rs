@@ -442,6 +442,17 @@ impl Fleets {
                     ));
                 }
                 Some(entry) if entry.value == value => DefineAction::Unchanged,
+                // Replaced under a `fleet rm` under way, it would be removed as soon as
+                // stored: refused, so a reply of `replaced` never names a fleet about to go.
+                Some(entry) if self.removal_under_way(&fleet.name, entry.revision).await? => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "fleet {}: a removal (`mur fleet rm`) is under way; apply it again once it has ended",
+                            fleet.name
+                        ),
+                    ));
+                }
                 Some(entry) => match self.defs.update(&key, value.clone(), entry.revision).await {
                     Ok(_) => DefineAction::Replaced,
                     Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
@@ -540,8 +551,24 @@ impl Fleets {
             .purge(fleet_store::last_run_key(&req.fleet))
             .await
             .map_err(|e| unavailable("mur_fleets: purge", e))?;
-        self.defs.purge(fleet_store::def_key(&req.fleet)).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        // Only the definition this removal was asked for: one applied since (between the
+        // read above and here) stays, and the caller is told.
+        let purged = self.defs.purge_expect_revision(fleet_store::def_key(&req.fleet), Some(revision)).await;
         self.defs.purge(&removing).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
+        match purged {
+            Ok(()) => {}
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "fleet {}: applied again while it was being removed; its new definition stays (its jobs \
+                         and channel events are removed): remove it again to remove it",
+                        req.fleet
+                    ),
+                ));
+            }
+            Err(e) => return Err(unavailable("mur_fleets: purge", e)),
+        }
         tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet removed");
         Ok(req)
     }

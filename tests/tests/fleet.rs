@@ -887,6 +887,38 @@ async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -
     Ok(())
 }
 
+/// A `fleet apply` that would replace a definition a `fleet rm` is removing is refused
+/// (the removal would drop it as soon as it was stored, after a reply of `replaced`) and
+/// changes nothing; a stale mark, or one of an earlier definition, holds no apply back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apply_arriving_while_its_fleet_is_being_removed_is_refused_and_changes_nothing() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let kv = fleets_kv(&sb).await;
+    let revision = kv.entry(fleet_store::def_key("pair")).await?.unwrap().revision;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
+    let mark = |revision: u64, at: u64| serde_json::to_vec(&fleet_store::Removing { revision, at }).unwrap();
+    let edited = PAIR.replace("Answer the question.", "Answer the question twice.");
+    let edited = write(dir.path(), "edited.yaml", &edited);
+
+    kv.put(fleet_store::removing_key("pair"), mark(revision, now).into()).await?;
+    assert_eq!(
+        refused(&sb, &["apply", edited.to_str().unwrap()]),
+        "mur: conflict: fleet pair: a removal (`mur fleet rm`) is under way; apply it again once it has ended\n"
+    );
+    let stored = kv.entry(fleet_store::def_key("pair")).await?.unwrap();
+    assert_eq!((stored.revision, stored.value.as_ref()), (revision, PAIR.as_bytes()), "the definition is unchanged");
+
+    for (marked, at) in [(revision, now - fleet_store::Removing::STALE_MS - 1_000), (revision - 1, now)] {
+        kv.put(fleet_store::removing_key("pair"), mark(marked, at).into()).await?;
+        let text = std::fs::read_to_string(&edited)?.replace("twice", &format!("at {at}"));
+        let path = write(dir.path(), "again.yaml", &text);
+        assert_eq!(ok(&sb, &["apply", path.to_str().unwrap()]).stdout, "replaced fleet pair\n");
+    }
+    Ok(())
+}
+
 /// `mur fleet status NAME` of a fleet with no run says so; of a fleet that does not exist it
 /// says that, as every other fleet command does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
