@@ -511,69 +511,81 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
                 }
             }));
         }
-        let mut pushed = Vec::new();
-        if !args.capsules.is_dir() {
-            eprintln!(
-                "note: --capsules {}: no such folder here, so no capsule is pushed (run from the repository's root \
-                 for its examples, or give --capsules DIR)",
-                args.capsules.display()
-            );
-        } else {
-            let mut dirs: Vec<PathBuf> = std::fs::read_dir(&args.capsules)?
-                .flatten()
-                .map(|e| e.path())
-                .filter(|p| p.join("murmur.yaml").is_file())
-                .collect();
-            dirs.sort();
-            for dir in dirs {
-                match crate::capsule::push_dir(&client, &dir).await {
-                    Ok(r) => pushed.push(r.name),
-                    Err(e) => eprintln!("skipping {}: {e:#}", dir.display()),
+        // Once the coordinator and workers run, any way out stops them before the server
+        // (a failed start too: they would otherwise lose it under them, pulls and all).
+        let started = async {
+            let mut pushed = Vec::new();
+            if !args.capsules.is_dir() {
+                eprintln!(
+                    "note: --capsules {}: no such folder here, so no capsule is pushed (run from the repository's root \
+                     for its examples, or give --capsules DIR)",
+                    args.capsules.display()
+                );
+            } else {
+                let mut dirs: Vec<PathBuf> = std::fs::read_dir(&args.capsules)?
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.join("murmur.yaml").is_file())
+                    .collect();
+                dirs.sort();
+                for dir in dirs {
+                    match crate::capsule::push_dir(&client, &dir).await {
+                        Ok(r) => pushed.push(r.name),
+                        Err(e) => eprintln!("skipping {}: {e:#}", dir.display()),
+                    }
                 }
             }
-        }
-        // Ready means the coordinator answers: wait for it (with a deadline). The capsule
-        // list is the cheap question (the task list reads every record).
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while mur_coordinator::api::call::<serde_json::Value>(
-            &client,
-            mur_proto::cluster::api::CAPSULE_LIST,
-            Vec::new(),
-        )
-        .await
-        .is_err()
-        {
-            if std::time::Instant::now() > deadline {
-                bail!("the coordinator did not answer within 30 s");
+            // Ready means the coordinator answers: wait for it (with a deadline). The capsule
+            // list is the cheap question (the task list reads every record).
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while mur_coordinator::api::call::<serde_json::Value>(
+                &client,
+                mur_proto::cluster::api::CAPSULE_LIST,
+                Vec::new(),
+            )
+            .await
+            .is_err()
+            {
+                if std::time::Instant::now() > deadline {
+                    bail!("the coordinator did not answer within 30 s");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let http = match &args.http {
-            Some(addr) => {
-                let (base, task) = start_http(client.clone(), addr, None, shutdown.clone()).await?;
-                tasks.push(task);
-                Some(base)
+            let http = match &args.http {
+                Some(addr) => {
+                    let (base, task) = start_http(client.clone(), addr, None, shutdown.clone()).await?;
+                    tasks.push(task);
+                    Some(base)
+                }
+                None => None,
+            };
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"url": url, "http": http, "capsules": pushed, "workers": args.workers})
+                );
+            } else {
+                println!("{url}");
             }
-            None => None,
-        };
-        if args.json {
-            println!("{}", serde_json::json!({"url": url, "http": http, "capsules": pushed, "workers": args.workers}));
-        } else {
-            println!("{url}");
+            let endpoints = http.as_ref().map_or(String::new(), |base| format!("; a2a at {base}/capsules/<name>/"));
+            eprintln!(
+                "ready: coordinator and {} worker(s) × {} slots; capsules: {}{endpoints}. Ctrl-C stops.",
+                args.workers,
+                args.slots,
+                pushed.join(", ")
+            );
+            anyhow::Ok(())
         }
-        let endpoints = http.as_ref().map_or(String::new(), |base| format!("; a2a at {base}/capsules/<name>/"));
-        eprintln!(
-            "ready: coordinator and {} worker(s) × {} slots; capsules: {}{endpoints}. Ctrl-C stops.",
-            args.workers,
-            args.slots,
-            pushed.join(", ")
-        );
-        crate::run::shutdown_signal().await;
-        eprintln!("stopping");
+        .await;
+        if started.is_ok() {
+            crate::run::shutdown_signal().await;
+            eprintln!("stopping");
+        }
         shutdown.cancel();
         for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(35), t).await;
         }
+        started?;
         anyhow::Ok(ExitCode::SUCCESS)
     });
     drop(server);

@@ -1436,6 +1436,25 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
     assert_eq!(again.wait(Duration::from_secs(30)).0, Some(0));
 }
 
+/// A `mur dev` whose start fails once its coordinator and workers run (here its `--http`
+/// address is taken) says why, exits 2, and stops them before its nats-server: no worker
+/// is left pulling from a server gone under it (`409: Server Shutdown` warnings before).
+#[test]
+fn a_failed_mur_dev_start_names_the_cause_and_stops_its_workers_before_the_server() {
+    use mur_tests::mur::{Run, mur};
+    let data = tempfile::tempdir().unwrap();
+    let capsules = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http = taken.local_addr().unwrap().to_string();
+    let mut c = mur();
+    c.args(["dev", "--port", &free_port().to_string(), "--http", &http, "--capsules"]).arg(capsules.path());
+    c.arg("--data-dir").arg(data.path());
+    let out = Run::of(&mut c);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.ends_with(&format!("mur: --http {http}: Address already in use (os error 98)\n")), "{out:?}");
+    assert!(!out.stderr.contains("WARN"), "{}", out.stderr);
+}
+
 /// A worker killed without deregistering is listed silent by `mur cluster status`, and
 /// forgotten once `silent_worker_secs` (here the least, 30 s) have passed since its last heartbeat:
 /// `mur_workers`' max age. A live worker's heartbeats keep it listed.
