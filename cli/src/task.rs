@@ -4,9 +4,10 @@
 
 use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
-use mur_proto::cluster::{SubmitReply, SubmitRequest, TaskRecord, api};
+use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::page::Page;
 use mur_proto::task::Origin;
+use mur_proto::{Id, IdKind};
 use mur_worker::a2a::client::{self, SendOptions};
 use mur_worker::a2a::v1;
 use serde_json::json;
@@ -252,19 +253,16 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         );
     };
     let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
-    let request = SubmitRequest {
-        capsule: capsule.clone(),
-        text: text_or_stdin(text, "the task's text")?,
-        origin,
+    let mut request = SubmitRequest {
         context_id: args.context.clone(),
-        deadline_at: None,
-        fleet_step: None,
-        needs: Vec::new(),
+        // Minted here: a submission sent again (below) is the same task, run once.
+        task_id: Some(Id::generate(IdKind::Task).to_string()),
+        ..SubmitRequest::new(capsule.clone(), text_or_stdin(text, "the task's text")?, origin)
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = args.conn.connect("mur task send").await?;
-        let reply = submit(&client, &request).await?;
+        let reply = submit_until_answered(&client, &mut request).await.map_err(|e| anyhow::anyhow!("{e}"))?;
         if !args.wait {
             if args.json {
                 println!("{}", json!({"task_id": reply.task_id, "state": reply.state}));
@@ -315,7 +313,50 @@ async fn wait_for_end<T, E: std::fmt::Display>(
 /// Submits `request` in a `submit_task` span whose W3C `traceparent` goes along in the
 /// request headers, so the task's spans on the coordinator and the worker join its trace
 /// (issue #7 §Trace context).
-async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<SubmitReply> {
+/// How long `mur task send` goes on sending a submission that no coordinator answered.
+const SUBMIT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Sends `request` (whose `task_id` the caller minted) until a coordinator answers: an
+/// `unavailable` error (no coordinator answers, one timed out — a restart or a failover
+/// under way — or its broker failed) is sent again with the same id, for up to
+/// [`SUBMIT_PATIENCE`], saying so on stderr each time; the coordinator answers a
+/// submission it already stored with the stored task, so it runs once. A coordinator older
+/// than the `task_id` field refuses it as unknown: sent again without it.
+///
+/// # Errors
+/// The coordinator's refusal, or the last `unavailable` error once the patience is spent.
+async fn submit_until_answered(
+    client: &async_nats::Client,
+    request: &mut SubmitRequest,
+) -> Result<SubmitReply, ApiError> {
+    let give_up = tokio::time::Instant::now() + SUBMIT_PATIENCE;
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        match submit(client, request).await {
+            Ok(reply) => return Ok(reply),
+            Err(e)
+                if e.code == ErrorCode::InvalidRequest
+                    && request.task_id.is_some()
+                    && e.message.contains("task_id: unknown field") =>
+            {
+                request.task_id = None;
+            }
+            Err(e) if e.code == ErrorCode::Unavailable && tokio::time::Instant::now() + backoff < give_up => {
+                let id = request.task_id.as_deref().unwrap_or("(the coordinator's)");
+                eprintln!(
+                    "mur: {}; sending it again in {} ms (task {id}: it runs once however often it is sent)",
+                    crate::text::printable(&e.message),
+                    backoff.as_millis()
+                );
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(4));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<SubmitReply, ApiError> {
     let span = tracing::info_span!(
         "submit_task",
         otel.kind = "client",
@@ -325,11 +366,10 @@ async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<
         mur.task_id = tracing::field::Empty,
     );
     let headers = mur_worker::trace_context::headers(&span);
-    let body = serde_json::to_vec(request)?;
+    let body = serde_json::to_vec(request).expect("a submit request serializes");
     let reply: SubmitReply = mur_coordinator::api::call_with_headers(client, api::TASK_SUBMIT, headers, body)
         .instrument(span.clone())
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        .await?;
     span.record("mur.task_id", reply.task_id.as_str());
     Ok(reply)
 }

@@ -647,6 +647,7 @@ impl Exec {
                 step: member.into(),
                 cap: self.fanout,
             }),
+            task_id: None,
         };
         let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)

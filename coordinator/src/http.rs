@@ -304,6 +304,7 @@ impl Backend for ClusterBackend {
             deadline_at: None,
             fleet_step: None,
             needs: Vec::new(),
+            task_id: None,
         };
         let body = serde_json::to_vec(&request).expect("a submit request serializes");
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.

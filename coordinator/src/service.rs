@@ -636,7 +636,9 @@ impl Ctx {
                 format!("capsule: no capsule named {:?} (push it with `mur capsule push`)", request.capsule),
             ));
         };
-        let task_id = Id::generate(IdKind::Task);
+        // A caller's own id makes a submission sent twice one task (see below).
+        let minted_by_caller = request.task_id.is_some();
+        let task_id = request.task_id.clone().unwrap_or_else(|| Id::generate(IdKind::Task));
         tracing::Span::current().record("mur.task_id", task_id.as_str());
         let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
         record.traceparent = traceparent;
@@ -644,8 +646,10 @@ impl Ctx {
         // `working` until its dispatch dead-letters, and only the result can be clipped.
         record.check_room(self.js.client().server_info().max_payload).map_err(ApiError::invalid)?;
         // A task that would be released at once is stored released (attempt 1) and its
-        // dispatch published: one record write and one hop fewer (issue #9).
-        let admitted = self.admit(&record, latest.queue).await;
+        // dispatch published: one record write and one hop fewer (issue #9). Not one whose
+        // id the caller minted: it may be a submission sent again, already stored (and
+        // admitted, or running); the scheduler's slot must not be taken for it twice.
+        let admitted = !minted_by_caller && self.admit(&record, latest.queue).await;
         if admitted {
             record.attempt = scheduler::FIRST_ATTEMPT;
             self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
@@ -654,6 +658,9 @@ impl Ctx {
         let created = self.tasks.create(&task_id, value).await;
         let revision = match created {
             Ok(revision) => revision,
+            Err(e) if minted_by_caller && e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                return self.submitted_before(&record).await;
+            }
             Err(e) => {
                 if admitted {
                     // Its slot goes back: the task was never stored.
@@ -679,6 +686,24 @@ impl Ctx {
             let _ = self.inputs.send(input);
         }
         Ok(SubmitReply { task_id, state: TaskState::Submitted })
+    }
+
+    /// The answer to a submission whose caller-minted id is stored already: the earlier
+    /// submission of the same task (capsule and text) got through, and its task's state
+    /// now is the answer; a record of another task under that id is a `conflict`.
+    async fn submitted_before(&self, sent: &TaskRecord) -> Result<SubmitReply, ApiError> {
+        let (_, stored) = self.read_task(&sent.task_id).await?;
+        if stored.capsule != sent.capsule || stored.text != sent.text {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "task_id: {} is another task's (capsule {:?}, submitted at {} unix ms); mint a new id",
+                    sent.task_id, stored.capsule, stored.submitted_at
+                ),
+            ));
+        }
+        tracing::info!(instance = %self.instance, task_id = %sent.task_id, "task submitted again: answered with the stored one");
+        Ok(SubmitReply { task_id: stored.task_id, state: stored.state })
     }
 
     /// Asks the scheduler to admit `record`'s task straight into flight

@@ -901,6 +901,14 @@ pub struct SubmitRequest {
     /// the missing ones otherwise. At most [`MAX_NEEDS`], each a program name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub needs: Vec<String>,
+    /// The task's id (`tsk_…`), minted by the caller so that a submission sent again after
+    /// its answer was lost (a coordinator restarting, a timeout) runs the task once: a
+    /// record of that id already stored for the same capsule and text is the answer (its
+    /// state as it is now); one stored for another task is refused (`conflict`). Absent,
+    /// the coordinator mints the id. `mur task send` mints one and retries an unanswered
+    /// submission with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
 }
 
 /// Most entries of [`SubmitRequest::needs`].
@@ -935,7 +943,8 @@ fn fleet_step_of(v: &Value) -> Result<FleetStep, String> {
 }
 
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
-const SUBMIT_FIELDS: [&str; 7] = ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step"];
+const SUBMIT_FIELDS: [&str; 8] =
+    ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step", "task_id"];
 
 impl SubmitRequest {
     /// A submission of `text` to `capsule` from `origin`, in a fresh context, with no
@@ -949,6 +958,7 @@ impl SubmitRequest {
             deadline_at: None,
             fleet_step: None,
             needs: Vec::new(),
+            task_id: None,
         }
     }
 
@@ -1028,9 +1038,17 @@ impl SubmitRequest {
                 Vec::new()
             }
         };
+        let task_id = match map.get("task_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(other) => {
+                errors.push(format!("task_id: must be a string, got {}", json_type(other)));
+                None
+            }
+        };
         let request = match (capsule, text, origin) {
             (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
-                SubmitRequest { capsule, text, origin, context_id, deadline_at, needs, fleet_step }
+                SubmitRequest { capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id }
             }
             (capsule, text, _) => {
                 // Still report the value rules of the fields that did decode.
@@ -1042,6 +1060,7 @@ impl SubmitRequest {
                     deadline_at: None,
                     fleet_step: None,
                     needs,
+                    task_id,
                 };
                 errors.extend(partial.rule_errors());
                 errors.sort_by_key(|e| field_rank(e));
@@ -1056,7 +1075,8 @@ impl SubmitRequest {
     /// - `capsule`: a capsule name ([`is_valid_name`]);
     /// - `text`: not empty, at most [`MAX_TASK_BYTES`] bytes;
     /// - `context_id`, when given: 1–64 characters of `A-Z a-z 0-9 - _ .`, not starting or
-    ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name).
+    ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name);
+    /// - `task_id`, when given: a task id, `tsk_` and 32 lowercase hex digits.
     ///
     /// # Errors
     /// An [`ApiError`] with code `invalid_request` listing every broken rule, for example
@@ -1086,6 +1106,9 @@ impl SubmitRequest {
                 "context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', \
                  not starting or ending with '.' nor holding '..', got {ctx:?}"
             ));
+        }
+        if let Some(id) = self.task_id.as_deref().filter(|id| !Id::is_valid(IdKind::Task, id)) {
+            errors.push(format!("task_id: must be a task id (tsk_ and 32 lowercase hex digits), got {id:?}"));
         }
         if self.needs.len() > MAX_NEEDS {
             errors.push(format!("needs: at most {MAX_NEEDS} programs, got {}", self.needs.len()));
@@ -1494,10 +1517,31 @@ mod tests {
     }
 
     #[test]
+    fn task_id_when_given_must_be_a_task_id() {
+        let parsed = |id: Value| {
+            let body = serde_json::json!({"capsule": "c", "text": "x", "task_id": id}).to_string();
+            SubmitRequest::parse(body.as_bytes()).map(|r| r.task_id)
+        };
+        let id = "tsk_0123456789abcdef0123456789abcdef";
+        assert_eq!(parsed(Value::from(id)).unwrap().as_deref(), Some(id));
+        assert_eq!(parsed(Value::Null).unwrap(), None);
+        for bad in ["", "tsk_1", "ctx_0123456789abcdef0123456789abcdef", "tsk_0123456789ABCDEF0123456789ABCDEF"] {
+            assert_eq!(
+                parsed(Value::from(bad)).unwrap_err().message,
+                format!("task_id: must be a task id (tsk_ and 32 lowercase hex digits), got {bad:?}")
+            );
+        }
+        assert_eq!(parsed(Value::from(7)).unwrap_err().message, "task_id: must be a string, got a number");
+        // Absent from what is sent when not given: older coordinators read it as before.
+        let sent = serde_json::to_value(SubmitRequest::new("c", "x", Origin::User)).unwrap();
+        assert!(sent.get("task_id").is_none(), "{sent}");
+    }
+
+    #[test]
     fn every_broken_rule_is_listed_in_field_order() {
         assert_eq!(
             invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
-            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, needs, fleet_step; \
+            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id; \
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \
@@ -1528,15 +1572,7 @@ mod tests {
 
     #[test]
     fn a_submitted_record_takes_its_lane_from_the_origin() {
-        let req = SubmitRequest {
-            capsule: "c".into(),
-            text: "t".into(),
-            origin: Origin::Schedule,
-            context_id: None,
-            deadline_at: None,
-            fleet_step: None,
-            needs: Vec::new(),
-        };
+        let req = SubmitRequest::new("c", "t", Origin::Schedule);
         let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
         assert!(Id::is_valid(IdKind::Context, &rec.context_id), "{}", rec.context_id);
@@ -1551,15 +1587,7 @@ mod tests {
     /// records written before the field existed still read.
     #[test]
     fn a_record_round_trips_its_traceparent() {
-        let req = SubmitRequest {
-            capsule: "c".into(),
-            text: "t".into(),
-            origin: Origin::User,
-            context_id: None,
-            deadline_at: None,
-            fleet_step: None,
-            needs: Vec::new(),
-        };
+        let req = SubmitRequest::new("c", "t", Origin::User);
         let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
         let json = serde_json::to_value(&rec).unwrap();
         assert!(json.get("traceparent").is_none(), "no traceparent, no field: {json}");

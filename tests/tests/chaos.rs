@@ -425,6 +425,95 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     assert_eq!(ran, (0..50).collect::<Vec<u32>>());
 }
 
+/// A submission that carries its own task id (`task_id`, as `mur task send` mints one) is
+/// one task however often it is sent: sent again, it is answered with the stored task (its
+/// state now) and runs once; the same id with another text is refused (`conflict`) and
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_sent_twice_with_its_own_task_id_runs_once() {
+    use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let capsule = shell_capsule("once");
+    cluster.push(capsule.dir()).await;
+    let ran = capsule.dir().join("ran.txt");
+    let id = mur_proto::Id::generate(mur_proto::IdKind::Task).to_string();
+    let request =
+        |text: String| SubmitRequest { task_id: Some(id.clone()), ..SubmitRequest::new("once", text, Origin::User) };
+    let text = format!("echo ran >> {}", ran.display());
+    let send = |request: SubmitRequest| {
+        let client = cluster.client.clone();
+        async move {
+            mur_coordinator::api::call::<SubmitReply>(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
+                .await
+        }
+    };
+    // Sent until the coordinator answers (it may not serve yet): the same task each time.
+    let first = until("the coordinator answers", WAIT, || async { send(request(text.clone())).await.ok() }).await;
+    assert_eq!((first.task_id.as_str(), first.state), (id.as_str(), TaskState::Submitted));
+    let again = send(request(text.clone())).await.expect("the same submission again");
+    assert_eq!(again.task_id, id);
+    let _worker = cluster.worker("wkr-1", 2);
+    let done = cluster.wait_record(&id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(done.state, TaskState::Completed, "{done:?}");
+    let late = send(request(text.clone())).await.expect("the same submission once it has ended");
+    assert_eq!((late.task_id.as_str(), late.state), (id.as_str(), TaskState::Completed));
+    let other = send(request("echo other".into())).await.expect_err("another task under a taken id");
+    assert_eq!(other.code, mur_proto::cluster::ErrorCode::Conflict);
+    assert_eq!(
+        other.message,
+        format!(
+            "task_id: {id} is another task's (capsule \"once\", submitted at {} unix ms); mint a new id",
+            done.submitted_at
+        )
+    );
+    assert_eq!(cluster.record(&id).await.unwrap(), done, "the refused one changed nothing");
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "ran\n", "the task ran once");
+    let runs = cluster.trace_of(&id).await.into_iter().filter(|l| l["event_type"] == "task_start").count();
+    assert_eq!(runs, 1);
+}
+
+/// `mur task send` with no coordinator answering (one restarting, or not yet up) says so
+/// and sends the submission again, with the task id it minted, until one answers: the
+/// task is accepted and runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mur_task_send_sends_again_until_a_coordinator_answers_and_the_task_runs_once() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
+    let capsule = shell_capsule("late");
+    cluster.push(capsule.dir()).await;
+    let ran = capsule.dir().join("ran.txt");
+    let err = cluster.dir().join("send.err");
+    let mut send = cluster.command();
+    send.args(["task", "send", "late", &format!("echo ran >> {}", ran.display())]);
+    let send = send
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("spawn mur task send");
+    let retrying = until("the send says it sends again", WAIT, || async {
+        let text = std::fs::read_to_string(&err).unwrap_or_default();
+        text.contains("sending it again").then_some(text)
+    })
+    .await;
+    assert!(
+        retrying.starts_with(
+            "mur: mur.api.task.submit: no coordinator answers (no responders); sending it again in 250 ms (task tsk_"
+        ),
+        "{retrying}"
+    );
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-1", 1);
+    let out = tokio::task::spawn_blocking(move || send.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", std::fs::read_to_string(&err).unwrap());
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert!(retrying.contains(&format!("(task {id}: it runs once however often it is sent)")), "{retrying}");
+    let done = cluster.wait_record(&id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(done.state, TaskState::Completed, "{done:?}");
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "ran\n");
+}
+
 /// A new leader restores its scheduler from every record (a replay of seconds over a store
 /// of gigabytes) while the API is answered and the lease renewed: a question asked as the
 /// restore starts (`leading` in the log) is answered before it ends (`coordinator

@@ -420,15 +420,7 @@ mod worker_service {
         /// coordinator does. Returns the task id.
         async fn submit(&self, capsule: &str, digest: &str, text: &str) -> Result<String> {
             let task_id = Id::generate(IdKind::Task);
-            let request = SubmitRequest {
-                capsule: capsule.into(),
-                text: text.into(),
-                origin: Origin::User,
-                context_id: None,
-                deadline_at: None,
-                fleet_step: None,
-                needs: Vec::new(),
-            };
+            let request = SubmitRequest::new(capsule, text, Origin::User);
             let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
             record.attempt += 1;

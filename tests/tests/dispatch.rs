@@ -357,15 +357,7 @@ fn threaded_capsule(url: &str) -> TestCapsule {
 /// Submits `text` to `capsule` in conversation `context`; returns the task id.
 async fn submit_in_context(client: &async_nats::Client, capsule: &str, text: &str, context: &str) -> String {
     use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
-    let request = SubmitRequest {
-        capsule: capsule.into(),
-        text: text.into(),
-        origin: Origin::User,
-        context_id: Some(context.into()),
-        deadline_at: None,
-        fleet_step: None,
-        needs: Vec::new(),
-    };
+    let request = SubmitRequest { context_id: Some(context.into()), ..SubmitRequest::new(capsule, text, Origin::User) };
     let reply: SubmitReply =
         mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.unwrap();
     reply.task_id

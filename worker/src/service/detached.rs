@@ -154,6 +154,7 @@ impl Host {
             deadline_at: None,
             fleet_step: None,
             needs: Vec::new(),
+            task_id: None,
         };
         let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
         let reply = self.client.request(cluster::api::TASK_SUBMIT, body.into()).await.map_err(|e| e.to_string())?;
