@@ -167,6 +167,10 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // which the leader's watcher picks up, so intake goes on during a failover.
     let (no_actor, _) = mpsc::unbounded_channel();
     let (no_admissions, _) = mpsc::unbounded_channel();
+    // One pass over every task record at a time in this process (the restore's, a list's, a
+    // status'): several at once over a store of gigabytes outran this connection (the
+    // server cut it off as a slow consumer, the lease's renewals timed out with it).
+    let scans = Arc::new(tokio::sync::Semaphore::new(1));
     let api_ctx = Arc::new(Ctx {
         js: js.clone(),
         tasks: res.tasks.clone(),
@@ -179,6 +183,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
+        scans: scans.clone(),
     });
     let service = client
         .service_builder()
@@ -244,7 +249,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         // The restore (a replay of every record, seconds over a store of gigabytes) runs
         // while the lease is renewed and the API is answered as a standby answers it: the
         // lease does not lapse under it, and callers do not wait for it.
-        let restoring = lead(&client, &config, &res, held.clone(), &active_runs);
+        let restoring = lead(&client, &config, &res, held.clone(), &active_runs, &scans);
         tokio::pin!(restoring);
         let mut leading = loop {
             tokio::select! {
@@ -344,6 +349,7 @@ async fn lead(
     res: &Resources,
     held: Arc<Held>,
     active_runs: &crate::fleet_run::Active,
+    scans: &Arc<tokio::sync::Semaphore>,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -351,7 +357,9 @@ async fn lead(
     // and the live feed.
     let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
     let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
+    let turn = scans.acquire().await.map_err(|_| Error::LoopEnded("the record scans"))?;
     let task_entries = caught_up(&res.tasks, &mut task_watch, |entry| !ended_or_gone(entry)).await?;
+    drop(turn);
     let worker_entries = caught_up(&res.workers, &mut worker_watch, |_| true).await?;
 
     let (inputs, input_rx) = mpsc::unbounded_channel();
@@ -368,6 +376,7 @@ async fn lead(
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
+        scans: scans.clone(),
     });
 
     // The replay.
@@ -445,14 +454,53 @@ async fn caught_up(
     watch: &mut kv::Watch,
     keep: impl Fn(&kv::Entry) -> bool,
 ) -> Result<Vec<kv::Entry>, Error> {
-    let mut entries = Vec::new();
+    // A key written while it is read comes again later (and after the watcher's consumer
+    // was reset, its older revisions too — always before its newest): the last entry read
+    // of a key is its state. A task cancelled during a restore used to be replayed from its
+    // earlier `submitted` entry, its `canceled` one dropped as ended: the scheduler then
+    // released it, the release was refused, and its slot stayed taken for good.
+    let mut latest = Latest::default();
     read_current(store, watch, |entry| {
-        if keep(&entry) {
-            entries.push(entry);
-        }
+        let (key, revision) = (entry.key.clone(), entry.revision);
+        latest.read(key, revision, keep(&entry).then_some(entry));
     })
     .await?;
-    Ok(entries)
+    Ok(latest.into_sorted())
+}
+
+/// The last entry read of each key, when it is one to keep: what a pass over a bucket's
+/// stream leaves once the entries of keys written during the pass have come again.
+struct Latest<T> {
+    by_key: HashMap<String, (u64, T)>,
+}
+
+impl<T> Default for Latest<T> {
+    fn default() -> Self {
+        Latest { by_key: HashMap::new() }
+    }
+}
+
+impl<T> Latest<T> {
+    /// An entry of `key` at `revision`: `Some` to keep it, `None` for one that is not kept
+    /// (a delete, an ended record). Either way it replaces what the key's earlier entries
+    /// left.
+    fn read(&mut self, key: String, revision: u64, item: Option<T>) {
+        match item {
+            Some(item) => {
+                self.by_key.insert(key, (revision, item));
+            }
+            None => {
+                self.by_key.remove(&key);
+            }
+        }
+    }
+
+    /// What is kept, oldest revision first.
+    fn into_sorted(self) -> Vec<T> {
+        let mut kept: Vec<(u64, T)> = self.by_key.into_values().collect();
+        kept.sort_by_key(|(revision, _)| *revision);
+        kept.into_iter().map(|(_, item)| item).collect()
+    }
 }
 
 /// Hands `visit` each entry a fresh `watch_with_history` watcher reads, up to the entry that
@@ -491,6 +539,11 @@ fn ended_or_gone(entry: &kv::Entry) -> bool {
         || serde_json::from_slice::<StateOnly>(&entry.value).is_ok_and(|r| r.state.is_terminal())
 }
 
+/// How long a pass over every task record (`task.list`, `cluster.status`) may take, its
+/// wait for its turn included: a NATS client's request times out at 10 s by default, and no
+/// one reads the answer after that.
+const SCAN_PATIENCE: Duration = Duration::from_secs(10);
+
 /// What every endpoint handler shares.
 struct Ctx {
     js: jetstream::Context,
@@ -506,6 +559,9 @@ struct Ctx {
     lease: Option<Arc<Held>>,
     /// The fleet API (`mur.api.fleet.*`).
     fleets: crate::fleets::Fleets,
+    /// One pass over every task record at a time, shared by this process's contexts (see
+    /// [`Ctx::scan_records`]).
+    scans: Arc<tokio::sync::Semaphore>,
     /// The last known record and revision of each task waiting here at attempt 0, from
     /// the intake or the watch: a release compare-and-sets from it without reading the
     /// record first (and reads it when the revision has moved on). Entries leave at the
@@ -750,15 +806,31 @@ impl Ctx {
     /// read key by key into one `Vec` for every `task.list` and `cluster.status` (3–4 s and
     /// ~1× the store in memory per call at 600–800 MB; past ~2 GB every call ran out of the
     /// caller's 10 s).
-    async fn scan_records(&self, mut visit: impl FnMut(TaskRecord)) -> Result<(), ApiError> {
-        let mut watch = self.tasks.watch_with_history(">").await.map_err(|e| unavailable("mur_tasks: watch", e))?;
-        read_current(&self.tasks, &mut watch, |entry| {
-            if let Some(record) = self.record_of(&entry) {
-                visit(record);
-            }
+    ///
+    /// `visit` gets each entry's key and its record (`None`: deleted or malformed). A key
+    /// written during the pass comes again, newer: the visitor keeps the last of each key.
+    ///
+    /// One pass at a time in the process (the restore's included): the others wait their
+    /// turn. A pass not over within [`SCAN_PATIENCE`], its wait included, is given up
+    /// (`unavailable`): its caller has stopped waiting for the answer.
+    async fn scan_records(&self, mut visit: impl FnMut(&str, Option<TaskRecord>)) -> Result<(), ApiError> {
+        let pass = async {
+            let _turn = self.scans.acquire().await.map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
+            let mut watch = self.tasks.watch_with_history(">").await.map_err(|e| unavailable("mur_tasks: watch", e))?;
+            read_current(&self.tasks, &mut watch, |entry| visit(&entry.key, self.record_of(&entry)))
+                .await
+                .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))
+        };
+        tokio::time::timeout(SCAN_PATIENCE, pass).await.unwrap_or_else(|_| {
+            Err(ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "mur_tasks: the task records were not read within {} s (a large store, or other reads of it \
+                     before this one): try again",
+                    SCAN_PATIENCE.as_secs()
+                ),
+            ))
         })
-        .await
-        .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))
     }
 
     /// `task.list`: newest first, at most the request's `limit` (1 to [`LIST_LIMIT`],
@@ -780,23 +852,27 @@ impl Ctx {
         // clipped records are held at once), then fitted into one reply.
         let newest_first =
             |a: &TaskRecord, b: &TaskRecord| (b.submitted_at, &b.task_id).cmp(&(a.submitted_at, &a.task_id));
-        let mut records: Vec<TaskRecord> = Vec::new();
+        let mut records: HashMap<String, TaskRecord> = HashMap::new();
         let mut clipped = HashSet::new();
-        self.scan_records(|mut r| {
-            if filter.state.is_some_and(|s| s != r.state) {
-                return;
-            }
+        self.scan_records(|key, record| {
+            // The last entry of a key is its state: an earlier one read goes.
+            records.remove(key);
+            clipped.remove(key);
+            let Some(mut r) = record.filter(|r| filter.state.is_none_or(|s| s == r.state)) else { return };
             let fields = [Some(&mut r.text), r.result.as_mut(), r.error.as_mut()];
             if page::clip_fields(fields.into_iter().flatten()) {
-                clipped.insert(r.task_id.clone());
+                clipped.insert(key.to_string());
             }
-            records.push(r);
+            records.insert(key.to_string(), r);
             if records.len() >= 2 * limit {
-                records.sort_by(newest_first);
-                records.truncate(limit);
+                let mut newest: Vec<TaskRecord> = records.drain().map(|(_, r)| r).collect();
+                newest.sort_by(newest_first);
+                newest.truncate(limit);
+                records.extend(newest.into_iter().map(|r| (r.task_id.clone(), r)));
             }
         })
         .await?;
+        let mut records: Vec<TaskRecord> = records.into_values().collect();
         records.sort_by(newest_first);
         records.truncate(limit);
         let max_payload = self.js.client().server_info().max_payload;
@@ -856,16 +932,20 @@ impl Ctx {
     async fn status(&self) -> Result<cluster::ClusterStatus, ApiError> {
         // What the status counts, without the long fields: waiting and in-flight tasks,
         // and dead letters.
-        let mut records = Vec::new();
-        self.scan_records(|mut r| {
-            if !r.state.is_terminal() || r.dead_letter.is_some() {
+        let mut records = HashMap::new();
+        self.scan_records(|key, record| {
+            // The last entry of a key is its state: an earlier one read goes.
+            records.remove(key);
+            if let Some(mut r) = record.filter(|r| !r.state.is_terminal() || r.dead_letter.is_some()) {
                 r.text = String::new();
                 r.result = None;
                 r.error = None;
-                records.push(r);
+                records.insert(key.to_string(), r);
             }
         })
         .await?;
+        let mut records: Vec<TaskRecord> = records.into_values().collect();
+        records.sort_by(|a, b| (a.submitted_at, &a.task_id).cmp(&(b.submitted_at, &b.task_id)));
         let workers_kv =
             self.js.get_key_value(cluster::WORKERS_BUCKET).await.map_err(|e| unavailable("mur_workers", e))?;
         let keys: Vec<String> = workers_kv
@@ -1004,6 +1084,11 @@ impl Ctx {
             };
             if record.state != TaskState::Submitted || record.attempt != 0 {
                 tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), attempt = record.attempt, "not releasing: the record moved on");
+                if record.state.is_terminal() {
+                    // Ended before its release (cancelled): its slot goes back now, whether or
+                    // not the watch brings the end (a repeated end is ignored).
+                    let _ = self.inputs.send(Input::Ended { task_id: task_id.to_string() });
+                }
                 return Ok(None);
             }
             record.attempt = 1;
@@ -1323,4 +1408,28 @@ fn millis(d: Duration) -> u64 {
 
 fn now_ms() -> u64 {
     crate::fleets::now_ms()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Latest;
+
+    #[test]
+    fn a_key_written_during_a_pass_is_what_its_last_entry_says() {
+        let mut latest = Latest::default();
+        // a: submitted, then cancelled during the pass (an ended entry is not kept);
+        // b: untouched; c: written twice; d: deleted, then created again.
+        for (key, revision, item) in [
+            ("a", 1, Some("a submitted")),
+            ("b", 2, Some("b submitted")),
+            ("c", 3, Some("c submitted")),
+            ("d", 4, None),
+            ("a", 5, None),
+            ("c", 6, Some("c released")),
+            ("d", 7, Some("d submitted")),
+        ] {
+            latest.read(key.to_string(), revision, item);
+        }
+        assert_eq!(latest.into_sorted(), ["b submitted", "c released", "d submitted"]);
+    }
 }

@@ -425,6 +425,68 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     assert_eq!(ran, (0..50).collect::<Vec<u32>>());
 }
 
+/// A task cancelled while a new leader restores (the API answers during the restore) is
+/// not replayed as waiting: the restore takes each record's last entry, and a release
+/// refused because the record has ended gives its slot back; a task sent after runs on the
+/// one slot there is, and nothing is left waiting or in flight. Before, a record
+/// written during the replay was restored from its earlier `submitted` entry (its
+/// `canceled` one dropped as ended); the scheduler released it, the release was refused,
+/// and its slot stayed taken for good: nothing else ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_cancelled_during_a_restore_are_not_replayed_and_hold_no_slot() {
+    use mur_proto::cluster::{TaskRef, api};
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let mut first = cluster.coordinator("coordinator-1");
+    let capsule = shell_capsule("shx");
+    cluster.push(capsule.dir()).await;
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        waiting.push(cluster.submit("shx", &format!("echo {i}"), Origin::User).await);
+    }
+    assert_eq!(first.terminate(WAIT), Some(0));
+    // A store whose replay takes a while: 1500 ended tasks with 100 KB results.
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.unwrap();
+    let result = "x".repeat(100_000);
+    futures::stream::iter(0..1500)
+        .for_each_concurrent(16, |_| {
+            let (tasks, result) = (tasks.clone(), &result);
+            async move {
+                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
+                let request = cluster::SubmitRequest::new("old", "hi", Origin::User);
+                let mut record =
+                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+                record.state = TaskState::Completed;
+                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
+                record.result = Some(result.clone());
+                tasks.put(id.as_str(), serde_json::to_vec(&record).unwrap().into()).await.expect("store a record");
+            }
+        })
+        .await;
+    let second = cluster.coordinator("coordinator-2");
+    until("coordinator-2 leads", WAIT, || async { second.log().contains("service: leading").then_some(()) }).await;
+    for id in &waiting {
+        let body = serde_json::to_vec(&TaskRef { task_id: id.clone() }).unwrap();
+        let record: cluster::TaskRecord =
+            mur_coordinator::api::call(&cluster.client, api::TASK_CANCEL, body).await.expect("cancel");
+        assert_eq!(record.state, TaskState::Canceled);
+    }
+    until("coordinator-2 restores", WAIT, || async { second.log().contains("coordinator restored").then_some(()) })
+        .await;
+    // One slot: a cancelled task replayed as waiting would take it for good.
+    let _worker = cluster.worker("wkr-1", 1);
+    let after = cluster.submit("shx", "echo after", Origin::User).await;
+    let done = cluster.wait_record(&after, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(done.state, TaskState::Completed, "{done:?}");
+    let status = until("nothing waiting or in flight", WAIT, || async {
+        let out = mur_tests::mur::Run::of(cluster.command().args(["cluster", "status", "--json"]));
+        let v = out.last_json();
+        (v["lanes"] == serde_json::json!([]) && v["in_flight"] == serde_json::json!([])).then_some(v)
+    })
+    .await;
+    assert_eq!(status["workers"][0]["free"], 1, "{status}");
+}
+
 /// A submission that carries its own task id (`task_id`, as `mur task send` mints one) is
 /// one task however often it is sent: sent again, it is answered with the stored task (its
 /// state now) and runs once; the same id with another text is refused (`conflict`) and
