@@ -52,7 +52,7 @@ impl Held {
 /// Why the lease was given up.
 #[derive(Debug, thiserror::Error)]
 pub enum Lost {
-    /// Another coordinator wrote the key.
+    /// Another coordinator wrote the key (or it could not be read to tell).
     #[error("the lease was taken by another coordinator")]
     Taken,
     /// No renewal got through in time.
@@ -119,7 +119,13 @@ impl Lease {
                 *held.state.lock().expect("lease lock") = (revision, sent);
                 Ok(())
             }
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(Lost::Taken),
+            // The key moved on: another holder wrote it, or it expired unrenewed (this holder
+            // stalled past the lease) and nobody took it yet: either way it is lost.
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => match Lease::holder(&self.kv).await {
+                Ok(Some(other)) if other.instance != self.instance || other.term != held.term => Err(Lost::Taken),
+                Ok(None) => Err(Lost::Expired("the lease expired before it was renewed".into())),
+                _ => Err(Lost::Taken),
+            },
             Err(e) if held.is_valid() => {
                 tracing::warn!(instance = %self.instance, "renewing the lease failed, will retry: {e}");
                 Ok(())

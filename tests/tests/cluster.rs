@@ -1428,6 +1428,30 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
     assert_eq!(again.wait(Duration::from_secs(30)).0, Some(0));
 }
 
+/// A holder whose lease key expired unrenewed (it stalled past the lease) is told so when
+/// it next renews — `expired`, not `taken` — and one whose expired lease another
+/// coordinator took since is told it was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewed_after_it_expired_is_lost_as_expired_or_as_taken_once_another_holds_it() {
+    use mur_coordinator::lease::{Lease, Lost};
+    let nats = mur_tests::nats::NatsServer::start();
+    let js = nats.jetstream().await;
+    let settings = mur_coordinator::Settings { leader_lease_secs: 2, ..mur_coordinator::Settings::default() };
+    let res = mur_coordinator::ensure(&js, &settings).await.unwrap();
+    let ttl = Duration::from_secs(2);
+    let first = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    let held = first.try_acquire().await.unwrap().expect("a free lease is taken");
+    let expired = || async { Lease::holder(&res.leader).await.unwrap().is_none().then_some(()) };
+    mur_tests::procs::until("the lease expires", Duration::from_secs(30), expired).await;
+    match first.renew(&held).await {
+        Err(Lost::Expired(why)) => assert_eq!(why, "the lease expired before it was renewed"),
+        other => panic!("expected the lease lost as expired, got {other:?}"),
+    }
+    let second = Lease::new(res.leader.clone(), "coordinator-2", ttl);
+    let _taken = second.try_acquire().await.unwrap().expect("an expired lease is taken");
+    assert!(matches!(first.renew(&held).await, Err(Lost::Taken)), "another holds it now");
+}
+
 /// A `mur dev` whose start fails once its coordinator and workers run (here its `--http`
 /// address is taken) says why, exits 2, and stops them before its nats-server: no worker
 /// is left pulling from a server gone under it (`409: Server Shutdown` warnings before).
