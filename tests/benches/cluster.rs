@@ -702,23 +702,7 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
     let nats = mur_tests::nats::NatsServer::start();
     let js = nats.jetstream().await;
     let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
-    let result = "x".repeat(ENDED_RESULT_BYTES);
-    futures::stream::iter(0..records)
-        .for_each_concurrent(16, |_| {
-            let (tasks, result) = (res.tasks.clone(), &result);
-            async move {
-                let id = Id::generate(IdKind::Task);
-                let request = SubmitRequest::new("noop", "hi", Origin::User);
-                let mut record =
-                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
-                record.state = TaskState::Completed;
-                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
-                record.result = Some(result.clone());
-                let value = serde_json::to_vec(&record).expect("record");
-                tasks.put(id.as_str(), value.into()).await.expect("store an ended record");
-            }
-        })
-        .await;
+    mur_tests::procs::store_ended_tasks(&res.tasks, records, ENDED_RESULT_BYTES).await;
     let t0 = Instant::now();
     let mut child = std::process::Command::new(mur)
         .args(["coordinator", "--server", &nats.url()])

@@ -260,3 +260,28 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// Stores `n` tasks of the capsule `old` that ended `completed` long ago, each with a
+/// result of `result_bytes` bytes, straight into `tasks` (`mur_tasks`), 16 writes at a
+/// time: a store whose replay, list and status take a while.
+///
+/// # Panics
+/// When a write fails.
+pub async fn store_ended_tasks(tasks: &async_nats::jetstream::kv::Store, n: usize, result_bytes: usize) {
+    let result = "x".repeat(result_bytes);
+    futures::stream::iter(0..n)
+        .for_each_concurrent(16, |_| {
+            let (tasks, result) = (tasks.clone(), &result);
+            async move {
+                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
+                let request = SubmitRequest::new("old", "hi", Origin::User);
+                let mut record = TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+                record.state = mur_proto::task::TaskState::Completed;
+                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
+                record.result = Some(result.clone());
+                let value = serde_json::to_vec(&record).expect("a record serializes");
+                tasks.put(id.as_str(), value.into()).await.expect("store an ended record");
+            }
+        })
+        .await;
+}

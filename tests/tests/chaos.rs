@@ -2,7 +2,6 @@
 //! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
 //! DESIGN.md's invariants 2, 3, 4, 7, 8 on what the cluster stored.
 
-use futures::StreamExt;
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
 use mur_tests::capsule::{TestCapsule, shell_capsule};
@@ -447,22 +446,7 @@ async fn tasks_cancelled_during_a_restore_are_not_replayed_and_hold_no_slot() {
     // A store whose replay takes a while: 1500 ended tasks with 100 KB results.
     let js = async_nats::jetstream::new(cluster.client.clone());
     let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.unwrap();
-    let result = "x".repeat(100_000);
-    futures::stream::iter(0..1500)
-        .for_each_concurrent(16, |_| {
-            let (tasks, result) = (tasks.clone(), &result);
-            async move {
-                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
-                let request = cluster::SubmitRequest::new("old", "hi", Origin::User);
-                let mut record =
-                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
-                record.state = TaskState::Completed;
-                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
-                record.result = Some(result.clone());
-                tasks.put(id.as_str(), serde_json::to_vec(&record).unwrap().into()).await.expect("store a record");
-            }
-        })
-        .await;
+    mur_tests::procs::store_ended_tasks(&tasks, 1500, 100_000).await;
     let second = cluster.coordinator("coordinator-2");
     until("coordinator-2 leads", WAIT, || async { second.log().contains("service: leading").then_some(()) }).await;
     for id in &waiting {
@@ -587,22 +571,7 @@ async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
     let js = async_nats::jetstream::new(cluster.client.clone());
     let res = mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
     // 1500 ended tasks with 100 KB results: the replay reads each (~150 MB).
-    let result = "x".repeat(100_000);
-    futures::stream::iter(0..1500)
-        .for_each_concurrent(16, |_| {
-            let (tasks, result) = (res.tasks.clone(), &result);
-            async move {
-                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
-                let request = cluster::SubmitRequest::new("old", "hi", Origin::User);
-                let mut record =
-                    cluster::TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
-                record.state = TaskState::Completed;
-                record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
-                record.result = Some(result.clone());
-                tasks.put(id.as_str(), serde_json::to_vec(&record).unwrap().into()).await.expect("store a record");
-            }
-        })
-        .await;
+    mur_tests::procs::store_ended_tasks(&res.tasks, 1500, 100_000).await;
     let coordinator = cluster.coordinator("coordinator-1");
     until("the coordinator leads", WAIT, || async { coordinator.log().contains("service: leading").then_some(()) })
         .await;

@@ -840,6 +840,23 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     Ok(())
 }
 
+/// A sandbox with the fleet `pair` created, for the removal tests: the sandbox, the folder
+/// of its fleet file, `mur_fleets`, the definition's revision and the time now (unix ms).
+async fn pair_to_remove() -> Result<(Sandbox, tempfile::TempDir, async_nats::jetstream::kv::Store, u64, u64)> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let kv = fleets_kv(&sb).await;
+    let revision = kv.entry(fleet_store::def_key("pair")).await?.unwrap().revision;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
+    Ok((sb, dir, kv, revision, now))
+}
+
+/// The mark of a `mur fleet rm` of the definition at `revision` begun at `at` (unix ms).
+fn removal_mark(revision: u64, at: u64) -> Vec<u8> {
+    serde_json::to_vec(&fleet_store::Removing { revision, at }).unwrap()
+}
+
 /// `mur fleet rm` marks the fleet before it looks for a run going, and a run looks for the
 /// mark once its record is written: of a removal and a run at once, one sees the other. A
 /// run that finds the mark of the definition it read starts nothing and leaves no record,
@@ -848,19 +865,13 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
 /// holds no run back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -> Result<()> {
-    let sb = Sandbox::start(0, 1).await;
-    let dir = tempfile::tempdir()?;
-    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
-    let kv = fleets_kv(&sb).await;
-    let revision = kv.entry(fleet_store::def_key("pair")).await?.unwrap().revision;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
-    let mark = |revision: u64, at: u64| serde_json::to_vec(&fleet_store::Removing { revision, at }).unwrap();
+    let (sb, _dir, kv, revision, now) = pair_to_remove().await?;
     let run_keys = || async {
         let keys: Vec<String> = futures::TryStreamExt::try_collect(kv.keys().await.unwrap()).await.unwrap();
         keys.into_iter().filter(|k| k.starts_with("run.")).collect::<Vec<_>>()
     };
 
-    kv.put(fleet_store::removing_key("pair"), mark(revision, now).into()).await?;
+    kv.put(fleet_store::removing_key("pair"), removal_mark(revision, now).into()).await?;
     let run = fleet(&sb, &["run", "pair"]);
     assert_eq!(
         (run.code, run.stdout.as_str(), run.stderr.as_str()),
@@ -878,7 +889,7 @@ async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -
     // A removal that died a minute ago, and one of an earlier definition, hold nothing back:
     // the run starts (and fails, its members not being pushed).
     for (revision, at) in [(revision, now - fleet_store::Removing::STALE_MS - 1_000), (revision - 1, now)] {
-        kv.put(fleet_store::removing_key("pair"), mark(revision, at).into()).await?;
+        kv.put(fleet_store::removing_key("pair"), removal_mark(revision, at).into()).await?;
         let run = fleet(&sb, &["run", "pair"]);
         assert_eq!(run.code, 1, "{run:?}");
         assert!(run.stderr.contains("ended: iteration-failed"), "{run:?}");
@@ -892,17 +903,11 @@ async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -
 /// changes nothing; a stale mark, or one of an earlier definition, holds no apply back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_apply_arriving_while_its_fleet_is_being_removed_is_refused_and_changes_nothing() -> Result<()> {
-    let sb = Sandbox::start(0, 1).await;
-    let dir = tempfile::tempdir()?;
-    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
-    let kv = fleets_kv(&sb).await;
-    let revision = kv.entry(fleet_store::def_key("pair")).await?.unwrap().revision;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
-    let mark = |revision: u64, at: u64| serde_json::to_vec(&fleet_store::Removing { revision, at }).unwrap();
+    let (sb, dir, kv, revision, now) = pair_to_remove().await?;
     let edited = PAIR.replace("Answer the question.", "Answer the question twice.");
     let edited = write(dir.path(), "edited.yaml", &edited);
 
-    kv.put(fleet_store::removing_key("pair"), mark(revision, now).into()).await?;
+    kv.put(fleet_store::removing_key("pair"), removal_mark(revision, now).into()).await?;
     assert_eq!(
         refused(&sb, &["apply", edited.to_str().unwrap()]),
         "mur: conflict: fleet pair: a removal (`mur fleet rm`) is under way; apply it again once it has ended\n"
@@ -911,7 +916,7 @@ async fn an_apply_arriving_while_its_fleet_is_being_removed_is_refused_and_chang
     assert_eq!((stored.revision, stored.value.as_ref()), (revision, PAIR.as_bytes()), "the definition is unchanged");
 
     for (marked, at) in [(revision, now - fleet_store::Removing::STALE_MS - 1_000), (revision - 1, now)] {
-        kv.put(fleet_store::removing_key("pair"), mark(marked, at).into()).await?;
+        kv.put(fleet_store::removing_key("pair"), removal_mark(marked, at).into()).await?;
         let text = std::fs::read_to_string(&edited)?.replace("twice", &format!("at {at}"));
         let path = write(dir.path(), "again.yaml", &text);
         assert_eq!(ok(&sb, &["apply", path.to_str().unwrap()]).stdout, "replaced fleet pair\n");
