@@ -122,7 +122,6 @@ impl Lease {
             // The key moved on: another holder wrote it, or it expired unrenewed (this holder
             // stalled past the lease) and nobody took it yet: either way it is lost.
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => match Lease::holder(&self.kv).await {
-                Ok(Some(other)) if other.instance != self.instance || other.term != held.term => Err(Lost::Taken),
                 Ok(None) => Err(Lost::Expired("the lease expired before it was renewed".into())),
                 _ => Err(Lost::Taken),
             },

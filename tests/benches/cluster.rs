@@ -446,7 +446,10 @@ async fn throughput(
     let rounds: Vec<Duration> =
         ends.chunks(slots.max(1)).map(|round| round[round.len() - 1].saturating_duration_since(round[0])).collect();
     let spread = (rounds.first().copied().unwrap_or_default(), rounds.last().copied().unwrap_or_default());
-    let p50_p99 = |xs: &[Duration]| if xs.is_empty() { (Duration::ZERO, Duration::ZERO) } else { quantiles(xs) };
+    let p50_p99 = |xs: &[Duration]| {
+        let (p50, p99, _) = p50_p99_mean(xs);
+        (p50, p99)
+    };
     Load {
         per_s: n as f64 / elapsed.as_secs_f64(),
         steps: [p50_p99(&steps[0]), p50_p99(&steps[1]), p50_p99(&steps[2])],
