@@ -154,10 +154,14 @@ fn nats<E: Into<async_nats::Error>>(what: impl Into<String>) -> impl FnOnce(E) -
 /// Runs the coordinator until `shutdown` resolves: sets up the resources, restores the
 /// scheduler from the buckets, serves the `mur` micro service and dispatches tasks.
 ///
+/// A leader whose restore fails (the replay's watch refused or timed out by the broker) does
+/// not stop: it gives the lease back and stands by, trying again one renewal interval
+/// (a third of the lease) later.
+///
 /// # Errors
 /// [`Error::Resources`] when the streams and buckets cannot be set up, [`Error::Nats`] when
-/// the buckets cannot be read or the service cannot start, [`Error::LoopEnded`] when a
-/// bucket watch ends on its own (the connection is gone for good).
+/// the service cannot start, [`Error::LoopEnded`] when a bucket watch of a leader ends on
+/// its own (the connection is gone for good).
 pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -213,18 +217,23 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);
     let mut standby_logged = false;
+    // Set when a restore failed: the next try waits one renewal interval (another
+    // coordinator may take the lease meanwhile) rather than repeat the failure at once.
+    let mut pause_first = false;
     let outcome = 'outer: loop {
         // Standby: try to take the lease now and every renewal interval.
         let held = loop {
-            match lease.try_acquire().await {
-                Ok(Some(held)) => break Arc::new(held),
-                Ok(None) if !standby_logged => {
-                    let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
-                    tracing::info!(instance = %instance, leader = ?holder, "standing by");
-                    standby_logged = true;
+            if !std::mem::take(&mut pause_first) {
+                match lease.try_acquire().await {
+                    Ok(Some(held)) => break Arc::new(held),
+                    Ok(None) if !standby_logged => {
+                        let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
+                        tracing::info!(instance = %instance, leader = ?holder, "standing by");
+                        standby_logged = true;
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
             }
             let wait = tokio::time::sleep(lease.renew_every());
             tokio::pin!(wait);
@@ -266,8 +275,18 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 restored = &mut restoring => match restored {
                     Ok(l) => break l,
                     Err(e) => {
+                        // The restore only reads (a watch refused or timed out: a broker
+                        // restarting, a store too cold to answer in time); nothing was
+                        // released yet. Give the lease back and try again later rather than
+                        // end the process.
+                        tracing::warn!(
+                            instance = %instance,
+                            retry_in = ?lease.renew_every(),
+                            "restoring failed, standing by to try again: {e}"
+                        );
                         lease.release(&held).await;
-                        break 'outer Err(e);
+                        pause_first = true;
+                        continue 'outer;
                     }
                 },
                 request = requests.next() => match request {

@@ -589,6 +589,50 @@ async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
     .await;
 }
 
+/// A leader whose restore fails on the broker stands by and tries again rather than ending
+/// the process: here the task bucket's stream allows one consumer and the test holds it, so
+/// the broker refuses the restore's watch; once the test lets go, the coordinator leads
+/// and a task runs. (Seen on a cold nats-server over a 1.5 GB store: creating the watch
+/// took 12.8 s, past the client's 10 s timeout, and the coordinator exited.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_whose_restore_fails_stands_by_and_tries_again() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let settings = mur_coordinator::Settings::default();
+    // The stream as the coordinator makes it (so it finds nothing to change), but for its
+    // consumer limit, which the coordinator does not look at.
+    let mut config =
+        settings.kv_stream(cluster::TASKS_BUCKET, "murmur: task records, key = task id", settings.task_history);
+    config.max_consumers = 1;
+    let stream = js.create_stream(config).await.expect("the task bucket's stream");
+    stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("held".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("the one consumer allowed");
+    let mut coordinator = cluster.coordinator("coordinator-1");
+    until("the restore's watch is refused", WAIT, || async {
+        coordinator.log().contains("mur_tasks: watch").then_some(())
+    })
+    .await;
+    assert!(coordinator.is_running(), "the coordinator ended:\n{}", coordinator.log());
+    assert!(coordinator.log().contains("restoring failed, standing by to try again"), "{}", coordinator.log());
+    stream.delete_consumer("held").await.expect("letting go of the consumer");
+    until("the coordinator restores", WAIT, || async {
+        coordinator.log().contains("coordinator restored").then_some(())
+    })
+    .await;
+    let _worker = cluster.worker("wkr-1", 1);
+    let capsule = shell_capsule("after");
+    cluster.push(capsule.dir()).await;
+    let task = cluster.submit("after", "echo ran", Origin::User).await;
+    let record = cluster.wait_record(&task, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+    assert!(coordinator.is_running(), "the coordinator ended:\n{}", coordinator.log());
+}
+
 /// Issue #8 §Observability of the queue: `mur cluster status --json` shows each capsule's
 /// lane with its pending count and oldest age, what is in flight with its worker and
 /// attempt, the workers' free slots and the leader.
