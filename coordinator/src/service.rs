@@ -560,8 +560,9 @@ fn ended_or_gone(entry: &kv::Entry) -> bool {
 
 /// How long a pass over every task record (`task.list`, `cluster.status`) may take, its
 /// wait for its turn included: a NATS client's request times out at 10 s by default, and no
-/// one reads the answer after that.
-const SCAN_PATIENCE: Duration = Duration::from_secs(10);
+/// one reads the answer after that. A second less, so that the caller reads why (this
+/// error) rather than its own timeout.
+const SCAN_PATIENCE: Duration = Duration::from_secs(9);
 
 /// What every endpoint handler shares.
 struct Ctx {
