@@ -15,15 +15,6 @@ mod trace;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-/// jemalloc, not the system's malloc: a worker or coordinator allocates and frees small
-/// buffers for every message, record and trace line, and glibc's allocator took 14 % of the
-/// process's CPU in a profile of the benchmark (issue #9). With jemalloc the benchmark's
-/// process spent ~8 % less CPU per slow task, set against nats-server's CPU in the same run
-/// (`cargo bench -p mur-tests --bench cluster`, which uses it too), and a worker with 16
-/// sessions stayed as small (61 MiB against 66; mimalloc, also tried, grew it to 90 MiB).
-#[global_allocator]
-static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 /// murmur runs LLM agent capsules and fleets of them, on one machine or a cluster.
 #[derive(Parser, Debug)]
 #[command(name = "mur", version, about, propagate_version = true)]

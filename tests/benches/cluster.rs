@@ -44,11 +44,6 @@
 //! (`target/<profile>/mur`): `cargo test --workspace` builds it; for the release figures
 //! run `cargo build --release --bin mur` first. Without it the memory figures are skipped.
 
-/// The allocator the `mur` binary uses (`cli/src/main.rs`), so that the cluster in this
-/// process runs as it does there.
-#[global_allocator]
-static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt;
 use mur_proto::cluster::{self, Dispatch, SubmitReply, SubmitRequest, api};
