@@ -156,7 +156,8 @@ fn nats<E: Into<async_nats::Error>>(what: impl Into<String>) -> impl FnOnce(E) -
 ///
 /// A leader whose restore fails (the replay's watch refused or timed out by the broker) does
 /// not stop: it gives the lease back and stands by, trying again one renewal interval
-/// (a third of the lease) later.
+/// (a third of the lease) later, twice that after a second failure in a row, and so on up
+/// to 30 s ([`restore_retry_pause`]).
 ///
 /// # Errors
 /// [`Error::Resources`] when the streams and buckets cannot be set up, [`Error::Nats`] when
@@ -217,25 +218,30 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);
     let mut standby_logged = false;
-    // Set when a restore failed: the next try waits one renewal interval (another
-    // coordinator may take the lease meanwhile) rather than repeat the failure at once.
-    let mut pause_first = false;
+    // Restores failed in a row; after one, the next try waits (another coordinator may take
+    // the lease meanwhile) rather than repeat the failure at once.
+    let mut failed_restores = 0u32;
+    let mut pause_first = None;
     let outcome = 'outer: loop {
         // Standby: try to take the lease now and every renewal interval.
         let held = loop {
-            if !std::mem::take(&mut pause_first) {
-                match lease.try_acquire().await {
-                    Ok(Some(held)) => break Arc::new(held),
-                    Ok(None) if !standby_logged => {
-                        let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
-                        tracing::info!(instance = %instance, leader = ?holder, "standing by");
-                        standby_logged = true;
+            let pause = match pause_first.take() {
+                Some(pause) => pause,
+                None => {
+                    match lease.try_acquire().await {
+                        Ok(Some(held)) => break Arc::new(held),
+                        Ok(None) if !standby_logged => {
+                            let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
+                            tracing::info!(instance = %instance, leader = ?holder, "standing by");
+                            standby_logged = true;
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
                     }
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
+                    lease.renew_every()
                 }
-            }
-            let wait = tokio::time::sleep(lease.renew_every());
+            };
+            let wait = tokio::time::sleep(pause);
             tokio::pin!(wait);
             loop {
                 tokio::select! {
@@ -273,19 +279,25 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     continue 'outer;
                 }
                 restored = &mut restoring => match restored {
-                    Ok(l) => break l,
+                    Ok(l) => {
+                        failed_restores = 0;
+                        break l;
+                    }
                     Err(e) => {
                         // The restore only reads (a watch refused or timed out: a broker
                         // restarting, a store too cold to answer in time); nothing was
                         // released yet. Give the lease back and try again later rather than
                         // end the process.
+                        failed_restores += 1;
+                        let pause = restore_retry_pause(lease.renew_every(), failed_restores);
                         tracing::warn!(
                             instance = %instance,
-                            retry_in = ?lease.renew_every(),
+                            failed_restores,
+                            retry_in = ?pause,
                             "restoring failed, standing by to try again: {e}"
                         );
                         lease.release(&held).await;
-                        pause_first = true;
+                        pause_first = Some(pause);
                         continue 'outer;
                     }
                 },
@@ -343,6 +355,18 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     }
     outcome
 }
+
+/// How long a coordinator whose restore failed `failures` times in a row waits before it
+/// tries to lead again: the lease's renewal interval, doubled per failure after the first,
+/// at most [`RESTORE_RETRY_MAX`]. Each failed try leaves the watch it opened to the broker,
+/// which keeps the consumer until its 30 s inactivity threshold: a pause growing to that
+/// keeps such leftovers to a few, and the log to a line every 30 s.
+fn restore_retry_pause(renew_every: Duration, failures: u32) -> Duration {
+    renew_every.saturating_mul(1 << failures.saturating_sub(1).min(8)).min(RESTORE_RETRY_MAX).max(renew_every)
+}
+
+/// The longest pause between a coordinator's tries to restore ([`restore_retry_pause`]).
+const RESTORE_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// The loops of a leading coordinator.
 struct Leading {
@@ -1432,7 +1456,18 @@ fn now_ms() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::Latest;
+    use super::{Latest, restore_retry_pause};
+    use std::time::Duration;
+
+    #[test]
+    fn a_failed_restore_is_retried_after_the_renewal_interval_doubling_up_to_30_s() {
+        let renew = Duration::from_millis(3333);
+        let pauses: Vec<u128> = (1..=7).map(|n| restore_retry_pause(renew, n).as_millis()).collect();
+        assert_eq!(pauses, [3333, 6666, 13332, 26664, 30000, 30000, 30000]);
+        assert_eq!(restore_retry_pause(renew, u32::MAX), Duration::from_secs(30));
+        // A lease so long that its renewal interval is over 30 s: never sooner than it.
+        assert_eq!(restore_retry_pause(Duration::from_secs(40), 3), Duration::from_secs(40));
+    }
 
     #[test]
     fn a_key_written_during_a_pass_is_what_its_last_entry_says() {
