@@ -191,6 +191,11 @@ impl Settings {
         }
     }
 
+    /// The stream behind `mur_tasks` (task records, `task_history` revisions per key).
+    pub fn tasks_stream(&self) -> stream::Config {
+        self.kv_stream(cluster::TASKS_BUCKET, "murmur: task records, key = task id", self.task_history)
+    }
+
     /// The stream behind KV bucket `bucket` keeping `history` revisions per key, as
     /// async-nats' `create_key_value` would build it.
     pub fn kv_stream(&self, bucket: &str, description: &str, history: u8) -> stream::Config {
@@ -378,7 +383,6 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     settings.validate()?;
     let mut outcomes = Vec::new();
     let kv_buckets = [
-        (cluster::TASKS_BUCKET, "murmur: task records, key = task id", settings.task_history),
         (cluster::WORKERS_BUCKET, "murmur: worker registrations and heartbeats, key = worker id", 1),
         (cluster::SESSIONS_BUCKET, "murmur: session checkpoints", 1),
         (
@@ -387,7 +391,7 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
             settings.capsule_history,
         ),
     ];
-    let mut streams = vec![settings.dispatch_stream(), settings.trace_stream()];
+    let mut streams = vec![settings.dispatch_stream(), settings.trace_stream(), settings.tasks_stream()];
     streams.extend(kv_buckets.iter().map(|(bucket, text, history)| settings.kv_stream(bucket, text, *history)));
     for config in &mut streams {
         if config.name == format!("KV_{}", cluster::WORKERS_BUCKET) {

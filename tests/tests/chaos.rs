@@ -598,12 +598,12 @@ async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
 async fn a_coordinator_whose_restore_fails_stands_by_and_tries_again() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n").await;
     let js = async_nats::jetstream::new(cluster.client.clone());
-    let settings = mur_coordinator::Settings::default();
     // The stream as the coordinator makes it (so it finds nothing to change), but for its
     // consumer limit, which the coordinator does not look at.
-    let mut config =
-        settings.kv_stream(cluster::TASKS_BUCKET, "murmur: task records, key = task id", settings.task_history);
-    config.max_consumers = 1;
+    let config = async_nats::jetstream::stream::Config {
+        max_consumers: 1,
+        ..mur_coordinator::Settings::default().tasks_stream()
+    };
     let stream = js.create_stream(config).await.expect("the task bucket's stream");
     stream
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
