@@ -64,19 +64,18 @@ impl Driver for ProcessAgent {
         let (program, args) =
             cfg.command.split_first().ok_or_else(|| Error::Process("inference.command is empty".into()))?;
         let path = resolve_program(program, &cfg.capsule_dir).map_err(|e| Error::Process(format!("{program}: {e}")))?;
-        let mut child = Command::new(&path)
+        let mut command = Command::new(&path);
+        command
             .args(args)
             .current_dir(&cfg.workdir)
             .env("MURMUR_CAPSULE_DIR", &cfg.capsule_dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
+            .kill_on_drop(true);
+        let (mut child, mut guard) = GroupGuard::spawn(&mut command)
             .map_err(|e| Error::Process(format!("cannot start {}: {e}", path.display())))?;
         let pgid = child.id();
-        let mut guard = GroupGuard::new(pgid);
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let task = request.task_text.as_bytes().to_vec();
         let feed = async move {

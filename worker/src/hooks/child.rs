@@ -147,8 +147,9 @@ impl Launch {
     ///
     /// # Errors
     /// [`Error::Spawn`] naming the program and the OS error.
-    fn spawn(&self, mark: &str) -> Result<Child, Error> {
-        Command::new(&self.program)
+    fn spawn(&self, mark: &str) -> Result<(Child, GroupGuard), Error> {
+        let mut command = Command::new(&self.program);
+        command
             .args(&self.args)
             .current_dir(&self.capsule_dir)
             .env_clear()
@@ -156,10 +157,10 @@ impl Launch {
             .env(process::REAP_MARK_VAR, mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .map_err(|e| Error::Spawn(format!("{}: {e}", self.program.display())))
+            .stderr(Stdio::piped());
+        let (child, guard) =
+            GroupGuard::spawn(&mut command).map_err(|e| Error::Spawn(format!("{}: {e}", self.program.display())))?;
+        Ok((child, guard.marked(mark)))
     }
 }
 
@@ -181,12 +182,11 @@ pub(crate) async fn run_once(
     stop: &mut Stop,
 ) -> Option<Result<Answer, Error>> {
     let mark = process::reap_mark();
-    let mut child = match launch.spawn(&mark) {
-        Ok(child) => child,
+    let (mut child, mut guard) = match launch.spawn(&mark) {
+        Ok(spawned) => spawned,
         Err(e) => return Some(Err(e)),
     };
     let pgid = child.id();
-    let mut guard = GroupGuard::new(pgid).marked(&mark);
     let mut pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());
     let mut stdin = child.stdin.take().expect("stdin is piped");
     let stdout = child.stdout.take().expect("stdout is piped");
@@ -282,9 +282,8 @@ impl Persistent {
     /// [`Error::Spawn`].
     pub fn start(launch: &Launch, log: HookLog, label: Label) -> Result<Self, Error> {
         let mark = process::reap_mark();
-        let mut child = launch.spawn(&mark)?;
+        let (mut child, guard) = launch.spawn(&mark)?;
         let pgid = child.id();
-        let guard = GroupGuard::new(pgid).marked(&mark);
         let stdin = child.stdin.take().expect("stdin is piped");
         let stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
         let pump = StderrPump::start(child.stderr.take().expect("stderr is piped"), log.clone(), label.clone());

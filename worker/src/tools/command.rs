@@ -61,23 +61,22 @@ impl CommandTool {
             }
         };
         let mark = process::reap_mark();
-        let mut child = match Command::new(&program)
+        let mut command = Command::new(&program);
+        command
             .args(args)
             .current_dir(&ctx.workdir)
             .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-        {
-            Ok(child) => child,
+            .stderr(Stdio::piped());
+        let (mut child, guard) = match GroupGuard::spawn(&mut command) {
+            Ok(spawned) => spawned,
             Err(e) => {
                 return Outcome::error(format!("tool {name:?}: cannot start {}: {e}", program.display()));
             }
         };
         let pgid = child.id();
-        let mut guard = GroupGuard::new(pgid).marked(&mark);
+        let mut guard = guard.marked(&mark);
 
         let mut payload = serde_json::to_vec(input).expect("a JSON value serializes");
         payload.push(b'\n');

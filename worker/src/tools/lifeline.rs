@@ -14,25 +14,46 @@
 //! and of a runtime killed outright `seeds/session-loop.md` §What a resume reports says the
 //! command "is left to run out on its own".
 //!
-//! The reaper is one small `sh` per process, started at the first tie, in a process group of
-//! its own (a Ctrl-C to the worker's group does not kill it first). It reads `+ <pgid>` and
-//! `- <pgid>` lines on its stdin, whose only writer is this process; when the pipe closes —
-//! this process exited or was killed — it sends SIGKILL to every group still tied, then
-//! exits. A reaper found dead (killed by someone) at the next tie or untie is replaced and
-//! told every group tied. A group is untied once its leader has been reaped (after which its id may be
-//! reused), so the reaper never signals a group that is not ours; a stray background
-//! process that a finished command left in its group is not tied any more.
+//! The reaper is one small `sh` per process, started at the first spawn, in a process group
+//! of its own (a Ctrl-C to the worker's group does not kill it first). It reads lines on its
+//! stdin, whose only writers are this process and its children in the instant before they
+//! exec; when the pipe closes — this process exited or was killed — it sends SIGKILL to every
+//! group still tied, then exits. A reaper found dead (killed by someone) at the next write
+//! is replaced and told every group tied. A group is untied once its leader has been reaped
+//! (after which its id may be reused), so the reaper never signals a group that is not ours;
+//! a stray background process that a finished command left in its group is not tied any
+//! more.
+//!
+//! A child ties itself: [`spawn`] has it write `c <its pid>` to the reaper's pipe after the
+//! fork and before the exec (one `write(2)` under `PIPE_BUF`, so whole), so a worker killed
+//! in the instant between the child's start and the return of `spawn` still takes the
+//! child with it. (Tying it only after `spawn` returned left that instant open: a loaded CI
+//! machine once killed the worker in it, and the command outlived the worker.) The parent
+//! then confirms with `k`, or, when the exec failed, takes the child's line back with `x`.
+//! Spawns are serialised under the lifeline's lock, so the reaper reads each spawn's lines
+//! together.
 
-use std::collections::HashSet;
-use std::io::Write;
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
-/// The reaper: a POSIX `sh` program. `$g` holds the tied groups as ` 12 34 `.
-const REAPER: &str = r#"g=' '
+/// The reaper: a POSIX `sh` program. `$g` holds the tied groups as ` 12 34 ` (an id once per
+/// tie: a multiset), `$l` the group a child announced in the spawn going on. Lines:
+/// - `c <pgid>` a child ties itself (written by the child before its exec);
+/// - `k` its spawn succeeded: the tie stays;
+/// - `x` its spawn failed: the tie the child wrote, if any, is taken back;
+/// - `+ <pgid>` ties a group (a new reaper told the groups tied);
+/// - `- <pgid>` unties one tie of a group.
+const REAPER: &str = r#"g=' ' l=
 while read -r op id; do
   case $op in
+    c) g="$g$id " l=$id ;;
+    k) l= ;;
+    x) case $l in ?*) g="${g%%" $l "*} ${g#*" $l "}" ;; esac; l= ;;
     +) g="$g$id " ;;
     -) case $g in *" $id "*) g="${g%%" $id "*} ${g#*" $id "}" ;; esac ;;
   esac
@@ -45,15 +66,28 @@ exit 0
 struct Lifeline {
     /// The running reaper; `None` when it could not be started (logged).
     reaper: Option<(Child, ChildStdin)>,
-    /// The groups tied now: told again to a reaper started after the last one died.
-    tied: HashSet<u32>,
+    /// The groups tied now, with how many ties each: told again to a reaper started after
+    /// the last one died.
+    tied: HashMap<u32, usize>,
 }
 
-fn lifeline() -> &'static Mutex<Lifeline> {
+/// The reaper's pipe (the write end), read by children between their fork and exec: -1 when
+/// no reaper runs. Changed only under the lifeline's lock, which every spawn holds.
+static REAPER_FD: AtomicI32 = AtomicI32::new(-1);
+
+fn lifeline() -> MutexGuard<'static, Lifeline> {
     static LIFELINE: OnceLock<Mutex<Lifeline>> = OnceLock::new();
-    LIFELINE.get_or_init(|| Mutex::new(Lifeline { reaper: start_reaper(), tied: HashSet::new() }))
+    LIFELINE
+        .get_or_init(|| {
+            let reaper = start_reaper();
+            Mutex::new(Lifeline { reaper, tied: HashMap::new() })
+        })
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Starts a reaper and points [`REAPER_FD`] at its pipe. Called under the lifeline's lock
+/// (or before it exists).
 fn start_reaper() -> Option<(Child, ChildStdin)> {
     let started = Command::new("sh")
         .args(["-c", REAPER])
@@ -62,60 +96,144 @@ fn start_reaper() -> Option<(Child, ChildStdin)> {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn();
-    match started {
+    let reaper = match started {
         // The child is waited for only when it has died: it exits after this process.
         Ok(mut child) => child.stdin.take().map(|stdin| (child, stdin)),
         Err(e) => {
             tracing::warn!(error = %e, "cannot start the reaper: child processes will outlive a killed worker");
             None
         }
+    };
+    REAPER_FD.store(reaper.as_ref().map_or(-1, |(_, stdin)| stdin.as_raw_fd()), Ordering::SeqCst);
+    reaper
+}
+
+/// Runs in a child between its fork and its exec: writes `c <pid>` to the reaper's pipe,
+/// ignoring every error (a dead reaper is the parent's to replace). Only async-signal-safe
+/// calls: an atomic load, `getpid(2)`, `write(2)`, no allocation.
+fn announce() -> io::Result<()> {
+    announce_to(REAPER_FD.load(Ordering::SeqCst));
+    Ok(())
+}
+
+/// [`announce`] to the pipe `fd` (nothing when it is negative).
+fn announce_to(fd: i32) {
+    if fd < 0 {
+        return;
+    }
+    let mut line = [0u8; 16];
+    // SAFETY: getpid(2) has no preconditions; signal(2) only sets this process's
+    // disposition (a dead reaper's pipe must not kill the child with SIGPIPE: std resets
+    // SIGPIPE to its default in children), restored after; `line[..len]` is initialised
+    // memory of ours, and a bad or closed `fd` is an error return.
+    unsafe {
+        let len = announce_line(libc::getpid().unsigned_abs(), &mut line);
+        let before = libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        libc::write(fd, line.as_ptr().cast(), len);
+        if before != libc::SIG_ERR {
+            libc::signal(libc::SIGPIPE, before);
+        }
     }
 }
 
-/// Applies `+ pgid` or `- pgid` to the tied set and tells the reaper; a reaper found dead
-/// (killed by someone) is reaped and replaced, and the new one is told every group tied.
-fn tell(tie: bool, pgid: u32) {
-    let mut line = lifeline().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if tie {
-        line.tied.insert(pgid);
-    } else {
-        line.tied.remove(&pgid);
+/// Writes `c <pid>\n` into `buf`, returning its length (at most 13 bytes: a pid has at most
+/// 10 digits).
+fn announce_line(pid: u32, buf: &mut [u8; 16]) -> usize {
+    let mut digits = [0u8; 10];
+    let mut n = 0;
+    let mut rest = pid;
+    loop {
+        digits[n] = b'0' + (rest % 10) as u8;
+        n += 1;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
     }
-    let sign = if tie { '+' } else { '-' };
-    let told = line.reaper.as_mut().map(|(_, stdin)| stdin.write_all(format!("{sign} {pgid}\n").as_bytes()));
-    if let Some(Err(e)) = told {
-        tracing::warn!(error = %e, "the reaper is gone; starting another");
-        if let Some((mut dead, _)) = line.reaper.take() {
+    buf[0] = b'c';
+    buf[1] = b' ';
+    for i in 0..n {
+        buf[2 + i] = digits[n - 1 - i];
+    }
+    buf[2 + n] = b'\n';
+    3 + n
+}
+
+/// Starts `cmd` (in a process group of its own: the caller sets `process_group(0)`) with its
+/// group tied to this process's life from before its exec, returning the child and the
+/// [`Tie`] (`None` when the child has no pid any more).
+///
+/// `cmd` is spawned once: each call adds its `pre_exec` hook to the command.
+///
+/// # Errors
+/// The OS error of the spawn; the group the child tied, if it got that far, is untied.
+pub(crate) fn spawn(cmd: &mut tokio::process::Command) -> io::Result<(tokio::process::Child, Option<Tie>)> {
+    let mut line = lifeline();
+    if line.reaper.is_none() {
+        // None could be started before: try again for this child (told what is tied).
+        line.write("");
+    }
+    // SAFETY: `announce` makes only async-signal-safe calls (see there).
+    unsafe { cmd.pre_exec(announce) };
+    match cmd.spawn() {
+        Ok(child) => {
+            let tie = child.id().map(|pgid| {
+                *line.tied.entry(pgid).or_default() += 1;
+                Tie { pgid }
+            });
+            line.write("k\n");
+            Ok((child, tie))
+        }
+        Err(e) => {
+            line.write("x\n");
+            Err(e)
+        }
+    }
+}
+
+impl Lifeline {
+    /// Writes `text` to the reaper. A reaper found dead (killed by someone), or none, is
+    /// replaced by a new one told every group tied (which stands for `text`).
+    fn write(&mut self, text: &str) {
+        if let Some((dead, stdin)) = self.reaper.as_mut() {
+            let Err(e) = stdin.write_all(text.as_bytes()) else { return };
+            tracing::warn!(error = %e, "the reaper is gone; starting another");
             let _ = dead.try_wait();
         }
-        line.reaper = start_reaper();
-        let all: String = line.tied.iter().map(|g| format!("+ {g}\n")).collect();
-        if let Some((_, stdin)) = line.reaper.as_mut()
+        self.reaper = start_reaper();
+        let all: String = self
+            .tied
+            .iter()
+            .flat_map(|(pgid, &ties)| std::iter::repeat_n(pgid, ties))
+            .map(|pgid| format!("+ {pgid}\n"))
+            .collect();
+        if let Some((_, stdin)) = self.reaper.as_mut()
             && let Err(e) = stdin.write_all(all.as_bytes())
         {
             tracing::warn!(error = %e, "the new reaper is gone too: child processes will outlive a killed worker");
-            line.reaper = None;
+            self.reaper = None;
+            REAPER_FD.store(-1, Ordering::SeqCst);
         }
     }
 }
 
-/// A process group tied to this process's life, from [`tie`] until dropped. Drop it once
+/// A process group tied to this process's life, from [`spawn`] until dropped. Drop it once
 /// the group's leader has been reaped (or the group killed).
 #[derive(Debug)]
 pub(crate) struct Tie {
     pgid: u32,
 }
 
-/// Ties group `pgid` (a child's pid, the child started with `process_group(0)`) to this
-/// process's life: if this process ends while the [`Tie`] lives, the group is killed.
-pub(crate) fn tie(pgid: u32) -> Tie {
-    tell(true, pgid);
-    Tie { pgid }
-}
-
 impl Drop for Tie {
     fn drop(&mut self) {
-        tell(false, self.pgid);
+        let mut line = lifeline();
+        if let Some(ties) = line.tied.get_mut(&self.pgid) {
+            *ties -= 1;
+            if *ties == 0 {
+                line.tied.remove(&self.pgid);
+            }
+        }
+        line.write(&format!("- {}\n", self.pgid));
     }
 }
 
@@ -176,28 +294,102 @@ mod tests {
         untied.wait().unwrap();
     }
 
-    fn reaper_pid() -> Option<u32> {
-        lifeline().lock().unwrap().reaper.as_ref().map(|(child, _)| child.id())
+    /// The reaper's lines, each spawn's as the children and the parent write them; what it
+    /// would kill is printed (`kill` is a function here) rather than killed.
+    #[test]
+    fn a_spawn_keeps_the_tie_its_child_wrote_and_a_failed_one_takes_it_back() {
+        let mut reaper = Command::new("sh")
+            .args(["-c", &format!("kill() {{ shift 3; echo \"$1\"; }}\n{REAPER}")])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = concat!(
+            "c 11\nk\n",             // a spawn that succeeded
+            "c 12\nx\n",             // an exec that failed after the child wrote
+            "x\n",                   // a fork that failed: nothing written, nothing taken back
+            "+ 13\n- 13\n",          // told, then untied
+            "c 14\nk\n+ 14\n- 14\n", // tied twice (a new reaper told it), untied once
+        );
+        reaper.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
+        let out = reaper.wait_with_output().unwrap();
+        assert!(out.status.success());
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), "-11\n-14\n");
+    }
+
+    /// The race this module's child-side tie closes: the parent never writes (killed right
+    /// after the fork), and the child's group still dies when the pipe closes.
+    #[test]
+    fn a_child_that_tied_itself_dies_with_a_parent_killed_before_spawn_returned() {
+        let mut reaper = reaper_process();
+        let fd = reaper.stdin.as_ref().unwrap().as_raw_fd();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 60 & sleep 60; :"]).process_group(0);
+        // SAFETY: announce_to makes only async-signal-safe calls.
+        unsafe {
+            cmd.pre_exec(move || {
+                announce_to(fd);
+                Ok(())
+            })
+        };
+        let mut child = cmd.spawn().unwrap();
+        drop(reaper.stdin.take()); // as when the worker dies: nothing written by the parent
+        assert!(reaper.wait().unwrap().success());
+        until("the child's group is dead", || child.try_wait().unwrap().is_some());
     }
 
     #[test]
-    fn a_killed_reaper_is_replaced_at_the_next_tie() {
-        let mut first = group("sleep 60");
-        let tied = tie(first.id());
+    fn announce_line_is_c_space_the_pid_and_a_newline() {
+        let mut buf = [0u8; 16];
+        for (pid, line) in [(0, "c 0\n"), (7, "c 7\n"), (4_194_304, "c 4194304\n"), (u32::MAX, "c 4294967295\n")] {
+            let len = announce_line(pid, &mut buf);
+            assert_eq!(std::str::from_utf8(&buf[..len]).unwrap(), line);
+        }
+    }
+
+    fn reaper_pid() -> Option<u32> {
+        lifeline().reaper.as_ref().map(|(child, _)| child.id())
+    }
+
+    fn ties(pgid: u32) -> usize {
+        lifeline().tied.get(&pgid).copied().unwrap_or(0)
+    }
+
+    fn sleeper() -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new("sleep");
+        cmd.arg("60").process_group(0);
+        cmd
+    }
+
+    #[tokio::test]
+    async fn a_spawn_ties_its_child_until_the_tie_drops_and_a_failed_one_ties_nothing() {
+        let (mut child, tie) = spawn(&mut sleeper()).unwrap();
+        let pid = child.id().unwrap();
+        assert_eq!(ties(pid), 1);
+        let tied_before = lifeline().tied.len();
+        let err = spawn(&mut tokio::process::Command::new("/nonexistent/mur-test-program")).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert!(lifeline().tied.len() <= tied_before, "a failed spawn tied nothing");
+        child.kill().await.unwrap();
+        drop(tie);
+        assert_eq!(ties(pid), 0);
+    }
+
+    #[tokio::test]
+    async fn a_killed_reaper_is_replaced_at_the_next_spawn() {
+        let (mut first, tied) = spawn(&mut sleeper()).unwrap();
         let old = reaper_pid().expect("a reaper runs");
         // SAFETY: kill(2) with plain integers; the pid is our own child's.
         unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
         until("the old reaper has died", || !alive(old));
-        let mut second = group("sleep 60");
-        let also = tie(second.id());
+        let (mut second, also) = spawn(&mut sleeper()).unwrap();
         let new = reaper_pid().expect("a new reaper runs");
         assert_ne!(new, old);
         assert!(alive(new));
-        assert!(lifeline().lock().unwrap().tied.contains(&first.id()), "the new reaper was told the first group");
-        drop((tied, also));
+        assert_eq!(ties(first.id().unwrap()), 1, "the new reaper was told the first group");
         for child in [&mut first, &mut second] {
-            child.kill().unwrap();
-            child.wait().unwrap();
+            child.kill().await.unwrap();
         }
+        drop((tied, also));
     }
 }

@@ -275,10 +275,16 @@ pub(crate) struct GroupGuard {
 }
 
 impl GroupGuard {
-    /// Guards group `pgid` (the child's pid; `None` when the child has no pid any more) and
-    /// ties it to this process's life.
-    pub fn new(pgid: Option<u32>) -> Self {
-        GroupGuard { pgid, tie: pgid.map(lifeline::tie), mark: None }
+    /// Starts `cmd` in a process group of its own (`process_group(0)`: the group id is the
+    /// child's pid) and guards the group, tied to this process's life from before the
+    /// child's exec ([`lifeline::spawn`]). `cmd` is spawned once.
+    ///
+    /// # Errors
+    /// The OS error of the spawn.
+    pub fn spawn(cmd: &mut tokio::process::Command) -> io::Result<(tokio::process::Child, Self)> {
+        let (child, tie) = lifeline::spawn(cmd.process_group(0))?;
+        let guard = GroupGuard { pgid: child.id(), tie, mark: None };
+        Ok((child, guard))
     }
 
     /// Kills, with the group, the processes marked `mark` ([`kill_marked`]).

@@ -119,22 +119,21 @@ impl Shell {
         }
 
         let mark = process::reap_mark();
-        let mut child = match Command::new(resolved.as_deref().unwrap_or(Path::new(binary)))
+        let mut program = Command::new(resolved.as_deref().unwrap_or(Path::new(binary)));
+        program
             .args(&args)
             .current_dir(&ctx.workdir)
             .env("HOME", &home)
             .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-        {
-            Ok(child) => child,
+            .stderr(Stdio::piped());
+        let (mut child, guard) = match GroupGuard::spawn(&mut program) {
+            Ok(spawned) => spawned,
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
         let started = Instant::now();
-        let mut guard = GroupGuard::new(child.id()).marked(&mark);
+        let mut guard = guard.marked(&mark);
         let shown_binary = resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string());
 
         let stem = log_stem();
