@@ -166,7 +166,7 @@ fn nats<E: Into<async_nats::Error>>(what: impl Into<String>) -> impl FnOnce(E) -
 pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
-    let res = resources::ensure(&js, &config.settings).await?;
+    let res = Arc::new(resources::ensure(&js, &config.settings).await?);
 
     // Every coordinator serves the API, a standby too: a submission only writes a record,
     // which the leader's watcher picks up, so intake goes on during a failover.
@@ -263,9 +263,14 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         tokio::pin!(kept);
         // The restore (a replay of every record, seconds over a store of gigabytes) runs
         // while the lease is renewed and the API is answered as a standby answers it: the
-        // lease does not lapse under it, and callers do not wait for it.
-        let restoring = lead(&client, &config, &res, held.clone(), &active_runs, &scans);
-        tokio::pin!(restoring);
+        // lease does not lapse under it, and callers do not wait for it. It is a task of its
+        // own, so that its CPU (parsing every record) holds up neither this loop's requests
+        // nor the renewals; dropped (stepping down, a shutdown), it is aborted.
+        let mut restoring = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
+            let (client, config, res, held) = (client.clone(), config.clone(), res.clone(), held.clone());
+            let (active_runs, scans) = (active_runs.clone(), scans.clone());
+            async move { lead(&client, &config, &res, held, &active_runs, &scans).await }
+        }));
         let mut leading = loop {
             tokio::select! {
                 () = &mut shutdown => {
@@ -278,7 +283,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     tracing::warn!(instance = %instance, "stepping down while restoring: {lost}");
                     continue 'outer;
                 }
-                restored = &mut restoring => match restored {
+                restored = &mut restoring => match restored.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) {
                     Ok(l) => {
                         failed_restores = 0;
                         break l;
