@@ -78,6 +78,7 @@ use mur_worker::trace_context;
 use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -176,6 +177,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // status'): several at once over a store of gigabytes outran this connection (the
     // server cut it off as a slow consumer, the lease's renewals timed out with it).
     let scans = Arc::new(tokio::sync::Semaphore::new(1));
+    let intake = Arc::new(IntakeOrder::default());
     let api_ctx = Arc::new(Ctx {
         js: js.clone(),
         tasks: res.tasks.clone(),
@@ -189,6 +191,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
         scans: scans.clone(),
+        intake: intake.clone(),
     });
     let service = client
         .service_builder()
@@ -249,8 +252,11 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     () = &mut wait => break,
                     request = requests.next() => match request {
                         Some((kind, request)) => {
-                            let ctx = api_ctx.clone();
-                            tokio::spawn(async move { ctx.handle(kind, request).await });
+                            let (ctx, counted) = (api_ctx.clone(), StandbyRequest::new(&intake));
+                            tokio::spawn(async move {
+                                ctx.handle(kind, request).await;
+                                drop(counted);
+                            });
                         }
                         None => break 'outer Err(Error::LoopEnded("the service")),
                     },
@@ -268,8 +274,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         // nor the renewals; dropped (stepping down, a shutdown), it is aborted.
         let mut restoring = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
             let (client, config, res, held) = (client.clone(), config.clone(), res.clone(), held.clone());
-            let (active_runs, scans) = (active_runs.clone(), scans.clone());
-            async move { lead(&client, &config, &res, held, &active_runs, &scans).await }
+            let (active_runs, scans, intake) = (active_runs.clone(), scans.clone(), intake.clone());
+            async move { lead(&client, &config, &res, held, &active_runs, &scans, &intake).await }
         }));
         let mut leading = loop {
             tokio::select! {
@@ -308,8 +314,11 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 },
                 request = requests.next() => match request {
                     Some((kind, request)) => {
-                        let ctx = api_ctx.clone();
-                        tokio::spawn(async move { ctx.handle(kind, request).await });
+                        let (ctx, counted) = (api_ctx.clone(), StandbyRequest::new(&intake));
+                        tokio::spawn(async move {
+                            ctx.handle(kind, request).await;
+                            drop(counted);
+                        });
                     }
                     None => {
                         lease.release(&held).await;
@@ -398,6 +407,7 @@ async fn lead(
     held: Arc<Held>,
     active_runs: &crate::fleet_run::Active,
     scans: &Arc<tokio::sync::Semaphore>,
+    intake: &Arc<IntakeOrder>,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -406,9 +416,9 @@ async fn lead(
     let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
     let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
     let turn = scans.acquire().await.map_err(|_| Error::LoopEnded("the record scans"))?;
-    let task_entries = caught_up(&res.tasks, &mut task_watch, |entry| !ended_or_gone(entry)).await?;
+    let (task_entries, replayed_up_to) = caught_up(&res.tasks, &mut task_watch, |entry| !ended_or_gone(entry)).await?;
     drop(turn);
-    let worker_entries = caught_up(&res.workers, &mut worker_watch, |_| true).await?;
+    let (worker_entries, _) = caught_up(&res.workers, &mut worker_watch, |_| true).await?;
 
     let (inputs, input_rx) = mpsc::unbounded_channel();
     let (admissions, admission_rx) = mpsc::unbounded_channel();
@@ -425,7 +435,10 @@ async fn lead(
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
         scans: scans.clone(),
+        intake: intake.clone(),
     });
+    // The watch goes on from the replay's last entry.
+    intake.watched.store(replayed_up_to, Ordering::SeqCst);
 
     // The replay.
     let mut replay = Vec::new();
@@ -501,19 +514,21 @@ async fn caught_up(
     store: &kv::Store,
     watch: &mut kv::Watch,
     keep: impl Fn(&kv::Entry) -> bool,
-) -> Result<Vec<kv::Entry>, Error> {
+) -> Result<(Vec<kv::Entry>, u64), Error> {
     // A key written while it is read comes again later (and after the watcher's consumer
     // was reset, its older revisions too — always before its newest): the last entry read
     // of a key is its state. A task cancelled during a restore used to be replayed from its
     // earlier `submitted` entry, its `canceled` one dropped as ended: the scheduler then
     // released it, the release was refused, and its slot stayed taken for good.
     let mut latest = Latest::default();
+    let mut last = 0;
     read_current(store, watch, |entry| {
         let (key, revision) = (entry.key.clone(), entry.revision);
+        last = last.max(revision);
         latest.read(key, revision, keep(&entry).then_some(entry));
     })
     .await?;
-    Ok(latest.into_sorted())
+    Ok((latest.into_sorted(), last))
 }
 
 /// The last entry read of each key, when it is one to keep: what a pass over a bucket's
@@ -593,6 +608,59 @@ fn ended_or_gone(entry: &kv::Entry) -> bool {
 /// error) rather than its own timeout.
 const SCAN_PATIENCE: Duration = Duration::from_secs(9);
 
+/// What the leader's two intake shortcuts — admission at submit, and a submission handed
+/// straight to the scheduler — wait for (`DESIGN.md` §Invariants 1: arrival order within a
+/// lane, the order of the records' creation revisions). A task record created elsewhere (by
+/// a standby's API, or by this process's while it restored) reaches the scheduler only
+/// through the leader's watch; a later task taking a shortcut before the watch has brought
+/// it would start first. Seen in CI: the first of three `queue` tasks submitted while the
+/// coordinator restored, the second admitted at once after it, and run first.
+#[derive(Debug, Default)]
+struct IntakeOrder {
+    /// Requests this process's standby context is answering now (a submission among them
+    /// may be about to create its record).
+    standby_requests: AtomicUsize,
+    /// The highest revision a creation by this process's standby context returned.
+    standby_created: AtomicU64,
+    /// The highest `mur_tasks` revision the leader's watch (or its restore) has handed to
+    /// the scheduler.
+    watched: AtomicU64,
+}
+
+impl IntakeOrder {
+    /// Whether the leader may admit a task at submit: every record this process created
+    /// as a standby has reached the scheduler, and none is being created. (A standby in
+    /// another process is not seen here: see the closing note of issue #9's session 14.)
+    fn may_admit(&self) -> bool {
+        self.standby_requests.load(Ordering::SeqCst) == 0
+            && self.standby_created.load(Ordering::SeqCst) <= self.watched.load(Ordering::SeqCst)
+    }
+
+    /// Whether a record created at `revision` may go straight to the scheduler: the watch
+    /// has handed it every earlier revision, whoever wrote them. Otherwise the watch brings
+    /// it, after them.
+    fn may_hand_straight(&self, revision: u64) -> bool {
+        self.watched.load(Ordering::SeqCst) + 1 >= revision
+    }
+}
+
+/// Counts a request the standby context answers, from its arrival until its answer
+/// ([`IntakeOrder`]).
+struct StandbyRequest(Arc<IntakeOrder>);
+
+impl StandbyRequest {
+    fn new(intake: &Arc<IntakeOrder>) -> Self {
+        intake.standby_requests.fetch_add(1, Ordering::SeqCst);
+        StandbyRequest(intake.clone())
+    }
+}
+
+impl Drop for StandbyRequest {
+    fn drop(&mut self) {
+        self.0.standby_requests.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// What every endpoint handler shares.
 struct Ctx {
     js: jetstream::Context,
@@ -611,6 +679,8 @@ struct Ctx {
     /// One pass over every task record at a time, shared by this process's contexts (see
     /// [`Ctx::scan_records`]).
     scans: Arc<tokio::sync::Semaphore>,
+    /// What the leader's intake shortcuts wait for, shared by this process's contexts.
+    intake: Arc<IntakeOrder>,
     /// The last known record and revision of each task waiting here at attempt 0, from
     /// the intake or the watch: a release compare-and-sets from it without reading the
     /// record first (and reads it when the revision has moved on). Entries leave at the
@@ -754,13 +824,16 @@ impl Ctx {
         // dispatch published: one record write and one hop fewer (issue #9). Not one whose
         // id the caller minted: it may be a submission sent again, already stored (and
         // admitted, or running); the scheduler's slot must not be taken for it twice.
-        let admitted = !minted_by_caller && self.admit(&record, latest.queue).await;
+        let admitted = !minted_by_caller && self.intake.may_admit() && self.admit(&record, latest.queue).await;
         if admitted {
             record.attempt = scheduler::FIRST_ATTEMPT;
             self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
         }
         let value = to_json(&record)?;
         let created = self.tasks.create(&task_id, value).await;
+        if let (None, Ok(revision)) = (&self.lease, &created) {
+            self.intake.standby_created.fetch_max(*revision, Ordering::SeqCst);
+        }
         let revision = match created {
             Ok(revision) => revision,
             Err(e) if minted_by_caller && e.kind() == kv::CreateErrorKind::AlreadyExists => {
@@ -780,7 +853,7 @@ impl Ctx {
             let released = Released { revision, record };
             let ctx = self.clone();
             tokio::spawn(async move { ctx.dispatch_released(released).await });
-        } else if self.lease.is_some() {
+        } else if self.lease.is_some() && self.intake.may_hand_straight(revision) {
             // Straight to the scheduler, with the queue flag just read: the watch brings the
             // same record later (a duplicate `Submitted`, ignored), after a hop and, for a
             // task it has not seen here, a capsule index read.
@@ -1304,9 +1377,9 @@ async fn watch_tasks(
     mut queue_flags: QueueFlags,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
-    loop {
+    'watch: loop {
         let entry = tokio::select! {
-            _ = stopped.changed() => break,
+            _ = stopped.changed() => break 'watch,
             entry = watch.next() => entry,
         };
         let entry = match entry {
@@ -1315,52 +1388,58 @@ async fn watch_tasks(
                 tracing::warn!(instance = %ctx.instance, "mur_tasks watch: {e}");
                 continue;
             }
-            None => break,
+            None => break 'watch,
         };
-        if entry.operation != kv::Operation::Put {
-            // A task record deleted by hand: it will not run here.
-            ctx.releasing.lock().expect("releasing lock").remove(entry.key.as_str());
-            let _ = ctx.inputs.send(Input::Ended { task_id: entry.key.clone() });
-            continue;
-        }
-        let Some(record) = ctx.record_of(&entry) else { continue };
-        let input = match progress_input(&record) {
-            None => {
-                if ctx.note_waiting(entry.revision, record.clone()) {
-                    // Taken in here: the intake gave its input to the scheduler already.
-                    continue;
-                }
-                let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
-                submitted_input(&record, entry.revision, queue_capsule)
+        let revision = entry.revision;
+        'entry: {
+            if entry.operation != kv::Operation::Put {
+                // A task record deleted by hand: it will not run here.
+                ctx.releasing.lock().expect("releasing lock").remove(entry.key.as_str());
+                let _ = ctx.inputs.send(Input::Ended { task_id: entry.key.clone() });
+                break 'entry;
             }
-            Some(input) => {
-                if record.state.is_terminal() {
-                    ctx.take_waiting(&record.task_id);
-                }
-                let released = record.state == TaskState::Submitted && record.attempt >= 1;
-                let foreign = if record.state.is_terminal() {
-                    ctx.releasing.lock().expect("releasing lock").remove(record.task_id.as_str());
-                    false
-                } else {
-                    released && ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone())
-                };
-                if foreign {
-                    // Released by another coordinator: wait-then-release here (a duplicate
-                    // `Submitted` for a task known here is ignored), and its dispatch again.
-                    tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
-                    let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
-                    if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
-                        break;
+            let Some(record) = ctx.record_of(&entry) else { break 'entry };
+            let input = match progress_input(&record) {
+                None => {
+                    if ctx.note_waiting(entry.revision, record.clone()) {
+                        // Taken in here: the intake gave its input to the scheduler already.
+                        break 'entry;
                     }
-                    let (ctx, released) = (ctx.clone(), Released { revision: entry.revision, record });
-                    tokio::spawn(async move { ctx.dispatch_released(released).await });
+                    let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                    submitted_input(&record, entry.revision, queue_capsule)
                 }
-                input
+                Some(input) => {
+                    if record.state.is_terminal() {
+                        ctx.take_waiting(&record.task_id);
+                    }
+                    let released = record.state == TaskState::Submitted && record.attempt >= 1;
+                    let foreign = if record.state.is_terminal() {
+                        ctx.releasing.lock().expect("releasing lock").remove(record.task_id.as_str());
+                        false
+                    } else {
+                        released && ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone())
+                    };
+                    if foreign {
+                        // Released by another coordinator: wait-then-release here (a duplicate
+                        // `Submitted` for a task known here is ignored), and its dispatch again.
+                        tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
+                        let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                        if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
+                            break 'watch;
+                        }
+                        let (ctx, released) = (ctx.clone(), Released { revision: entry.revision, record });
+                        tokio::spawn(async move { ctx.dispatch_released(released).await });
+                    }
+                    input
+                }
+            };
+            if ctx.inputs.send(input).is_err() {
+                break 'watch;
             }
-        };
-        if ctx.inputs.send(input).is_err() {
-            break;
         }
+        // Every input of revisions up to here is in the scheduler's channel: a submission
+        // created after it may go there straight ([`IntakeOrder`]).
+        ctx.intake.watched.fetch_max(revision, Ordering::SeqCst);
     }
     "the mur_tasks watch"
 }
@@ -1461,8 +1540,35 @@ fn now_ms() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{Latest, restore_retry_pause};
+    use super::{IntakeOrder, Latest, StandbyRequest, restore_retry_pause};
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
+
+    #[test]
+    fn the_leader_admits_at_submit_only_once_its_watch_has_brought_every_standby_submission() {
+        let intake = Arc::new(IntakeOrder::default());
+        intake.watched.store(10, Ordering::SeqCst);
+        assert!(intake.may_admit());
+        let answering = StandbyRequest::new(&intake);
+        assert!(!intake.may_admit(), "a standby request may be about to create a record");
+        intake.standby_created.fetch_max(12, Ordering::SeqCst);
+        drop(answering);
+        assert!(!intake.may_admit(), "revision 12 has not reached the scheduler");
+        intake.watched.fetch_max(11, Ordering::SeqCst);
+        assert!(!intake.may_admit());
+        intake.watched.fetch_max(12, Ordering::SeqCst);
+        assert!(intake.may_admit());
+    }
+
+    #[test]
+    fn a_submission_goes_straight_to_the_scheduler_only_after_every_earlier_revision() {
+        let intake = IntakeOrder::default();
+        intake.watched.store(10, Ordering::SeqCst);
+        assert!(intake.may_hand_straight(11));
+        assert!(!intake.may_hand_straight(12), "revision 11 may be another coordinator's submission");
+        assert!(intake.may_hand_straight(5));
+    }
 
     #[test]
     fn a_failed_restore_is_retried_after_the_renewal_interval_doubling_up_to_30_s() {
