@@ -18,8 +18,8 @@
 //! of its own (a Ctrl-C to the worker's group does not kill it first). It reads lines on its
 //! stdin, whose only writers are this process and its children in the instant before they
 //! exec; when the pipe closes — this process exited or was killed — it sends SIGKILL to every
-//! group still tied, then exits. A reaper found dead (killed by someone) at the next write
-//! is replaced and told every group tied. A group is untied once its leader has been reaped
+//! group still tied, then exits. A reaper that dies (killed by someone) is replaced at once
+//! by a thread that waits for it, and the new one is told every group tied. A group is untied once its leader has been reaped
 //! (after which its id may be reused), so the reaper never signals a group that is not ours;
 //! a stray background process that a finished command left in its group is not tied any
 //! more.
@@ -97,8 +97,11 @@ fn start_reaper() -> Option<(Child, ChildStdin)> {
         .process_group(0)
         .spawn();
     let reaper = match started {
-        // The child is waited for only when it has died: it exits after this process.
-        Ok(mut child) => child.stdin.take().map(|stdin| (child, stdin)),
+        // Waited for by its watcher only when it has died: it exits after this process.
+        Ok(mut child) => {
+            watch_reaper(child.id());
+            child.stdin.take().map(|stdin| (child, stdin))
+        }
         Err(e) => {
             tracing::warn!(error = %e, "cannot start the reaper: child processes will outlive a killed worker");
             None
@@ -106,6 +109,31 @@ fn start_reaper() -> Option<(Child, ChildStdin)> {
     };
     REAPER_FD.store(reaper.as_ref().map_or(-1, |(_, stdin)| stdin.as_raw_fd()), Ordering::SeqCst);
     reaper
+}
+
+/// Waits, on a thread of its own, for the reaper `pid` to exit, then replaces it at once,
+/// the new one told every group tied: a reaper killed by someone would otherwise leave the
+/// commands running now untied until the next spawn or untie (a breaker's finding: a worker
+/// busy with long commands, its reaper killed, then the worker killed: the commands lived).
+fn watch_reaper(pid: u32) {
+    let watching = std::thread::Builder::new().name("mur-reaper-watch".into()).spawn(move || {
+        let mut status = 0;
+        // SAFETY: waitpid(2) on a child of ours, into a status of ours.
+        while unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) } == -1
+            && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+        {}
+        let mut line = lifeline();
+        // Not when a failed write has replaced it already.
+        if line.reaper.as_ref().is_some_and(|(child, _)| child.id() == pid) {
+            tracing::warn!(pid, "the reaper died; starting another");
+            REAPER_FD.store(-1, Ordering::SeqCst);
+            line.reaper = None;
+            line.write("");
+        }
+    });
+    if let Err(e) = watching {
+        tracing::warn!(error = %e, "cannot watch the reaper: a killed reaper is replaced only at the next spawn");
+    }
 }
 
 /// Runs in a child between its fork and its exec: writes `c <pid>` to the reaper's pipe,
@@ -376,17 +404,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_killed_reaper_is_replaced_at_the_next_spawn() {
+    async fn a_killed_reaper_is_replaced_at_once_without_waiting_for_a_spawn() {
         let (mut first, tied) = spawn(&mut sleeper()).unwrap();
         let old = reaper_pid().expect("a reaper runs");
         // SAFETY: kill(2) with plain integers; the pid is our own child's.
         unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
-        until("the old reaper has died", || !alive(old));
+        until("another reaper runs", || reaper_pid().is_some_and(|new| new != old && alive(new)));
+        assert!(!alive(old));
+        assert_eq!(ties(first.id().unwrap()), 1, "the first group is still tied (and was told the new reaper)");
+        // Spawns go on with the new one.
         let (mut second, also) = spawn(&mut sleeper()).unwrap();
-        let new = reaper_pid().expect("a new reaper runs");
-        assert_ne!(new, old);
-        assert!(alive(new));
-        assert_eq!(ties(first.id().unwrap()), 1, "the new reaper was told the first group");
         for child in [&mut first, &mut second] {
             child.kill().await.unwrap();
         }
