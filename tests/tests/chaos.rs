@@ -723,18 +723,8 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     first.kill9();
     // Its command dies with it (the lifeline); only then may the runs go on.
     let pid: u32 = std::fs::read_to_string(&pids).unwrap().lines().next().unwrap().trim().parse().unwrap();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !matches!(proc_state(pid), None | Some('Z')) {
-        // What a failure needs to be understood (seen once under load, not reproduced since
-        // the command ties itself before its exec): the processes left and the worker's log.
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the killed worker's command {pid} still runs after {WAIT:?}:\n{}\nthe worker's log:\n{}",
-            processes(),
-            first.log()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    // (When task 2 overtook task 1, its command had detached before the kill and ran on.)
+    until_gone(&[pid], WAIT, &first).await;
     std::fs::write(&go, "").unwrap();
     let _second = cluster.worker("wkr-second", 2);
     for id in &ids {
@@ -748,13 +738,24 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     assert_eq!(lines, ["start 1", "start 1", "end 1", "start 2", "end 2", "start 3", "end 3"]);
 }
 
-/// Every process with its group, parent, state and command line (`ps`), for a failure's
-/// message.
-fn processes() -> String {
-    std::process::Command::new("ps")
-        .args(["-eo", "pid,pgid,ppid,stat,etime,args"])
-        .output()
-        .map_or_else(|e| format!("ps: {e}"), |o| String::from_utf8_lossy(&o.stdout).into_owned())
+/// Waits until every process of `pids` (a killed worker's commands) is gone, a zombie
+/// counting as gone, at most `within`. A miss fails with what it needs to be understood:
+/// every process left (`ps`: group, parent, state, command line) and the worker's log.
+async fn until_gone(pids: &[u32], within: Duration, worker: &mur_tests::procs::Proc) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !pids.iter().all(|&p| matches!(proc_state(p), None | Some('Z'))) {
+        if tokio::time::Instant::now() >= deadline {
+            let ps = std::process::Command::new("ps")
+                .args(["-eo", "pid,pgid,ppid,stat,etime,args"])
+                .output()
+                .map_or_else(|e| format!("ps: {e}"), |o| String::from_utf8_lossy(&o.stdout).into_owned());
+            panic!(
+                "the killed worker's commands {pids:?} still run after {within:?}:\n{ps}\nits log:\n{}",
+                worker.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
 }
 
 /// The state letter of `pid` (`Z` for a zombie), `None` once it is gone.
@@ -806,20 +807,10 @@ async fn a_killed_workers_foreground_command_dies_with_it_and_a_detached_one_run
     let detached = until("the first command has started", WAIT, started("detached")).await;
     let foreground = until("the second command has started", WAIT, started("foreground")).await;
     let running = |pids: &[u32]| pids.iter().all(|&p| matches!(proc_state(p), Some(s) if s != 'Z'));
-    let gone = |pids: &[u32]| pids.iter().all(|&p| matches!(proc_state(p), None | Some('Z')));
     assert!(running(&foreground) && running(&detached), "the shells and their background sleeps run before the kill");
     worker.kill9();
     // Within 45 s: the commands' own `sleep 60` ending must not pass for the kill.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
-    while !gone(&foreground) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the killed worker's foreground command {foreground:?} still runs:\n{}\nthe worker's log:\n{}",
-            processes(),
-            worker.log()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    until_gone(&foreground, Duration::from_secs(45), &worker).await;
     assert!(running(&detached), "the detached command runs on");
     // Nothing else ran the task: the record still names the killed worker's run.
     let record = cluster.record(&task_id).await.unwrap();
