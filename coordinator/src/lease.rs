@@ -15,6 +15,13 @@
 //!   it, so the value cannot expire — and no standby can take the lease — while the holder
 //!   still believes it valid. A holder that cannot renew in time (partitioned, stalled)
 //!   stops acting before the lease can pass to another; two never act as leader at once.
+//! - **Take back**: a value this very process wrote (its [`LeaderLease::process`]) found
+//!   under the key when it tries to acquire is from a term of its own that is over (it
+//!   stepped down: its renewals failed). It is replaced with a compare-and-set on its
+//!   revision, a new term, rather than waited out. After a broker outage longer than the
+//!   lease the value outlives the outage by up to a lease's time to live (the server ages
+//!   it from its restart): a breaker saw ~14 s without a leader. Another process's value,
+//!   even one under the same instance name (a restart), is waited out as before.
 
 use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
@@ -26,6 +33,8 @@ use std::time::{Duration, Instant};
 pub struct Lease {
     kv: kv::Store,
     instance: String,
+    /// This process's id in the values it writes ([`LeaderLease::process`]).
+    process: String,
     ttl: Duration,
 }
 
@@ -64,7 +73,7 @@ impl Lease {
     /// A handle for `instance` on `kv` (the `mur_leader` bucket) with time to live `ttl`
     /// (the bucket's max age).
     pub fn new(kv: kv::Store, instance: impl Into<String>, ttl: Duration) -> Lease {
-        Lease { kv, instance: instance.into(), ttl }
+        Lease { kv, instance: instance.into(), process: uuid::Uuid::now_v7().to_string(), ttl }
     }
 
     /// How often the holder renews, and a standby tries to take the lease.
@@ -80,27 +89,53 @@ impl Lease {
         let sent = Instant::now();
         // The term is the revision the create gets; write it in a second step, fenced.
         let since = now_ms();
-        let value = |term: u64| {
-            serde_json::to_vec(&LeaderLease { instance: self.instance.clone(), term, since }).expect("lease JSON")
-        };
-        match self.kv.create(cluster::LEADER_KEY, value(0).into()).await {
-            Ok(revision) => {
-                let held = Held {
-                    term: revision,
-                    since,
-                    state: Mutex::new((revision, sent)),
-                    valid_for: self.ttl.mul_f64(0.75),
-                };
-                // Stamp the term into the value (a renewal).
-                let sent = Instant::now();
-                match self.kv.update(cluster::LEADER_KEY, value(revision).into(), revision).await {
-                    Ok(r) => *held.state.lock().expect("lease lock") = (r, sent),
-                    Err(e) => return Err(format!("{}: stamping the term: {e}", cluster::LEADER_BUCKET)),
-                }
-                Ok(Some(held))
-            }
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+        match self.kv.create(cluster::LEADER_KEY, self.value(0, since).into()).await {
+            Ok(revision) => self.stamp(revision, sent, since).await.map(Some),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => self.take_back().await,
             Err(e) => Err(format!("{}: create: {e}", cluster::LEADER_BUCKET)),
+        }
+    }
+
+    /// The value of a lease of term `term` taken at `since` (unix ms).
+    fn value(&self, term: u64, since: u64) -> Vec<u8> {
+        let lease = LeaderLease { instance: self.instance.clone(), term, since, process: Some(self.process.clone()) };
+        serde_json::to_vec(&lease).expect("lease JSON")
+    }
+
+    /// The lease just taken at `revision` (its term; the write sent at `sent`): stamps the
+    /// term into the value, a renewal.
+    async fn stamp(&self, revision: u64, sent: Instant, since: u64) -> Result<Held, String> {
+        let held =
+            Held { term: revision, since, state: Mutex::new((revision, sent)), valid_for: self.ttl.mul_f64(0.75) };
+        let sent = Instant::now();
+        match self.kv.update(cluster::LEADER_KEY, self.value(revision, since).into(), revision).await {
+            Ok(r) => *held.state.lock().expect("lease lock") = (r, sent),
+            Err(e) => return Err(format!("{}: stamping the term: {e}", cluster::LEADER_BUCKET)),
+        }
+        Ok(held)
+    }
+
+    /// Takes the lease back when the value under the key is this process's own, from a
+    /// term that is over (see the module docs); `Ok(None)` when it is another's, or moved
+    /// on meanwhile. Called only between terms: a process tries to acquire only while it
+    /// does not lead.
+    async fn take_back(&self) -> Result<Option<Held>, String> {
+        let entry =
+            self.kv.entry(cluster::LEADER_KEY).await.map_err(|e| format!("{}: read: {e}", cluster::LEADER_BUCKET))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else { return Ok(None) };
+        let ours = serde_json::from_slice::<LeaderLease>(&entry.value)
+            .is_ok_and(|lease| lease.instance == self.instance && lease.process.as_deref() == Some(&self.process));
+        if !ours {
+            return Ok(None);
+        }
+        let (sent, since) = (Instant::now(), now_ms());
+        match self.kv.update(cluster::LEADER_KEY, self.value(0, since).into(), entry.revision).await {
+            Ok(revision) => {
+                tracing::info!(instance = %self.instance, "taking back this process's own lease of an earlier term");
+                self.stamp(revision, sent, since).await.map(Some)
+            }
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(format!("{}: taking back: {e}", cluster::LEADER_BUCKET)),
         }
     }
 
@@ -111,9 +146,7 @@ impl Lease {
     /// and the lease is no longer valid.
     pub async fn renew(&self, held: &Held) -> Result<(), Lost> {
         let sent = Instant::now();
-        let value =
-            serde_json::to_vec(&LeaderLease { instance: self.instance.clone(), term: held.term, since: held.since })
-                .expect("lease JSON");
+        let value = self.value(held.term, held.since);
         match self.kv.update(cluster::LEADER_KEY, value.into(), held.revision()).await {
             Ok(revision) => {
                 *held.state.lock().expect("lease lock") = (revision, sent);

@@ -65,6 +65,12 @@ pub struct LeaderLease {
     pub term: u64,
     /// When it took the lease, unix milliseconds.
     pub since: u64,
+    /// The holding process's own id (a UUID minted when it started), absent in leases of
+    /// earlier versions: a process that finds its own value under the key after it stepped
+    /// down knows that term is over, and takes the lease back without waiting for the value
+    /// to age out (`coordinator/src/lease.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<String>,
 }
 
 /// The name of the coordinator's NATS micro service.

@@ -1452,6 +1452,32 @@ async fn a_lease_renewed_after_it_expired_is_lost_as_expired_or_as_taken_once_an
     assert!(matches!(first.renew(&held).await, Err(Lost::Taken)), "another holds it now");
 }
 
+/// A process that finds its own lease value under the key after its term ended (it stepped
+/// down, as after a broker outage longer than the lease, when the value outlives the outage)
+/// takes the lease back at once, a new term; another process, even under the same instance
+/// name (a restart), waits until the value expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_takes_back_its_own_lease_of_an_ended_term_and_a_namesake_waits() {
+    use mur_coordinator::lease::Lease;
+    let nats = mur_tests::nats::NatsServer::start();
+    let js = nats.jetstream().await;
+    let settings = mur_coordinator::Settings { leader_lease_secs: 60, ..mur_coordinator::Settings::default() };
+    let res = mur_coordinator::ensure(&js, &settings).await.unwrap();
+    let ttl = Duration::from_secs(60);
+    let first = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    let ended = first.try_acquire().await.unwrap().expect("a free lease is taken");
+    let namesake = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    assert!(namesake.try_acquire().await.unwrap().is_none(), "another process's value is waited out");
+    let old_term = ended.term; // that term is over from here: never renewed again
+    let again = first.try_acquire().await.unwrap().expect("its own value is taken back");
+    assert!(again.term > old_term, "a new term: {} after {old_term}", again.term);
+    assert!(again.is_valid());
+    let stored = Lease::holder(&res.leader).await.unwrap().expect("a holder");
+    assert_eq!((stored.instance.as_str(), stored.term), ("coordinator-1", again.term));
+    first.renew(&again).await.expect("the new term renews");
+    assert!(namesake.try_acquire().await.unwrap().is_none(), "the other process still stands by");
+}
+
 /// A `mur dev` whose start fails once its coordinator and workers run (here its `--http`
 /// address is taken) says why, exits 2, and stops them before its nats-server: no worker
 /// is left pulling from a server gone under it (`409: Server Shutdown` warnings before).
