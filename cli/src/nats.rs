@@ -52,7 +52,9 @@ impl Connection {
             opts = opts.require_tls(true);
         }
         let servers: Vec<&str> = self.server.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        opts.connect(servers.as_slice()).await.with_context(|| {
+        // The client's error says its cause already (`IO error: Connection refused (os error
+        // 111)`), and gives it again as its source: one line, said once.
+        opts.connect(servers.as_slice()).await.map_err(|e| anyhow::anyhow!("{e}")).with_context(|| {
             format!("cannot reach NATS at {} (start a cluster with `mur dev`, or set --server / NATS_URL)", self.server)
         })
     }

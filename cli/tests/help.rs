@@ -72,3 +72,18 @@ fn bad_arguments_are_refused_naming_the_argument_before_connecting() {
         assert!(err.contains("invalid value '0' for '--slots <SLOTS>': 0 is not in 1..="), "{err}");
     }
 }
+
+/// No server at the URL: the command says where it looked, what to do, and the cause once
+/// (the client's error names its cause and gives it again as its source: it was said twice).
+#[test]
+fn an_unreachable_server_is_named_with_its_cause_said_once() {
+    // A port nobody listens on: bound, then let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("nats://127.0.0.1:{port}");
+    assert_eq!(
+        refused(&["capsule", "ls", "--server", &url]),
+        format!(
+            "mur: cannot reach NATS at {url} (start a cluster with `mur dev`, or set --server / NATS_URL): IO error: Connection refused (os error 111)\n"
+        )
+    );
+}
