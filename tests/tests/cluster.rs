@@ -1428,26 +1428,36 @@ fn mur_dev_refuses_a_data_folder_or_port_another_mur_dev_holds() {
     assert_eq!(again.wait(Duration::from_secs(30)).0, Some(0));
 }
 
+/// A nats-server of the test's own with the coordinator's resources, the lease's time to
+/// live `ttl_secs`, and a handle on the lease for `instance` (the server lives as long as
+/// the first value).
+async fn lease_of(
+    ttl_secs: u64,
+    instance: &str,
+) -> (mur_tests::nats::NatsServer, async_nats::jetstream::kv::Store, mur_coordinator::lease::Lease) {
+    let nats = mur_tests::nats::NatsServer::start();
+    let js = nats.jetstream().await;
+    let settings = mur_coordinator::Settings { leader_lease_secs: ttl_secs, ..mur_coordinator::Settings::default() };
+    let res = mur_coordinator::ensure(&js, &settings).await.unwrap();
+    let lease = mur_coordinator::lease::Lease::new(res.leader.clone(), instance, Duration::from_secs(ttl_secs));
+    (nats, res.leader, lease)
+}
+
 /// A holder whose lease key expired unrenewed (it stalled past the lease) is told so when
 /// it next renews — `expired`, not `taken` — and one whose expired lease another
 /// coordinator took since is told it was taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_renewed_after_it_expired_is_lost_as_expired_or_as_taken_once_another_holds_it() {
     use mur_coordinator::lease::{Lease, Lost};
-    let nats = mur_tests::nats::NatsServer::start();
-    let js = nats.jetstream().await;
-    let settings = mur_coordinator::Settings { leader_lease_secs: 2, ..mur_coordinator::Settings::default() };
-    let res = mur_coordinator::ensure(&js, &settings).await.unwrap();
-    let ttl = Duration::from_secs(2);
-    let first = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    let (_nats, leader, first) = lease_of(2, "coordinator-1").await;
     let held = first.try_acquire().await.unwrap().expect("a free lease is taken");
-    let expired = || async { Lease::holder(&res.leader).await.unwrap().is_none().then_some(()) };
+    let expired = || async { Lease::holder(&leader).await.unwrap().is_none().then_some(()) };
     mur_tests::procs::until("the lease expires", Duration::from_secs(30), expired).await;
     match first.renew(&held).await {
         Err(Lost::Expired(why)) => assert_eq!(why, "the lease expired before it was renewed"),
         other => panic!("expected the lease lost as expired, got {other:?}"),
     }
-    let second = Lease::new(res.leader.clone(), "coordinator-2", ttl);
+    let second = Lease::new(leader.clone(), "coordinator-2", Duration::from_secs(2));
     let _taken = second.try_acquire().await.unwrap().expect("an expired lease is taken");
     assert!(matches!(first.renew(&held).await, Err(Lost::Taken)), "another holds it now");
 }
@@ -1459,20 +1469,15 @@ async fn a_lease_renewed_after_it_expired_is_lost_as_expired_or_as_taken_once_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_takes_back_its_own_lease_of_an_ended_term_and_a_namesake_waits() {
     use mur_coordinator::lease::Lease;
-    let nats = mur_tests::nats::NatsServer::start();
-    let js = nats.jetstream().await;
-    let settings = mur_coordinator::Settings { leader_lease_secs: 60, ..mur_coordinator::Settings::default() };
-    let res = mur_coordinator::ensure(&js, &settings).await.unwrap();
-    let ttl = Duration::from_secs(60);
-    let first = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    let (_nats, leader, first) = lease_of(60, "coordinator-1").await;
     let ended = first.try_acquire().await.unwrap().expect("a free lease is taken");
-    let namesake = Lease::new(res.leader.clone(), "coordinator-1", ttl);
+    let namesake = Lease::new(leader.clone(), "coordinator-1", Duration::from_secs(60));
     assert!(namesake.try_acquire().await.unwrap().is_none(), "another process's value is waited out");
     let old_term = ended.term; // that term is over from here: never renewed again
     let again = first.try_acquire().await.unwrap().expect("its own value is taken back");
     assert!(again.term > old_term, "a new term: {} after {old_term}", again.term);
     assert!(again.is_valid());
-    let stored = Lease::holder(&res.leader).await.unwrap().expect("a holder");
+    let stored = Lease::holder(&leader).await.unwrap().expect("a holder");
     assert_eq!((stored.instance.as_str(), stored.term), ("coordinator-1", again.term));
     first.renew(&again).await.expect("the new term renews");
     assert!(namesake.try_acquire().await.unwrap().is_none(), "the other process still stands by");
