@@ -613,8 +613,9 @@ const SCAN_PATIENCE: Duration = Duration::from_secs(9);
 /// lane, the order of the records' creation revisions). A task record created elsewhere (by
 /// a standby's API, or by this process's while it restored) reaches the scheduler only
 /// through the leader's watch; a later task taking a shortcut before the watch has brought
-/// it would start first. Seen in CI: the first of three `queue` tasks submitted while the
-/// coordinator restored, the second admitted at once after it, and run first.
+/// it would start first. Seen in the chaos tests under load: the first of three `queue`
+/// tasks submitted while the coordinator restored, the second admitted at once after it,
+/// and run first.
 #[derive(Debug, Default)]
 struct IntakeOrder {
     /// Requests this process's standby context is answering now (a submission among them
@@ -630,7 +631,7 @@ struct IntakeOrder {
 impl IntakeOrder {
     /// Whether the leader may admit a task at submit: every record this process created
     /// as a standby has reached the scheduler, and none is being created. (A standby in
-    /// another process is not seen here: see the closing note of issue #9's session 14.)
+    /// another process is not seen here: `docs/ARCHITECTURE.md`, admission at submit.)
     fn may_admit(&self) -> bool {
         self.standby_requests.load(Ordering::SeqCst) == 0
             && self.standby_created.load(Ordering::SeqCst) <= self.watched.load(Ordering::SeqCst)
