@@ -251,13 +251,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     () = &mut shutdown => break 'outer Ok(()),
                     () = &mut wait => break,
                     request = requests.next() => match request {
-                        Some((kind, request)) => {
-                            let (ctx, counted) = (api_ctx.clone(), StandbyRequest::new(&intake));
-                            tokio::spawn(async move {
-                                ctx.handle(kind, request).await;
-                                drop(counted);
-                            });
-                        }
+                        Some((kind, request)) => answer_as_standby(&api_ctx, &intake, kind, request),
                         None => break 'outer Err(Error::LoopEnded("the service")),
                     },
                 }
@@ -313,13 +307,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     }
                 },
                 request = requests.next() => match request {
-                    Some((kind, request)) => {
-                        let (ctx, counted) = (api_ctx.clone(), StandbyRequest::new(&intake));
-                        tokio::spawn(async move {
-                            ctx.handle(kind, request).await;
-                            drop(counted);
-                        });
-                    }
+                    Some((kind, request)) => answer_as_standby(&api_ctx, &intake, kind, request),
                     None => {
                         lease.release(&held).await;
                         break 'outer Err(Error::LoopEnded("the service"));
@@ -643,6 +631,16 @@ impl IntakeOrder {
     fn may_hand_straight(&self, revision: u64) -> bool {
         self.watched.load(Ordering::SeqCst) + 1 >= revision
     }
+}
+
+/// Answers `request` in a task of its own with the standby context `ctx`, counted in
+/// `intake` until its answer ([`IntakeOrder`]).
+fn answer_as_standby(ctx: &Arc<Ctx>, intake: &Arc<IntakeOrder>, kind: Endpoint, request: Request) {
+    let (ctx, counted) = (ctx.clone(), StandbyRequest::new(intake));
+    tokio::spawn(async move {
+        ctx.handle(kind, request).await;
+        drop(counted);
+    });
 }
 
 /// Counts a request the standby context answers, from its arrival until its answer

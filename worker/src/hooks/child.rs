@@ -154,13 +154,11 @@ impl Launch {
             .current_dir(&self.capsule_dir)
             .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .env(process::REAP_MARK_VAR, mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let (child, guard) =
-            GroupGuard::spawn(&mut command).map_err(|e| Error::Spawn(format!("{}: {e}", self.program.display())))?;
-        Ok((child, guard.marked(mark)))
+        GroupGuard::spawn_marked(&mut command, mark)
+            .map_err(|e| Error::Spawn(format!("{}: {e}", self.program.display())))
     }
 }
 

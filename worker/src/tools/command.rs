@@ -65,18 +65,16 @@ impl CommandTool {
         command
             .args(args)
             .current_dir(&ctx.workdir)
-            .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let (mut child, guard) = match GroupGuard::spawn(&mut command) {
+        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut command, &mark) {
             Ok(spawned) => spawned,
             Err(e) => {
                 return Outcome::error(format!("tool {name:?}: cannot start {}: {e}", program.display()));
             }
         };
         let pgid = child.id();
-        let mut guard = guard.marked(&mark);
 
         let mut payload = serde_json::to_vec(input).expect("a JSON value serializes");
         payload.push(b'\n');

@@ -287,10 +287,16 @@ impl GroupGuard {
         Ok((child, guard))
     }
 
-    /// Kills, with the group, the processes marked `mark` ([`kill_marked`]).
-    pub fn marked(mut self, mark: &str) -> Self {
-        self.mark = Some(mark.to_string());
-        self
+    /// [`GroupGuard::spawn`] with `mark` ([`reap_mark`]) in the child's environment
+    /// ([`REAP_MARK_VAR`], which its descendants inherit): the guard also kills the processes
+    /// marked so ([`kill_marked`]), those that left the group included.
+    ///
+    /// # Errors
+    /// The OS error of the spawn.
+    pub fn spawn_marked(cmd: &mut tokio::process::Command, mark: &str) -> io::Result<(tokio::process::Child, Self)> {
+        let (child, mut guard) = Self::spawn(cmd.env(REAP_MARK_VAR, mark))?;
+        guard.mark = Some(mark.to_string());
+        Ok((child, guard))
     }
 
     /// Leaves the group alone on drop and unties it: call it once the group's leader has

@@ -124,16 +124,14 @@ impl Shell {
             .args(&args)
             .current_dir(&ctx.workdir)
             .env("HOME", &home)
-            .env(process::REAP_MARK_VAR, &mark)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let (mut child, guard) = match GroupGuard::spawn(&mut program) {
+        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut program, &mark) {
             Ok(spawned) => spawned,
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
         let started = Instant::now();
-        let mut guard = guard.marked(&mark);
         let shown_binary = resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string());
 
         let stem = log_stem();
