@@ -15,6 +15,12 @@ mod trace;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// mimalloc, not glibc's malloc: a worker's sessions allocate from many threads at once, and
+/// glibc's arenas took 13 % of a loaded cluster's CPU, part of it waiting on their locks
+/// (issue #9's profile of the slow-model run).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// murmur runs LLM agent capsules and fleets of them, on one machine or a cluster.
 #[derive(Parser, Debug)]
 #[command(name = "mur", version, about, propagate_version = true)]

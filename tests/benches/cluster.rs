@@ -109,6 +109,11 @@ impl Sizes {
     }
 }
 
+/// The allocator `mur` ships with (cli/src/main.rs): the coordinator and the workers run in
+/// this process, and should allocate as they do in `mur`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let (sizes, quick) = Sizes::get();
     // Every file of the run (nats-server's store, the workers' session folders) goes to a
