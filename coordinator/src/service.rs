@@ -178,6 +178,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // server cut it off as a slow consumer, the lease's renewals timed out with it).
     let scans = Arc::new(tokio::sync::Semaphore::new(1));
     let intake = Arc::new(IntakeOrder::default());
+    let bundles = Arc::new(BundleFlags::default());
+    let shared = ProcessShared { scans: scans.clone(), intake: intake.clone(), bundles: bundles.clone() };
     let api_ctx = Arc::new(Ctx {
         js: js.clone(),
         tasks: res.tasks.clone(),
@@ -192,6 +194,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         worker_timeout_ms: millis(config.worker_timeout),
         scans: scans.clone(),
         intake: intake.clone(),
+        bundles: bundles.clone(),
     });
     let service = client
         .service_builder()
@@ -268,8 +271,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         // nor the renewals; dropped (stepping down, a shutdown), it is aborted.
         let mut restoring = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
             let (client, config, res, held) = (client.clone(), config.clone(), res.clone(), held.clone());
-            let (active_runs, scans, intake) = (active_runs.clone(), scans.clone(), intake.clone());
-            async move { lead(&client, &config, &res, held, &active_runs, &scans, &intake).await }
+            let (active_runs, shared) = (active_runs.clone(), shared.clone());
+            async move { lead(&client, &config, &res, held, &active_runs, &shared).await }
         }));
         let mut leading = loop {
             tokio::select! {
@@ -394,8 +397,7 @@ async fn lead(
     res: &Resources,
     held: Arc<Held>,
     active_runs: &crate::fleet_run::Active,
-    scans: &Arc<tokio::sync::Semaphore>,
-    intake: &Arc<IntakeOrder>,
+    ProcessShared { scans, intake, bundles }: &ProcessShared,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
@@ -424,6 +426,7 @@ async fn lead(
         worker_timeout_ms: millis(config.worker_timeout),
         scans: scans.clone(),
         intake: intake.clone(),
+        bundles: bundles.clone(),
     });
     // The watch goes on from the replay's last entry.
     intake.watched.store(replayed_up_to, Ordering::SeqCst);
@@ -437,7 +440,7 @@ async fn lead(
         if record.state.is_terminal() {
             continue;
         }
-        let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+        let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
         replay.push(submitted_input(&record, entry.revision, queue_capsule));
         if record.state == TaskState::Submitted && record.attempt >= 1 {
             ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone());
@@ -680,6 +683,8 @@ struct Ctx {
     scans: Arc<tokio::sync::Semaphore>,
     /// What the leader's intake shortcuts wait for, shared by this process's contexts.
     intake: Arc<IntakeOrder>,
+    /// The queue flags of the bundles read from the index, shared by this process's contexts.
+    bundles: Arc<BundleFlags>,
     /// The last known record and revision of each task waiting here at attempt 0, from
     /// the intake or the watch: a release compare-and-sets from it without reading the
     /// record first (and reads it when the revision has moved on). Entries leave at the
@@ -810,6 +815,7 @@ impl Ctx {
                 format!("capsule: no capsule named {:?} (push it with `mur capsule push`)", request.capsule),
             ));
         };
+        self.bundles.learn(&latest);
         // A caller's own id makes a submission sent twice one task (see below).
         let minted_by_caller = request.task_id.is_some();
         let task_id = request.task_id.clone().unwrap_or_else(|| Id::generate(IdKind::Task));
@@ -1291,17 +1297,28 @@ fn progress_input(record: &TaskRecord) -> Option<Input> {
 }
 
 /// Whether each capsule is a `queue` capsule, read from the index when first needed and
-/// again for each new task (a push may change it).
+/// again for each new task whose bundle is not in [`BundleFlags`] (a push may change it).
 #[derive(Default)]
 struct QueueFlags {
     known: HashMap<String, bool>,
 }
 
 impl QueueFlags {
-    async fn get(&mut self, index: &kv::Store, capsule: &str) -> bool {
+    /// The queue flag of the bundle `record` runs: from `bundles` when its digest is known
+    /// there, else from the capsule's index entry (learned into `bundles` when the entry is
+    /// that bundle's); the last flag read for the capsule when the index cannot be read.
+    async fn get(&mut self, index: &kv::Store, bundles: &BundleFlags, record: &TaskRecord) -> bool {
+        if let Some(queue) = bundles.get(&record.capsule_digest) {
+            return queue;
+        }
+        let capsule = record.capsule.as_str();
         match index.get(capsule).await {
             Ok(Some(value)) => {
-                let queue = serde_json::from_slice::<CapsuleIndexEntry>(&value).is_ok_and(|e| e.queue);
+                let entry = serde_json::from_slice::<CapsuleIndexEntry>(&value).ok();
+                if let Some(entry) = entry.as_ref().filter(|e| e.digest == record.capsule_digest) {
+                    bundles.learn(entry);
+                }
+                let queue = entry.is_some_and(|e| e.queue);
                 self.known.insert(capsule.to_string(), queue);
                 queue
             }
@@ -1312,6 +1329,42 @@ impl QueueFlags {
                 self.known.get(capsule).copied().unwrap_or(false)
             }
         }
+    }
+}
+
+/// What the contexts of one coordinator process share: the API's and each term's leader's.
+#[derive(Clone)]
+struct ProcessShared {
+    scans: Arc<tokio::sync::Semaphore>,
+    intake: Arc<IntakeOrder>,
+    bundles: Arc<BundleFlags>,
+}
+
+/// The queue flag (`lifecycle.task_acceptance: queue`) of each capsule bundle this process
+/// has read from the index, by bundle digest, shared by its contexts. A digest is the
+/// SHA-256 of one bundle's bytes, manifest included ([`mur_worker::bundle`]), so its flag
+/// never changes: a task whose bundle is known here is put to the scheduler without a
+/// capsule index read (issue #9: the submit's read serves the watch too). Holds at most
+/// [`BundleFlags::KEPT`] digests; past that it starts over.
+#[derive(Default)]
+pub(crate) struct BundleFlags(Mutex<HashMap<String, bool>>);
+
+impl BundleFlags {
+    /// How many digests are kept at most.
+    const KEPT: usize = 4096;
+
+    /// Notes the flag of the bundle `entry` names.
+    fn learn(&self, entry: &CapsuleIndexEntry) {
+        let mut flags = self.0.lock().expect("bundle flags lock");
+        if flags.len() >= Self::KEPT && !flags.contains_key(&entry.digest) {
+            flags.clear();
+        }
+        flags.insert(entry.digest.clone(), entry.queue);
+    }
+
+    /// The flag of bundle `digest`, if it is known here.
+    fn get(&self, digest: &str) -> Option<bool> {
+        self.0.lock().expect("bundle flags lock").get(digest).copied()
     }
 }
 
@@ -1404,7 +1457,7 @@ async fn watch_tasks(
                         // Taken in here: the intake gave its input to the scheduler already.
                         break 'entry;
                     }
-                    let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                    let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
                     submitted_input(&record, entry.revision, queue_capsule)
                 }
                 Some(input) => {
@@ -1422,7 +1475,7 @@ async fn watch_tasks(
                         // Released by another coordinator: wait-then-release here (a duplicate
                         // `Submitted` for a task known here is ignored), and its dispatch again.
                         tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
-                        let queue_capsule = queue_flags.get(&ctx.capsule_index, &record.capsule).await;
+                        let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
                         if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
                             break 'watch;
                         }
@@ -1539,7 +1592,8 @@ fn now_ms() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{IntakeOrder, Latest, StandbyRequest, restore_retry_pause};
+    use super::{BundleFlags, IntakeOrder, Latest, StandbyRequest, restore_retry_pause};
+    use mur_proto::cluster::CapsuleIndexEntry;
     use std::sync::Arc;
     use std::sync::atomic::Ordering;
     use std::time::Duration;
@@ -1558,6 +1612,27 @@ mod tests {
         assert!(!intake.may_admit());
         intake.watched.fetch_max(12, Ordering::SeqCst);
         assert!(intake.may_admit());
+    }
+
+    fn entry(digest: &str, queue: bool) -> CapsuleIndexEntry {
+        CapsuleIndexEntry { digest: digest.into(), version: "1.0.0".into(), pushed_at: 0, bytes: 1, queue, model: None }
+    }
+
+    #[test]
+    fn a_bundles_queue_flag_is_known_by_its_digest_and_the_memory_starts_over_past_its_bound() {
+        let bundles = BundleFlags::default();
+        assert_eq!(bundles.get("aa"), None);
+        bundles.learn(&entry("aa", true));
+        bundles.learn(&entry("bb", false));
+        assert_eq!((bundles.get("aa"), bundles.get("bb")), (Some(true), Some(false)));
+        for i in 2..BundleFlags::KEPT {
+            bundles.learn(&entry(&format!("{i:064x}"), false));
+        }
+        assert_eq!(bundles.get("aa"), Some(true), "{} digests fit", BundleFlags::KEPT);
+        bundles.learn(&entry("aa", true));
+        assert_eq!(bundles.get("bb"), Some(false), "learning a known digest again forgets nothing");
+        bundles.learn(&entry("cc", true));
+        assert_eq!((bundles.get("aa"), bundles.get("cc")), (None, Some(true)), "one more starts over");
     }
 
     #[test]

@@ -16,13 +16,21 @@
 //!
 //! Counts are taken once per message as it is appended, never re-walked.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use tiktoken_rs::CoreBPE;
 
 /// Estimates tokens of text.
 pub trait Estimator: Send + Sync {
     /// Estimated tokens of `text`.
     fn count(&self, text: &str) -> u64;
+
+    /// [`Estimator::count`] of a text that comes again session after session: a capsule's
+    /// system prompt and tool specs. The same number; an estimator whose count is costly
+    /// may remember it.
+    fn count_repeated(&self, text: &str) -> u64 {
+        self.count(text)
+    }
 }
 
 /// Four bytes per token, rounded up.
@@ -132,6 +140,46 @@ impl Estimator for Tiktoken {
             None => BytesOver4.count(text),
         }
     }
+
+    /// Remembered for the process, by encoding and exact text, up to [`REPEATED_BYTES`] of
+    /// text in all (past that it starts over): a capsule's system prompt and tool specs are
+    /// counted once, not at every session's start, where a BPE pass over kilobytes of tool
+    /// specs took ~3 % of a loaded worker's CPU (issue #9).
+    fn count_repeated(&self, text: &str) -> u64 {
+        static SEEN: OnceLock<Mutex<Repeated>> = OnceLock::new();
+        let seen = SEEN.get_or_init(Mutex::default);
+        let key = (self.encoding, text.to_string());
+        if let Some(&tokens) = seen.lock().expect("repeated counts lock").counts.get(&key) {
+            return tokens;
+        }
+        let tokens = self.count(text);
+        seen.lock().expect("repeated counts lock").keep(key, tokens);
+        tokens
+    }
+}
+
+/// How many bytes of text [`Tiktoken::count_repeated`] remembers counts of at most.
+pub const REPEATED_BYTES: usize = 1 << 20;
+
+/// The counts [`Tiktoken::count_repeated`] remembers, and the bytes of text they hold.
+#[derive(Default)]
+struct Repeated {
+    counts: HashMap<(Encoding, String), u64>,
+    bytes: usize,
+}
+
+impl Repeated {
+    fn keep(&mut self, key: (Encoding, String), tokens: u64) {
+        if key.1.len() > REPEATED_BYTES || self.counts.contains_key(&key) {
+            return;
+        }
+        if self.bytes + key.1.len() > REPEATED_BYTES {
+            self.counts.clear();
+            self.bytes = 0;
+        }
+        self.bytes += key.1.len();
+        self.counts.insert(key, tokens);
+    }
 }
 
 /// The estimator for a session: [`Tiktoken`] with the model's encoding when `driver` is
@@ -163,6 +211,29 @@ pub fn preload(driver: &str, model: Option<&str>) -> Option<Encoding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_count_is_the_count_and_its_memory_starts_over_past_a_mebibyte() {
+        let tiktoken = Tiktoken::new(Encoding::Cl100kBase);
+        let tools = r#"[{"name":"read_file","description":"Reads a file.","parameters":{"type":"object"}}]"#;
+        for text in [tools, "You are a careful agent.", ""] {
+            assert_eq!(tiktoken.count_repeated(text), tiktoken.count(text), "{text:?}");
+            assert_eq!(tiktoken.count_repeated(text), tiktoken.count(text), "{text:?}, remembered");
+        }
+        assert_eq!(BytesOver4.count_repeated("abcde"), 2);
+
+        let mut repeated = Repeated::default();
+        let half = "x".repeat(REPEATED_BYTES / 2);
+        repeated.keep((Encoding::Cl100kBase, half.clone()), 1);
+        repeated.keep((Encoding::O200kBase, half.clone()), 2);
+        assert_eq!((repeated.counts.len(), repeated.bytes), (2, REPEATED_BYTES));
+        repeated.keep((Encoding::O200kBase, half.clone()), 2);
+        assert_eq!(repeated.counts.len(), 2, "a text kept already is not kept twice");
+        repeated.keep((Encoding::Cl100kBase, "y".into()), 3);
+        assert_eq!((repeated.counts.len(), repeated.bytes), (1, 1), "one byte more starts over");
+        repeated.keep((Encoding::Cl100kBase, "z".repeat(REPEATED_BYTES + 1)), 4);
+        assert_eq!(repeated.counts.len(), 1, "a text over the bound is never kept");
+    }
 
     #[test]
     fn preload_loads_the_bpe_an_openai_models_estimator_counts_with_and_nothing_for_others() {

@@ -222,8 +222,8 @@ impl Session {
     /// [`trace::Error`] when the trace cannot be written.
     pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, trace::Error> {
         let m = cfg.manifest.clone();
-        let fixed_tokens =
-            parts.estimator.count(&cfg.system_prompt) + parts.estimator.count(&tools_json(parts.tools.specs()));
+        let fixed_tokens = parts.estimator.count_repeated(&cfg.system_prompt)
+            + parts.estimator.count_repeated(&tools_json(parts.tools.specs()));
         let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
         let session = Session {
             cfg,
