@@ -13,6 +13,7 @@ mod text;
 mod trace;
 
 use clap::{Parser, Subcommand};
+use mur_proto::cluster::{ApiError, ErrorCode};
 use std::process::ExitCode;
 
 /// mimalloc, not glibc's malloc: a worker's sessions allocate from many threads at once, and
@@ -82,7 +83,22 @@ fn print_until_the_reader_leaves(command: &Command) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let json = json_requested(std::env::args_os().skip(1));
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version go to stdout as clap prints them; a refused command line is a
+        // JSON error too when `--json` is on it.
+        Err(e) if json && e.use_stderr() => {
+            // clap's message up to its usage hint: the rule and its context
+            // (`[possible values: …]`), on one line.
+            let text = e.render().to_string();
+            let said: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            let said = said.join(" ");
+            report_json(said.strip_prefix("error: ").unwrap_or(&said), Some(ErrorCode::InvalidRequest));
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
     print_until_the_reader_leaves(&cli.command);
     let telemetry = telemetry::init(match cli.command {
         Command::Coordinator(_) => "mur-coordinator",
@@ -105,8 +121,35 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("mur: {err:#}");
+            report(&err, json);
             ExitCode::from(2)
         }
     }
+}
+
+/// Whether `--json` is on the command line (before a `--`, after which every argument is a
+/// value). Every `--json` is a flag of the command it follows; clap refuses one anywhere
+/// else.
+fn json_requested(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
+    args.into_iter().take_while(|a| a != "--").any(|a| a == "--json")
+}
+
+/// Says why a command failed, on stderr: `mur: <what went wrong>`, or with `--json` one
+/// JSON object a script can read, `{"error": "<what went wrong>", "code": <code>}`, where
+/// `code` is the coordinator's error code (`"not_found"`, `"invalid_request"`, …;
+/// `proto::cluster::ErrorCode`) when it refused the request, `"invalid_request"` for a
+/// command line clap refused, and `null` otherwise (no server, a file unreadable, …).
+/// The exit status is 2 either way.
+fn report(err: &anyhow::Error, json: bool) {
+    if json {
+        let code = err.chain().find_map(|e| e.downcast_ref::<ApiError>()).map(|e| e.code);
+        report_json(&format!("{err:#}"), code);
+    } else {
+        eprintln!("mur: {err:#}");
+    }
+}
+
+/// [`report`]'s JSON object.
+fn report_json(error: &str, code: Option<ErrorCode>) {
+    eprintln!("{}", serde_json::json!({"error": error, "code": code.map(ErrorCode::as_str)}));
 }

@@ -204,7 +204,8 @@ pub async fn call<T: serde::de::DeserializeOwned>(
     subject: &str,
     body: Vec<u8>,
 ) -> Result<T> {
-    mur_coordinator::api::call(client, subject, body).await.map_err(|e| anyhow::anyhow!("{e}"))
+    // The refusal itself, not its text: `--json` reports its code ([`crate::report`]).
+    Ok(mur_coordinator::api::call(client, subject, body).await?)
 }
 
 fn print_record(rec: &TaskRecord, json: bool) {
@@ -262,7 +263,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = args.conn.connect("mur task send").await?;
-        let reply = submit_until_answered(&client, &mut request).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let reply = submit_until_answered(&client, &mut request).await?;
         if !args.wait {
             if args.json {
                 println!("{}", json!({"task_id": reply.task_id, "state": reply.state}));

@@ -87,3 +87,32 @@ fn an_unreachable_server_is_named_with_its_cause_said_once() {
         )
     );
 }
+
+/// With `--json` a failure is one JSON object on stderr, `{"code": …, "error": …}`, with the
+/// exit status 2 and nothing on stdout: a refused command line is `invalid_request` with
+/// clap's rule and its context on one line; a failure that is not the coordinator's
+/// refusal has code `null`. A `--json` after `--` is a value, not the flag.
+#[test]
+fn with_json_a_failure_is_one_json_object_on_stderr_with_its_code() {
+    assert_eq!(
+        refused(&["task", "ls", "--state", "bogus", "--json"]),
+        "{\"code\":\"invalid_request\",\"error\":\"invalid value 'bogus' for '--state <STATE>' \
+         [possible values: submitted, working, completed, failed, canceled, rejected]\"}\n"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let err = refused(&["capsule", "ls", "--server", &url, "--json"]);
+    let parsed: serde_json::Value = serde_json::from_str(&err).expect("one JSON object");
+    assert_eq!(
+        parsed,
+        serde_json::json!({"code": null, "error": format!(
+            "cannot reach NATS at {url} (start a cluster with `mur dev`, or set --server / NATS_URL): IO error: Connection refused (os error 111)"
+        )})
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        refused(&["task", "send", "--server", &url, "greeter", "--", "--json"])
+            .starts_with("mur: cannot reach NATS at "),
+        "after `--`, --json is the task's text"
+    );
+}

@@ -116,6 +116,11 @@ async fn definitions_round_trip_through_create_apply_ls_show_and_rm() -> Result<
         refused(&sb, &["show", "pair"]),
         "mur: not_found: fleet: no fleet named \"pair\" (create it with `mur fleet create FILE`)\n"
     );
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&refused(&sb, &["show", "pair", "--json"])).unwrap(),
+        json!({"code": "not_found",
+               "error": "not_found: fleet: no fleet named \"pair\" (create it with `mur fleet create FILE`)"})
+    );
     assert_eq!(ok(&sb, &["ls", "--json"]).last_json(), json!([ls[0].clone()]));
     // A fleet made again under the name starts without the removed one's jobs.
     ok(&sb, &["create", pair.to_str().unwrap()]);
