@@ -394,16 +394,16 @@ struct RawInference {
     model: Option<String>,
     api_key: Option<String>,
     stream: Option<bool>,
-    max_turns: Option<i64>,
-    max_tokens: Option<i64>,
+    max_turns: Option<Int>,
+    max_tokens: Option<Int>,
     system_prompt: Option<String>,
     system_prompt_file: Option<String>,
     compaction: Option<RawCompaction>,
     script: Option<String>,
     command: Option<Argv>,
-    timeout_secs: Option<i64>,
-    max_retries: Option<i64>,
-    max_session_tokens: Option<i64>,
+    timeout_secs: Option<Int>,
+    max_retries: Option<Int>,
+    max_session_tokens: Option<Int>,
 }
 
 #[derive(Deserialize)]
@@ -418,7 +418,7 @@ struct RawCompaction {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawContext {
-    max_tokens: Option<i64>,
+    max_tokens: Option<Int>,
     seed_budget: Option<f64>,
     seed_overflow_margin: Option<f64>,
 }
@@ -428,9 +428,9 @@ struct RawContext {
 struct RawLifecycle {
     task_acceptance: Option<TaskAcceptance>,
     after_task: Option<AfterTask>,
-    max_task_reopens: Option<i64>,
-    shell_grace_secs: Option<i64>,
-    queue_depth: Option<i64>,
+    max_task_reopens: Option<Int>,
+    shell_grace_secs: Option<Int>,
+    queue_depth: Option<Int>,
     conversation: Option<Conversation>,
 }
 
@@ -454,7 +454,7 @@ struct RawHook {
     execution_mode: Option<ExecutionMode>,
     commit_policy: Option<CommitPolicy>,
     command: Option<Argv>,
-    timeout_secs: Option<i64>,
+    timeout_secs: Option<Int>,
     persistent: Option<bool>,
 }
 
@@ -465,7 +465,7 @@ struct RawTool {
     description: Option<String>,
     command: Option<Argv>,
     parameters: Option<Value>,
-    timeout_secs: Option<i64>,
+    timeout_secs: Option<Int>,
 }
 
 #[derive(Deserialize)]
@@ -500,26 +500,33 @@ impl Rules {
         self.0.push(format!("{path}: {rule}"));
     }
 
-    /// An integer field with a lower bound and a default.
-    fn int(&mut self, path: &str, value: Option<i64>, min: i64, default: i64) -> i64 {
-        match value {
-            None => default,
-            Some(v) if v < min => {
-                self.fail(path, format_args!("must be at least {min}, got {v}"));
-                default
-            }
-            Some(v) => v,
-        }
+    /// An integer field with a lower bound and a default, at most `i64::MAX`.
+    fn int(&mut self, path: &str, value: Option<Int>, min: i64, default: i64) -> i64 {
+        let v = self.bounded(path, value, min.into(), i64::MAX.into(), default.into());
+        i64::try_from(v).unwrap_or(default)
     }
 
     /// [`Rules::int`] for a field held as a `u32` (a count): also at most `u32::MAX`, so a
     /// larger value is refused rather than wrapped around to a small one.
-    fn count(&mut self, path: &str, value: Option<i64>, min: i64, default: u32) -> u32 {
-        let v = self.int(path, value, min, i64::from(default));
-        u32::try_from(v).unwrap_or_else(|_| {
-            self.fail(path, format_args!("must be at most {}, got {v}", u32::MAX));
-            default
-        })
+    fn count(&mut self, path: &str, value: Option<Int>, min: i64, default: u32) -> u32 {
+        let v = self.bounded(path, value, min.into(), u32::MAX.into(), default.into());
+        u32::try_from(v).unwrap_or(default)
+    }
+
+    /// `value` if it is in `min..=max`, else `default` and the rule broken.
+    fn bounded(&mut self, path: &str, value: Option<Int>, min: i128, max: i128, default: i128) -> i128 {
+        match value {
+            None => default,
+            Some(Int(v)) if v < min => {
+                self.fail(path, format_args!("must be at least {min}, got {v}"));
+                default
+            }
+            Some(Int(v)) if v > max => {
+                self.fail(path, format_args!("must be at most {max}, got {v}"));
+                default
+            }
+            Some(Int(v)) => v,
+        }
     }
 
     /// A fraction in (0, 1] (or [0, max] with `zero_ok`).
@@ -532,6 +539,41 @@ impl Rules {
             return default;
         }
         v
+    }
+}
+
+/// An integer as a manifest writes it, of any size YAML holds (up to 128 bits), so that a
+/// value past 64 bits is refused by its field's range rule (`must be at most 4294967295,
+/// got 99999999999999999999`) rather than in the parser's words (`invalid type: integer
+/// … as u128, expected i64`); anything but a whole number is refused as not one (`invalid
+/// type: floating point `1.5`, expected a whole number`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Int(i128);
+
+impl<'de> Deserialize<'de> for Int {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Int, D::Error> {
+        struct Whole;
+        impl serde::de::Visitor<'_> for Whole {
+            type Value = Int;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a whole number")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Int, E> {
+                Ok(Int(v.into()))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Int, E> {
+                Ok(Int(v.into()))
+            }
+            fn visit_i128<E>(self, v: i128) -> Result<Int, E> {
+                Ok(Int(v))
+            }
+            fn visit_u128<E: serde::de::Error>(self, v: u128) -> Result<Int, E> {
+                i128::try_from(v)
+                    .map(Int)
+                    .map_err(|_| E::custom(format_args!("must be at most {}, got {v}", i128::MAX)))
+            }
+        }
+        deserializer.deserialize_any(Whole)
     }
 }
 

@@ -434,6 +434,29 @@ fn counts_beyond_u32_are_refused_not_wrapped_around() {
 }
 
 #[test]
+fn integers_past_64_bits_are_refused_by_the_fields_range_and_fractions_as_not_whole() {
+    // Past 64 bits serde said `invalid type: integer `…` as u128, expected i64`.
+    let past = "99999999999999999999999";
+    let y = with_inference(&format!("  driver: scripted\n  script: r.yaml\n  max_turns: {past}\n"));
+    assert_eq!(rules(&y), [format!("inference.max_turns: must be at most 4294967295, got {past}")]);
+    let y = format!("{MINIMAL}lifecycle:\n  shell_grace_secs: {past}\n");
+    assert_eq!(rules(&y), [format!("lifecycle.shell_grace_secs: must be at most 9223372036854775807, got {past}")]);
+    let y = format!("{MINIMAL}lifecycle:\n  shell_grace_secs: -{past}\n");
+    assert_eq!(rules(&y), [format!("lifecycle.shell_grace_secs: must be at least 0, got -{past}")]);
+    let y = format!("{MINIMAL}lifecycle:\n  shell_grace_secs: 9223372036854775807\n");
+    assert_eq!(load(&y).unwrap().lifecycle.shell_grace_secs, 9_223_372_036_854_775_807);
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 1.5\n");
+    let err = load(&y).unwrap_err().to_string();
+    assert!(
+        err.starts_with("inference.max_turns: invalid type: floating point `1.5`, expected a whole number"),
+        "{err}"
+    );
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: \"5\"\n");
+    let err = load(&y).unwrap_err().to_string();
+    assert!(err.starts_with("inference.max_turns: invalid type: string \"5\", expected a whole number"), "{err}");
+}
+
+#[test]
 fn a_block_of_the_wrong_type_is_named_as_a_mapping_not_an_internal_type() {
     let err = load("name: demo\nversion: 1.0.0\ninference: 5\n").unwrap_err().to_string();
     assert_eq!(err, "inference: invalid type: integer `5`, expected a mapping at line 3 column 12");
