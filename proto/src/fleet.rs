@@ -19,6 +19,7 @@
 //!
 //! Pure: no IO, no clock reads (callers pass unix milliseconds and the environment in).
 
+use crate::int::Int;
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::{Mapping, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -778,7 +779,7 @@ struct RawLoop {
     done_when: Option<String>,
     deadline: Option<Text>,
     budget_usd: Option<f64>,
-    max_iterations: Option<u64>,
+    max_iterations: Option<Int>,
 }
 
 #[derive(Deserialize, Default)]
@@ -821,7 +822,7 @@ struct RawStep {
     task: Option<String>,
     depends_on: Option<Vec<String>>,
     on_failure: Option<Value>,
-    max_retries: Option<u32>,
+    max_retries: Option<Int>,
     tier: Option<Value>,
 }
 
@@ -1244,9 +1245,14 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
         }
     }
     if let Some(n) = l.max_iterations {
-        out.max_iterations = n;
-        if n != 0 {
-            r.notices.push(format!("loop.max_iterations: {MAX_ITERATIONS_NOTICE}"));
+        match n.within(0, u64::MAX.into()) {
+            Ok(n) => {
+                out.max_iterations = u64::try_from(n).unwrap_or_default();
+                if n != 0 {
+                    r.notices.push(format!("loop.max_iterations: {MAX_ITERATIONS_NOTICE}"));
+                }
+            }
+            Err(rule) => r.fail("loop.max_iterations", rule),
         }
     }
     out
@@ -1297,7 +1303,15 @@ fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> V
                 .on_failure
                 .and_then(|v| r.choice(&format!("procedure[{i}].on_failure"), v))
                 .unwrap_or_default(),
-            max_retries: s.max_retries.unwrap_or(DEFAULT_MAX_RETRIES),
+            max_retries: s.max_retries.map_or(DEFAULT_MAX_RETRIES, |n| {
+                n.within(0, u32::MAX.into()).map_or_else(
+                    |rule| {
+                        r.fail(&format!("procedure[{i}].max_retries"), rule);
+                        DEFAULT_MAX_RETRIES
+                    },
+                    |n| u32::try_from(n).unwrap_or(DEFAULT_MAX_RETRIES),
+                )
+            }),
             tier: s.tier.and_then(|v| r.choice(&format!("procedure[{i}].tier"), v)),
         })
         .collect();

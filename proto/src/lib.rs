@@ -9,6 +9,7 @@ pub mod fleet;
 pub mod fleet_store;
 pub mod hook;
 pub mod ids;
+mod int;
 pub mod lanes;
 pub mod manifest;
 pub mod message;

@@ -7,6 +7,7 @@
 //! `inference.max_turns: must be at least 1, got 0`. Loading is pure: the environment used
 //! to resolve `${VAR}` in `inference.api_key` is a parameter.
 
+use crate::int::Int;
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -515,18 +516,11 @@ impl Rules {
 
     /// `value` if it is in `min..=max`, else `default` and the rule broken.
     fn bounded(&mut self, path: &str, value: Option<Int>, min: i128, max: i128, default: i128) -> i128 {
-        match value {
-            None => default,
-            Some(Int(v)) if v < min => {
-                self.fail(path, format_args!("must be at least {min}, got {v}"));
-                default
-            }
-            Some(Int(v)) if v > max => {
-                self.fail(path, format_args!("must be at most {max}, got {v}"));
-                default
-            }
-            Some(Int(v)) => v,
-        }
+        let Some(value) = value else { return default };
+        value.within(min, max).unwrap_or_else(|rule| {
+            self.fail(path, rule);
+            default
+        })
     }
 
     /// A fraction in (0, 1] (or [0, max] with `zero_ok`).
@@ -539,41 +533,6 @@ impl Rules {
             return default;
         }
         v
-    }
-}
-
-/// An integer as a manifest writes it, of any size YAML holds (up to 128 bits), so that a
-/// value past 64 bits is refused by its field's range rule (`must be at most 4294967295,
-/// got 99999999999999999999`) rather than in the parser's words (`invalid type: integer
-/// … as u128, expected i64`); anything but a whole number is refused as not one (`invalid
-/// type: floating point `1.5`, expected a whole number`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Int(i128);
-
-impl<'de> Deserialize<'de> for Int {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Int, D::Error> {
-        struct Whole;
-        impl serde::de::Visitor<'_> for Whole {
-            type Value = Int;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a whole number")
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<Int, E> {
-                Ok(Int(v.into()))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<Int, E> {
-                Ok(Int(v.into()))
-            }
-            fn visit_i128<E>(self, v: i128) -> Result<Int, E> {
-                Ok(Int(v))
-            }
-            fn visit_u128<E: serde::de::Error>(self, v: u128) -> Result<Int, E> {
-                i128::try_from(v)
-                    .map(Int)
-                    .map_err(|_| E::custom(format_args!("must be at most {}, got {v}", i128::MAX)))
-            }
-        }
-        deserializer.deserialize_any(Whole)
     }
 }
 

@@ -245,6 +245,33 @@ fn loop_with_only_a_trigger_defaults_the_rest() {
 }
 
 #[test]
+fn counts_past_their_range_are_refused_naming_the_field_and_the_bound() {
+    // Past 64 bits serde said `invalid type: integer `…` as u128, expected u64`.
+    let past = "99999999999999999999999";
+    assert_eq!(
+        rules(&format!("{MINIMAL}loop:\n  max_iterations: {past}\n")),
+        [format!("loop.max_iterations: must be at most 18446744073709551615, got {past}")]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}loop:\n  max_iterations: -1\n")),
+        ["loop.max_iterations: must be at least 0, got -1"]
+    );
+    let step = "name: pair\nmembers: [writer]\nprocedure:\n  - id: a\n    member: writer\n    task: t\n    on_failure: retry\n";
+    assert_eq!(
+        rules(&format!("{step}    max_retries: 4294967296\n")),
+        ["procedure[0].max_retries: must be at most 4294967295, got 4294967296"]
+    );
+    assert_eq!(
+        rules(&format!("{step}    max_retries: -2\n")),
+        ["procedure[0].max_retries: must be at least 0, got -2"]
+    );
+    let err = parse_err(&format!("{step}    max_retries: 1.5\n"));
+    assert!(err.contains("invalid type: floating point `1.5`, expected a whole number"), "{err}");
+    let f = Fleet::parse(&format!("{step}    max_retries: 4294967295\n")).unwrap();
+    assert_eq!(f.procedure[0].max_retries, u32::MAX);
+}
+
+#[test]
 fn nonzero_max_iterations_is_accepted_with_a_notice() {
     let f = Fleet::parse(&format!("{MINIMAL}loop:\n  max_iterations: 8\n")).unwrap();
     assert_eq!(f.r#loop.max_iterations, 8);
