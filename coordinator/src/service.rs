@@ -1317,6 +1317,10 @@ impl QueueFlags {
                 let entry = serde_json::from_slice::<CapsuleIndexEntry>(&value).ok();
                 if let Some(entry) = entry.as_ref().filter(|e| e.digest == record.capsule_digest) {
                     bundles.learn(entry);
+                } else if let Some(queue) = Self::from_history(index, bundles, record).await {
+                    // Pushed over since the task was submitted (a restarted coordinator
+                    // remembers no bundles): its own bundle's flag, from the index's history.
+                    return queue;
                 }
                 let queue = entry.is_some_and(|e| e.queue);
                 self.known.insert(capsule.to_string(), queue);
@@ -1329,6 +1333,16 @@ impl QueueFlags {
                 self.known.get(capsule).copied().unwrap_or(false)
             }
         }
+    }
+
+    /// The flag of `record`'s bundle from the index's history of its capsule (the pushes
+    /// it keeps, `mur_capsule_index`'s history setting), learned into `bundles`; `None`
+    /// when the history no longer holds that bundle or cannot be read.
+    async fn from_history(index: &kv::Store, bundles: &BundleFlags, record: &TaskRecord) -> Option<bool> {
+        let pushes = mur_worker::bundle::history(index, &record.capsule).await.ok()?;
+        let entry = pushes.iter().find(|e| e.digest == record.capsule_digest)?;
+        bundles.learn(entry);
+        Some(entry.queue)
     }
 }
 

@@ -1181,6 +1181,50 @@ async fn a_queue_capsule_never_has_two_tasks_dispatched_and_not_ended() -> Resul
     Ok(())
 }
 
+/// A waiting task keeps the `queue` flag of the bundle it runs, though its capsule was
+/// pushed again as `single` before a restarted coordinator (which remembers no bundles)
+/// looked at it: the flag comes from the index's history, not from the latest push (it did,
+/// and the old bundle's waiting tasks all started at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_task_keeps_its_own_bundles_queue_flag_across_a_push_and_a_restart() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let first = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+    let worker = SimWorker::new(&server, "w1").await?;
+    worker.register(3).await?;
+
+    let running = submit(&client, "serial", "s-1", "user").await?;
+    let waiting = submit(&client, "serial", "s-2", "user").await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, running);
+    worker.start(&dispatch).await?;
+
+    // `serial` again, now `single`: a new bundle under the same name.
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let single = QUEUE_MANIFEST.replace("task_acceptance: queue", "task_acceptance: single");
+    let single = bundle::pack(TestCapsule::new(&single, &[("replies.yaml", "replies:\n  - text: hi\n")]).dir())?;
+    assert!(!single.queue);
+    bundle::push(&res.capsules, &res.capsule_index, &single).await?;
+    first.crash().await;
+
+    let second = Coordinator::start(&server, "c2").await;
+    // A task of the new bundle is not held up by the old one's.
+    let newer = submit(&client, "serial", "s-3", "user").await?;
+    let dispatch = worker.expect_dispatch().await?;
+    assert_eq!(dispatch.task_id, newer);
+    worker.start(&dispatch).await?;
+    assert!(worker.next_dispatch(QUIET).await?.is_none(), "s-2 waits while s-1 of its queue bundle runs");
+    assert_eq!(get(&client, &waiting).await?.attempt, 0);
+    // The queue rule counts the capsule's tasks in flight by name (scheduler rule 2): s-2
+    // goes once both have ended.
+    worker.finish(&running).await?;
+    worker.finish(&newer).await?;
+    assert_eq!(worker.expect_dispatch().await?.task_id, waiting);
+    second.stop().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_coordinator_keeps_lane_order_and_dispatches_nothing_twice() -> Result<()> {
     let server = NatsServer::start();
