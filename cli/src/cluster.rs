@@ -53,7 +53,7 @@ pub fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
         let client = conn.connect("mur cluster status").await?;
         mur_coordinator::api::call(&client, mur_proto::cluster::api::CLUSTER_STATUS, Vec::new())
             .await
-            .map_err(|e| anyhow::anyhow!("mur cluster status: {e}"))
+            .context("mur cluster status")
     })?;
     if json {
         println!("{}", serde_json::to_string(&status)?);

@@ -6,6 +6,7 @@
 use crate::nats::Connection;
 use crate::task::call;
 use anyhow::{Context, Result};
+use mur_proto::cluster::ErrorCode;
 use mur_proto::fleet::Job;
 use mur_proto::fleet_store;
 use mur_proto::fleet_store::{
@@ -541,19 +542,18 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             None => None,
         };
         let Some(status) = status else {
-            let what = match pick {
-                RunPick::Id(id) => format!("no run {id}"),
+            let (code, what) = match pick {
+                RunPick::Id(id) => (ErrorCode::NotFound, format!("no run {id}")),
                 RunPick::LatestOf(fleet) => {
                     // A fleet that does not exist is said so, as every other fleet command does.
                     let show = serde_json::to_vec(&FleetRef { fleet: fleet.clone() })?;
                     match call::<FleetInfo>(&client, api::SHOW, show).await {
-                        Err(e) => format!("{e:#}"),
-                        Ok(_) => format!("fleet {fleet} has no run yet"),
+                        Err(e) => (crate::api_code(&e).unwrap_or(ErrorCode::NotFound), format!("{e:#}")),
+                        Ok(_) => (ErrorCode::NotFound, format!("fleet {fleet} has no run yet")),
                     }
                 }
             };
-            eprintln!("mur: {what}");
-            return Ok(ExitCode::from(2));
+            return Ok(crate::refused(common.json, Some(code), "mur: ", &what));
         };
         if common.json {
             print_json(&status)?;
@@ -639,8 +639,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
         let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("mur fleet run: refused: {e:#}");
-                return Ok(ExitCode::from(2));
+                return Ok(crate::refused(
+                    common.json,
+                    crate::api_code(&e),
+                    "mur fleet run: ",
+                    &format!("refused: {e:#}"),
+                ));
             }
         };
         eprintln!("{}", started.bounds);

@@ -128,25 +128,44 @@ fn main() -> ExitCode {
 }
 
 /// Whether `--json` is on the command line (before a `--`, after which every argument is a
-/// value). Every `--json` is a flag of the command it follows; clap refuses one anywhere
-/// else.
+/// value). Read from the arguments, not the parsed command, so that a command line clap
+/// refuses is answered in JSON too. One taken as the value of an option that accepts
+/// values starting with `-` (`mur fleet set-loop F --done-when --json`) counts as well: that
+/// command's failure is then said in JSON.
 fn json_requested(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
     args.into_iter().take_while(|a| a != "--").any(|a| a == "--json")
 }
 
 /// Says why a command failed, on stderr: `mur: <what went wrong>`, or with `--json` one
-/// JSON object a script can read, `{"error": "<what went wrong>", "code": <code>}`, where
+/// JSON object a script can read (the last line on stderr: progress lines, such as a
+/// submission's retries, may come before it), `{"error": "<what went wrong>", "code": <code>}`, where
 /// `code` is the coordinator's error code (`"not_found"`, `"invalid_request"`, …;
 /// `proto::cluster::ErrorCode`) when it refused the request, `"invalid_request"` for a
 /// command line clap refused, and `null` otherwise (no server, a file unreadable, …).
 /// The exit status is 2 either way.
 fn report(err: &anyhow::Error, json: bool) {
     if json {
-        let code = err.chain().find_map(|e| e.downcast_ref::<ApiError>()).map(|e| e.code);
-        report_json(&format!("{err:#}"), code);
+        report_json(&format!("{err:#}"), api_code(err));
     } else {
         eprintln!("mur: {err:#}");
     }
+}
+
+/// A refusal a command says itself rather than return as an error (it has printed part of
+/// its answer already, or words it its own way): `<prefix><message>` on stderr, or with
+/// `--json` [`report`]'s object with `message` and `code`. Returns exit status 2.
+pub(crate) fn refused(json: bool, code: Option<ErrorCode>, prefix: &str, message: &str) -> ExitCode {
+    if json {
+        report_json(message, code);
+    } else {
+        eprintln!("{prefix}{message}");
+    }
+    ExitCode::from(2)
+}
+
+/// The coordinator's error code in `err`'s chain, if it is a refusal of the coordinator's.
+pub(crate) fn api_code(err: &anyhow::Error) -> Option<ErrorCode> {
+    err.chain().find_map(|e| e.downcast_ref::<ApiError>()).map(|e| e.code)
 }
 
 /// [`report`]'s JSON object.

@@ -434,8 +434,7 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     if task.status.state == v1::TaskState::Rejected {
         // A refusal: nothing was done (README §exit codes).
         let why = rec["status_message"].as_str().unwrap_or("the capsule did not take the task");
-        eprintln!("mur: rejected: {}", crate::text::printable(why));
-        return Ok(ExitCode::from(2));
+        return Ok(crate::refused(args.json, None, "mur: ", &format!("rejected: {}", crate::text::printable(why))));
     }
     let ok = !args.wait || task.status.state == v1::TaskState::Completed;
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

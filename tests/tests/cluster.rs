@@ -1527,6 +1527,22 @@ async fn a_process_takes_back_its_own_lease_of_an_ended_term_and_a_namesake_wait
     assert!(namesake.try_acquire().await.unwrap().is_none(), "the other process still stands by");
 }
 
+/// With no coordinator on the server, `mur cluster status --json` says so as a JSON error
+/// with the API's code `unavailable` (it had `null`: the refusal was flattened to text).
+#[test]
+fn cluster_status_without_a_coordinator_is_a_json_error_coded_unavailable() {
+    use mur_tests::mur::{Run, mur};
+    let server = NatsServer::start();
+    let out = Run::of(mur().args(["cluster", "status", "--json"]).env("NATS_URL", server.url()));
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{out:?}");
+    let said: serde_json::Value = serde_json::from_str(&out.stderr).expect("one JSON object");
+    assert_eq!(
+        said,
+        serde_json::json!({"code": "unavailable",
+                           "error": "mur cluster status: unavailable: mur.api.cluster.status: no coordinator answers (no responders)"})
+    );
+}
+
 /// A `mur dev` whose start fails once its coordinator and workers run (here its `--http`
 /// address is taken) says why, exits 2, and stops them before its nats-server: no worker
 /// is left pulling from a server gone under it (`409: Server Shutdown` warnings before).

@@ -674,6 +674,11 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     assert_eq!((missing.code, missing.stderr.trim()), (2, "mur: no run run-nope"));
     let dash = Run::of(mur().args(["job", "status", "--", "-1"]).env("NATS_URL", sb.nats.url()));
     assert_eq!((dash.code, dash.stderr.trim()), (2, "mur: no run -1"));
+    let missing = Run::of(mur().args(["job", "status", "run-nope", "--json"]).env("NATS_URL", sb.nats.url()));
+    assert_eq!(
+        (missing.code, missing.stdout.as_str(), missing.stderr.as_str()),
+        (2, "", "{\"code\":\"not_found\",\"error\":\"no run run-nope\"}\n")
+    );
 
     ok(&sb, &["stop", "builder"]);
     let refused = fleet(&sb, &["run", "builder"]);
@@ -881,6 +886,13 @@ async fn a_run_or_a_job_arriving_while_its_fleet_is_being_removed_is_refused() -
     assert_eq!(
         (run.code, run.stdout.as_str(), run.stderr.as_str()),
         (2, "", "mur fleet run: refused: conflict: fleet pair is being removed (mur fleet rm); nothing was run\n")
+    );
+    let run = fleet(&sb, &["run", "pair", "--json"]);
+    assert_eq!((run.code, run.stdout.as_str()), (2, ""));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&run.stderr).unwrap(),
+        json!({"code": "conflict",
+               "error": "refused: conflict: fleet pair is being removed (mur fleet rm); nothing was run"})
     );
     assert_eq!(run_keys().await, Vec::<String>::new(), "no run record is left");
     // A job sent meanwhile is taken back: it would be left for the next fleet of the name.

@@ -163,6 +163,17 @@ fn acceptance_single_rejects_a_second_task_while_busy_then_exits() {
         three.stderr.ends_with("\nmur: rejected: task acceptance is single: a task is already waiting or running\n"),
         "{three:?}"
     );
+    // With `--json`: the record's line on stdout, the refusal as a JSON error on stderr.
+    let four = mur_tests::mur::Run::of(mur().args(["task", "send", "--url", url, "fourth", "--json"]));
+    assert_eq!(four.code, 2, "{four:?}");
+    let record: serde_json::Value = serde_json::from_str(four.stdout.trim()).unwrap();
+    assert_eq!(record["state"], "rejected", "{four:?}");
+    let said: serde_json::Value = serde_json::from_str(four.stderr.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        said,
+        serde_json::json!({"code": null,
+                           "error": "rejected: task acceptance is single: a task is already waiting or running"})
+    );
     let last = bg.next_json(WAIT);
     assert_eq!((last["tasks"].as_u64(), last["result"].as_str()), (Some(1), Some("one")));
     assert_eq!(bg.wait(WAIT).0, Some(0));
