@@ -818,12 +818,17 @@ const QUEUE_MANIFEST: &str = "name: serial\nversion: 1.0.0\ninference:\n  driver
 /// A server with both capsules pushed, coordinator `c1` leading, a client, and worker
 /// `w1` registered with one slot; the last item is greeter's digest.
 async fn one_slot_cluster() -> Result<(NatsServer, Coordinator, async_nats::Client, SimWorker, String)> {
+    cluster_with_slots(1).await
+}
+
+/// [`one_slot_cluster`] with `slots` slots for `w1`.
+async fn cluster_with_slots(slots: u32) -> Result<(NatsServer, Coordinator, async_nats::Client, SimWorker, String)> {
     let server = NatsServer::start();
     let digest = push_capsules(&server).await?;
     let coordinator = Coordinator::start(&server, "c1").await;
     let client = server.connect().await;
     let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(1).await?;
+    worker.register(slots).await?;
     Ok((server, coordinator, client, worker, digest))
 }
 
@@ -1156,12 +1161,7 @@ async fn tasks_waiting_for_a_busy_worker_are_dispatched_user_then_peer_then_bg()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_capsule_never_has_two_tasks_dispatched_and_not_ended() -> Result<()> {
-    let server = NatsServer::start();
-    push_capsules(&server).await?;
-    let coordinator = Coordinator::start(&server, "c1").await;
-    let client = server.connect().await;
-    let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(3).await?;
+    let (_server, coordinator, client, worker, _digest) = cluster_with_slots(3).await?;
 
     let first = submit(&client, "serial", "s-1", "user").await?;
     let second = submit(&client, "serial", "s-2", "user").await?;
@@ -1187,12 +1187,7 @@ async fn a_queue_capsule_never_has_two_tasks_dispatched_and_not_ended() -> Resul
 /// and the old bundle's waiting tasks all started at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_task_keeps_its_own_bundles_queue_flag_across_a_push_and_a_restart() -> Result<()> {
-    let server = NatsServer::start();
-    push_capsules(&server).await?;
-    let first = Coordinator::start(&server, "c1").await;
-    let client = server.connect().await;
-    let worker = SimWorker::new(&server, "w1").await?;
-    worker.register(3).await?;
+    let (server, first, client, worker, _digest) = cluster_with_slots(3).await?;
 
     let running = submit(&client, "serial", "s-1", "user").await?;
     let waiting = submit(&client, "serial", "s-2", "user").await?;
