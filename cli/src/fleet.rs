@@ -488,7 +488,10 @@ pub fn job(cmd: JobCommand) -> Result<ExitCode> {
     let JobCommand::Status { run_id, common } = cmd;
     // Nothing else can name a run (a key of mur_fleets is made of it).
     if !mur_proto::fleet::is_run_ref(&run_id) {
-        anyhow::bail!("RUN_ID: must be letters, digits, '-' or '_' (a run id or <run id>-<n>), got {run_id:?}");
+        return Err(crate::Invalid(format!(
+            "RUN_ID: must be letters, digits, '-' or '_' (a run id or <run id>-<n>), got {run_id:?}"
+        ))
+        .into());
     }
     run_status(&common, RunPick::Id(run_id))
 }

@@ -141,7 +141,8 @@ fn json_requested(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
 /// submission's retries, may come before it), `{"error": "<what went wrong>", "code": <code>}`, where
 /// `code` is the coordinator's error code (`"not_found"`, `"invalid_request"`, …;
 /// `proto::cluster::ErrorCode`) when it refused the request, `"invalid_request"` for a
-/// command line clap refused, and `null` otherwise (no server, a file unreadable, …).
+/// command line clap or the CLI ([`Invalid`]) refused, and `null` otherwise (no server, a
+/// file unreadable, …).
 /// The exit status is 2 either way.
 fn report(err: &anyhow::Error, json: bool) {
     if json {
@@ -163,10 +164,26 @@ pub(crate) fn refused(json: bool, code: Option<ErrorCode>, prefix: &str, message
     ExitCode::from(2)
 }
 
-/// The coordinator's error code in `err`'s chain, if it is a refusal of the coordinator's.
+/// The error code in `err`'s chain: the coordinator's when it refused the request,
+/// `invalid_request` for a command line the CLI refused itself ([`Invalid`]).
 pub(crate) fn api_code(err: &anyhow::Error) -> Option<ErrorCode> {
-    err.chain().find_map(|e| e.downcast_ref::<ApiError>()).map(|e| e.code)
+    let invalid = || err.chain().any(|e| e.is::<Invalid>()).then_some(ErrorCode::InvalidRequest);
+    err.chain().find_map(|e| e.downcast_ref::<ApiError>()).map(|e| e.code).or_else(invalid)
 }
+
+/// A command line the CLI refuses itself, past what clap checks (an argument's own rule,
+/// such as a run id's characters): said as is, and under `--json` with the code
+/// `invalid_request`, as a command line clap refuses.
+#[derive(Debug)]
+pub(crate) struct Invalid(pub(crate) String);
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Invalid {}
 
 /// [`report`]'s JSON object.
 fn report_json(error: &str, code: Option<ErrorCode>) {

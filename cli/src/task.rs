@@ -249,11 +249,13 @@ pub fn text_or_stdin(word: &str, what: &str) -> Result<String> {
 /// an authenticated client and may state any origin (default `user`).
 fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let [capsule, text] = args.words.as_slice() else {
-        bail!(
+        return Err(crate::Invalid(
             "give the capsule then the text: mur task send CAPSULE \"text\" (or --url URL \"text\" for an A2A endpoint)"
-        );
+                .into(),
+        )
+        .into());
     };
-    let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
+    let origin: Origin = args.origin.parse().map_err(|e| crate::Invalid(format!("--origin: {e}")))?;
     let mut request = SubmitRequest {
         context_id: args.context.clone(),
         // Minted here: a submission sent again (below) is the same task, run once.
@@ -393,10 +395,10 @@ async fn wait_for(client: &async_nats::Client, task_id: &str) -> Result<TaskReco
 }
 
 fn send(args: SendArgs) -> Result<ExitCode> {
-    let origin: Origin = args.origin.parse().map_err(|e| anyhow::anyhow!("--origin: {e}"))?;
+    let origin: Origin = args.origin.parse().map_err(|e| crate::Invalid(format!("--origin: {e}")))?;
     let Some(url) = args.url.clone() else { unreachable!("send_cluster handles sends without --url") };
     let [text] = args.words.as_slice() else {
-        bail!("with --url give only the task's text (the endpoint is the capsule)");
+        return Err(crate::Invalid("with --url give only the task's text (the endpoint is the capsule)".into()).into());
     };
     let text = &text_or_stdin(text, "the task's text")?;
     let options = SendOptions { origin: Some(origin), context_id: args.context.clone() };

@@ -115,4 +115,13 @@ fn with_json_a_failure_is_one_json_object_on_stderr_with_its_code() {
             .starts_with("mur: cannot reach NATS at "),
         "after `--`, --json is the task's text"
     );
+    // A command line the CLI refuses itself, past clap, is `invalid_request` too.
+    let said: serde_json::Value = serde_json::from_str(&refused(&["job", "status", "a.b", "--json"])).unwrap();
+    assert_eq!(
+        said,
+        serde_json::json!({"code": "invalid_request",
+            "error": "RUN_ID: must be letters, digits, '-' or '_' (a run id or <run id>-<n>), got \"a.b\""})
+    );
+    let said: serde_json::Value = serde_json::from_str(&refused(&["task", "send", "greeter", "--json"])).unwrap();
+    assert_eq!(said["code"], "invalid_request", "{said}");
 }
