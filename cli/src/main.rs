@@ -120,10 +120,7 @@ fn main() -> ExitCode {
     telemetry.shutdown();
     match result {
         Ok(code) => code,
-        Err(err) => {
-            report(&err, json);
-            ExitCode::from(2)
-        }
+        Err(err) => report(&err, json),
     }
 }
 
@@ -143,13 +140,9 @@ fn json_requested(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
 /// `proto::cluster::ErrorCode`) when it refused the request, `"invalid_request"` for a
 /// command line clap or the CLI ([`Invalid`]) refused, and `null` otherwise (no server, a
 /// file unreadable, …).
-/// The exit status is 2 either way.
-fn report(err: &anyhow::Error, json: bool) {
-    if json {
-        report_json(&format!("{err:#}"), api_code(err));
-    } else {
-        eprintln!("mur: {err:#}");
-    }
+/// Returns exit status 2.
+fn report(err: &anyhow::Error, json: bool) -> ExitCode {
+    refused(json, api_code(err), "mur: ", &format!("{err:#}"))
 }
 
 /// A refusal a command says itself rather than return as an error (it has printed part of

@@ -1370,6 +1370,10 @@ impl BundleFlags {
     /// Notes the flag of the bundle `entry` names.
     fn learn(&self, entry: &CapsuleIndexEntry) {
         let mut flags = self.0.lock().expect("bundle flags lock");
+        // Known already (every submit learns its bundle): nothing to copy.
+        if flags.get(&entry.digest) == Some(&entry.queue) {
+            return;
+        }
         if flags.len() >= Self::KEPT && !flags.contains_key(&entry.digest) {
             flags.clear();
         }

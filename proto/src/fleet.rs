@@ -1245,9 +1245,9 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
         }
     }
     if let Some(n) = l.max_iterations {
-        match n.within(0, u64::MAX.into()) {
+        match n.within(0, u64::MAX) {
             Ok(n) => {
-                out.max_iterations = u64::try_from(n).unwrap_or_default();
+                out.max_iterations = n;
                 if n != 0 {
                     r.notices.push(format!("loop.max_iterations: {MAX_ITERATIONS_NOTICE}"));
                 }
@@ -1304,13 +1304,10 @@ fn validate_procedure(raw: Vec<RawStep>, members: &[String], r: &mut Rules) -> V
                 .and_then(|v| r.choice(&format!("procedure[{i}].on_failure"), v))
                 .unwrap_or_default(),
             max_retries: s.max_retries.map_or(DEFAULT_MAX_RETRIES, |n| {
-                n.within(0, u32::MAX.into()).map_or_else(
-                    |rule| {
-                        r.fail(&format!("procedure[{i}].max_retries"), rule);
-                        DEFAULT_MAX_RETRIES
-                    },
-                    |n| u32::try_from(n).unwrap_or(DEFAULT_MAX_RETRIES),
-                )
+                n.within(0, u32::MAX).unwrap_or_else(|rule| {
+                    r.fail(&format!("procedure[{i}].max_retries"), rule);
+                    DEFAULT_MAX_RETRIES
+                })
             }),
             tier: s.tier.and_then(|v| r.choice(&format!("procedure[{i}].tier"), v)),
         })

@@ -14,13 +14,14 @@ use std::fmt;
 pub(crate) struct Int(pub(crate) i128);
 
 impl Int {
-    /// The number if it is in `min..=max`; else the rule it breaks, `must be at least
-    /// <min>, got <n>` or `must be at most <max>, got <n>`.
-    pub(crate) fn within(self, min: i128, max: i128) -> Result<i128, String> {
+    /// The number as a `T` if it is in `min..=max`; else the rule it breaks, `must be at
+    /// least <min>, got <n>` or `must be at most <max>, got <n>`.
+    pub(crate) fn within<T: Copy + Into<i128> + TryFrom<i128>>(self, min: T, max: T) -> Result<T, String> {
+        let (min, max) = (min.into(), max.into());
         match self.0 {
             n if n < min => Err(format!("must be at least {min}, got {n}")),
             n if n > max => Err(format!("must be at most {max}, got {n}")),
-            n => Ok(n),
+            n => T::try_from(n).map_err(|_| format!("must be at most {max}, got {n}")),
         }
     }
 }

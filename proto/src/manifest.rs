@@ -503,19 +503,20 @@ impl Rules {
 
     /// An integer field with a lower bound and a default, at most `i64::MAX`.
     fn int(&mut self, path: &str, value: Option<Int>, min: i64, default: i64) -> i64 {
-        let v = self.bounded(path, value, min.into(), i64::MAX.into(), default.into());
-        i64::try_from(v).unwrap_or(default)
+        self.bounded(path, value, min, i64::MAX, default)
     }
 
     /// [`Rules::int`] for a field held as a `u32` (a count): also at most `u32::MAX`, so a
     /// larger value is refused rather than wrapped around to a small one.
-    fn count(&mut self, path: &str, value: Option<Int>, min: i64, default: u32) -> u32 {
-        let v = self.bounded(path, value, min.into(), u32::MAX.into(), default.into());
-        u32::try_from(v).unwrap_or(default)
+    fn count(&mut self, path: &str, value: Option<Int>, min: u32, default: u32) -> u32 {
+        self.bounded(path, value, min, u32::MAX, default)
     }
 
     /// `value` if it is in `min..=max`, else `default` and the rule broken.
-    fn bounded(&mut self, path: &str, value: Option<Int>, min: i128, max: i128, default: i128) -> i128 {
+    fn bounded<T>(&mut self, path: &str, value: Option<Int>, min: T, max: T, default: T) -> T
+    where
+        T: Copy + Into<i128> + TryFrom<i128>,
+    {
         let Some(value) = value else { return default };
         value.within(min, max).unwrap_or_else(|rule| {
             self.fail(path, rule);
