@@ -14,6 +14,12 @@
 //!   reaches the client (on `mur.trace.>`), and its ratio to the raw round trip;
 //! - the sustained throughput of no-op tasks with 1 and 4 in-process workers of 8 slots
 //!   (the default), tasks submitted by 32 concurrent callers;
+//! - the slow-model cycle's ceiling on this machine, measured before the cluster's figure:
+//!   the same broker traffic per task as the cluster's path (records, index read, release,
+//!   dispatch, pull, trace lines, acks) exchanged by a minimal coordinator and four minimal
+//!   workers with nothing else to do, the model an exact 200 ms sleep (`raw_cycle.rs`;
+//!   `MUR_BENCH_RAW=minimal`: records and the dispatch only); the cluster's figure is
+//!   printed as a share of it too;
 //! - the throughput of 4 workers × 16 slots with a model answering every call after 200 ms,
 //!   against the ideal (slots ÷ 0.2 s): a fake OpenAI server over a real socket, and the
 //!   scripted driver's `delay_ms` (the cluster's own overhead, without an HTTP client);
@@ -57,6 +63,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
+
+#[path = "cluster/raw_cycle.rs"]
+mod raw_cycle;
 
 /// How long any one phase may take before the run fails (a loaded CI box included).
 const PHASE_DEADLINE: Duration = Duration::from_secs(300);
@@ -204,6 +213,14 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
     );
     let (d50, d99) = quantiles(&dispatches);
     let (raw50, raw99) = quantiles(&raw);
+    // The issue's reference machine had a raw round trip of p50 0.28 ms: its 1.5 ms target is
+    // 5.4× that. Printed beside the absolute target, which alone is judged.
+    table.note(&format!(
+        "no-op round trip: p50 {:.1}× this server's raw round trip (the target, 1.5 ms, is 5.4× the \
+         reference machine's raw p50 of 0.28 ms; this machine's is {})",
+        ratio(rt50, raw50),
+        ms(raw50)
+    ));
     let (r50, r99) = (ratio(d50, raw50), ratio(d99, raw99));
     table.row(
         &format!("dispatch, submit → task_start (n={})", dispatches.len()),
@@ -475,6 +492,55 @@ async fn throughput(
 
 async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     let (workers, slots) = (4usize, 16u32);
+    let total_slots = workers * slots as usize;
+    let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
+    let n = total_slots * sizes.slow_rounds;
+    // The ceiling first: the same cycle with nothing of murmur in it (`raw_cycle`).
+    let raw = {
+        let minimal = std::env::var("MUR_BENCH_RAW").is_ok_and(|v| v == "minimal");
+        let protocol = if minimal { raw_cycle::Protocol::Minimal } else { raw_cycle::Protocol::Cluster };
+        let cluster = raw_cycle::RawCluster::start(workers, total_slots / workers, protocol).await;
+        let watcher = Watcher::start(cluster.client(), false).await;
+        cluster.run(&watcher, total_slots).await;
+        let one = cluster.run(&watcher, total_slots).await;
+        table.value(
+            &format!("  raw, one round: {total_slots} tasks at once"),
+            format!("{:.0} tasks/s", one.per_s),
+            format!("{:.1} % of ideal", one.per_s / ideal * 100.0),
+            None,
+        );
+        let mut loads = Vec::new();
+        for _ in 0..sizes.slow_runs {
+            loads.push(cluster.run(&watcher, n).await);
+        }
+        loads.sort_by(|a, b| a.per_s.total_cmp(&b.per_s));
+        let runs = loads.len();
+        let spread = if runs > 1 {
+            format!(
+                "; median of {runs} runs, {:.1}–{:.1} %",
+                loads[0].per_s / ideal * 100.0,
+                loads[runs - 1].per_s / ideal * 100.0
+            )
+        } else {
+            String::new()
+        };
+        let load = loads.swap_remove(runs / 2);
+        table.value(
+            &format!(
+                "raw slow cycle: {}, no murmur, 4 × 16 slots (n={n}{spread})",
+                if minimal { "records and dispatch only" } else { "the same broker traffic" }
+            ),
+            format!("{:.0} tasks/s", load.per_s),
+            format!("ceiling: {:.1} % of ideal", load.per_s / ideal * 100.0),
+            None,
+        );
+        if let Some((here, server)) = load.cpu {
+            table.note(&format!(
+                "raw slow cycle: CPU per task {here:.2} ms in this process, {server:.2} ms in nats-server"
+            ));
+        }
+        load.per_s
+    };
     let fake = FakeOpenAi::repeating(FakeReply::text("done"));
     fake.set_delay(MODEL_DELAY);
     let sb = Sandbox::start(workers, slots).await;
@@ -486,9 +552,6 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
     sb.push(openai.dir()).await;
     sb.push(scripted.dir()).await;
     let watcher = Watcher::start(&sb.client, false).await;
-    let total_slots = workers * slots as usize;
-    let ideal = total_slots as f64 / MODEL_DELAY.as_secs_f64();
-    let n = total_slots * sizes.slow_rounds;
     fake.keep_timings();
     for (capsule, label) in [("slow", "fake OpenAI over HTTP"), ("slow-scripted", "scripted driver's delay")] {
         let timed = (capsule == "slow").then_some(&fake);
@@ -521,7 +584,7 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         table.rate(
             &format!("slow model (200 ms, {label}), 4 workers × 16 slots (n={n}{spread})"),
             load.per_s,
-            &format!("≥ 97 % of ideal {ideal:.0}/s: {:.1} %", share * 100.0),
+            &format!("≥ 97 % of ideal {ideal:.0}/s: {:.1} % ({:.1} % of raw)", share * 100.0, load.per_s / raw * 100.0),
             Some(share >= 0.97),
         );
         table.note(&format!("slow model, {label}: {}", load.describe()));
