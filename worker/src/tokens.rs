@@ -148,12 +148,11 @@ impl Estimator for Tiktoken {
     fn count_repeated(&self, text: &str) -> u64 {
         static SEEN: OnceLock<Mutex<Repeated>> = OnceLock::new();
         let seen = SEEN.get_or_init(Mutex::default);
-        let key = (self.encoding, text.to_string());
-        if let Some(&tokens) = seen.lock().expect("repeated counts lock").counts.get(&key) {
+        if let Some(tokens) = seen.lock().expect("repeated counts lock").get(self.encoding, text) {
             return tokens;
         }
         let tokens = self.count(text);
-        seen.lock().expect("repeated counts lock").keep(key, tokens);
+        seen.lock().expect("repeated counts lock").keep(self.encoding, text, tokens);
         tokens
     }
 }
@@ -161,24 +160,35 @@ impl Estimator for Tiktoken {
 /// How many bytes of text [`Tiktoken::count_repeated`] remembers counts of at most.
 pub const REPEATED_BYTES: usize = 1 << 20;
 
-/// The counts [`Tiktoken::count_repeated`] remembers, and the bytes of text they hold.
+/// The counts [`Tiktoken::count_repeated`] remembers, by encoding then text (looked up by
+/// `&str`: a text is copied only when kept), and the bytes of text they hold.
 #[derive(Default)]
 struct Repeated {
-    counts: HashMap<(Encoding, String), u64>,
+    counts: HashMap<Encoding, HashMap<String, u64>>,
     bytes: usize,
 }
 
 impl Repeated {
-    fn keep(&mut self, key: (Encoding, String), tokens: u64) {
-        if key.1.len() > REPEATED_BYTES || self.counts.contains_key(&key) {
+    fn get(&self, encoding: Encoding, text: &str) -> Option<u64> {
+        self.counts.get(&encoding)?.get(text).copied()
+    }
+
+    /// How many texts are kept, over every encoding.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.counts.values().map(HashMap::len).sum()
+    }
+
+    fn keep(&mut self, encoding: Encoding, text: &str, tokens: u64) {
+        if text.len() > REPEATED_BYTES || self.get(encoding, text).is_some() {
             return;
         }
-        if self.bytes + key.1.len() > REPEATED_BYTES {
+        if self.bytes + text.len() > REPEATED_BYTES {
             self.counts.clear();
             self.bytes = 0;
         }
-        self.bytes += key.1.len();
-        self.counts.insert(key, tokens);
+        self.bytes += text.len();
+        self.counts.entry(encoding).or_default().insert(text.to_string(), tokens);
     }
 }
 
@@ -224,15 +234,21 @@ mod tests {
 
         let mut repeated = Repeated::default();
         let half = "x".repeat(REPEATED_BYTES / 2);
-        repeated.keep((Encoding::Cl100kBase, half.clone()), 1);
-        repeated.keep((Encoding::O200kBase, half.clone()), 2);
-        assert_eq!((repeated.counts.len(), repeated.bytes), (2, REPEATED_BYTES));
-        repeated.keep((Encoding::O200kBase, half.clone()), 2);
-        assert_eq!(repeated.counts.len(), 2, "a text kept already is not kept twice");
-        repeated.keep((Encoding::Cl100kBase, "y".into()), 3);
-        assert_eq!((repeated.counts.len(), repeated.bytes), (1, 1), "one byte more starts over");
-        repeated.keep((Encoding::Cl100kBase, "z".repeat(REPEATED_BYTES + 1)), 4);
-        assert_eq!(repeated.counts.len(), 1, "a text over the bound is never kept");
+        repeated.keep(Encoding::Cl100kBase, &half, 1);
+        repeated.keep(Encoding::O200kBase, &half, 2);
+        assert_eq!((repeated.len(), repeated.bytes), (2, REPEATED_BYTES));
+        assert_eq!(
+            (repeated.get(Encoding::Cl100kBase, &half), repeated.get(Encoding::O200kBase, &half)),
+            (Some(1), Some(2)),
+            "the same text is kept per encoding"
+        );
+        repeated.keep(Encoding::O200kBase, &half, 2);
+        assert_eq!(repeated.len(), 2, "a text kept already is not kept twice");
+        repeated.keep(Encoding::Cl100kBase, "y", 3);
+        assert_eq!((repeated.len(), repeated.bytes), (1, 1), "one byte more starts over");
+        assert_eq!(repeated.get(Encoding::Cl100kBase, &half), None, "forgotten when it started over");
+        repeated.keep(Encoding::Cl100kBase, &"z".repeat(REPEATED_BYTES + 1), 4);
+        assert_eq!(repeated.len(), 1, "a text over the bound is never kept");
     }
 
     #[test]
