@@ -337,7 +337,15 @@ impl Stuck {
         if text.trim().eq_ignore_ascii_case("off") {
             return Ok(Stuck::Off);
         }
-        let d = DurationText::parse(text).map_err(|_| format!("{DURATION_RULE}, or off, got {:?}", text.trim()))?;
+        // Not a duration at all: the rule with `off` in it; a duration past the bound or a
+        // calendar date: that rule, as a deadline's.
+        let d = DurationText::parse(text).map_err(|rule| {
+            if rule.starts_with(DURATION_RULE) {
+                format!("{DURATION_RULE}, or off, got {:?}", text.trim())
+            } else {
+                rule
+            }
+        })?;
         if d.duration.is_zero() {
             return Err(format!("must be longer than zero, or off, got {:?}", d.text));
         }
@@ -590,7 +598,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(bad());
     }
     if t.bytes().all(|b| b.is_ascii_digit()) {
-        let d = t.parse::<u64>().map(Duration::from_secs).map_err(|_| bad())?;
+        // Digits past 64 bits are past the bound too.
+        let d = t.parse::<u64>().map_or(Duration::MAX, Duration::from_secs);
         if d > MAX_DURATION {
             return Err(format!("must be at most 365d, got {t:?}"));
         }
@@ -790,20 +799,45 @@ struct RawLimits {
     cost_usd: Option<f64>,
 }
 
-/// A duration written unquoted as a bare number of seconds (`deadline: 90`) or as text.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Text {
-    S(String),
-    U(u64),
-}
+/// A duration as written: text, or an unquoted number (`deadline: 90`, seconds) kept as
+/// its digits, so that [`parse_duration`] judges every spelling and its error names the
+/// field's rule (`-5`, `1.5` and integers past 64 bits included).
+struct Text(String);
 
 impl Text {
     fn into_string(self) -> String {
-        match self {
-            Text::S(s) => s,
-            Text::U(n) => n.to_string(),
+        self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Text, D::Error> {
+        struct Written;
+        impl serde::de::Visitor<'_> for Written {
+            type Value = Text;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(DURATION_RULE.trim_start_matches("must be "))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_u128<E: serde::de::Error>(self, v: u128) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_i128<E: serde::de::Error>(self, v: i128) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
         }
+        deserializer.deserialize_any(Written)
     }
 }
 

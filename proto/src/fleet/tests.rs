@@ -1234,3 +1234,23 @@ fn a_leading_byte_order_mark_is_read_past() {
     assert_eq!(Fleet::parse(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");
     assert_eq!(Fleet::load_stored(&format!("\u{feff}{MINIMAL}")).unwrap().name, "builder");
 }
+
+#[test]
+fn a_duration_written_as_a_negative_a_fraction_or_past_64_bits_is_refused_with_the_fields_rule() {
+    let rule = "must be a duration such as 30s, 5m, 2h, 1d or 1h30m";
+    for (written, refusal) in [
+        ("-5", format!("limits.deadline: {rule}, got \"-5\"")),
+        ("1.5", format!("limits.deadline: {rule}, got \"1.5\"")),
+        ("99999999999999999999999", "limits.deadline: must be at most 365d, got \"99999999999999999999999\"".into()),
+    ] {
+        assert_eq!(rules(&format!("{MINIMAL}limits:\n  deadline: {written}\n")), vec![refusal], "{written}");
+    }
+    assert_eq!(
+        rules(&format!("{MINIMAL}limits:\n  stuck: 99999999999999999999999\n")),
+        vec!["limits.stuck: must be at most 365d, got \"99999999999999999999999\"".to_string()]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}limits:\n  stuck: -1\n")),
+        vec![format!("limits.stuck: {rule}, or off, got \"-1\"")]
+    );
+}
