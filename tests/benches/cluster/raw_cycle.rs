@@ -150,13 +150,17 @@ async fn coordinator(
     let index = js.get_key_value(cluster::CAPSULE_INDEX_BUCKET).await.expect("index");
     let queue = Arc::new(Mutex::new(Queue { free: slots, waiting: VecDeque::new() }));
     let mut watch = tasks.watch_all().await.expect("watch");
-    let submits = tokio::spawn({
+    // Everything this coordinator starts stops with it (the benchmark aborts it, then stops
+    // the server): the submit handlers and the releases live in join sets it owns.
+    let _submits = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
         let (js, tasks, queue) = (js.clone(), tasks.clone(), queue.clone());
         async move {
+            let mut handlers = tokio::task::JoinSet::new();
             while let Some(request) = requests.next().await {
+                while handlers.try_join_next().is_some() {}
                 let (js, tasks, index, queue, client) =
                     (js.clone(), tasks.clone(), index.clone(), queue.clone(), client.clone());
-                tokio::spawn(async move {
+                handlers.spawn(async move {
                     let submit = SubmitRequest::parse(&request.payload).expect("a submit request");
                     let digest = match protocol {
                         Protocol::Minimal => "0f".repeat(32),
@@ -187,8 +191,10 @@ async fn coordinator(
                 });
             }
         }
-    });
+    }));
+    let mut releasing = tokio::task::JoinSet::new();
     while let Some(Ok(entry)) = watch.next().await {
+        while releasing.try_join_next().is_some() {}
         let Ok(record) = serde_json::from_slice::<TaskRecord>(&entry.value) else { continue };
         let mut releases = Vec::new();
         {
@@ -207,7 +213,7 @@ async fn coordinator(
         }
         for (key, revision, mut record) in releases {
             let (js, tasks) = (js.clone(), tasks.clone());
-            tokio::spawn(async move {
+            releasing.spawn(async move {
                 record.attempt = 1;
                 let revision = match protocol {
                     Protocol::Minimal => revision,
@@ -220,7 +226,6 @@ async fn coordinator(
             });
         }
     }
-    submits.abort();
 }
 
 async fn dispatch(js: &jetstream::Context, released: Released) {
@@ -243,7 +248,10 @@ async fn worker(client: async_nats::Client, worker_id: String, slots: usize, pro
     let free = Arc::new(Semaphore::new(slots));
     let freed = Arc::new(Notify::new());
     let mut waiting = 0usize;
+    // The dispatches in hand, stopped with this worker.
+    let mut running = tokio::task::JoinSet::new();
     loop {
+        while running.try_join_next().is_some() {}
         while waiting < free.available_permits() {
             let request = jetstream::consumer::pull::BatchConfig {
                 batch: 1,
@@ -268,11 +276,13 @@ async fn worker(client: async_nats::Client, worker_id: String, slots: usize, pro
         let msg = jetstream::Message { message, context: js.clone() };
         let slot = free.clone().try_acquire_owned().expect("a free slot");
         let (tasks, client, worker_id, freed) = (tasks.clone(), client.clone(), worker_id.clone(), freed.clone());
-        tokio::spawn(async move {
+        running.spawn(async move {
             run(&tasks, &client, &worker_id, &msg, protocol == Protocol::Cluster).await;
             drop(slot);
             freed.notify_one();
-            msg.double_ack().await.expect("double ack");
+            // The task is ended (its record is what the benchmark counts); a lost ack only
+            // redelivers a dispatch of an ended task, as in the cluster.
+            let _ = msg.double_ack().await;
         });
     }
 }
