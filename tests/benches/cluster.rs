@@ -513,18 +513,7 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         for _ in 0..sizes.slow_runs {
             loads.push(cluster.run(&watcher, n).await);
         }
-        loads.sort_by(|a, b| a.per_s.total_cmp(&b.per_s));
-        let runs = loads.len();
-        let spread = if runs > 1 {
-            format!(
-                "; median of {runs} runs, {:.1}–{:.1} %",
-                loads[0].per_s / ideal * 100.0,
-                loads[runs - 1].per_s / ideal * 100.0
-            )
-        } else {
-            String::new()
-        };
-        let load = loads.swap_remove(runs / 2);
+        let (load, spread) = median_run(loads, |l| l.per_s, ideal);
         table.value(
             &format!(
                 "raw slow cycle: {}, no murmur, 4 × 16 slots (n={n}{spread})",
@@ -571,16 +560,8 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         for _ in 0..sizes.slow_runs {
             loads.push(throughput(&sb, &watcher, capsule, n, total_slots, timed).await);
         }
-        loads.sort_by(|a, b| a.per_s.total_cmp(&b.per_s));
-        let runs = loads.len();
-        let (lowest, highest) = (loads[0].per_s / ideal, loads[runs - 1].per_s / ideal);
-        let load = loads.swap_remove(runs / 2);
+        let (load, spread) = median_run(loads, |l| l.per_s, ideal);
         let share = load.per_s / ideal;
-        let spread = if runs > 1 {
-            format!("; median of {runs} runs, {:.1}–{:.1} %", lowest * 100.0, highest * 100.0)
-        } else {
-            String::new()
-        };
         table.rate(
             &format!("slow model (200 ms, {label}), 4 workers × 16 slots (n={n}{spread})"),
             load.per_s,
@@ -641,6 +622,23 @@ async fn slow_model_throughput(sizes: &Sizes, table: &mut Table) {
         "reqwest::Client::new() (what a per-session client would cost; drivers share one): p50 {}",
         ms(percentile(&builds, 0.5))
     ));
+}
+
+/// The median of repeated runs by their rate, and the text giving how many runs and their
+/// range as shares of `ideal` (`; median of 3 runs, 93.1–95.2 %`; empty for one run).
+fn median_run<T>(mut runs: Vec<T>, per_s: impl Fn(&T) -> f64, ideal: f64) -> (T, String) {
+    runs.sort_by(|a, b| per_s(a).total_cmp(&per_s(b)));
+    let n = runs.len();
+    let range = if n > 1 {
+        format!(
+            "; median of {n} runs, {:.1}–{:.1} %",
+            per_s(&runs[0]) / ideal * 100.0,
+            per_s(&runs[n - 1]) / ideal * 100.0
+        )
+    } else {
+        String::new()
+    };
+    (runs.swap_remove(n / 2), range)
 }
 
 // ---------------------------------------------------------------------------------------
