@@ -395,6 +395,43 @@ impl Load {
     }
 }
 
+/// Submits `n` tasks of `capsule` from 32 concurrent callers, the prompt of the i-th naming
+/// it ([`prompt_of`]); the task returns each answer: i, the task id, when the reply came.
+fn submit_concurrently(
+    client: &async_nats::Client,
+    capsule: &str,
+    n: usize,
+) -> tokio::task::JoinHandle<Vec<(usize, String, Instant)>> {
+    let (client, capsule) = (client.clone(), capsule.to_string());
+    tokio::spawn(async move {
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let (client, capsule) = (client.clone(), capsule.clone());
+                async move { (i, submit_prompt(&client, &capsule, &prompt_of(i)).await, Instant::now()) }
+            })
+            .buffer_unordered(32)
+            .collect()
+            .await
+    })
+}
+
+/// The CPU time used so far by this process and by the nats-server (`None` where `/proc`
+/// does not tell).
+struct CpuMark(Option<Duration>, Option<Duration>);
+
+impl CpuMark {
+    fn now(nats_pid: Option<u32>) -> CpuMark {
+        CpuMark(cpu_time(std::process::id()), nats_pid.and_then(cpu_time))
+    }
+
+    /// Milliseconds of CPU per task since `before`, over `n` tasks: (this process, nats-server).
+    fn per_task_since(&self, before: &CpuMark, n: usize) -> Option<(f64, f64)> {
+        let per_task =
+            |a: Option<Duration>, b: Option<Duration>| Some(b?.saturating_sub(a?).as_secs_f64() * 1000.0 / n as f64);
+        per_task(before.0, self.0).zip(per_task(before.1, self.1))
+    }
+}
+
 /// Submits `n` tasks from 32 concurrent callers; the rate counts from the first submit to
 /// the last end.
 async fn throughput(
@@ -406,26 +443,12 @@ async fn throughput(
     fake: Option<&FakeOpenAi>,
 ) -> Load {
     let before = watcher.ended_count();
-    let cpu_before = (cpu_time(std::process::id()), sb.nats.pid().and_then(cpu_time));
+    let cpu_before = CpuMark::now(sb.nats.pid());
     let t0 = Instant::now();
-    let client = sb.client.clone();
-    let capsule = capsule.to_string();
-    let submitter = tokio::spawn(async move {
-        futures::stream::iter(0..n)
-            .map(|i| {
-                let (client, capsule) = (client.clone(), capsule.clone());
-                async move { (i, submit_prompt(&client, &capsule, &prompt_of(i)).await, Instant::now()) }
-            })
-            .buffer_unordered(32)
-            .collect::<Vec<(usize, String, Instant)>>()
-            .await
-    });
+    let submitter = submit_concurrently(&sb.client, capsule, n);
     watcher.wait_count(before + n).await;
     let elapsed = t0.elapsed();
-    let cpu_after = (cpu_time(std::process::id()), sb.nats.pid().and_then(cpu_time));
-    let per_task =
-        |a: Option<Duration>, b: Option<Duration>| Some(b?.saturating_sub(a?).as_secs_f64() * 1000.0 / n as f64);
-    let cpu = per_task(cpu_before.0, cpu_after.0).zip(per_task(cpu_before.1, cpu_after.1));
+    let cpu = CpuMark::now(sb.nats.pid()).per_task_since(&cpu_before, n);
     let replies = submitter.await.expect("submitter");
     let mut steps: [Vec<Duration>; 3] = Default::default();
     let (mut releases, mut workings, mut ends) = (Vec::new(), Vec::new(), Vec::new());

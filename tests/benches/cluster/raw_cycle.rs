@@ -27,17 +27,19 @@
 //! without: the index read, the release's compare-and-set (the dispatch alone releases)
 //! and the trace lines: the broker's limit for any protocol that keeps a task record.
 
-use super::{MODEL_DELAY, Watcher, cpu_time, submit_prompt};
+use super::{CpuMark, MODEL_DELAY, Watcher, submit_concurrently};
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
-use mur_proto::cluster::{self, Dispatch, Released, SubmitReply, SubmitRequest, TaskRecord, api};
+use mur_proto::cluster::{self, CapsuleIndexEntry, Dispatch, Released, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
 use mur_tests::nats::NatsServer;
+use mur_worker::clock::{Clock, SystemClock};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore};
+use tokio_util::task::AbortOnDropHandle;
 
 /// A finished raw run: tasks ended per second (first submit → last end seen) and CPU per
 /// task in ms (this process, nats-server) where `/proc` tells.
@@ -58,9 +60,11 @@ pub enum Protocol {
 /// The raw cluster: a server with the cluster's resources, the coordinator and workers
 /// running on clients of their own.
 pub struct RawCluster {
+    /// The coordinator and the workers, stopped when dropped: first (fields drop in order),
+    /// so that nothing of theirs is still waiting on the server when it stops.
+    _loops: Vec<AbortOnDropHandle<()>>,
     nats: NatsServer,
     client: async_nats::Client,
-    loops: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl RawCluster {
@@ -70,52 +74,46 @@ impl RawCluster {
         let client = nats.connect().await;
         let js = jetstream::new(client.clone());
         mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
-        // The capsule's index entry the coordinator reads at each submit (its size as pushed).
+        // The capsule's index entry the coordinator reads at each submit.
         let index = js.get_key_value(cluster::CAPSULE_INDEX_BUCKET).await.expect("index");
-        let entry = serde_json::json!({
-            "capsule": "slow", "version": "1.0.0", "digest": "0f".repeat(32),
-            "object": format!("slow/{}", "0f".repeat(32)), "size": 512, "queue": false,
-            "pushed_at": 1_700_000_000_000u64, "pushed_by": "bench"
-        });
+        let entry = CapsuleIndexEntry {
+            digest: "0f".repeat(32),
+            version: "1.0.0".into(),
+            pushed_at: SystemClock.now_ms(),
+            bytes: 512,
+            queue: false,
+            model: None,
+        };
         index.put("slow", serde_json::to_vec(&entry).unwrap().into()).await.expect("index entry");
         // Subscribed before the first submit can be sent.
         let coordinator_client = nats.connect().await;
         let requests = coordinator_client.subscribe(api::TASK_SUBMIT).await.expect("subscribe");
         coordinator_client.flush().await.expect("flush");
-        let mut loops = vec![tokio::spawn(coordinator(coordinator_client, requests, workers * slots, protocol))];
+        let mut loops = vec![AbortOnDropHandle::new(tokio::spawn(coordinator(
+            coordinator_client,
+            requests,
+            workers * slots,
+            protocol,
+        )))];
         for w in 0..workers {
-            loops.push(tokio::spawn(worker(nats.connect().await, format!("wkr-raw-{w}"), slots, protocol)));
+            let worker = worker(nats.connect().await, format!("wkr-raw-{w}"), slots, protocol);
+            loops.push(AbortOnDropHandle::new(tokio::spawn(worker)));
         }
-        RawCluster { nats, client, loops }
+        RawCluster { _loops: loops, nats, client }
     }
 
     /// Submits `n` tasks from 32 concurrent callers and waits for their ends, as the
     /// cluster's figure does.
     pub async fn run(&self, watcher: &Watcher, n: usize) -> RawLoad {
         let before = watcher.ended_count();
-        let cpu_before = (cpu_time(std::process::id()), self.nats.pid().and_then(cpu_time));
+        let cpu_before = CpuMark::now(self.nats.pid());
         let t0 = Instant::now();
-        let client = self.client.clone();
-        let submitter = tokio::spawn(async move {
-            futures::stream::iter(0..n)
-                .map(|i| {
-                    let client = client.clone();
-                    async move { submit_prompt(&client, "slow", &super::prompt_of(i)).await }
-                })
-                .buffer_unordered(32)
-                .collect::<Vec<String>>()
-                .await
-        });
+        let submitter = submit_concurrently(&self.client, "slow", n);
         watcher.wait_count(before + n).await;
         let elapsed = t0.elapsed();
-        let cpu_after = (cpu_time(std::process::id()), self.nats.pid().and_then(cpu_time));
+        let cpu = CpuMark::now(self.nats.pid()).per_task_since(&cpu_before, n);
         submitter.await.expect("submitter");
-        let per_task =
-            |a: Option<Duration>, b: Option<Duration>| Some(b?.saturating_sub(a?).as_secs_f64() * 1000.0 / n as f64);
-        RawLoad {
-            per_s: n as f64 / elapsed.as_secs_f64(),
-            cpu: per_task(cpu_before.0, cpu_after.0).zip(per_task(cpu_before.1, cpu_after.1)),
-        }
+        RawLoad { per_s: n as f64 / elapsed.as_secs_f64(), cpu }
     }
 
     /// The benchmark's client on this server.
@@ -124,16 +122,7 @@ impl RawCluster {
     }
 }
 
-impl Drop for RawCluster {
-    fn drop(&mut self) {
-        for l in &self.loops {
-            l.abort();
-        }
-    }
-}
-
 /// What the coordinator's submit handler and its watch share.
-#[derive(Default)]
 struct Queue {
     free: usize,
     waiting: VecDeque<(String, u64, TaskRecord)>,
@@ -152,7 +141,7 @@ async fn coordinator(
     let mut watch = tasks.watch_all().await.expect("watch");
     // Everything this coordinator starts stops with it (the benchmark aborts it, then stops
     // the server): the submit handlers and the releases live in join sets it owns.
-    let _submits = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
+    let _submits = AbortOnDropHandle::new(tokio::spawn({
         let (js, tasks, queue) = (js.clone(), tasks.clone(), queue.clone());
         async move {
             let mut handlers = tokio::task::JoinSet::new();
@@ -165,13 +154,13 @@ async fn coordinator(
                     let digest = match protocol {
                         Protocol::Minimal => "0f".repeat(32),
                         Protocol::Cluster => {
-                            let entry = index.get(&submit.capsule).await.expect("index read").expect("index entry");
-                            let entry: serde_json::Value = serde_json::from_slice(&entry).expect("entry");
-                            entry["digest"].as_str().expect("digest").to_string()
+                            // The coordinator's own read (`bundle::latest`).
+                            let entry = mur_worker::bundle::latest(&index, &submit.capsule).await.expect("index read");
+                            entry.expect("index entry").digest
                         }
                     };
                     let task_id = Id::generate(IdKind::Task);
-                    let mut record = TaskRecord::submitted(task_id.clone(), submit, digest, now_ms());
+                    let mut record = TaskRecord::submitted(task_id.clone(), submit, digest, SystemClock.now_ms());
                     let admitted = {
                         let mut q = queue.lock().unwrap();
                         let admit = q.free > 0 && q.waiting.is_empty();
@@ -297,14 +286,14 @@ async fn run(tasks: &kv::Store, client: &async_nats::Client, worker_id: &str, ms
     record.worker = Some(worker_id.to_string());
     record.session_id = Some(session_id.to_string());
     record.dispatch_seq = msg.info().ok().map(|i| i.stream_sequence);
-    record.started_at = Some(now_ms());
+    record.started_at = Some(SystemClock.now_ms());
     let key = record.task_id.clone();
     let revision = tasks.update(&key, serde_json::to_vec(&record).unwrap().into(), revision).await.expect("working");
     let subject = async_nats::Subject::from(cluster::trace_subject(&session_id));
     let trace = |event: &'static str| {
         // A trace line of the size the cluster's are (~380 bytes).
         let json = serde_json::json!({
-            "ts": now_ms(), "session_id": session_id.as_str(), "task_id": key.as_str(),
+            "ts": SystemClock.now_ms(), "session_id": session_id.as_str(), "task_id": key.as_str(),
             "event_type": event, "source": "task", "capsule": "slow",
             "detail": "x".repeat(200),
         });
@@ -323,11 +312,7 @@ async fn run(tasks: &kv::Store, client: &async_nats::Client, worker_id: &str, ms
     record.state = TaskState::Completed;
     record.exit_status = Some(mur_proto::task::ExitStatus::Ok);
     record.result = Some("done".into());
-    record.ended_at = Some(now_ms());
+    record.ended_at = Some(SystemClock.now_ms());
     tasks.update(&key, serde_json::to_vec(&record).unwrap().into(), revision).await.expect("end");
     trace("task_end").await;
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
