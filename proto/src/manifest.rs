@@ -13,6 +13,9 @@ use serde_json::Value;
 use std::collections::BTreeSet;
 use std::fmt;
 
+mod sandbox;
+pub use sandbox::{Endpoint, Network, Sandbox};
+
 /// A validated capsule manifest.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Manifest {
@@ -37,6 +40,8 @@ pub struct Manifest {
     pub tools: Vec<ToolDecl>,
     /// What the trace records.
     pub trace: TraceConfig,
+    /// How the capsule's commands are confined (issue #37); `None` runs them unconfined.
+    pub sandbox: Option<Sandbox>,
 }
 
 /// `inference.transport`.
@@ -384,6 +389,7 @@ struct Raw {
     hooks: Option<Vec<RawHook>>,
     tools: Option<Vec<RawTool>>,
     trace: Option<RawTrace>,
+    sandbox: Option<sandbox::RawSandbox>,
 }
 
 #[derive(Deserialize)]
@@ -736,6 +742,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
     }
 
     let trace = TraceConfig { capture: raw.trace.and_then(|t| t.capture).unwrap_or_default() };
+    let sandbox = raw.sandbox.map(|s| sandbox::validate(s, &mut r));
 
     if !r.0.is_empty() {
         return Err(Error::Invalid(r.0));
@@ -751,6 +758,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         hooks,
         tools,
         trace,
+        sandbox,
     })
 }
 

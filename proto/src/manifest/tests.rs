@@ -485,3 +485,53 @@ fn a_leading_byte_order_mark_is_read_past() {
     let m = load(&format!("\u{feff}{MINIMAL}")).unwrap();
     assert_eq!(m.name, "demo");
 }
+
+#[test]
+fn a_sandbox_block_is_read_with_its_limits_and_an_absent_one_is_none() {
+    assert_eq!(load(MINIMAL).unwrap().sandbox, None);
+    let y = format!(
+        "{MINIMAL}sandbox:\n  read: [/usr, /etc/ssl, ~/.cargo]\n  write: [/tmp]\n  network: none\n  memory_mb: 2048\n  \
+         pids: 256\n  cpu_secs: 600\n"
+    );
+    let s = load(&y).unwrap().sandbox.unwrap();
+    assert_eq!(s.read, ["/usr", "/etc/ssl", "~/.cargo"]);
+    assert_eq!(s.write, ["/tmp"]);
+    assert_eq!(s.network, Network::None);
+    assert_eq!((s.memory_mb, s.pids, s.cpu_secs), (Some(2048), Some(256), Some(600)));
+    let s = load(&format!("{MINIMAL}sandbox: {{}}\n")).unwrap().sandbox.unwrap();
+    assert_eq!(
+        (s.network, s.memory_mb, s.pids, s.cpu_secs),
+        (Network::None, None, None, None),
+        "network defaults to none"
+    );
+    let s = load(&format!("{MINIMAL}sandbox:\n  network: loopback\n")).unwrap().sandbox.unwrap();
+    assert_eq!(s.network, Network::Loopback);
+    let s = load(&format!("{MINIMAL}sandbox:\n  network: ['*:443', '127.0.0.1:8080']\n")).unwrap().sandbox.unwrap();
+    assert_eq!(s.network.to_string(), "[*:443, 127.0.0.1:8080]");
+}
+
+#[test]
+fn sandbox_rules_name_the_field() {
+    let err = load(&format!("{MINIMAL}sandbox:\n  memory: 5\n")).unwrap_err().to_string();
+    assert!(err.starts_with("sandbox: unknown field `memory`, expected one of"), "{err}");
+    let y = format!(
+        "{MINIMAL}sandbox:\n  read: ['']\n  write: ['~root/x']\n  network: [localhost]\n  memory_mb: 0\n  pids: 0\n  \
+         cpu_secs: 0\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "sandbox.read[0]: must be a path, got \"\"",
+            "sandbox.write[0]: ~ stands for the capsule home alone (~/dir), got \"~root/x\"",
+            "sandbox.network[0]: must be host:port (*:443, 127.0.0.1:8080, [::1]:80, api.example.com:443), got \
+             \"localhost\"",
+            "sandbox.memory_mb: must be at least 1, got 0",
+            "sandbox.pids: must be at least 1, got 0",
+            "sandbox.cpu_secs: must be at least 1, got 0",
+        ]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}sandbox:\n  network: everything\n")),
+        ["sandbox.network: must be none, loopback or a list of host:port, got \"everything\""]
+    );
+}
