@@ -16,6 +16,7 @@ pub mod intake;
 pub mod launch;
 pub mod local;
 pub mod preflight;
+pub mod sandbox;
 pub mod service;
 pub mod session;
 pub mod timer;
