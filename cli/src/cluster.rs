@@ -203,7 +203,7 @@ permits   {} in use, {} waiting
     out
 }
 
-/// `mur worker [--slots N] [--workdir DIR]`
+/// `mur worker [--slots N] [--workdir DIR] [--require-sandbox]`
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// Concurrent sessions (agents are I/O-bound: default 8, not the core count).
@@ -220,6 +220,10 @@ pub struct WorkerArgs {
     /// left there too.
     #[arg(long, value_name = "N", default_value_t = mur_worker::service::KEEP_SESSIONS)]
     keep_sessions: usize,
+    /// Refuse tasks of capsules without a `sandbox:` block: such a task fails with that
+    /// reason and none of its commands runs.
+    #[arg(long)]
+    require_sandbox: bool,
     #[command(flatten)]
     conn: Connection,
 }
@@ -353,6 +357,7 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
         let mut config = mur_worker::service::Config::new(workdir);
         config.slots = args.slots;
         config.keep_sessions = args.keep_sessions;
+        config.require_sandbox = args.require_sandbox;
         if let Some(id) = args.id {
             config.worker_id = id;
         }

@@ -181,6 +181,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let layout = Layout::new(&capsule_dir, workdir.as_deref(), &session_id);
     let driver = capsule.driver(&layout.workdir)?;
     layout.create()?;
+    // Before any command runs: a rule the kernel cannot enforce stops the run here.
+    let folders = mur_worker::sandbox::Folders {
+        workdir: layout.workdir.clone(),
+        session_dir: layout.session_dir.clone(),
+        capsule_dir: capsule_dir.clone(),
+    };
+    let sandbox = mur_worker::sandbox::for_session(&capsule.manifest, &folders, false)?;
     let model_label = capsule.model_label();
     std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, tools.specs()))?;
     let launch = resolve_task(&args, &capsule_dir, &layout.workdir)?;
@@ -197,6 +204,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             sink: Box::new(FileSink::open(&layout.trace())?),
             system_prompt: args.system_prompt.as_deref(),
             resumed_from: resume.as_ref().map(|r| r.session_id.clone()),
+            sandbox,
         });
         let shutdown = shutdown_signal();
         let mut session = Session::start(cfg, parts).await?;

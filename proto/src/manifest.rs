@@ -389,7 +389,9 @@ struct Raw {
     hooks: Option<Vec<RawHook>>,
     tools: Option<Vec<RawTool>>,
     trace: Option<RawTrace>,
-    sandbox: Option<sandbox::RawSandbox>,
+    /// `sandbox:` written with no value is a block of defaults, not an absent one.
+    #[serde(default, deserialize_with = "sandbox::present")]
+    sandbox: Option<Option<sandbox::RawSandbox>>,
 }
 
 #[derive(Deserialize)]
@@ -742,7 +744,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
     }
 
     let trace = TraceConfig { capture: raw.trace.and_then(|t| t.capture).unwrap_or_default() };
-    let sandbox = raw.sandbox.map(|s| sandbox::validate(s, &mut r));
+    let sandbox = raw.sandbox.map(|s| sandbox::validate(s.unwrap_or_default(), &mut r));
 
     if !r.0.is_empty() {
         return Err(Error::Invalid(r.0));

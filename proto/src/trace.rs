@@ -233,6 +233,37 @@ pub enum Event {
         /// The grace period it outlived, ms.
         grace_ms: u64,
     },
+    /// A tool call's command ran sandboxed (issue #37): the rules it ran under. Written
+    /// right after the call's `shell` or `shell_detached` line (after its `tool_call` line
+    /// for a command tool). A denial the kernel made comes back in the command's own output
+    /// (`Permission denied`, `Operation not permitted`).
+    Sandbox {
+        /// Turn that asked for it.
+        turn: u32,
+        /// The task.
+        task_id: String,
+        /// The tool called.
+        tool_name: String,
+        /// Readable paths besides the system's programs and libraries (the capsule folder
+        /// and `sandbox.read`), absolute.
+        read: Vec<String>,
+        /// Writable paths (the folder commands run in, the session folder and
+        /// `sandbox.write`), absolute.
+        write: Vec<String>,
+        /// `none` or the `[*:PORT, …]` list.
+        network: String,
+        /// `sandbox.memory_mb`, MiB, for all the command's processes together.
+        memory_mb: Option<u64>,
+        /// `sandbox.pids`: processes and threads at once.
+        pids: Option<u32>,
+        /// `sandbox.cpu_secs`: CPU seconds per process.
+        cpu_secs: Option<u64>,
+        /// The kernel's Landlock ABI.
+        landlock_abi: u32,
+        /// The mechanisms in force (`landlock`, `landlock-scope`, `seccomp`,
+        /// `no_new_privs`, `rlimit-cpu`, `cgroup v1` or `cgroup v2`).
+        enforced_by: Vec<String>,
+    },
     /// A detached command ended and its completion task was enqueued
     /// (`seeds/session-loop.md` §Detached shell). Not counted again as a shell call.
     ShellCompleted {
@@ -438,6 +469,7 @@ impl Event {
             Event::ShellDetached { .. } => "shell_detached",
             Event::ShellCompleted { .. } => "shell_completed",
             Event::ShellAbandoned { .. } => "shell_abandoned",
+            Event::Sandbox { .. } => "sandbox",
             Event::ShellLost { .. } => "shell_lost",
             Event::TaskEnd { .. } => "task_end",
             Event::TaskReopened { .. } => "task_reopened",

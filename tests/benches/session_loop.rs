@@ -218,7 +218,7 @@ impl Tools for NoopTools {
     }
 
     async fn call(&self, _name: &str, _input: &Value, _ctx: &CallContext) -> Outcome {
-        Outcome { text: "ok".into(), is_error: false, shell: None, detached: None }
+        Outcome { text: "ok".into(), is_error: false, shell: None, detached: None, sandbox: None }
     }
 }
 
@@ -256,6 +256,7 @@ async fn run_task(
             capsule_dir: dir.to_path_buf(),
             workdir: dir.to_path_buf(),
             logs_dir: dir.join("logs"),
+            sandbox: None,
         },
         result_path: Some(dir.join("result.txt")),
         logs_dir: None,

@@ -111,11 +111,22 @@ impl Sandbox {
 
     /// Starts a worker.
     pub async fn add_worker(&mut self, id: &str, slots: u32) {
+        self.add_worker_with(id, slots, |_| {}).await;
+    }
+
+    /// Starts a worker whose config `configure` changes first (`require_sandbox`, say).
+    pub async fn add_worker_with(
+        &mut self,
+        id: &str,
+        slots: u32,
+        configure: impl FnOnce(&mut mur_worker::service::Config),
+    ) {
         let client = self.nats.connect().await;
         let stop = self.stop.clone();
         let mut config = mur_worker::service::Config::new(self.dir.path().join(id));
         config.worker_id = id.to_string();
         config.slots = slots;
+        configure(&mut config);
         self.tasks.push(tokio::spawn(async move {
             if let Err(e) = mur_worker::service::run(client, config, async move { stop.cancelled().await }).await {
                 panic!("worker: {e}");

@@ -10,6 +10,8 @@ mod drivers;
 
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
+/// Sandboxed capsules: filesystem, network and resource limits enforced by the kernel.
+mod sandboxing;
 
 /// Capsule lifecycle over HTTP: acceptance modes, lanes, idle exit, shutdown.
 mod lifecycle;

@@ -36,6 +36,9 @@ pub struct Setup<'a> {
     pub system_prompt: Option<&'a str>,
     /// The session this one resumes, if any.
     pub resumed_from: Option<String>,
+    /// The session's sandbox ([`crate::sandbox::for_session`]): its commands and hooks
+    /// start confined by it.
+    pub sandbox: Option<Arc<crate::sandbox::Confinement>>,
 }
 
 /// Builds the session's configuration and parts as `mur run` does: a [`Tracer`] on
@@ -43,7 +46,8 @@ pub struct Setup<'a> {
 /// [`SessionConfig`] writing `out/result.txt` and `logs/` in the layout. Pass the pair to
 /// [`crate::session::Session::start`].
 pub fn build_session_parts(setup: Setup<'_>) -> (SessionConfig, Parts) {
-    let Setup { capsule, capsule_dir, layout, session_id, driver, tools, sink, system_prompt, resumed_from } = setup;
+    let Setup { capsule, capsule_dir, layout, session_id, driver, tools, sink, system_prompt, resumed_from, sandbox } =
+        setup;
     let clock = Arc::new(SystemClock);
     let estimator = tokens::for_model(driver.kind(), capsule.manifest.inference.model.as_deref());
     let tracer = Arc::new(Mutex::new(Tracer::new(session_id.to_string(), sink, clock.clone())));
@@ -69,6 +73,7 @@ pub fn build_session_parts(setup: Setup<'_>) -> (SessionConfig, Parts) {
             builtins: hooks::builtin::registry(gate.clone(), layout.workdir.clone()),
             gate: Some(gate),
             workdir: Some(layout.workdir.clone()),
+            sandbox: sandbox.clone(),
         },
     ));
     let prompt = capsule.system_prompt(system_prompt);
@@ -83,6 +88,7 @@ pub fn build_session_parts(setup: Setup<'_>) -> (SessionConfig, Parts) {
             capsule_dir: capsule_dir.to_path_buf(),
             workdir: layout.workdir.clone(),
             logs_dir: layout.workdir_logs(),
+            sandbox,
         },
         result_path: Some(layout.result()),
         logs_dir: Some(layout.logs_dir()),

@@ -132,6 +132,10 @@ pub struct Config {
     /// older ones are removed as sessions finish. Default [`KEEP_SESSIONS`]. See
     /// [`retention`].
     pub keep_sessions: usize,
+    /// Refuse tasks of capsules without a `sandbox:` block (`mur worker
+    /// --require-sandbox`, issue #37): such a task fails with that reason and no command
+    /// runs. Default false.
+    pub require_sandbox: bool,
 }
 
 /// The default of [`Config::keep_sessions`].
@@ -147,6 +151,7 @@ impl Config {
             progress_every: None,
             shutdown_grace: Duration::from_secs(30),
             keep_sessions: KEEP_SESSIONS,
+            require_sandbox: false,
         }
     }
 }
@@ -1511,6 +1516,17 @@ async fn run_session(
     let Prepared { layout, tools, sink, notices, files } = prepared;
     let file = files.await.map_err(|e| format!("making the session folder: {e}"))??;
     let capsule_dir = std::path::absolute(&capsule.dir).map_err(|e| e.to_string())?;
+    // Fails closed before any command runs: no sandbox block under --require-sandbox, or a
+    // rule the kernel cannot enforce (issue #37).
+    let folders = crate::sandbox::Folders {
+        workdir: layout.workdir.clone(),
+        session_dir: layout.session_dir.clone(),
+        capsule_dir: capsule_dir.clone(),
+    };
+    let sandbox = match crate::sandbox::for_session(&capsule.manifest, &folders, sh.config.require_sandbox) {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok((ExitStatus::Failed, e.to_string(), None)),
+    };
     let driver = capsule.driver(&layout.workdir).map_err(|e| e.to_string())?;
     if task.origin == Origin::Completion {
         detached::fetch_logs(&sh.capsules, &task.text, &layout.session_dir).await;
@@ -1550,6 +1566,7 @@ async fn run_session(
         sink: Box::new(Tee(vec![Box::new(file), Box::new(published), Box::new(tally.clone())])),
         system_prompt: None,
         resumed_from: takeover.as_ref().map(|t| t.previous_session_id.clone()),
+        sandbox,
     });
     let resumed = takeover.as_ref().is_some_and(|t| t.checkpoint.is_some());
     let base = if resumed { None } else { Some(prior_conversation(sh, task, capsule).await?) };

@@ -131,7 +131,7 @@ impl Tracer {
             | Event::ShellCompleted { .. }
             | Event::ShellAbandoned { .. }
             | Event::ShellLost { .. } => self.task_event.clone().or_else(|| self.session_event.clone()),
-            Event::ToolCall { .. } | Event::Shell { .. } | Event::ShellDetached { .. } => {
+            Event::ToolCall { .. } | Event::Shell { .. } | Event::ShellDetached { .. } | Event::Sandbox { .. } => {
                 self.turn_event.clone().or_else(|| self.task_event.clone()).or_else(|| self.session_event.clone())
             }
         };

@@ -105,7 +105,7 @@ impl fmt::Display for Endpoint {
 }
 
 /// The block as written.
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 pub(super) struct RawSandbox {
     read: Option<Vec<String>>,
@@ -114,6 +114,11 @@ pub(super) struct RawSandbox {
     memory_mb: Option<Int>,
     pids: Option<Int>,
     cpu_secs: Option<Int>,
+}
+
+/// Reads a key that is present, its value possibly null (`sandbox:` alone).
+pub(super) fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<RawSandbox>>, D::Error> {
+    Option::<RawSandbox>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]

@@ -498,6 +498,12 @@ fn a_sandbox_block_is_read_with_its_limits_and_an_absent_one_is_none() {
     assert_eq!(s.write, ["/tmp"]);
     assert_eq!(s.network, Network::None);
     assert_eq!((s.memory_mb, s.pids, s.cpu_secs), (Some(2048), Some(256), Some(600)));
+    let bare = load(&format!("{MINIMAL}sandbox:\n")).unwrap().sandbox;
+    assert_eq!(
+        bare,
+        load(&format!("{MINIMAL}sandbox: {{}}\n")).unwrap().sandbox,
+        "sandbox: alone is a block of defaults"
+    );
     let s = load(&format!("{MINIMAL}sandbox: {{}}\n")).unwrap().sandbox.unwrap();
     assert_eq!(
         (s.network, s.memory_mb, s.pids, s.cpu_secs),

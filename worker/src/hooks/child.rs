@@ -104,6 +104,8 @@ pub(crate) struct Launch {
     args: Vec<String>,
     capsule_dir: PathBuf,
     pub(crate) env: Vec<(&'static str, OsString)>,
+    /// The session's sandbox, if any: the program starts confined by it.
+    pub(crate) sandbox: Option<Arc<crate::sandbox::Confinement>>,
 }
 
 impl Launch {
@@ -138,7 +140,7 @@ impl Launch {
         if let Some(url) = inference_url {
             env.push(("MURMUR_INFERENCE_URL", url.into()));
         }
-        Ok(Launch { program, args: args.to_vec(), capsule_dir, env })
+        Ok(Launch { program, args: args.to_vec(), capsule_dir, env, sandbox: None })
     }
 
     /// Starts the program with all three streams piped, in its own process group, marked
@@ -157,7 +159,7 @@ impl Launch {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        GroupGuard::spawn_marked(&mut command, mark)
+        GroupGuard::spawn_marked(&mut command, mark, self.sandbox.as_deref())
             .map_err(|e| Error::Spawn(format!("{}: {e}", self.program.display())))
     }
 }

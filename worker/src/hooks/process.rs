@@ -59,6 +59,9 @@ pub struct Config {
     /// The session's workdir, given to hook programs as `$MURMUR_WORKDIR` (where the
     /// capsule's commands run and its files are).
     pub workdir: Option<PathBuf>,
+    /// The session's sandbox (`sandbox:`): hook programs start confined by it, like the
+    /// capsule's commands; `None` runs them unconfined.
+    pub sandbox: Option<Arc<crate::sandbox::Confinement>>,
 }
 
 /// The manifest's hooks, run as processes (or built-ins), for one session.
@@ -314,6 +317,7 @@ impl Runner {
         if let Some(w) = &inner.config.workdir {
             launch.env.push(("MURMUR_WORKDIR", w.clone().into_os_string()));
         }
+        launch.sandbox = inner.config.sandbox.clone();
         Ok(launch)
     }
 

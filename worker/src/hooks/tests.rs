@@ -28,6 +28,7 @@ impl Capsule {
             builtins: HashMap::new(),
             gate: None,
             workdir: None,
+            sandbox: None,
         };
         std::fs::create_dir_all(config.capsule_dir.join("hooks")).unwrap();
         Capsule { _dir: dir, config }

@@ -146,6 +146,25 @@ impl Folders {
         self.workdir.join(crate::tools::shell::HOME_DIR)
     }
 
+    /// What of the capsule folder commands may read: the folder, or, when the sessions'
+    /// folders lie inside it (`mur run` keeps them in `<capsule>/workdir/`), each of its
+    /// entries but the one holding them — other sessions' folders stay out of reach.
+    fn capsule_paths(&self) -> Vec<PathBuf> {
+        let holds = |p: &Path| self.workdir.starts_with(p) || self.session_dir.starts_with(p);
+        if !holds(&self.capsule_dir) {
+            return vec![self.capsule_dir.clone()];
+        }
+        let Ok(entries) = std::fs::read_dir(&self.capsule_dir) else { return Vec::new() };
+        let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| !holds(p)).collect();
+        paths.sort();
+        paths
+    }
+
+    /// Whether `path` is one of the folders.
+    fn contains(&self, path: &Path) -> bool {
+        [&self.workdir, &self.session_dir, &self.capsule_dir].iter().any(|f| f.as_path() == path)
+    }
+
     /// `path` as written in the manifest, made absolute: `~` and `~/…` under the capsule
     /// home, a relative path under the workdir.
     pub fn resolve(&self, path: &str) -> PathBuf {
@@ -333,23 +352,28 @@ impl Confinement {
 
         let system = SYSTEM_READ.iter().map(PathBuf::from);
         let devices_read = DEVICES_READ.iter().map(PathBuf::from);
-        let read: Vec<PathBuf> = std::iter::once(folders.capsule_dir.clone())
-            .chain(sandbox.read.iter().map(|p| folders.resolve(p)))
-            .collect();
+        let read: Vec<PathBuf> = sandbox.read.iter().map(|p| folders.resolve(p)).collect();
         let write: Vec<PathBuf> = [folders.workdir.clone(), folders.session_dir.clone()]
             .into_iter()
             .chain(sandbox.write.iter().map(|p| folders.resolve(p)))
             .collect();
+        applied.read.push(folders.capsule_dir.display().to_string());
         for (paths, rights, shown) in [
             (system.chain(devices_read).collect::<Vec<_>>(), read_rights, None),
             (DEVICES_RW.iter().map(PathBuf::from).collect(), device_rights, None),
+            (folders.capsule_paths(), read_rights, None),
             (read, read_rights, Some(&mut applied.read)),
             (write, write_rights, Some(&mut applied.write)),
         ] {
             let mut shown = shown;
             for path in paths {
-                // A path missing on this host allows nothing: skipped.
-                let Ok(fd) = PathFd::new(&path) else { continue };
+                // A path missing on this host allows nothing: skipped. The session's own
+                // folders must be there.
+                let fd = match PathFd::new(&path) {
+                    Ok(fd) => fd,
+                    Err(e) if folders.contains(&path) => return Err(setup(&format_args!("{}: {e}", path.display()))),
+                    Err(_) => continue,
+                };
                 let rights = if path.is_dir() { rights } else { rights & AccessFs::from_file(ABI::V5) };
                 created = created.add_rule(PathBeneath::new(fd, rights)).map_err(|e| setup(&e))?;
                 if let Some(shown) = shown.as_deref_mut() {

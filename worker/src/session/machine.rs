@@ -573,7 +573,7 @@ impl TaskMachine {
         let mut events = vec![Event::ToolCall {
             turn: self.turn,
             task_id: self.task.task_id.clone(),
-            tool_name: name,
+            tool_name: name.clone(),
             tool_call_id: Some(call_id.clone()),
             input: (self.capture != Capture::None).then_some(input),
             input_bytes,
@@ -605,6 +605,21 @@ impl TaskMachine {
                 stdout_bytes: shell.stdout_bytes,
                 stderr_bytes: shell.stderr_bytes,
                 duration_ms,
+            });
+        }
+        if let Some(rules) = outcome.sandbox {
+            events.push(Event::Sandbox {
+                turn: self.turn,
+                task_id: self.task.task_id.clone(),
+                tool_name: name,
+                read: rules.read,
+                write: rules.write,
+                network: rules.network,
+                memory_mb: rules.memory_mb,
+                pids: rules.pids,
+                cpu_secs: rules.cpu_secs,
+                landlock_abi: rules.landlock_abi,
+                enforced_by: rules.enforced_by,
             });
         }
         self.history.push(Message::tool_result(call_id, outcome.text, outcome.is_error), self.estimator.as_ref());

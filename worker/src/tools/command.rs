@@ -68,13 +68,14 @@ impl CommandTool {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut command, &mark) {
+        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut command, &mark, ctx.sandbox.as_deref()) {
             Ok(spawned) => spawned,
             Err(e) => {
                 return Outcome::error(format!("tool {name:?}: cannot start {}: {e}", program.display()));
             }
         };
         let pgid = child.id();
+        let applied = ctx.sandbox.as_ref().map(|s| s.applied().clone());
 
         let mut payload = serde_json::to_vec(input).expect("a JSON value serializes");
         payload.push(b'\n');
@@ -132,10 +133,13 @@ impl CommandTool {
             Err(e) => return Outcome::error(format!("tool {name:?}: waiting failed: {e}")),
         };
         if status.success() {
-            Outcome { text: capped(&out), is_error: false, shell: None, detached: None }
+            Outcome { text: capped(&out), is_error: false, shell: None, detached: None, sandbox: applied }
         } else {
             let stderr = capped(&err);
-            Outcome::error(format!("exit code {}: {}", process::exit_code(status), stderr.trim_end()))
+            Outcome {
+                sandbox: applied,
+                ..Outcome::error(format!("exit code {}: {}", process::exit_code(status), stderr.trim_end()))
+            }
         }
     }
 }
@@ -179,6 +183,7 @@ mod tests {
             capsule_dir: dir.join("capsule"),
             workdir: dir.join("workdir"),
             logs_dir: dir.join("workdir/logs"),
+            sandbox: None,
         };
         std::fs::create_dir_all(&ctx.workdir).unwrap();
         std::fs::create_dir_all(ctx.capsule_dir.join("tools")).unwrap();

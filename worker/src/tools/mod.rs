@@ -25,6 +25,9 @@ pub struct CallContext {
     pub workdir: PathBuf,
     /// Where full outputs of truncated streams go (`<workdir>/logs`).
     pub logs_dir: PathBuf,
+    /// The session's sandbox (`sandbox:`): shell commands and command tools start confined
+    /// by it; `None` runs them unconfined.
+    pub sandbox: Option<std::sync::Arc<crate::sandbox::Confinement>>,
 }
 
 /// What a shell command did, for the `shell` trace line.
@@ -72,12 +75,15 @@ pub struct Outcome {
     pub shell: Option<ShellRun>,
     /// Set instead of `shell` when the command moved to the background.
     pub detached: Option<DetachedWork>,
+    /// The rules the call's command ran under, when it ran sandboxed (the `sandbox` trace
+    /// line).
+    pub sandbox: Option<crate::sandbox::Applied>,
 }
 
 impl Outcome {
     /// A failed call with `text` as its message.
     pub fn error(text: impl Into<String>) -> Self {
-        Outcome { text: text.into(), is_error: true, shell: None, detached: None }
+        Outcome { text: text.into(), is_error: true, shell: None, detached: None, sandbox: None }
     }
 }
 
@@ -210,7 +216,7 @@ tools:
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir }
+        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir, sandbox: None }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! the child's pid.
 
 use super::lifeline;
+use crate::sandbox::Confinement;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -272,6 +273,9 @@ pub(crate) struct GroupGuard {
     tie: Option<lifeline::Tie>,
     /// The child's [`REAP_MARK_VAR`] value: its processes outside the group die with it.
     mark: Option<String>,
+    /// The control groups of a sandboxed child (`sandbox.memory_mb`, `sandbox.pids`),
+    /// removed once dropped with the guard (or swept later while processes remain).
+    cgroup: Option<crate::sandbox::cgroup::CommandGroup>,
 }
 
 impl GroupGuard {
@@ -283,19 +287,30 @@ impl GroupGuard {
     /// The OS error of the spawn.
     pub fn spawn(cmd: &mut tokio::process::Command) -> io::Result<(tokio::process::Child, Self)> {
         let (child, tie) = lifeline::spawn(cmd.process_group(0))?;
-        let guard = GroupGuard { pgid: child.id(), tie, mark: None };
+        let guard = GroupGuard { pgid: child.id(), tie, mark: None, cgroup: None };
         Ok((child, guard))
     }
 
     /// [`GroupGuard::spawn`] with `mark` ([`reap_mark`]) in the child's environment
     /// ([`REAP_MARK_VAR`], which its descendants inherit): the guard also kills the processes
-    /// marked so ([`kill_marked`]), those that left the group included.
+    /// marked so ([`kill_marked`]), those that left the group included. With a `sandbox`,
+    /// the child starts confined by it ([`Confinement::confine`]), and the guard keeps
+    /// its control groups.
     ///
     /// # Errors
-    /// The OS error of the spawn.
-    pub fn spawn_marked(cmd: &mut tokio::process::Command, mark: &str) -> io::Result<(tokio::process::Child, Self)> {
+    /// The OS error of the spawn; a sandbox that cannot confine the child (it does not run).
+    pub fn spawn_marked(
+        cmd: &mut tokio::process::Command,
+        mark: &str,
+        sandbox: Option<&Confinement>,
+    ) -> io::Result<(tokio::process::Child, Self)> {
+        let cgroup = match sandbox {
+            Some(s) => s.confine(cmd).map_err(|e| io::Error::new(e.kind(), format!("cannot sandbox it: {e}")))?,
+            None => None,
+        };
         let (child, mut guard) = Self::spawn(cmd.env(REAP_MARK_VAR, mark))?;
         guard.mark = Some(mark.to_string());
+        guard.cgroup = cgroup;
         Ok((child, guard))
     }
 

@@ -127,7 +127,7 @@ impl Shell {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut program, &mark) {
+        let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut program, &mark, ctx.sandbox.as_deref()) {
             Ok(spawned) => spawned,
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
@@ -154,7 +154,9 @@ impl Shell {
                 let log_error = sink.adopt(child, handover, started, &work, mark).await;
                 guard.disarm();
                 remove_parts(&out, &err).await;
-                return demoted(binary, work, log_error);
+                let mut outcome = demoted(binary, work, log_error);
+                outcome.sandbox = ctx.sandbox.as_ref().map(|s| s.applied().clone());
+                return outcome;
             }
         };
         guard.disarm();
@@ -189,6 +191,7 @@ impl Shell {
                 stderr_bytes: err.total,
             }),
             detached: None,
+            sandbox: ctx.sandbox.as_ref().map(|s| s.applied().clone()),
         }
     }
 }
@@ -272,6 +275,7 @@ fn demoted(binary: &str, work: DetachedWork, log_error: Option<String>) -> Outco
         is_error: false,
         shell: None,
         detached: Some(work),
+        sandbox: None,
     }
 }
 
@@ -375,7 +379,7 @@ mod tests {
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir }
+        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir, sandbox: None }
     }
 
     async fn run(binary: &str, command: &str, ctx: &CallContext) -> Outcome {

@@ -1,0 +1,304 @@
+//! Sandboxed capsules (issue #37) end to end: `mur run` and the cluster run real commands
+//! under a `sandbox:` block, and each test checks a denial the kernel makes *and* that the
+//! allowed counterpart works. Where this kernel cannot enforce a rule, the run must fail
+//! closed before any command runs, and the test says so in its output.
+
+use mur_proto::task::Origin;
+use mur_proto::task::TaskState;
+use mur_tests::capsule::TestCapsule;
+use mur_tests::mur::{Run, mur, trace_lines};
+use mur_tests::sandbox::Sandbox;
+use serde_json::Value;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A scripted capsule that runs its task's text with `sh` and answers the tool's result,
+/// confined by the `sandbox:` block `block` (YAML lines indented by two spaces), with
+/// `extra` manifest text and `files`.
+fn boxed(name: &str, block: &str, extra: &str, files: &[(&str, &str)]) -> TestCapsule {
+    let manifest = format!(
+        "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 5\n\
+         capabilities:\n  shell:\n    allow: [sh]\nlifecycle:\n  shell_grace_secs: 3600\n{extra}sandbox:\n{block}"
+    );
+    let replies =
+        "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: \"{{tool_result}}\"\n";
+    let mut all = vec![("replies.yaml", replies)];
+    all.extend_from_slice(files);
+    TestCapsule::new(&manifest, &all)
+}
+
+/// A session of `mur run`: the command's result text, the trace and the session folder.
+struct Session {
+    result: String,
+    lines: Vec<Value>,
+    dir: PathBuf,
+}
+
+/// Runs `command` in `capsule` with `mur run --json`; panics unless the run starts.
+fn run(capsule: &TestCapsule, command: &str) -> Session {
+    let run = Run::of(mur().arg("run").arg(capsule.dir()).args(["--task", command, "--json"]));
+    assert_eq!(run.code, 0, "{run:?}");
+    let json = run.last_json();
+    let dir = PathBuf::from(json["session_dir"].as_str().unwrap_or_else(|| panic!("{run:?}")));
+    Session { result: json["result"].as_str().unwrap().to_string(), lines: trace_lines(&dir), dir }
+}
+
+/// Runs `command` in `capsule` expecting the run to be refused before any command runs;
+/// returns its stderr.
+fn refused(capsule: &TestCapsule, command: &str) -> String {
+    let marker = capsule.dir().join("ran");
+    let task = format!("touch {}; {command}", marker.display());
+    let run = Run::of(mur().arg("run").arg(capsule.dir()).args(["--task", &task, "--json"]));
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(!marker.exists(), "no command may run: {run:?}");
+    run.stderr
+}
+
+/// The stdout section of a shell tool's result text.
+fn stdout(result: &str) -> &str {
+    let start = result.find("\nStdout:\n").map(|i| i + "\nStdout:\n".len()).unwrap_or_else(|| panic!("{result}"));
+    let end = result.find("\nStderr:\n").unwrap_or(result.len());
+    &result[start..end]
+}
+
+/// The exit code in a shell tool's result text.
+fn exit_code(result: &str) -> i32 {
+    let line = result.lines().find_map(|l| l.strip_prefix("Exit code: ")).unwrap_or_else(|| panic!("{result}"));
+    line.trim().parse().unwrap()
+}
+
+fn sandbox_lines(lines: &[Value]) -> Vec<&Value> {
+    lines.iter().filter(|l| l["event_type"] == "sandbox").collect()
+}
+
+/// A folder outside every allowed path, holding `secret` (made by the test).
+fn outside() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "s3cret\n").unwrap();
+    (dir, secret)
+}
+
+#[test]
+fn reading_outside_the_allowed_paths_fails_while_the_session_folder_and_read_paths_work() {
+    let (_out, secret) = outside();
+    let allowed = tempfile::tempdir().unwrap();
+    std::fs::write(allowed.path().join("data"), "allowed\n").unwrap();
+    let block = format!("  read: [{}]\n", allowed.path().display());
+    let capsule = boxed("reader", &block, "", &[]);
+    let command = format!(
+        "cat {}; echo mine > here && cat here && cat {}/data && cat ./MURMUR.md > /dev/null && echo own-folder",
+        secret.display(),
+        allowed.path().display()
+    );
+    let s = run(&capsule, &command);
+    assert!(s.result.contains(&format!("cat: {}: Permission denied", secret.display())), "{}", s.result);
+    assert!(!s.result.contains("s3cret"), "{}", s.result);
+    assert!(s.result.contains("Stdout:\nmine\nallowed\nown-folder\n"), "{}", s.result);
+    assert_eq!(std::fs::read_to_string(s.dir.join("here")).unwrap(), "mine\n");
+
+    // One `sandbox` line, right after the `shell` line, with the rules applied.
+    let types: Vec<&str> = s.lines.iter().map(|l| l["event_type"].as_str().unwrap()).collect();
+    let shell = types.iter().position(|t| *t == "shell").unwrap();
+    assert_eq!(types[shell + 1], "sandbox", "{types:?}");
+    let line = sandbox_lines(&s.lines)[0];
+    assert_eq!(line["tool_name"], "sh");
+    assert_eq!(line["network"], "none");
+    let shown = |key: &str| -> Vec<String> {
+        line[key].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect()
+    };
+    assert!(shown("read").contains(&allowed.path().display().to_string()), "{line}");
+    assert!(
+        shown("read").contains(&std::fs::canonicalize(capsule.dir()).unwrap().display().to_string())
+            || shown("read").contains(&capsule.dir().display().to_string()),
+        "{line}"
+    );
+    assert_eq!(shown("write"), [s.dir.display().to_string()]);
+    assert!(line["landlock_abi"].as_u64().unwrap() >= 3);
+    for m in ["landlock", "seccomp", "no_new_privs"] {
+        assert!(shown("enforced_by").contains(&m.to_string()), "{line}");
+    }
+}
+
+#[test]
+fn writing_outside_the_write_paths_fails_while_they_and_the_session_folder_take_writes() {
+    let (out, _) = outside();
+    let writable = tempfile::tempdir().unwrap();
+    let block = format!("  write: [{}]\n", writable.path().display());
+    let capsule = boxed("writer", &block, "", &[]);
+    let denied = out.path().join("dropped");
+    let command = format!(
+        "echo no > {}; echo yes > {}/kept && echo session > mine && echo done",
+        denied.display(),
+        writable.path().display()
+    );
+    let s = run(&capsule, &command);
+    assert!(s.result.contains("Permission denied"), "{}", s.result);
+    assert!(s.result.contains("Stdout:\ndone\n"), "{}", s.result);
+    assert!(!denied.exists());
+    assert_eq!(std::fs::read_to_string(writable.path().join("kept")).unwrap(), "yes\n");
+    assert_eq!(std::fs::read_to_string(s.dir.join("mine")).unwrap(), "session\n");
+}
+
+/// A `bash` command connecting to 127.0.0.1:`port` and printing `connected <port>`.
+fn connect(port: u16) -> String {
+    format!("bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected {port}'")
+}
+
+#[test]
+fn network_none_refuses_a_tcp_connection_that_an_unsandboxed_command_makes() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let capsule = boxed("offline", "  network: none\n", "", &[]);
+    let s = run(&capsule, &connect(port));
+    assert_ne!(exit_code(&s.result), 0, "{}", s.result);
+    assert_eq!(stdout(&s.result), "", "{}", s.result);
+    assert!(s.result.contains("Operation not permitted") || s.result.contains("Permission denied"), "{}", s.result);
+    // The same command without a sandbox connects.
+    let open = mur_tests::capsule::shell_capsule("online");
+    let run = Run::of(mur().arg("run").arg(open.dir()).args(["--task", &connect(port), "--json"]));
+    let json = run.last_json();
+    let dir = PathBuf::from(json["session_dir"].as_str().unwrap());
+    let shell = trace_lines(&dir).into_iter().find(|l| l["event_type"] == "shell").unwrap();
+    assert_eq!(shell["exit_code"], 0, "{run:?}");
+}
+
+#[test]
+fn a_port_list_allows_that_port_only() {
+    let (allowed, other) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
+    let (a, b) = (allowed.local_addr().unwrap().port(), other.local_addr().unwrap().port());
+    let capsule = boxed("ported", &format!("  network: ['*:{a}']\n"), "", &[]);
+    let s = run(&capsule, &format!("{}; {}", connect(b), connect(a)));
+    assert!(s.result.contains(&format!("Stdout:\nconnected {a}\n")), "{}", s.result);
+    assert_eq!(stdout(&s.result), format!("connected {a}\n"), "{}", s.result);
+    assert!(s.result.contains("Permission denied"), "{}", s.result);
+    assert_eq!(sandbox_lines(&s.lines)[0]["network"], format!("[*:{a}]"));
+}
+
+#[test]
+fn loopback_and_host_rules_fail_closed_before_any_command_runs() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let capsule = boxed("looped", "  network: loopback\n", "", &[]);
+    let err = refused(&capsule, &connect(port));
+    assert!(
+        err.contains("sandbox.network: loopback cannot be enforced on this worker: Landlock restricts TCP by port, not by address"),
+        "{err}"
+    );
+    let capsule = boxed("hosted", &format!("  network: ['127.0.0.1:{port}']\n"), "", &[]);
+    let err = refused(&capsule, &connect(port));
+    assert!(err.contains(&format!("sandbox.network[0] (127.0.0.1:{port}) cannot be enforced")), "{err}");
+    println!(
+        "fail-closed path: Landlock (the kernel's only per-process network rule) sees ports, not addresses, so \
+         `network: loopback` and `[127.0.0.1:{port}]` are refused before any command runs; `[*:{port}]` is the \
+         enforceable form"
+    );
+}
+
+#[test]
+fn a_fork_bomb_stops_at_pids() {
+    let capsule = boxed("forky", "  pids: 16\n", "", &[]);
+    let spawn =
+        |n: u32| format!("i=0; while [ $i -lt {n} ]; do sleep 5 & i=$((i+1)); done; echo started $i; kill $(jobs -p)");
+    let s = run(&capsule, &spawn(64));
+    assert_ne!(exit_code(&s.result), 0, "{}", s.result);
+    assert!(s.result.contains("Cannot fork"), "{}", s.result);
+    assert_eq!(stdout(&s.result), "", "{}", s.result);
+    assert!(
+        sandbox_lines(&s.lines)[0]["enforced_by"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m.as_str().unwrap().starts_with("cgroup"))
+    );
+    let s = run(&capsule, &spawn(8));
+    assert!(s.result.contains("Stdout:\nstarted 8\n"), "{}", s.result);
+}
+
+#[test]
+fn a_memory_hog_stops_at_memory_mb() {
+    let capsule = boxed("hungry", "  memory_mb: 32\n", "", &[]);
+    let hog = |bytes: u64| format!("x=$(head -c {bytes} /dev/zero | tr '\\0' a); echo held ${{#x}}");
+    let s = run(&capsule, &hog(256 * 1024 * 1024));
+    assert_eq!(exit_code(&s.result), 137, "killed by the OOM killer: {}", s.result);
+    assert_eq!(stdout(&s.result), "", "{}", s.result);
+    let s = run(&capsule, &hog(1024 * 1024));
+    assert!(s.result.contains("Stdout:\nheld 1048576\n"), "{}", s.result);
+}
+
+#[test]
+fn a_busy_loop_stops_at_cpu_secs() {
+    let capsule = boxed("busy", "  cpu_secs: 1\n", "", &[]);
+    let s = run(&capsule, "while :; do :; done");
+    // SIGXCPU at the limit (SIGKILL a second later for one that ignores it).
+    assert!([128 + libc::SIGXCPU, 128 + libc::SIGKILL].contains(&exit_code(&s.result)), "{}", s.result);
+    let s = run(&capsule, "echo quick");
+    assert!(s.result.contains("Exit code: 0\nStdout:\nquick\n"), "{}", s.result);
+}
+
+#[test]
+fn another_sessions_folder_is_unreadable() {
+    let capsule = boxed("neighbours", "  network: none\n", "", &[]);
+    let first = run(&capsule, "echo private > note && cat note");
+    assert!(first.result.contains("Stdout:\nprivate\n"), "{}", first.result);
+    let other = first.dir.file_name().unwrap().to_str().unwrap();
+    let second = run(&capsule, &format!("cat ../{other}/note; ls ../{other}; echo mine > note && cat note"));
+    assert!(second.result.contains("Permission denied"), "{}", second.result);
+    assert_eq!(stdout(&second.result), "mine\n", "{}", second.result);
+}
+
+#[test]
+fn a_hook_is_confined_like_a_command() {
+    let (_out, secret) = outside();
+    let hook = format!(
+        "#!/bin/sh\ncat {} > \"$MURMUR_WORKDIR/hook-read\" 2> \"$MURMUR_WORKDIR/hook-err\"\n\
+         cat ./murmur.yaml > /dev/null && echo capsule-folder-readable >> \"$MURMUR_WORKDIR/hook-read\"\n\
+         cat > /dev/null\necho '{{}}'\n",
+        secret.display()
+    );
+    let extra = "hooks:\n  - name: peek\n    binding: on-task-start\n    command: [./peek.sh]\n";
+    let capsule = boxed("hooked", "  network: none\n", extra, &[("peek.sh", &hook)]);
+    let s = run(&capsule, "echo ran");
+    assert_eq!(std::fs::read_to_string(s.dir.join("hook-read")).unwrap(), "capsule-folder-readable\n");
+    let err = std::fs::read_to_string(s.dir.join("hook-err")).unwrap();
+    assert!(err.contains("Permission denied"), "{err}");
+}
+
+/// The cluster with `--require-sandbox`: a capsule without a `sandbox:` block is refused
+/// (its task fails with the reason and no command runs); a sandboxed one runs confined.
+#[tokio::test]
+async fn a_worker_requiring_a_sandbox_refuses_bare_capsules_and_confines_the_rest() {
+    let mut sb = Sandbox::start(0, 1).await;
+    sb.add_worker_with("wkr-boxed", 1, |c| c.require_sandbox = true).await;
+    sb.wait_ready(1).await;
+    let (_out, secret) = outside();
+    let marker = tempfile::tempdir().unwrap();
+
+    let bare = mur_tests::capsule::shell_capsule("bare");
+    sb.push(bare.dir()).await;
+    let touched = marker.path().join("bare-ran");
+    let id = sb.submit("bare", &format!("touch {}", touched.display()), Origin::User).await;
+    let r = &sb.wait_all(&[id], Duration::from_secs(60)).await[0];
+    assert_eq!(r.state, TaskState::Failed, "{r:?}");
+    assert_eq!(
+        r.result.as_deref(),
+        Some(
+            "this worker requires a sandbox (mur worker --require-sandbox) and capsule \"bare\" has no sandbox: block"
+        )
+    );
+    assert!(!touched.exists(), "no command ran");
+
+    let boxed = boxed("boxed", "  network: none\n", "", &[]);
+    sb.push(boxed.dir()).await;
+    let command = format!("cat {}; echo ours > here && cat here; ls ..", secret.display());
+    let id = sb.submit("boxed", &command, Origin::User).await;
+    let r = &sb.wait_all(&[id], Duration::from_secs(60)).await[0];
+    assert_eq!(r.state, TaskState::Completed, "{r:?}");
+    let result = r.result.clone().unwrap_or_default();
+    assert!(result.contains(&format!("cat: {}: Permission denied", secret.display())), "{result}");
+    assert!(result.contains("Stdout:\nours\n"), "{result}");
+    // The sessions folder around this session's is not listable.
+    assert!(result.contains("ls: cannot open directory '..': Permission denied"), "{result}");
+    sb.shutdown().await;
+}
