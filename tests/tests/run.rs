@@ -69,7 +69,17 @@ fn hello_example_runs_a_command_and_reports_its_output() {
     check_trace_invariants(&lines);
     assert_eq!(
         event_types(&lines),
-        ["session_start", "task_start", "inference", "tool_call", "shell", "inference", "task_end", "session_end"]
+        [
+            "session_start",
+            "task_start",
+            "inference",
+            "tool_call",
+            "shell",
+            "sandbox",
+            "inference",
+            "task_end",
+            "session_end"
+        ]
     );
     let start = &lines[0];
     assert_eq!(start["capsule_name"], "hello");
@@ -94,16 +104,20 @@ fn hello_example_runs_a_command_and_reports_its_output() {
     assert_eq!(lines[4]["exit_code"], 0);
     assert_eq!(lines[4]["stdout_bytes"], "hello from murmur\n".len());
     assert!(lines[4]["binary"].as_str().unwrap().ends_with("/sh"), "{}", lines[4]["binary"]);
-    assert_eq!((lines[5]["turn"].as_u64(), lines[5]["decision"].as_str()), (Some(1), Some("end_turn")));
-    assert!(lines[5]["tool_name"].is_null());
-    let end = &lines[6];
+    // The example is sandboxed: its rules follow the command's line.
+    assert_eq!((lines[5]["tool_name"].as_str(), lines[5]["network"].as_str()), (Some("sh"), Some("none")));
+    assert_eq!(lines[5]["cpu_secs"], 600);
+    assert_eq!(lines[5]["parent_id"], lines[2]["event_id"]);
+    assert_eq!((lines[6]["turn"].as_u64(), lines[6]["decision"].as_str()), (Some(1), Some("end_turn")));
+    assert!(lines[6]["tool_name"].is_null());
+    let end = &lines[7];
     assert_eq!(
         (end["exit_status"].as_str(), end["turns"].as_u64(), end["tool_calls"].as_u64()),
         (Some("ok"), Some(2), Some(1))
     );
     assert_eq!((end["shell_calls"].as_u64(), end["reopen_count"].as_u64()), (Some(1), Some(0)));
     assert_eq!(end["parent_id"], task["event_id"]);
-    assert_eq!(lines[7]["exit_status"], "ok");
+    assert_eq!(lines[8]["exit_status"], "ok");
     for l in &lines {
         if l["event_type"] == "inference" {
             for k in ["input_tokens_actual", "output_tokens_actual", "cached_tokens", "cache_write_tokens"] {
