@@ -9,8 +9,10 @@
 //! controllers to its children. The worker makes `<its group>/mur-<pid>/` once, then
 //! `cmd-<n>/` per command with the limits written; the child joins the group between fork
 //! and exec by writing `0` to the `cgroup.procs` file opened for it before the fork (one
-//! `write(2)`), so nothing it runs escapes the limits. A group is removed once its
-//! processes are gone; one still busy (a detached command) is removed by a later sweep.
+//! `write(2)`), so nothing it runs escapes the limits. A group whose processes are gone
+//! goes back to a pool and serves a later command with the same limits (making and
+//! removing a group costs more than the rest of the sandbox: see `tests/benches/sandbox.rs`);
+//! one still busy (a detached command) is removed by a later sweep.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -54,7 +56,15 @@ pub struct Groups {
     memory: Result<Hierarchy, String>,
     /// Groups left busy when their command was done with (detached commands).
     leftovers: Mutex<Vec<PathBuf>>,
+    /// Empty groups ready for another command, with their limits.
+    pool: Mutex<Vec<(Limits, Vec<PathBuf>)>>,
 }
+
+/// The limits a group was made with: `memory_mb`, `pids`.
+type Limits = (Option<u64>, Option<u32>);
+
+/// How many empty groups the pool keeps; more are removed.
+const POOL: usize = 64;
 
 /// The groups of this process (probed at first use).
 pub fn groups() -> &'static Groups {
@@ -66,6 +76,7 @@ pub fn groups() -> &'static Groups {
             pids: hierarchy(Controller::Pids, &mounts, &own),
             memory: hierarchy(Controller::Memory, &mounts, &own),
             leftovers: Mutex::new(Vec::new()),
+            pool: Mutex::new(Vec::new()),
         }
     })
 }
@@ -93,10 +104,14 @@ impl Groups {
     /// # Errors
     /// A message naming the file that could not be made or written.
     pub fn make(&self, memory_mb: Option<u64>, pids: Option<u32>) -> Result<CommandGroup, String> {
+        let limits = (memory_mb, pids);
+        if let Some(group) = self.reuse(limits) {
+            return Ok(group);
+        }
         self.sweep();
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name = format!("cmd-{}", NEXT.fetch_add(1, Ordering::Relaxed));
-        let mut group = CommandGroup { dirs: Vec::new(), procs: Vec::new() };
+        let mut group = CommandGroup { dirs: Vec::new(), procs: Vec::new(), limits };
         // The same directory serves both controllers when they share a hierarchy (v2).
         let mut add = |controller: Controller, limits: &[(&str, String)]| -> Result<(), String> {
             let h = self.of(controller).as_ref().map_err(Clone::clone)?;
@@ -104,13 +119,7 @@ impl Groups {
             if !group.dirs.contains(&dir) {
                 std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
                 group.dirs.push(dir.clone());
-                let procs = dir.join("cgroup.procs");
-                let file = OpenOptions::new()
-                    .write(true)
-                    .custom_flags(libc::O_CLOEXEC)
-                    .open(&procs)
-                    .map_err(|e| format!("{}: {e}", procs.display()))?;
-                group.procs.push(file);
+                group.procs.push(open_procs(&dir)?);
             }
             for (file, value) in limits {
                 let path = dir.join(file);
@@ -140,6 +149,25 @@ impl Groups {
         Ok(group)
     }
 
+    /// A pooled group made with `limits`, its `cgroup.procs` opened again.
+    fn reuse(&self, limits: Limits) -> Option<CommandGroup> {
+        let dirs = {
+            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            let i = pool.iter().position(|(l, _)| *l == limits)?;
+            pool.swap_remove(i).1
+        };
+        let procs: Result<Vec<File>, String> = dirs.iter().map(|d| open_procs(d)).collect();
+        match procs {
+            Ok(procs) => Some(CommandGroup { dirs, procs, limits }),
+            Err(_) => {
+                for d in dirs {
+                    let _ = std::fs::remove_dir(d);
+                }
+                None
+            }
+        }
+    }
+
     /// Removes the groups left busy earlier whose processes are gone.
     fn sweep(&self) {
         let mut left = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
@@ -153,6 +181,7 @@ impl Groups {
 pub struct CommandGroup {
     dirs: Vec<PathBuf>,
     procs: Vec<File>,
+    limits: Limits,
 }
 
 impl CommandGroup {
@@ -170,12 +199,30 @@ impl CommandGroup {
 impl Drop for CommandGroup {
     fn drop(&mut self) {
         self.procs.clear();
+        let empty = self.dirs.iter().all(|d| std::fs::read(d.join("cgroup.procs")).is_ok_and(|p| p.is_empty()));
+        if empty {
+            let mut pool = groups().pool.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < POOL {
+                pool.push((self.limits, std::mem::take(&mut self.dirs)));
+                return;
+            }
+        }
         for dir in self.dirs.drain(..) {
             if std::fs::remove_dir(&dir).is_err() && dir.exists() {
                 groups().leftovers.lock().unwrap_or_else(|e| e.into_inner()).push(dir);
             }
         }
     }
+}
+
+/// Opens `<dir>/cgroup.procs` for writing (closed on exec).
+fn open_procs(dir: &Path) -> Result<File, String> {
+    let procs = dir.join("cgroup.procs");
+    OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&procs)
+        .map_err(|e| format!("{}: {e}", procs.display()))
 }
 
 /// Joins the groups: writes `0` (this process) to each `cgroup.procs` descriptor. Runs in
@@ -308,6 +355,31 @@ mod tests {
         assert_eq!((mount, path.as_str(), v2), (PathBuf::from("/sys/fs/cgroup/memory"), "/process_api/abc", false));
         let (mount, path, _) = find("pids", MOUNTS, own).unwrap();
         assert_eq!((mount, path.as_str()), (PathBuf::from("/sys/fs/cgroup/pids"), "/"));
+    }
+
+    #[test]
+    fn an_empty_group_serves_the_next_command_with_the_same_limits_and_a_busy_one_does_not() {
+        let g = groups();
+        if let Err(e) = g.check(Controller::Pids) {
+            println!("no pids hierarchy on this host ({e}): the fail-closed path is tested in sandbox::tests");
+            return;
+        }
+        let first = g.make(None, Some(7)).unwrap();
+        let dirs = first.dirs.clone();
+        drop(first);
+        let second = g.make(None, Some(7)).unwrap();
+        assert_eq!(second.dirs, dirs, "reused");
+        let other = g.make(None, Some(9)).unwrap();
+        assert_ne!(other.dirs, dirs);
+        assert_eq!(std::fs::read_to_string(other.dirs[0].join("pids.max")).unwrap().trim(), "9");
+        // A process still in the group (a detached command) keeps it out of the pool.
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        std::fs::write(second.dirs[0].join("cgroup.procs"), child.id().to_string()).unwrap();
+        drop(second);
+        let third = g.make(None, Some(7)).unwrap();
+        assert_ne!(third.dirs, dirs, "a busy group is not handed out again");
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]

@@ -45,7 +45,7 @@ use std::sync::Arc;
 /// Paths every sandboxed command may read and execute: where Debian and its kin keep
 /// programs, shared libraries and the loader's and name service's configuration. Missing
 /// ones are skipped.
-pub const SYSTEM_READ: [&str; 21] = [
+pub const SYSTEM_READ: [&str; 23] = [
     "/bin",
     "/sbin",
     "/lib",
@@ -67,6 +67,8 @@ pub const SYSTEM_READ: [&str; 21] = [
     "/etc/localtime",
     "/etc/passwd",
     "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
 ];
 
 /// Devices every sandboxed command may read and write.
