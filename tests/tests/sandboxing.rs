@@ -183,7 +183,7 @@ fn loopback_and_host_rules_fail_closed_before_any_command_runs() {
     let capsule = boxed("looped", "  network: loopback\n", "", &[]);
     let err = refused(&capsule, &connect(port));
     assert!(
-        err.contains("sandbox.network: loopback cannot be enforced on this worker: Landlock restricts TCP by port, not by address"),
+        err.contains("sandbox.network: loopback cannot be enforced on this machine: Landlock restricts TCP by port, not by address"),
         "{err}"
     );
     let capsule = boxed("hosted", &format!("  network: ['127.0.0.1:{port}']\n"), "", &[]);

@@ -89,7 +89,7 @@ const NET_ABI: i32 = 4;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The kernel (or murmur's sandbox) cannot enforce a rule the manifest asks for.
-    #[error("{rule} cannot be enforced on this worker: {why}")]
+    #[error("{rule} cannot be enforced on this machine: {why}")]
     Unenforceable {
         /// The manifest rule (`sandbox.network`, `sandbox.pids`, `sandbox.read` …).
         rule: String,

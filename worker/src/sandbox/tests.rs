@@ -25,7 +25,7 @@ fn a_kernel_without_landlock_abi_3_fails_closed_naming_the_filesystem_rules() {
     let e = unenforceable(check(&sandbox(Network::None), Kernel { landlock_abi: 2, seccomp: true }, no_cgroups));
     assert_eq!(
         e,
-        "sandbox (its filesystem rules) cannot be enforced on this worker: Landlock ABI 3 (Linux 6.2) is needed, the \
+        "sandbox (its filesystem rules) cannot be enforced on this machine: Landlock ABI 3 (Linux 6.2) is needed, the \
          kernel offers ABI 2"
     );
     let e = unenforceable(check(&sandbox(Network::None), Kernel { landlock_abi: 0, seccomp: true }, no_cgroups));
@@ -38,14 +38,14 @@ fn port_rules_need_landlock_abi_4_and_a_kernel_without_seccomp_fails_closed() {
     let e = unenforceable(check(&ports, Kernel { landlock_abi: 3, seccomp: true }, no_cgroups));
     assert_eq!(
         e,
-        "sandbox.network cannot be enforced on this worker: TCP port rules need Landlock ABI 4 (Linux 6.7), the kernel \
+        "sandbox.network cannot be enforced on this machine: TCP port rules need Landlock ABI 4 (Linux 6.7), the kernel \
          offers ABI 3"
     );
     assert!(check(&sandbox(Network::None), Kernel { landlock_abi: 3, seccomp: true }, no_cgroups).is_ok());
     let e = unenforceable(check(&sandbox(Network::None), Kernel { landlock_abi: 7, seccomp: false }, no_cgroups));
     assert_eq!(
         e,
-        "sandbox (its system call filter) cannot be enforced on this worker: the kernel takes no seccomp filters"
+        "sandbox (its system call filter) cannot be enforced on this machine: the kernel takes no seccomp filters"
     );
 }
 
@@ -53,12 +53,12 @@ fn port_rules_need_landlock_abi_4_and_a_kernel_without_seccomp_fails_closed() {
 fn loopback_and_rules_naming_a_host_fail_closed_since_landlock_sees_only_ports() {
     let e = unenforceable(check(&sandbox(Network::Loopback), FULL, no_cgroups));
     assert!(
-        e.starts_with("sandbox.network: loopback cannot be enforced on this worker: Landlock restricts TCP by port"),
+        e.starts_with("sandbox.network: loopback cannot be enforced on this machine: Landlock restricts TCP by port"),
         "{e}"
     );
     let list = vec![Endpoint::parse("*:443").unwrap(), Endpoint::parse("127.0.0.1:8080").unwrap()];
     let e = unenforceable(check(&sandbox(Network::Allow(list)), FULL, no_cgroups));
-    assert!(e.starts_with("sandbox.network[1] (127.0.0.1:8080) cannot be enforced on this worker"), "{e}");
+    assert!(e.starts_with("sandbox.network[1] (127.0.0.1:8080) cannot be enforced on this machine"), "{e}");
     assert!(e.ends_with("write *:8080 to allow the port on every host"), "{e}");
 }
 
@@ -67,11 +67,11 @@ fn memory_and_pids_need_a_control_group_and_name_the_rule_when_there_is_none() {
     let mut s = sandbox(Network::None);
     s.pids = Some(16);
     let e = unenforceable(check(&s, FULL, no_cgroups));
-    assert_eq!(e, "sandbox.pids cannot be enforced on this worker: no Pids hierarchy");
+    assert_eq!(e, "sandbox.pids cannot be enforced on this machine: no Pids hierarchy");
     s.pids = None;
     s.memory_mb = Some(64);
     let e = unenforceable(check(&s, FULL, no_cgroups));
-    assert_eq!(e, "sandbox.memory_mb cannot be enforced on this worker: no Memory hierarchy");
+    assert_eq!(e, "sandbox.memory_mb cannot be enforced on this machine: no Memory hierarchy");
     s.cpu_secs = Some(5);
     let by = check(&s, FULL, |_| Ok("cgroup v1")).unwrap();
     assert_eq!(by, ["landlock", "seccomp", "no_new_privs", "landlock-scope", "rlimit-cpu", "cgroup v1"]);
