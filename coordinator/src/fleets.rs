@@ -609,15 +609,10 @@ impl Fleets {
     /// `fleet.send`: queues a job; runs nothing.
     async fn send(&self, req: SendRequest) -> Result<Job, ApiError> {
         let (revision, _) = self.definition(&req.fleet).await?;
-        if req.text.trim().is_empty() {
-            return Err(ApiError::invalid("text: must not be empty"));
-        }
-        if req.text.len() > fleet_store::MAX_JOB_BYTES {
-            return Err(ApiError::invalid(format!(
-                "text: at most {} bytes, got {}",
-                fleet_store::MAX_JOB_BYTES,
-                req.text.len()
-            )));
+        // A job's text becomes its steps' task texts: the same rule, so a job a run could
+        // never submit is refused now rather than fail every step later.
+        if let Some(rule) = mur_proto::cluster::text_rule(&req.text, fleet_store::MAX_JOB_BYTES) {
+            return Err(ApiError::invalid(format!("text: {rule}")));
         }
         let source = req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string());
         let job = Job::new(req.text, source, now_ms());

@@ -875,6 +875,31 @@ pub const MAX_TASK_BYTES: usize = 1 << 20;
 /// The longest caller-chosen context id, in characters.
 pub const MAX_CONTEXT_ID_CHARS: usize = 64;
 
+/// The rule a task's or a fleet job's text breaks, if any: it must hold more than white
+/// space, be at most `max_bytes` long, and hold no NUL character (U+0000) — a task's text
+/// becomes a command's argument (the `hello` capsule runs it with `sh -c`), and no argument
+/// of a program can carry a NUL: the task would run and end in "cannot start sh" (issue
+/// #29). Other control characters are the text's own business.
+///
+/// The rule's words: `must not be empty`, `must not be only whitespace`, `must be at most
+/// <max_bytes> bytes, got <n>`, `must not contain a NUL character (U+0000: no command's
+/// argument can carry one), found at byte <i>`.
+pub fn text_rule(text: &str, max_bytes: usize) -> Option<String> {
+    if text.is_empty() {
+        Some("must not be empty".to_string())
+    } else if text.trim().is_empty() {
+        Some("must not be only whitespace".to_string())
+    } else if text.len() > max_bytes {
+        Some(format!("must be at most {max_bytes} bytes, got {}", text.len()))
+    } else {
+        text.find('\0').map(|at| {
+            format!(
+                "must not contain a NUL character (U+0000: no command's argument can carry one), found at byte {at}"
+            )
+        })
+    }
+}
+
 /// A task submission (`mur.api.task.submit`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1079,7 +1104,7 @@ impl SubmitRequest {
 
     /// Checks the rules of a decoded submission:
     /// - `capsule`: a capsule name ([`is_valid_name`]);
-    /// - `text`: not empty, at most [`MAX_TASK_BYTES`] bytes;
+    /// - `text`: [`text_rule`] with [`MAX_TASK_BYTES`] (not empty, at most 1 MiB, no NUL);
     /// - `context_id`, when given: 1–64 characters of `A-Z a-z 0-9 - _ .`, not starting or
     ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name);
     /// - `task_id`, when given: a task id, `tsk_` and 32 lowercase hex digits.
@@ -1100,12 +1125,8 @@ impl SubmitRequest {
                 self.capsule
             ));
         }
-        if self.text.is_empty() {
-            errors.push("text: must not be empty".to_string());
-        } else if self.text.trim().is_empty() {
-            errors.push("text: must not be only whitespace".to_string());
-        } else if self.text.len() > MAX_TASK_BYTES {
-            errors.push(format!("text: must be at most {MAX_TASK_BYTES} bytes, got {}", self.text.len()));
+        if let Some(rule) = text_rule(&self.text, MAX_TASK_BYTES) {
+            errors.push(format!("text: {rule}"));
         }
         if let Some(ctx) = self.context_id.as_deref().filter(|c| !is_valid_context_id(c)) {
             errors.push(format!(
@@ -1225,6 +1246,20 @@ impl ApiError {
     /// An `invalid_request` error.
     pub fn invalid(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::InvalidRequest, message)
+    }
+
+    /// The `unavailable` error of a request to `subject` that no coordinator subscribes to
+    /// (NATS answered "no responders"): it says what to start, `<subject>: no coordinator
+    /// answers (no responders); start one with `mur coordinator`, or `mur dev` for a
+    /// cluster on this machine` (issue #29: it named no remedy).
+    pub fn no_coordinator(subject: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "{subject}: no coordinator answers (no responders); start one with `mur coordinator`, \
+                 or `mur dev` for a cluster on this machine"
+            ),
+        )
     }
 }
 
@@ -1491,6 +1526,18 @@ mod tests {
         assert_eq!(invalid(br#"{"capsule":"c","text":""}"#), "text: must not be empty");
         assert_eq!(invalid(br#"{"capsule":"c","text":" \n\t "}"#), "text: must not be only whitespace");
         assert_eq!(invalid(br#"{"capsule":"c"}"#), "text: required");
+    }
+
+    /// Issue #29: a task holding a NUL was accepted, ran, and ended `completed`/`ok` with
+    /// "cannot start sh".
+    #[test]
+    fn a_text_holding_a_nul_is_refused_naming_the_rule_and_where() {
+        assert_eq!(
+            invalid(br#"{"capsule":"c","text":"echo a\u0000b"}"#),
+            "text: must not contain a NUL character (U+0000: no command's argument can carry one), found at byte 6"
+        );
+        // Other control characters are allowed.
+        assert!(SubmitRequest::parse(br#"{"capsule":"c","text":"printf '\u0001\u001b[1m'"}"#).is_ok());
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //!
 //! Pure: no IO, no clock reads (callers pass unix milliseconds and the environment in).
 
-use crate::int::Int;
+use crate::int::{Int, Real};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::{Mapping, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -774,7 +774,7 @@ struct Raw {
     router: Option<String>,
     r#loop: Option<RawLoop>,
     limits: Option<RawLimits>,
-    fanout: Option<Value>,
+    fanout: Option<Int>,
     hitl: Option<RawHitl>,
     procedure: Option<Vec<RawStep>>,
     parallel: Option<RawParallel>,
@@ -787,7 +787,7 @@ struct RawLoop {
     trigger: Option<String>,
     done_when: Option<String>,
     deadline: Option<Text>,
-    budget_usd: Option<f64>,
+    budget_usd: Option<Real>,
     max_iterations: Option<Int>,
 }
 
@@ -796,7 +796,7 @@ struct RawLoop {
 struct RawLimits {
     deadline: Option<Text>,
     stuck: Option<Text>,
-    cost_usd: Option<f64>,
+    cost_usd: Option<Real>,
 }
 
 /// A duration as written: text, or an unquoted number (`deadline: 90`, seconds) kept as
@@ -1115,10 +1115,9 @@ fn validate_limits(raw: RawLimits, errors: &mut Vec<String>) -> Limits {
         .stuck
         .map(Text::into_string)
         .and_then(|s| Stuck::parse(&s).map_err(|rule| errors.push(format!("limits.stuck: {rule}"))).ok());
-    let cost_usd = raw.cost_usd.and_then(|c| {
-        if c.is_finite() && c >= 0.0 {
-            Some(c)
-        } else {
+    let cost_usd = raw.cost_usd.and_then(|c| match c.number() {
+        Some(v) if v.is_finite() && v >= 0.0 => Some(v),
+        _ => {
             errors.push(format!("limits.cost_usd: must be a non-negative number (0 for no ceiling), got {c}"));
             None
         }
@@ -1173,19 +1172,19 @@ fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<
         },
     };
 
+    // A whole number past the cap's range is refused by the range, anything else that is
+    // not a positive whole number by the key's rule, never in serde's words.
     let fanout = raw.fanout.and_then(|v| {
-        let n = match &v {
-            Value::Number(n) => n.as_u64().filter(|&n| n > 0 && n <= u64::from(u32::MAX)).map(|n| n as u32),
-            _ => None,
+        let rule = match &v {
+            Int::Whole(n) if *n <= 0 => format!("must be a positive integer, got {n}"),
+            Int::Other(shown) => format!("must be a positive integer, got {shown}"),
+            _ => match v.within(1, u32::MAX) {
+                Ok(n) => return Some(n),
+                Err(rule) => rule,
+            },
         };
-        if n.is_none() {
-            let shown = match &v {
-                Value::String(s) => format!("{s:?}"),
-                other => serde_yaml_ng::to_string(other).unwrap_or_default().trim().to_string(),
-            };
-            r.soft("fanout", format_args!("must be a positive integer, got {shown}"), "the default of 3 applies");
-        }
-        n
+        r.soft("fanout", rule, "the default of 3 applies");
+        None
     });
 
     let hitl = validate_hitl(raw.hitl.unwrap_or_default(), &mut r);
@@ -1268,8 +1267,8 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
         }
     }
     if let Some(b) = l.budget_usd {
-        if b.is_finite() && b >= 0.0 {
-            out.budget_usd = b;
+        if let Some(v) = b.number().filter(|v| v.is_finite() && *v >= 0.0) {
+            out.budget_usd = v;
         } else {
             r.soft(
                 "loop.budget_usd",

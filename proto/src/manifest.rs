@@ -7,7 +7,7 @@
 //! `inference.max_turns: must be at least 1, got 0`. Loading is pure: the environment used
 //! to resolve `${VAR}` in `inference.api_key` is a parameter.
 
-use crate::int::Int;
+use crate::int::{Int, Real};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -19,7 +19,13 @@ pub struct Manifest {
     /// Capsule name: 1–64 chars of `a-z`, `0-9`, `-`, `_`, starting with a letter or digit
     /// (it becomes a NATS subject token on the cluster).
     pub name: String,
-    /// Capsule version, free text (`1.0.0`) of 1-64 characters on one line.
+    /// Capsule version: a label of 1-64 characters on one line, taken as written (issue #29
+    /// decided what a version is). murmur shows it — `mur capsule ls`, the trace's
+    /// `session_start`, the agent card — and never compares or orders it: a name's latest
+    /// push is its latest, whatever its version, and a bundle is named by its digest. So
+    /// any scheme fits (`1.0.0`, `2026.12-rc1`, `7`), and an unquoted YAML number is kept as
+    /// the file writes it (`version: 1` is `"1"`, `1.10` is `"1.10"`, not 1.1). A list,
+    /// a mapping, an empty or invisible text, or a line break is refused by [`VERSION_RULE`].
     pub version: String,
     /// One-line description for the agent card.
     pub description: Option<String>,
@@ -375,7 +381,7 @@ struct Raw {
     name: Option<String>,
     /// Read as the scalar's text, quoted or not: an unquoted `1.10` stays `1.10` (YAML's
     /// number reading would make it 1.1), `1.0` stays `1.0`.
-    version: Option<String>,
+    version: Option<Label>,
     description: Option<String>,
     inference: Option<RawInference>,
     context: Option<RawContext>,
@@ -410,7 +416,7 @@ struct RawInference {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawCompaction {
-    threshold: Option<f64>,
+    threshold: Option<Real>,
     model: Option<String>,
     system_prompt: Option<String>,
     dump_summaries: Option<bool>,
@@ -420,8 +426,8 @@ struct RawCompaction {
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawContext {
     max_tokens: Option<Int>,
-    seed_budget: Option<f64>,
-    seed_overflow_margin: Option<f64>,
+    seed_budget: Option<Real>,
+    seed_overflow_margin: Option<Real>,
 }
 
 #[derive(Deserialize)]
@@ -525,15 +531,39 @@ impl Rules {
     }
 
     /// A fraction in (0, 1] (or [0, max] with `zero_ok`).
-    fn fraction(&mut self, path: &str, value: Option<f64>, default: f64, zero_ok: bool) -> f64 {
-        let Some(v) = value else { return default };
-        let ok = v.is_finite() && v <= 1.0 && if zero_ok { v >= 0.0 } else { v > 0.0 };
-        if !ok {
-            let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
-            self.fail(path, format_args!("must be a number in {range}, got {v}"));
-            return default;
+    fn fraction(&mut self, path: &str, value: Option<Real>, default: f64, zero_ok: bool) -> f64 {
+        let Some(value) = value else { return default };
+        match value.number() {
+            Some(v) if v.is_finite() && v <= 1.0 && if zero_ok { v >= 0.0 } else { v > 0.0 } => v,
+            _ => {
+                let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
+                self.fail(path, format_args!("must be a number in {range}, got {value}"));
+                default
+            }
         }
-        v
+    }
+}
+
+/// A scalar's text as written, quoted or not (`1.10`, `1`, `true`); a list or a mapping
+/// is refused naming the rule (`invalid type: sequence, expected 1-64 characters on one
+/// line (1.0.0)`).
+struct Label(String);
+
+impl<'de> Deserialize<'de> for Label {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Label, D::Error> {
+        struct Scalar;
+        impl serde::de::Visitor<'_> for Scalar {
+            type Value = Label;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(VERSION_RULE.trim_start_matches("must be "))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Label, E> {
+                Ok(Label(v.to_string()))
+            }
+        }
+        // As a string: serde_yaml_ng hands a plain scalar's text as written (YAML's number
+        // reading would make `1.10` 1.1).
+        deserializer.deserialize_string(Scalar)
     }
 }
 
@@ -566,6 +596,8 @@ pub fn is_valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// The rule of a manifest's `version` (see [`Manifest::version`]).
+pub const VERSION_RULE: &str = "must be 1-64 characters on one line (1.0.0)";
 const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit";
 
 /// Replaces every `${VAR}` in `value` with `env(VAR)`; an unset variable is an error
@@ -650,9 +682,9 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
             r.fail("version", "required");
             String::new()
         }
-        Some(v) => {
+        Some(Label(v)) => {
             if !v.chars().any(is_visible) || v.len() > 64 || v.chars().any(char::is_control) {
-                r.fail("version", format_args!("must be 1-64 characters on one line (1.0.0), got {v:?}"));
+                r.fail("version", format_args!("{VERSION_RULE}, got {v:?}"));
             }
             v
         }

@@ -545,7 +545,8 @@ async fn mur_task_send_sends_again_until_a_coordinator_answers_and_the_task_runs
     .await;
     assert!(
         retrying.starts_with(
-            "mur: mur.api.task.submit: no coordinator answers (no responders); sending it again in 250 ms (task tsk_"
+            "mur: mur.api.task.submit: no coordinator answers (no responders); start one with `mur coordinator`, \
+             or `mur dev` for a cluster on this machine; sending it again in 250 ms (task tsk_"
         ),
         "{retrying}"
     );

@@ -321,7 +321,21 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
         (json!("queued"), json!("fifth"), json!("cli"))
     );
     ids.push(sent["id"].as_str().unwrap().to_string());
-    assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be empty\n");
+    assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be only whitespace\n");
+    // Issue #29: no command's argument can carry a NUL (the command line cannot either:
+    // straight to the API).
+    let err = mur_coordinator::api::call::<Job>(
+        &sb.client,
+        fleet_store::api::SEND,
+        serde_json::to_vec(&json!({"fleet": "pair", "text": "echo a\u{0}b"}))?,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid_request: text: must not contain a NUL character (U+0000: no command's argument can carry one), \
+         found at byte 6"
+    );
     assert_eq!(
         refused(&sb, &["send", "ghost", "x"]),
         "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
