@@ -322,7 +322,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur coordinator").await?;
-        eprintln!("coordinator connected to {}", args.conn.server);
+        eprintln!("coordinator connected to {}", crate::nats::redacted(&args.conn.server));
         let stop = tokio_util::sync::CancellationToken::new();
         let http = match &args.http {
             Some(addr) => {
@@ -356,7 +356,12 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
         if let Some(id) = args.id {
             config.worker_id = id;
         }
-        eprintln!("worker {} with {} slots connected to {}", config.worker_id, config.slots, args.conn.server);
+        eprintln!(
+            "worker {} with {} slots connected to {}",
+            config.worker_id,
+            config.slots,
+            crate::nats::redacted(&args.conn.server)
+        );
         mur_worker::service::run(client, config, crate::run::shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)
     })
