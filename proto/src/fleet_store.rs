@@ -629,6 +629,18 @@ mod tests {
 /// executes there, not in the client.
 pub const RUN_SUBJECT: &str = "mur.leader.fleet.run";
 
+/// The channel text of a run's start, written by the coordinator running it: `run <id>
+/// started; <bounds line>`. `mur fleet run` printed that line already, and leaves it out.
+pub fn run_started_text(run_id: &str, bounds: &str) -> String {
+    format!("run {run_id} started; {bounds}")
+}
+
+/// The channel text of one of a run's notices: `notice: <notice>` (printed by `mur fleet
+/// run` from the record, and left out of its milestones).
+pub fn notice_text(notice: &str) -> String {
+    format!("notice: {notice}")
+}
+
 /// The [`FLEETS_BUCKET`] key of a run's record: `run.<run id>`.
 pub fn run_key(run_id: &str) -> String {
     format!("run.{run_id}")

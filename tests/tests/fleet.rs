@@ -309,10 +309,14 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
 
     let mut ids = Vec::new();
     for text in ["first", "second", "third", "fourth"] {
-        let out = ok(&sb, &["send", "pair", text]).stdout;
-        let id = out.trim().to_string();
+        let sent = ok(&sb, &["send", "pair", text]);
+        let id = sent.sent_job_id();
         let uuid = uuid::Uuid::parse_str(&id)?;
-        assert_eq!((uuid.get_version_num(), uuid.hyphenated().to_string(), out), (7, id.clone(), format!("{id}\n")));
+        // A sentence, as `mur fleet create` prints (issue #29: it was the bare id).
+        assert_eq!(
+            (uuid.get_version_num(), uuid.hyphenated().to_string(), sent.stdout),
+            (7, id.clone(), format!("queued job {id} in fleet pair\n"))
+        );
         ids.push(id);
     }
     let sent = ok(&sb, &["send", "pair", "fifth", "--json"]).last_json();
@@ -545,7 +549,7 @@ async fn log_prints_the_channel_with_authors_and_sequence_numbers() -> Result<()
     ok(&sb, &["create", other.to_str().unwrap()]);
     assert_eq!(ok(&sb, &["log", "pair"]).stdout, "");
 
-    let job = ok(&sb, &["send", "pair", "build it"]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "pair", "build it"]).sent_job_id();
     ok(&sb, &["stop", "pair", "--by", "ann"]);
     // What a run engine writes: a delegation, a member's reply (another fleet's event between).
     let fleets = handle(&sb).await;
@@ -622,7 +626,7 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stderr.starts_with("bounds: deadline 5m ← --deadline; stuck 10m ← built-in\n"), "{}", run.stderr);
     assert!(run.stderr.contains("done (queue-drained) after 2 iterations"), "{}", run.stderr);
-    let run_id = run.stdout.trim().to_string();
+    let run_id = run.run_id();
     assert!(run_id.starts_with("fleet-builder-"), "{run_id}");
 
     let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "builder", "--all", "--json"]).stdout.trim()).unwrap();
@@ -819,7 +823,7 @@ async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     let dir = tempfile::tempdir()?;
     ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
     let text = "x".repeat(100_000);
-    let ids: Vec<String> = (0..12).map(|_| ok(&sb, &["send", "pair", &text]).stdout.trim().to_string()).collect();
+    let ids: Vec<String> = (0..12).map(|_| ok(&sb, &["send", "pair", &text]).sent_job_id()).collect();
     let run = ok(&sb, &["jobs", "pair", "--json"]);
     let jobs = run.last_json();
     let listed: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap()).collect();
@@ -841,7 +845,7 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     let sb = Sandbox::start(0, 1).await;
     let dir = tempfile::tempdir()?;
     ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
-    let job = ok(&sb, &["send", "pair", "Go."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "pair", "Go."]).sent_job_id();
     // A run as a coordinator keeps its record while it runs.
     let kv = fleets_kv(&sb).await;
     let mut run = json!({
