@@ -211,7 +211,7 @@ pub struct SetLoopArgs {
 /// Parses a `--budget-usd` value: any finite number (a negative one is judged by the
 /// validator, which says why). `nan` and `inf` (or `1e400`) are refused here: JSON has no
 /// such numbers, so they would reach the coordinator as no value at all, and a run would
-/// go on without the ceiling it seemed to have (`seeds/fleet-loops.md` §Settings that used
+/// go on without the ceiling it seemed to have (the fleet-loops seed, §Settings that used
 /// to mean something else).
 fn finite_usd(s: &str) -> std::result::Result<f64, String> {
     match s.trim().parse::<f64>() {

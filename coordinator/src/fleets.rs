@@ -8,7 +8,7 @@
 //! `create` / `apply`, [`Fleet::load_stored`] (lenient) for everything that reads a stored
 //! definition, [`apply_loop_edit`] for `set-loop`, [`Job::transition`] for `cancel`,
 //! [`JobFilter`] for `jobs`. Nothing is written before the request has passed them, so a
-//! refused request changes nothing stored (DESIGN.md invariant 7).
+//! refused request changes nothing stored (the design's invariant 7).
 //!
 //! The same [`Fleets`] handle gives the run engine what it needs: [`Fleets::stop_state`]
 //! (fail closed), [`Fleets::publish`] and [`Fleets::channel`], [`Fleets::jobs_of`] and

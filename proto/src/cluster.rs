@@ -2,9 +2,9 @@
 //! and workers share, the task record kept in `mur_tasks`, the NATS API's requests,
 //! replies and wire error, and the validation of a submitted task.
 //!
-//! Names follow DESIGN.md §JetStream resources, with one change the code taught: there is
+//! Names follow the design, §JetStream resources, with one change the code taught: there is
 //! no `MUR_TASKS` stream. The coordinator keeps waiting tasks in lanes of its own
-//! (DESIGN.md §JetStream resources, shape (a)), rebuilt at start from `mur_tasks`, and
+//! (the design, §JetStream resources, shape (a)), rebuilt at start from `mur_tasks`, and
 //! releases one task at a time into the `MUR_DISPATCH` work queue when a worker slot is
 //! free.
 //!
@@ -171,7 +171,7 @@ pub struct TaskRecord {
     /// stream unacknowledged (it is acked only after the terminal record), so a delivery of
     /// *another* message for the task — one published again after the stream's duplicate
     /// window — is a duplicate and is dropped, while a redelivery of this one (its worker
-    /// died, DESIGN.md §A task's way, step 6) takes the task over. Absent on records
+    /// died, the design, §A task's way, step 6) takes the task over. Absent on records
     /// written before it existed: such a delivery takes over as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch_seq: Option<u64>,
@@ -380,7 +380,7 @@ impl Dispatch {
         Dispatch { task_id: task_id.into(), attempt, released: None }
     }
 
-    /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (`reference/jetstream-patterns.md` §1.4).
+    /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (the JetStream patterns reference, §1.4).
     pub fn msg_id(&self) -> String {
         format!("{}:{}", self.task_id, self.attempt)
     }
@@ -548,7 +548,7 @@ impl ClusterStatus {
 }
 
 /// One per-turn checkpoint of a running task in [`SESSIONS_BUCKET`], under
-/// [`checkpoint_key`] (issue #8 §Checkpoints; DESIGN.md §A task's way, step 4): what the
+/// [`checkpoint_key`] (issue #8 §Checkpoints; the design, §A task's way, step 4): what the
 /// turns since the previous checkpoint added to the conversation, never the whole history
 /// again, so a long task costs linear bytes. The first checkpoint of an attempt, and any
 /// after the history was replaced (compaction, a reopen), has `replace: true` and carries
@@ -909,14 +909,14 @@ pub struct SubmitRequest {
     /// The task's text, at most [`MAX_TASK_BYTES`].
     pub text: String,
     /// Where the task comes from; `user` when absent. Over the NATS API the caller is an
-    /// authenticated client and states it (DESIGN.md §A task's way, step 2).
+    /// authenticated client and states it (the design, §A task's way, step 2).
     #[serde(default = "default_origin")]
     pub origin: Origin,
     /// The conversation to continue; a fresh `ctx_…` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_id: Option<String>,
     /// When the task must be over, unix ms: a fleet step inherits the time left on its
-    /// loop's clock (`seeds/fleet-loops.md` §The bounds: "Every member the loop delegates
+    /// loop's clock (the fleet-loops seed, §The bounds: "Every member the loop delegates
     /// to inherits the remaining time"). The worker stops a task still running then; it
     /// ends `deadline_exceeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -926,7 +926,7 @@ pub struct SubmitRequest {
     /// semaphore ([`crate::fanout`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_step: Option<FleetStep>,
-    /// Programs the work needs (a fleet's `needs:`, `reference/mur-fleet.md` §1: "passed to
+    /// Programs the work needs (a fleet's `needs:`, the fleet reference, §1: "passed to
     /// each delegate for dispatch-time preflight"): the worker that takes the task checks
     /// each is on its `PATH` before it starts a session, and ends the task `failed` naming
     /// the missing ones otherwise. At most [`MAX_NEEDS`], each a program name.
@@ -1179,7 +1179,7 @@ pub struct TaskRef {
     pub task_id: String,
 }
 
-/// What went wrong with an API request, as a small closed set (CONVENTIONS.md §7 item 2).
+/// What went wrong with an API request, as a small closed set (the conventions, §7 item 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {

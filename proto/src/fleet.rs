@@ -1,10 +1,10 @@
 //! Fleets: the `fleet.yaml` definition, its validation, the loop's bounds and fan-out cap,
 //! jobs and their statuses, run ids, stop reasons and the pure rules a loop applies.
 //!
-//! The behaviour comes from `seeds/fleet-loops.md` (the specification: §Three ways a loop
+//! The behaviour comes from the fleet-loops seed (the specification: §Three ways a loop
 //! ends, §The bounds, §Settings that used to mean something else, §A fixed step graph,
 //! §Unattended runs, §Watching a run) and, where the seed is silent, from
-//! `reference/mur-fleet.md` (§1 schema, §2 limits, §3 loop, §4 jobs); the keys follow
+//! the fleet reference (§1 schema, §2 limits, §3 loop, §4 jobs); the keys follow
 //! issue #10. `docs/fleet.md` is the user-facing reference.
 //!
 //! Two loaders share one validator:
@@ -29,7 +29,7 @@ use std::time::Duration;
 #[cfg(test)]
 mod tests;
 
-/// Built-in loop deadline (`seeds/fleet-loops.md` §The bounds: "built-in 1h").
+/// Built-in loop deadline (the fleet-loops seed, §The bounds: "built-in 1h").
 pub const BUILTIN_DEADLINE: &str = "1h";
 /// Built-in stuck window (§The bounds: "built-in 10m").
 pub const BUILTIN_STUCK: &str = "10m";
@@ -52,7 +52,7 @@ pub const CHANNEL_PREFIX: &str = "fleet-";
 /// A job created by `mur fleet send` or a job argument of `mur fleet run`.
 pub const SOURCE_CLI: &str = "cli";
 /// A job a run made for its standing goal when a procedure step of it was parked for
-/// approval (`seeds/fleet-loops.md` §Unattended runs): the handle to approve it by.
+/// approval (the fleet-loops seed, §Unattended runs): the handle to approve it by.
 pub const SOURCE_GOAL: &str = "goal";
 
 /// The notice printed when an iteration cap is given (§The bounds: "Iteration cap — gone").
@@ -457,7 +457,7 @@ pub struct Step {
     /// Default [`DEFAULT_MAX_RETRIES`]; ignored otherwise.
     pub max_retries: u32,
     /// The risk tier of what the step does. A step with a tier needs approval before it
-    /// runs unless `hitl.auto_approve_tiers` lists it (`seeds/fleet-loops.md` §Unattended
+    /// runs unless `hitl.auto_approve_tiers` lists it (the fleet-loops seed, §Unattended
     /// runs; reference §7); a step without one needs none.
     pub tier: Option<RiskTier>,
 }
@@ -1879,7 +1879,7 @@ pub struct Job {
     #[serde(default)]
     pub finished_at: Option<u64>,
     /// The approval its procedure is waiting for, or the answer given (`hitl`,
-    /// `seeds/fleet-loops.md` §Unattended runs): set when a run parks a step, answered by
+    /// the fleet-loops seed, §Unattended runs): set when a run parks a step, answered by
     /// `mur fleet approve` / `mur fleet deny`.
     #[serde(default)]
     pub approval: Option<Approval>,

@@ -170,7 +170,7 @@ pub enum StopState {
         sentinel: Sentinel,
     },
     /// The sentinel could not be read (a read error, or a value that does not parse): the
-    /// fleet counts as stopped (fail closed, DESIGN.md invariant 6).
+    /// fleet counts as stopped (fail closed, the design's invariant 6).
     Unreadable {
         /// Why.
         error: String,
@@ -520,7 +520,7 @@ pub struct CancelRequest {
 }
 
 /// `fleet.approve` / `fleet.deny`: the answer to a blocked job's approval request
-/// (`seeds/fleet-loops.md` §Unattended runs: "Approve it whenever you get to it and the next
+/// (the fleet-loops seed, §Unattended runs: "Approve it whenever you get to it and the next
 /// run continues from there").
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -677,7 +677,7 @@ pub struct RunRecord {
     /// The fleet.
     pub fleet: String,
     /// `running`, then the stop's run state (`docs/fleet.md` §Stop reasons, from
-    /// `reference/mur-fleet.md` §3): `done` (converged, or the queue drained), `blocked`
+    /// the fleet reference, §3): `done` (converged, or the queue drained), `blocked`
     /// (awaiting approval), `stopped` (the kill-switch) or `failed` (any other stop); `ended`
     /// for a one-shot run whose coordinator died. Records of older versions say `completed`
     /// or `ended`.

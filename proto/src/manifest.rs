@@ -1,8 +1,8 @@
 //! The capsule manifest, `murmur.yaml`: its fields, defaults and validation rules.
 //!
-//! Fields and defaults come from `seeds/session-loop.md` (turn limit, reopen limit, seeding
-//! keys, lifecycle, shell grace), `seeds/context.md` (compaction) and
-//! `reference/murmur-runtime.md` §2; the key names follow issue #2. Unknown keys and bad
+//! Fields and defaults come from the session-loop seed (turn limit, reopen limit, seeding
+//! keys, lifecycle, shell grace), the context seed (compaction) and
+//! the runtime reference, §2; the key names follow issue #2. Unknown keys and bad
 //! values are errors naming the field path and the rule, for example
 //! `inference.max_turns: must be at least 1, got 0`. Loading is pure: the environment used
 //! to resolve `${VAR}` in `inference.api_key` is a parameter.
@@ -104,13 +104,13 @@ pub struct Inference {
     pub api_key: Option<String>,
     /// Stream responses (SSE). Default false.
     pub stream: bool,
-    /// Model calls per task (`seeds/session-loop.md` §Turn limit). Default 10, at least 1.
+    /// Model calls per task (the session-loop seed, §Turn limit). Default 10, at least 1.
     pub max_turns: u32,
     /// Per-turn output cap sent as the payload's `max_tokens`. Default 8192, at least 1.
     pub max_tokens: u32,
     /// The system prompt's source.
     pub system_prompt: SystemPrompt,
-    /// Compaction settings (`seeds/context.md`).
+    /// Compaction settings (the context seed).
     pub compaction: Compaction,
     /// Scripted driver: the replies file, relative to the capsule folder.
     pub script: Option<String>,
@@ -120,7 +120,7 @@ pub struct Inference {
     pub timeout_secs: u64,
     /// Retries after a failed attempt (429, 5xx, connection errors). Default 3.
     pub max_retries: u32,
-    /// Session spend ceiling in tokens (`seeds/context.md`, spend ceilings). Default none.
+    /// Session spend ceiling in tokens (the context seed, spend ceilings). Default none.
     pub max_session_tokens: Option<u64>,
 }
 
@@ -142,7 +142,7 @@ pub struct Compaction {
 pub struct Context {
     /// The context window in tokens; absent disables compaction and seeding.
     pub max_tokens: Option<u64>,
-    /// Fraction of `max_tokens` a seed may occupy; default 0.10 (`seeds/session-loop.md`).
+    /// Fraction of `max_tokens` a seed may occupy; default 0.10 (the session-loop seed).
     pub seed_budget: f64,
     /// Fraction of the seed ceiling a seed may overflow before it is summarised; default 0.10.
     pub seed_overflow_margin: f64,
@@ -150,13 +150,13 @@ pub struct Context {
 
 impl Context {
     /// The seed ceiling: floor(`max_tokens` × `seed_budget`), 0 without `max_tokens`
-    /// (`seeds/session-loop.md` §Context seeding, first table).
+    /// (the session-loop seed, §Context seeding, first table).
     pub fn seed_budget_tokens(&self) -> u64 {
         self.max_tokens.map_or(0, |m| (m as f64 * self.seed_budget).floor() as u64)
     }
 }
 
-/// `lifecycle.task_acceptance` (`seeds/session-loop.md` §Capsule lifecycle).
+/// `lifecycle.task_acceptance` (the session-loop seed, §Capsule lifecycle).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TaskAcceptance {
@@ -195,7 +195,7 @@ pub struct Lifecycle {
     pub task_acceptance: TaskAcceptance,
     /// Default `exit`; `sleep` requires `queue`.
     pub after_task: AfterTask,
-    /// Reopens per task; default 1, 0 disables (`seeds/session-loop.md` §Task reopening).
+    /// Reopens per task; default 1, 0 disables (the session-loop seed, §Task reopening).
     pub max_task_reopens: u32,
     /// Seconds before a shell command moves to the background; default 10.
     pub shell_grace_secs: u64,
@@ -212,7 +212,7 @@ pub struct Capabilities {
     pub shell_allow: Vec<String>,
 }
 
-/// A hook's binding: which event it receives (`reference/murmur-runtime.md` §2).
+/// A hook's binding: which event it receives (the runtime reference, §2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Binding {
@@ -929,7 +929,7 @@ fn validate_hook(i: usize, h: RawHook, r: &mut Rules) -> Hook {
     };
     let execution_mode = h.execution_mode.unwrap_or(ExecutionMode::Blocking);
     let commit_policy = h.commit_policy.unwrap_or(CommitPolicy::None);
-    // Staging checks (issue #4; reference/murmur-runtime.md §2 "Validation at staging").
+    // Staging checks (issue #4; the runtime reference, §2 "Validation at staging").
     let who = format!(
         "hook {name:?} (binding {}, commit_policy {})",
         h.binding.map_or("<all>", Binding::as_str),

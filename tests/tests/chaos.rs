@@ -1,6 +1,6 @@
 //! The cluster survives (issue #8): real `nats-server`, `mur coordinator` and `mur worker`
 //! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
-//! DESIGN.md's invariants 2, 3, 4, 7, 8 on what the cluster stored.
+//! the design's invariants 2, 3, 4, 7, 8 on what the cluster stored.
 
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
@@ -768,8 +768,8 @@ fn proc_state(pid: u32) -> Option<char> {
 /// Invariant 4 (a turn may run again after a crash, not twice at once): a worker killed
 /// with SIGKILL in the middle of a shell command takes the command's whole process group with
 /// it — the command and what it started in the background — so a takeover's run would be
-/// the only one. A command already detached is left to run out on its own, as
-/// `seeds/session-loop.md` §What a resume reports says of a runtime killed outright.
+/// the only one. A command already detached is left to run out on its own, as the
+/// session-loop seed says of a runtime killed outright (§What a resume reports).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_workers_foreground_command_dies_with_it_and_a_detached_one_runs_on() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;

@@ -205,7 +205,7 @@ async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_i
     sb.shutdown().await;
 }
 
-/// Issue #7 §Lifecycle on the cluster (`seeds/session-loop.md` §Detached shell): a shell
+/// Issue #7 §Lifecycle on the cluster (the session-loop seed, §Detached shell): a shell
 /// command still running after the grace period moves to the background of its worker;
 /// when it ends, its completion is submitted to the coordinator as a `completion` task
 /// (bg lane) for the same capsule and context, its log goes to the object store, and the

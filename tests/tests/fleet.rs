@@ -189,7 +189,7 @@ async fn set_loop_refuses_every_value_that_used_to_mean_something_else() -> Resu
     let kv = fleets_kv(&sb).await;
     let before = kv.entry("def.pair").await?.unwrap();
 
-    // seeds/fleet-loops.md §Settings that used to mean something else, row by row.
+    // the fleet-loops seed, §Settings that used to mean something else, row by row.
     let table: [(&[&str], &str); 4] = [
         (
             &["--deadline", "2026-12-31"],
@@ -740,7 +740,7 @@ async fn a_run_shows_its_milestones_however_long_the_channel_before_it() {
     sb.shutdown().await;
 }
 
-/// `seeds/fleet-loops.md` §The bounds: "Every member the loop delegates to inherits the
+/// the fleet-loops seed, §The bounds: "Every member the loop delegates to inherits the
 /// remaining time". A step still running when the loop's deadline passes is stopped by its
 /// worker (its shell command killed): the task ends `deadline_exceeded`, the job `failed`,
 /// and the run ends `deadline` (exit 1): its iteration failed for the deadline.
@@ -772,7 +772,7 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     sb.shutdown().await;
 }
 
-/// `seeds/fleet-loops.md` with a router: the `pair` example (router `planner`, members
+/// the fleet-loops seed with a router: the `pair` example (router `planner`, members
 /// `builder` and `reviewer`). The router plans the iteration (a `decision` on the channel),
 /// each member gets the job followed by the router's assignment, and with `done_when`
 /// empty the router judges DONE after the iteration: the loop converges.

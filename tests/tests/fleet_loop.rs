@@ -1,4 +1,4 @@
-//! How a fleet loop ends on the cluster (issue #10 §Runs and loops; `seeds/fleet-loops.md`
+//! How a fleet loop ends on the cluster (issue #10 §Runs and loops; the fleet-loops seed,
 //! §Three ways a loop ends, §Kill-switch; reference §9 Loop termination, Kill-switch):
 //! a marker line converges it, a marker of an earlier run does not, the deadline ends it
 //! between iterations, and a stop reaches it before its next iteration.

@@ -1,5 +1,5 @@
-//! Fleets with a `procedure:` on the cluster (`seeds/fleet-loops.md` §A fixed step graph,
-//! §Unattended runs; `reference/mur-fleet.md` §6, §9 "Procedure / planning / fan-out"): the
+//! Fleets with a `procedure:` on the cluster (the fleet-loops seed, §A fixed step graph,
+//! §Unattended runs; the fleet reference, §6, §9 "Procedure / planning / fan-out"): the
 //! real `mur` binary asks the leading coordinator to run; the coordinator sends each step
 //! as a `peer` task to workers running scripted capsules, rank by rank.
 
