@@ -58,6 +58,44 @@ pub async fn push_dir(client: &async_nats::Client, dir: &Path) -> Result<bundle:
     Ok(bundle::push(&store, &index, &packed).await?)
 }
 
+/// The most names [`unknown_hint`] lists.
+const LISTED: usize = 10;
+
+/// What `mur task send` adds to the coordinator's `no capsule named …` (issue #29): the
+/// names closest to `name` by edit distance (Damerau–Levenshtein, at most a third of the
+/// name's length, at least 1), then the capsules there are, at most [`LISTED`]:
+/// `; did you mean "hello"? capsules on this cluster: hello, queue` or `; no capsule is
+/// pushed on this cluster yet`.
+pub fn unknown_hint(name: &str, names: &[String]) -> String {
+    if names.is_empty() {
+        return "; no capsule is pushed on this cluster yet".to_string();
+    }
+    let most = (name.chars().count() / 3).max(1);
+    let distances: Vec<(usize, &String)> =
+        names.iter().map(|n| (strsim::damerau_levenshtein(name, n), n)).filter(|(d, _)| *d <= most).collect();
+    let closest = distances.iter().map(|(d, _)| *d).min();
+    let near: Vec<String> =
+        distances.iter().filter(|(d, _)| Some(*d) == closest).map(|(_, n)| format!("{n:?}")).collect();
+    let mut hint = String::new();
+    if !near.is_empty() {
+        hint.push_str(&format!("; did you mean {}?", near.join(" or ")));
+    } else {
+        hint.push(';');
+    }
+    let shown: Vec<&str> = names.iter().take(LISTED).map(String::as_str).collect();
+    hint.push_str(&format!(" capsules on this cluster: {}", shown.join(", ")));
+    if names.len() > LISTED {
+        hint.push_str(&format!(" and {} more (mur capsule ls)", names.len() - LISTED));
+    }
+    hint
+}
+
+/// The names of the capsules pushed to the cluster, `None` when they cannot be read.
+pub async fn names(client: &async_nats::Client) -> Option<Vec<String>> {
+    let (_, index) = stores(client).await.ok()?;
+    Some(bundle::list(&index).await.ok()?.into_iter().map(|e| e.name).collect())
+}
+
 pub fn run(cmd: Command) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
@@ -103,4 +141,37 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unknown_hint;
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_wrong_capsule_name_gets_the_closest_names_and_the_list() {
+        let there = names(&["hello", "queue", "two-tools"]);
+        assert_eq!(
+            unknown_hint("helo", &there),
+            "; did you mean \"hello\"? capsules on this cluster: hello, queue, two-tools"
+        );
+        assert_eq!(
+            unknown_hint("two_tools", &there),
+            "; did you mean \"two-tools\"? capsules on this cluster: hello, queue, two-tools"
+        );
+        assert_eq!(unknown_hint("builder", &there), "; capsules on this cluster: hello, queue, two-tools");
+        assert_eq!(
+            unknown_hint("ab", &names(&["aa", "bb", "abc"])),
+            "; did you mean \"aa\" or \"bb\" or \"abc\"? capsules on this cluster: aa, bb, abc"
+        );
+        assert_eq!(unknown_hint("x", &[]), "; no capsule is pushed on this cluster yet");
+        let many: Vec<String> = (0..12).map(|i| format!("c{i:02}")).collect();
+        assert_eq!(
+            unknown_hint("zzzzzz", &many),
+            "; capsules on this cluster: c00, c01, c02, c03, c04, c05, c06, c07, c08, c09 and 2 more (mur capsule ls)"
+        );
+    }
 }

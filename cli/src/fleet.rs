@@ -65,7 +65,8 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
-    /// Queue a job; prints its id and runs nothing.
+    /// Queue a job; prints `queued job <id> in fleet <name>` (`--json`: the job) and runs
+    /// nothing.
     Send {
         /// The fleet.
         name: String,
@@ -145,6 +146,10 @@ pub enum Command {
         /// The run's id (default `run-<uuid>`, or `fleet-<name>-<uuid>` for a loop).
         #[arg(long)]
         run_id: Option<String>,
+        /// Ignored, with a notice: loops are bounded by deadline, stuck and cost (a
+        /// 10000-iteration diagnostic ceiling remains).
+        #[arg(long, value_name = "N")]
+        max_iterations: Option<u64>,
         #[command(flatten)]
         common: Common,
     },
@@ -206,7 +211,7 @@ pub struct SetLoopArgs {
 /// Parses a `--budget-usd` value: any finite number (a negative one is judged by the
 /// validator, which says why). `nan` and `inf` (or `1e400`) are refused here: JSON has no
 /// such numbers, so they would reach the coordinator as no value at all, and a run would
-/// go on without the ceiling it seemed to have (`seeds/fleet-loops.md` §Settings that used
+/// go on without the ceiling it seemed to have (the fleet-loops seed, §Settings that used
 /// to mean something else).
 fn finite_usd(s: &str) -> std::result::Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -327,12 +332,18 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         }
         Command::Send { name, text, common } => {
             let text = crate::task::text_or_stdin(&text, "the job's text")?;
-            let job: Job =
-                request(&common, "mur fleet send", api::SEND, &SendRequest { fleet: name, text, source: None })?;
+            let job: Job = request(
+                &common,
+                "mur fleet send",
+                api::SEND,
+                &SendRequest { fleet: name.clone(), text, source: None },
+            )?;
             if common.json {
                 print_json(&job)?;
             } else {
-                println!("{}", job.id);
+                // A sentence, as `fleet create` says `created fleet …` (the id alone read as
+                // noise); scripts read `--json`'s `id`.
+                println!("queued job {} in fleet {name}", job.id);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -416,9 +427,13 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { name, job, looping, deadline, budget_usd, run_id, common } => {
+        Command::Run { name, job, looping, deadline, budget_usd, run_id, max_iterations, common } => {
             let request = fleet_store::RunRequest { fleet: name, job, looping, deadline, budget_usd, run_id };
-            follow_run(&common, &request)
+            // The fleet-loops seed, §The bounds: "--max-iterations and loop.max_iterations are
+            // ignored with a notice". The value goes nowhere: the request has no such field.
+            let ignored =
+                max_iterations.map(|_| format!("--max-iterations {}", mur_proto::fleet::MAX_ITERATIONS_NOTICE));
+            follow_run(&common, &request, ignored)
         }
         Command::Status { name, common } => run_status(&common, RunPick::LatestOf(name)),
         Command::Log { name, since, common } => {
@@ -606,7 +621,7 @@ fn print_spend(r: &fleet_store::RunRecord) {
 /// the run's permits in use and its spend — redrawn in place on a terminal, printed when it
 /// changes otherwise, and with `--json` all of it as JSON lines on stdout, each with a
 /// `type`: `run` (the record at the start), `event`, `status`, `end` (the final record).
-fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<ExitCode> {
+fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option<String>) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         use futures::StreamExt;
@@ -650,20 +665,24 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 ));
             }
         };
+        // The bounds line and the notices, once: the run's channel repeats them, and the
+        // milestones leave those events out (issue #29: each was printed twice).
         eprintln!("{}", started.bounds);
-        for n in &started.notices {
-            eprintln!("notice: {n}");
+        for n in started.notices.iter().chain(&notice) {
+            eprintln!("{}", fleet_store::notice_text(n));
         }
         if common.json {
             print_typed("run", &started)?;
         } else {
-            println!("{}", started.run_id);
+            println!("run {} started on coordinator {}", started.run_id, started.coordinator);
         }
         let mut follow = crate::follow::Follow::new(&started.run_id, members);
         // The spend the run started with (0, or what earlier iterations of an adopted run
         // spent): the first status line shows it, as every later one does.
         follow.set_spend(spend_of(&started));
-        let mut view = Live::new(common.json, follow);
+        let mut said = vec![fleet_store::run_started_text(&started.run_id, &started.bounds)];
+        said.extend(started.notices.iter().map(|n| fleet_store::notice_text(n)));
+        let mut view = Live::new(common.json, follow, said, follow_every()?);
         let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
         // The run's permits, from a watch on the semaphore: every permit taken or given back.
         let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.context("mur_fanout")?;
@@ -709,7 +728,8 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
                 }
                 _ = tick.tick() => {}
             }
-            seen = milestones(&client, &started, seen, &view).await?;
+            view.tick();
+            seen = milestones(&client, &started, seen, &mut view).await?;
             // This run's blocked jobs only: a short reply, where the run's every job (the
             // view needs no more) grew it to a whole page of a megabyte, asked for five
             // times a second.
@@ -742,7 +762,7 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
             if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
                 // The run's stop event is written before its record: one that came between
                 // this tick's reading of the channel and of the record is read now.
-                milestones(&client, &started, seen, &view).await?;
+                milestones(&client, &started, seen, &mut view).await?;
                 // The steps' last records were stored before the run's: take those already here.
                 while let Some(Some(Ok(entry))) = futures::FutureExt::now_or_never(task_updates.next()) {
                     if let Ok(t) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
@@ -770,7 +790,12 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest) -> Result<Exit
 
 /// Prints the run's channel events after sequence number `seen` as milestones; returns the
 /// last sequence number read (`seen` when none was, or the channel could not be read).
-async fn milestones(client: &async_nats::Client, run: &fleet_store::RunRecord, seen: u64, view: &Live) -> Result<u64> {
+async fn milestones(
+    client: &async_nats::Client,
+    run: &fleet_store::RunRecord,
+    seen: u64,
+    view: &mut Live,
+) -> Result<u64> {
     let request = LogRequest { fleet: run.fleet.clone(), since: Some(seen) };
     let events: Vec<ChannelEvent> = call(client, api::LOG, serde_json::to_vec(&request)?).await.unwrap_or_default();
     for e in events.iter().filter(|e| e.run_id.as_deref().is_some_and(|r| r.starts_with(&run.run_id))) {
@@ -800,38 +825,65 @@ fn print_typed(kind: &str, value: &impl Serialize) -> Result<()> {
     Ok(())
 }
 
-/// Where the live view goes: JSON lines, bars redrawn on a terminal, or plain lines.
+/// The environment variable that sets the longest silence of `mur fleet run` off a
+/// terminal, in whole seconds (default 15, [`crate::follow::Lines::EVERY`]).
+pub const FOLLOW_EVERY_ENV: &str = "MUR_FOLLOW_EVERY_SECS";
+
+/// The longest silence off a terminal: [`FOLLOW_EVERY_ENV`], else 15 s.
+///
+/// # Errors
+/// [`crate::Invalid`] when the variable is not a whole number of seconds of at least 1.
+fn follow_every() -> Result<std::time::Duration> {
+    match std::env::var(FOLLOW_EVERY_ENV) {
+        Err(_) => Ok(crate::follow::Lines::EVERY),
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(secs) if secs >= 1 => Ok(std::time::Duration::from_secs(secs)),
+            _ => Err(crate::Invalid(format!(
+                "{FOLLOW_EVERY_ENV}: must be a whole number of seconds, at least 1, got {v:?}"
+            ))
+            .into()),
+        },
+    }
+}
+
+/// Unix milliseconds now, the clock the status lines' times are read on.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Where the live view goes: JSON lines, bars redrawn on a terminal (a spinner per member,
+/// with the running ones' times), or plain lines ([`crate::follow::Lines`]: on each change
+/// and at least every 15 s).
 struct Live {
     follow: crate::follow::Follow,
     json: bool,
     bars: Option<(indicatif::MultiProgress, Vec<indicatif::ProgressBar>, indicatif::ProgressBar)>,
+    lines: crate::follow::Lines,
+    /// Channel texts printed already (the run's start with its bounds, its notices).
+    said: Vec<String>,
 }
 
 impl Live {
-    fn new(json: bool, follow: crate::follow::Follow) -> Live {
+    fn new(json: bool, follow: crate::follow::Follow, said: Vec<String>, every: std::time::Duration) -> Live {
         use std::io::IsTerminal;
         let bars = (!json && std::io::stderr().is_terminal()).then(|| {
             let multi = indicatif::MultiProgress::new();
-            let style = indicatif::ProgressStyle::with_template("{spinner} {prefix:12} {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
-            let bars = follow
-                .status()
-                .members
-                .iter()
-                .map(|m| {
-                    let bar = multi.add(indicatif::ProgressBar::new_spinner().with_style(style.clone()));
-                    bar.set_prefix(m.member.clone());
-                    bar.enable_steady_tick(std::time::Duration::from_millis(120));
-                    bar
-                })
-                .collect();
-            let summary = multi.add(indicatif::ProgressBar::new_spinner().with_style(style.clone()));
-            summary.set_prefix("run");
-            (multi, bars, summary)
+            let summary = multi.add(Live::spinner("run"));
+            (multi, Vec::new(), summary)
         });
-        let mut live = Live { follow, json, bars };
+        let mut live = Live { follow, json, bars, lines: crate::follow::Lines::new(every, now_ms()), said };
         let _ = live.changed(true);
         live
+    }
+
+    /// A spinner that redraws itself (indicatif's steady tick), labelled `prefix`.
+    fn spinner(prefix: &str) -> indicatif::ProgressBar {
+        let style = indicatif::ProgressStyle::with_template("{spinner} {prefix:12} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
+        let bar = indicatif::ProgressBar::new_spinner().with_style(style);
+        bar.set_prefix(prefix.to_string());
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        bar
     }
 
     /// Shows the status when it changed.
@@ -843,36 +895,58 @@ impl Live {
         if self.json {
             return print_typed("status", &status);
         }
-        let Some((multi, bars, summary)) = &mut self.bars else {
-            eprintln!("status: {}", status.line());
-            return Ok(());
-        };
-        let style = bars.first().map(|b| b.style());
-        for (i, m) in status.members.iter().enumerate() {
-            if i == bars.len() {
-                let bar = multi.insert_before(summary, indicatif::ProgressBar::new_spinner());
-                if let Some(style) = &style {
-                    bar.set_style(style.clone());
-                }
-                bar.set_prefix(m.member.clone());
-                bars.push(bar);
-            }
-            bars[i].set_message(format!("{} ({} done)", m.state.as_str(), m.steps_done));
+        if self.bars.is_some() {
+            self.redraw();
+        } else if let Some(line) = self.lines.changed(&status, now_ms()) {
+            eprintln!("{line}");
         }
-        let spend = status.spend_usd.map_or_else(|| "spend n/a".to_string(), |usd| format!("spend ${usd:.4}"));
-        summary.set_message(format!("permits {} in use · {spend}", status.permits_in_use));
         Ok(())
     }
 
-    /// Prints a milestone: a channel event of the run.
-    fn milestone(&self, e: &ChannelEvent) -> Result<()> {
+    /// Every tick of the follow loop (200 ms): the running members' times on a terminal;
+    /// off one, the status again after an interval of silence ([`follow_every`]).
+    fn tick(&mut self) {
+        if self.json {
+            return;
+        }
+        if self.bars.is_some() {
+            self.redraw();
+        } else if let Some(line) = self.lines.tick(&self.follow.status(), now_ms()) {
+            eprintln!("{line}");
+        }
+    }
+
+    /// Sets each member's spinner (one added per new member or step name) and the summary.
+    fn redraw(&mut self) {
+        let status = self.follow.status();
+        let Some((multi, bars, summary)) = &mut self.bars else { return };
+        let now = now_ms();
+        for (i, m) in status.members.iter().enumerate() {
+            if i == bars.len() {
+                bars.push(multi.insert_before(summary, Live::spinner(&m.member)));
+            }
+            let time = m.started_at.map(|s| format!(" {}", crate::follow::elapsed(now.saturating_sub(s))));
+            bars[i].set_message(format!("{}{} ({} done)", m.state.as_str(), time.unwrap_or_default(), m.steps_done));
+        }
+        summary.set_message(format!("permits {} in use · {}", status.permits_in_use, status.spend()));
+    }
+
+    /// Prints a milestone: a channel event of the run, unless it says what was printed
+    /// already (the bounds line, a notice).
+    fn milestone(&mut self, e: &ChannelEvent) -> Result<()> {
         if self.json {
             return print_typed("event", e);
+        }
+        if e.author == fleet_store::Author::System && self.said.contains(&e.text) {
+            return Ok(());
         }
         let line = format!("{} {}: {}", e.author, e.kind, crate::text::printable(&e.text).replace('\n', "\n    "));
         match &self.bars {
             Some((multi, _, _)) => multi.println(line)?,
-            None => eprintln!("{line}"),
+            None => {
+                eprintln!("{line}");
+                self.lines.printed(now_ms());
+            }
         }
         Ok(())
     }

@@ -86,7 +86,7 @@ fn resolve_task(args: &Args, capsule_dir: &Path, workdir: &Path) -> Result<Optio
     Ok(None)
 }
 
-/// What `--resume` found in the session it resumes (`seeds/session-loop.md` §What a resume
+/// What `--resume` found in the session it resumes (the session-loop seed, §What a resume
 /// reports about the session before it).
 struct Resume {
     dir: PathBuf,

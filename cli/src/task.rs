@@ -265,7 +265,19 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let client = args.conn.connect("mur task send").await?;
-        let reply = submit_until_answered(&client, &mut request).await?;
+        let reply = match submit_until_answered(&client, &mut request).await {
+            Ok(reply) => reply,
+            // An unknown capsule: the names there are, the closest first (issue #29).
+            Err(mut e) if e.code == ErrorCode::NotFound => {
+                if let Some(names) = crate::capsule::names(&client).await
+                    && !names.contains(capsule)
+                {
+                    e.message.push_str(&crate::capsule::unknown_hint(capsule, &names));
+                }
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         if !args.wait {
             if args.json {
                 println!("{}", json!({"task_id": reply.task_id, "state": reply.state}));

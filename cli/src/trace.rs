@@ -1,4 +1,4 @@
-//! `mur trace steps|show`: reads a session's `trace.jsonl` (`reference/murmur-runtime.md`
+//! `mur trace steps|show`: reads a session's `trace.jsonl` (the runtime reference,
 //! §6). SESSION may be omitted (the latest), a full id, a unique suffix, or a path to a
 //! session folder or its `trace.jsonl`.
 

@@ -125,3 +125,28 @@ fn with_json_a_failure_is_one_json_object_on_stderr_with_its_code() {
     let said: serde_json::Value = serde_json::from_str(&refused(&["task", "send", "greeter", "--json"])).unwrap();
     assert_eq!(said["code"], "invalid_request", "{said}");
 }
+
+/// A `--server` URL of a scheme the client does not speak is refused naming the schemes
+/// that work, before anything connects (issue #29: `http://…` said it could not reach NATS,
+/// as though the server were down); a password in it is never printed.
+#[test]
+fn a_server_url_of_another_scheme_is_refused_naming_the_schemes_that_work() {
+    assert_eq!(
+        refused(&["capsule", "ls", "--server", "http://127.0.0.1:4222"]),
+        "mur: --server / NATS_URL: http://127.0.0.1:4222: the scheme must be nats:// or tls:// (or none: HOST:PORT \
+         means nats://), got http://; an HTTP URL is a capsule's or coordinator's A2A endpoint, for \
+         `mur task send --url URL`\n"
+    );
+    let said: serde_json::Value =
+        serde_json::from_str(&refused(&["task", "ls", "--server", "wss://ann:s3cret@example.com", "--json"])).unwrap();
+    assert_eq!(
+        said,
+        serde_json::json!({"code": "invalid_request", "error": "--server / NATS_URL: wss://ann:***@example.com: the \
+                           scheme must be nats:// or tls:// (or none: HOST:PORT means nats://), got wss://"})
+    );
+    // An unreachable server's URL is printed without its password too.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let said = refused(&["capsule", "ls", "--server", &format!("nats://ann:s3cret@127.0.0.1:{port}")]);
+    assert!(said.starts_with(&format!("mur: cannot reach NATS at nats://ann:***@127.0.0.1:{port} (")), "{said}");
+    assert!(!said.contains("s3cret"), "{said}");
+}

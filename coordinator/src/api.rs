@@ -58,9 +58,7 @@ pub async fn call_with_headers<T: DeserializeOwned>(
         client.request_with_headers(subject.to_string(), headers, body).await
     };
     let reply = sent.map_err(|e| match e.kind() {
-        RequestErrorKind::NoResponders => {
-            ApiError::new(ErrorCode::Unavailable, format!("{subject}: no coordinator answers (no responders)"))
-        }
+        RequestErrorKind::NoResponders => ApiError::no_coordinator(subject),
         RequestErrorKind::TimedOut => {
             ApiError::new(ErrorCode::Unavailable, format!("{subject}: the coordinator did not answer in time"))
         }

@@ -1,4 +1,4 @@
-//! Poison tasks (issue #8 §Poison tasks; DESIGN.md §Invariants 3): a dispatch that JetStream
+//! Poison tasks (issue #8 §Poison tasks; the design, §Invariants 3): a dispatch that JetStream
 //! delivered `max_deliver` times without an ack — every worker that took it died, or
 //! failed to handle it — is given up. JetStream announces it with the advisory
 //! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.MUR_DISPATCH.workers`; this loop reads the

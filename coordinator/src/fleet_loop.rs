@@ -1,4 +1,4 @@
-//! The fleet run as a pure state machine (issue #10 §Runs and loops; `seeds/fleet-loops.md`
+//! The fleet run as a pure state machine (issue #10 §Runs and loops; the fleet-loops seed,
 //! §Three ways a loop ends, §The bounds): what to do next given what the run has seen. No
 //! IO: the coordinator's adapter reads the sentinel, the jobs and the channel, hands them
 //! in as a [`View`], carries out the [`Next`] (claims the job, submits the delegated steps

@@ -432,13 +432,13 @@ impl Exec {
             self.event(
                 EventKind::StateChange,
                 Author::System,
-                format!("run {} started; {}", self.record.run_id, self.record.bounds),
+                fleet_store::run_started_text(&self.record.run_id, &self.record.bounds),
                 None,
                 None,
             )
             .await;
             for notice in self.record.notices.clone() {
-                self.event(EventKind::Note, Author::System, format!("notice: {notice}"), None, None).await;
+                self.event(EventKind::Note, Author::System, fleet_store::notice_text(&notice), None, None).await;
             }
         }
         let mut last_agent: Option<u64> = None;

@@ -1,4 +1,4 @@
-//! Triggers firing unattended (issue #10 §Runs and loops, `seeds/fleet-loops.md` §Unattended
+//! Triggers firing unattended (issue #10 §Runs and loops, the fleet-loops seed, §Unattended
 //! runs, ref §5 "autorun"): every second the leader looks at each fleet's `loop.trigger` and
 //! starts a loop run (as `mur fleet run NAME --loop` would, with no flags) for each fleet
 //! that is due. All of these must hold (fail closed):

@@ -8,7 +8,7 @@
 //! `create` / `apply`, [`Fleet::load_stored`] (lenient) for everything that reads a stored
 //! definition, [`apply_loop_edit`] for `set-loop`, [`Job::transition`] for `cancel`,
 //! [`JobFilter`] for `jobs`. Nothing is written before the request has passed them, so a
-//! refused request changes nothing stored (DESIGN.md invariant 7).
+//! refused request changes nothing stored (the design's invariant 7).
 //!
 //! The same [`Fleets`] handle gives the run engine what it needs: [`Fleets::stop_state`]
 //! (fail closed), [`Fleets::publish`] and [`Fleets::channel`], [`Fleets::jobs_of`] and
@@ -609,15 +609,10 @@ impl Fleets {
     /// `fleet.send`: queues a job; runs nothing.
     async fn send(&self, req: SendRequest) -> Result<Job, ApiError> {
         let (revision, _) = self.definition(&req.fleet).await?;
-        if req.text.trim().is_empty() {
-            return Err(ApiError::invalid("text: must not be empty"));
-        }
-        if req.text.len() > fleet_store::MAX_JOB_BYTES {
-            return Err(ApiError::invalid(format!(
-                "text: at most {} bytes, got {}",
-                fleet_store::MAX_JOB_BYTES,
-                req.text.len()
-            )));
+        // A job's text becomes its steps' task texts: the same rule, so a job a run could
+        // never submit is refused now rather than fail every step later.
+        if let Some(rule) = mur_proto::cluster::text_rule(&req.text, fleet_store::MAX_JOB_BYTES) {
+            return Err(ApiError::invalid(format!("text: {rule}")));
         }
         let source = req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string());
         let job = Job::new(req.text, source, now_ms());

@@ -1,4 +1,4 @@
-//! The leader lease (issue #8 §Standby coordinators; DESIGN.md `mur_leader`): several
+//! The leader lease (issue #8 §Standby coordinators; the design, `mur_leader`): several
 //! coordinators may run; the one holding the lease releases tasks, the others stand by.
 //!
 //! - The lease is the key [`cluster::LEADER_KEY`] of [`cluster::LEADER_BUCKET`], whose max

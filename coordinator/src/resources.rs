@@ -11,7 +11,7 @@
 //! built here the way async-nats 0.51 builds them (`kv_to_stream_config`,
 //! `create_object_store`), so one create-compare-update path serves every resource and
 //! the handles come back through `get_key_value` / `get_object_store`
-//! (`reference/jetstream-patterns.md` §1.3–1.5).
+//! (the JetStream patterns reference, §1.3–1.5).
 
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamErrorKind};
@@ -64,7 +64,7 @@ pub struct Settings {
     pub leader_lease_secs: u64,
     /// Seconds a fan-out permit (or a step's place in line for one) in `mur_fanout` lives
     /// without a renewal (the bucket's max age): how soon a crashed step's permit comes
-    /// back (issue #11 §The fan-out cap; DESIGN.md invariant 5). Holders renew every third
+    /// back (issue #11 §The fan-out cap; the design's invariant 5). Holders renew every third
     /// of it. At least 2. Default 15.
     pub fanout_lease_secs: u64,
     /// Seconds a worker's registration stays in `mur_workers` after its last heartbeat

@@ -1,20 +1,20 @@
 //! The coordinator's dispatch decisions: which waiting task a free worker slot goes to, and
 //! when. Every submitted task waits here and is released to the workers only while a slot is
 //! free, so lane order holds cluster-wide and no worker hoards work it cannot start
-//! (`DESIGN.md` §A task's way through the cluster, step 3; shape (a) of §JetStream resources).
+//! (the design, §A task's way through the cluster, step 3; shape (a) of §JetStream resources).
 //!
 //! The rules (each one tested in `scheduler/tests.rs`):
-//! 1. **Lane order** (`seeds/session-loop.md` §Queue lanes; `DESIGN.md` §Invariants 1): the
+//! 1. **Lane order** (the session-loop seed, §Queue lanes; the design, §Invariants 1): the
 //!    next release is the front of the highest non-empty lane, `user` before `peer` before
 //!    `bg`, arrival order (`seq`) within a lane: one global order across all capsules. A
 //!    released task is never taken back: lanes decide which task starts next, never which one
 //!    stops.
-//! 2. **One at a time for `queue` capsules** (`seeds/session-loop.md` §Capsule lifecycle;
-//!    `DESIGN.md` §Invariants 2): a task of a capsule with `task_acceptance: queue` is not
+//! 2. **One at a time for `queue` capsules** (the session-loop seed, §Capsule lifecycle;
+//!    the design, §Invariants 2): a task of a capsule with `task_acceptance: queue` is not
 //!    released while any task of that capsule is released and not ended. It is skipped over
 //!    (tasks behind it may go first) and is next in lane order again once its capsule's task
 //!    ends. Tasks of `single` capsules are independent instances and run in parallel.
-//! 3. **Capacity** (`DESIGN.md` §Invariants 8): free slots = the slots of the live workers −
+//! 3. **Capacity** (the design, §Invariants 8): free slots = the slots of the live workers −
 //!    the tasks released and not ended. A released task holds a slot from its release, before
 //!    any worker starts it, and keeps holding it when its worker goes: JetStream redelivers it
 //!    after the ack wait, so it stays in flight until it ends.
@@ -25,7 +25,7 @@
 //! 5. **Rebuild**: [`Scheduler::restore`] replays the task records of a restarted coordinator
 //!    in any order and ends in the state the old one had, so it releases the same next task.
 //!
-//! Pure: no IO, no async, no clock (`CONVENTIONS.md` §7 item 3). The adapter turns task
+//! Pure: no IO, no async, no clock (the conventions, §7 item 3). The adapter turns task
 //! records, worker heartbeats and dispatch acks into [`Input`]s, and publishes each
 //! [`Output::Release`] into `MUR_DISPATCH` with the message id `<task id>:<attempt>`.
 
@@ -38,7 +38,7 @@ mod tests;
 
 /// The attempt number of a task's release. The scheduler releases a task once and never
 /// takes it back, so every release is attempt 1; the number is part of the dispatch's
-/// message id (`<task id>:<attempt>`, `DESIGN.md` §JetStream resources) so that a restarted
+/// message id (`<task id>:<attempt>`, the design, §JetStream resources) so that a restarted
 /// coordinator re-releasing a task its predecessor had already published is de-duplicated by
 /// JetStream rather than dispatched twice.
 pub const FIRST_ATTEMPT: u32 = 1;

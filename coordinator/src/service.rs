@@ -1,6 +1,6 @@
 //! The coordinator's NATS adapter: it serves the `mur` micro service (task intake, task and
 //! capsule queries), turns the `mur_tasks` and `mur_workers` buckets into [`Input`]s for
-//! the [`Scheduler`], and carries out every [`Output::Release`] (`DESIGN.md` §A task's way
+//! the [`Scheduler`], and carries out every [`Output::Release`] (the design, §A task's way
 //! through the cluster, steps 1–3).
 //!
 //! Layout of [`run`]:
@@ -600,7 +600,7 @@ fn ended_or_gone(entry: &kv::Entry) -> bool {
 const SCAN_PATIENCE: Duration = Duration::from_secs(9);
 
 /// What the leader's two intake shortcuts — admission at submit, and a submission handed
-/// straight to the scheduler — wait for (`DESIGN.md` §Invariants 1: arrival order within a
+/// straight to the scheduler — wait for (the design, §Invariants 1: arrival order within a
 /// lane, the order of the records' creation revisions). A task record created elsewhere (by
 /// a standby's API, or by this process's while it restored) reaches the scheduler only
 /// through the leader's watch; a later task taking a shortcut before the watch has brought

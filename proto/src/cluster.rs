@@ -2,9 +2,9 @@
 //! and workers share, the task record kept in `mur_tasks`, the NATS API's requests,
 //! replies and wire error, and the validation of a submitted task.
 //!
-//! Names follow DESIGN.md §JetStream resources, with one change the code taught: there is
+//! Names follow the design, §JetStream resources, with one change the code taught: there is
 //! no `MUR_TASKS` stream. The coordinator keeps waiting tasks in lanes of its own
-//! (DESIGN.md §JetStream resources, shape (a)), rebuilt at start from `mur_tasks`, and
+//! (the design, §JetStream resources, shape (a)), rebuilt at start from `mur_tasks`, and
 //! releases one task at a time into the `MUR_DISPATCH` work queue when a worker slot is
 //! free.
 //!
@@ -171,7 +171,7 @@ pub struct TaskRecord {
     /// stream unacknowledged (it is acked only after the terminal record), so a delivery of
     /// *another* message for the task — one published again after the stream's duplicate
     /// window — is a duplicate and is dropped, while a redelivery of this one (its worker
-    /// died, DESIGN.md §A task's way, step 6) takes the task over. Absent on records
+    /// died, the design, §A task's way, step 6) takes the task over. Absent on records
     /// written before it existed: such a delivery takes over as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch_seq: Option<u64>,
@@ -380,7 +380,7 @@ impl Dispatch {
         Dispatch { task_id: task_id.into(), attempt, released: None }
     }
 
-    /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (`reference/jetstream-patterns.md` §1.4).
+    /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (the JetStream patterns reference, §1.4).
     pub fn msg_id(&self) -> String {
         format!("{}:{}", self.task_id, self.attempt)
     }
@@ -548,7 +548,7 @@ impl ClusterStatus {
 }
 
 /// One per-turn checkpoint of a running task in [`SESSIONS_BUCKET`], under
-/// [`checkpoint_key`] (issue #8 §Checkpoints; DESIGN.md §A task's way, step 4): what the
+/// [`checkpoint_key`] (issue #8 §Checkpoints; the design, §A task's way, step 4): what the
 /// turns since the previous checkpoint added to the conversation, never the whole history
 /// again, so a long task costs linear bytes. The first checkpoint of an attempt, and any
 /// after the history was replaced (compaction, a reopen), has `replace: true` and carries
@@ -875,6 +875,31 @@ pub const MAX_TASK_BYTES: usize = 1 << 20;
 /// The longest caller-chosen context id, in characters.
 pub const MAX_CONTEXT_ID_CHARS: usize = 64;
 
+/// The rule a task's or a fleet job's text breaks, if any: it must hold more than white
+/// space, be at most `max_bytes` long, and hold no NUL character (U+0000) — a task's text
+/// becomes a command's argument (the `hello` capsule runs it with `sh -c`), and no argument
+/// of a program can carry a NUL: the task would run and end in "cannot start sh" (issue
+/// #29). Other control characters are the text's own business.
+///
+/// The rule's words: `must not be empty`, `must not be only whitespace`, `must be at most
+/// <max_bytes> bytes, got <n>`, `must not contain a NUL character (U+0000: no command's
+/// argument can carry one), found at byte <i>`.
+pub fn text_rule(text: &str, max_bytes: usize) -> Option<String> {
+    if text.is_empty() {
+        Some("must not be empty".to_string())
+    } else if text.trim().is_empty() {
+        Some("must not be only whitespace".to_string())
+    } else if text.len() > max_bytes {
+        Some(format!("must be at most {max_bytes} bytes, got {}", text.len()))
+    } else {
+        text.find('\0').map(|at| {
+            format!(
+                "must not contain a NUL character (U+0000: no command's argument can carry one), found at byte {at}"
+            )
+        })
+    }
+}
+
 /// A task submission (`mur.api.task.submit`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -884,14 +909,14 @@ pub struct SubmitRequest {
     /// The task's text, at most [`MAX_TASK_BYTES`].
     pub text: String,
     /// Where the task comes from; `user` when absent. Over the NATS API the caller is an
-    /// authenticated client and states it (DESIGN.md §A task's way, step 2).
+    /// authenticated client and states it (the design, §A task's way, step 2).
     #[serde(default = "default_origin")]
     pub origin: Origin,
     /// The conversation to continue; a fresh `ctx_…` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_id: Option<String>,
     /// When the task must be over, unix ms: a fleet step inherits the time left on its
-    /// loop's clock (`seeds/fleet-loops.md` §The bounds: "Every member the loop delegates
+    /// loop's clock (the fleet-loops seed, §The bounds: "Every member the loop delegates
     /// to inherits the remaining time"). The worker stops a task still running then; it
     /// ends `deadline_exceeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -901,7 +926,7 @@ pub struct SubmitRequest {
     /// semaphore ([`crate::fanout`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_step: Option<FleetStep>,
-    /// Programs the work needs (a fleet's `needs:`, `reference/mur-fleet.md` §1: "passed to
+    /// Programs the work needs (a fleet's `needs:`, the fleet reference, §1: "passed to
     /// each delegate for dispatch-time preflight"): the worker that takes the task checks
     /// each is on its `PATH` before it starts a session, and ends the task `failed` naming
     /// the missing ones otherwise. At most [`MAX_NEEDS`], each a program name.
@@ -1079,7 +1104,7 @@ impl SubmitRequest {
 
     /// Checks the rules of a decoded submission:
     /// - `capsule`: a capsule name ([`is_valid_name`]);
-    /// - `text`: not empty, at most [`MAX_TASK_BYTES`] bytes;
+    /// - `text`: [`text_rule`] with [`MAX_TASK_BYTES`] (not empty, at most 1 MiB, no NUL);
     /// - `context_id`, when given: 1–64 characters of `A-Z a-z 0-9 - _ .`, not starting or
     ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name);
     /// - `task_id`, when given: a task id, `tsk_` and 32 lowercase hex digits.
@@ -1100,12 +1125,8 @@ impl SubmitRequest {
                 self.capsule
             ));
         }
-        if self.text.is_empty() {
-            errors.push("text: must not be empty".to_string());
-        } else if self.text.trim().is_empty() {
-            errors.push("text: must not be only whitespace".to_string());
-        } else if self.text.len() > MAX_TASK_BYTES {
-            errors.push(format!("text: must be at most {MAX_TASK_BYTES} bytes, got {}", self.text.len()));
+        if let Some(rule) = text_rule(&self.text, MAX_TASK_BYTES) {
+            errors.push(format!("text: {rule}"));
         }
         if let Some(ctx) = self.context_id.as_deref().filter(|c| !is_valid_context_id(c)) {
             errors.push(format!(
@@ -1158,7 +1179,7 @@ pub struct TaskRef {
     pub task_id: String,
 }
 
-/// What went wrong with an API request, as a small closed set (CONVENTIONS.md §7 item 2).
+/// What went wrong with an API request, as a small closed set (the conventions, §7 item 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
@@ -1225,6 +1246,20 @@ impl ApiError {
     /// An `invalid_request` error.
     pub fn invalid(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::InvalidRequest, message)
+    }
+
+    /// The `unavailable` error of a request to `subject` that no coordinator subscribes to
+    /// (NATS answered "no responders"): it says what to start, `<subject>: no coordinator
+    /// answers (no responders); start one with `mur coordinator`, or `mur dev` for a
+    /// cluster on this machine` (issue #29: it named no remedy).
+    pub fn no_coordinator(subject: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "{subject}: no coordinator answers (no responders); start one with `mur coordinator`, \
+                 or `mur dev` for a cluster on this machine"
+            ),
+        )
     }
 }
 
@@ -1491,6 +1526,18 @@ mod tests {
         assert_eq!(invalid(br#"{"capsule":"c","text":""}"#), "text: must not be empty");
         assert_eq!(invalid(br#"{"capsule":"c","text":" \n\t "}"#), "text: must not be only whitespace");
         assert_eq!(invalid(br#"{"capsule":"c"}"#), "text: required");
+    }
+
+    /// Issue #29: a task holding a NUL was accepted, ran, and ended `completed`/`ok` with
+    /// "cannot start sh".
+    #[test]
+    fn a_text_holding_a_nul_is_refused_naming_the_rule_and_where() {
+        assert_eq!(
+            invalid(br#"{"capsule":"c","text":"echo a\u0000b"}"#),
+            "text: must not contain a NUL character (U+0000: no command's argument can carry one), found at byte 6"
+        );
+        // Other control characters are allowed.
+        assert!(SubmitRequest::parse(br#"{"capsule":"c","text":"printf '\u0001\u001b[1m'"}"#).is_ok());
     }
 
     #[test]

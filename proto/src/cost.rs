@@ -2,7 +2,7 @@
 //! tokens, per model, cached input priced separately), a task's token [`Usage`] (provider-
 //! reported where available, the runtime's estimate otherwise, and [`Usage::estimated`]
 //! says which), the [`Spend`] of a run, a job or a member, and the budget projection of
-//! `reference/mur-fleet.md` §3 step 4.
+//! the fleet reference, §3 step 4.
 //!
 //! Pure: no IO, no clock.
 

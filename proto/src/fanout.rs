@@ -1,5 +1,5 @@
 //! The cluster-wide fan-out cap's records and its one decision (issue #11 §The fan-out
-//! cap, cluster-wide; DESIGN.md invariant 5; `reference/jetstream-patterns.md` §1.6 design
+//! cap, cluster-wide; the design's invariant 5; the JetStream patterns reference, §1.6 design
 //! B, KV slot leases). Pure: the worker's `fanout` module does the IO.
 //!
 //! The semaphore lives in the KV bucket [`FANOUT_BUCKET`], whose max age is the lease

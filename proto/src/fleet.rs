@@ -1,10 +1,10 @@
 //! Fleets: the `fleet.yaml` definition, its validation, the loop's bounds and fan-out cap,
 //! jobs and their statuses, run ids, stop reasons and the pure rules a loop applies.
 //!
-//! The behaviour comes from `seeds/fleet-loops.md` (the specification: §Three ways a loop
+//! The behaviour comes from the fleet-loops seed (the specification: §Three ways a loop
 //! ends, §The bounds, §Settings that used to mean something else, §A fixed step graph,
 //! §Unattended runs, §Watching a run) and, where the seed is silent, from
-//! `reference/mur-fleet.md` (§1 schema, §2 limits, §3 loop, §4 jobs); the keys follow
+//! the fleet reference (§1 schema, §2 limits, §3 loop, §4 jobs); the keys follow
 //! issue #10. `docs/fleet.md` is the user-facing reference.
 //!
 //! Two loaders share one validator:
@@ -19,7 +19,7 @@
 //!
 //! Pure: no IO, no clock reads (callers pass unix milliseconds and the environment in).
 
-use crate::int::Int;
+use crate::int::{Int, Real};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::{Mapping, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,7 +29,7 @@ use std::time::Duration;
 #[cfg(test)]
 mod tests;
 
-/// Built-in loop deadline (`seeds/fleet-loops.md` §The bounds: "built-in 1h").
+/// Built-in loop deadline (the fleet-loops seed, §The bounds: "built-in 1h").
 pub const BUILTIN_DEADLINE: &str = "1h";
 /// Built-in stuck window (§The bounds: "built-in 10m").
 pub const BUILTIN_STUCK: &str = "10m";
@@ -52,7 +52,7 @@ pub const CHANNEL_PREFIX: &str = "fleet-";
 /// A job created by `mur fleet send` or a job argument of `mur fleet run`.
 pub const SOURCE_CLI: &str = "cli";
 /// A job a run made for its standing goal when a procedure step of it was parked for
-/// approval (`seeds/fleet-loops.md` §Unattended runs): the handle to approve it by.
+/// approval (the fleet-loops seed, §Unattended runs): the handle to approve it by.
 pub const SOURCE_GOAL: &str = "goal";
 
 /// The notice printed when an iteration cap is given (§The bounds: "Iteration cap — gone").
@@ -457,7 +457,7 @@ pub struct Step {
     /// Default [`DEFAULT_MAX_RETRIES`]; ignored otherwise.
     pub max_retries: u32,
     /// The risk tier of what the step does. A step with a tier needs approval before it
-    /// runs unless `hitl.auto_approve_tiers` lists it (`seeds/fleet-loops.md` §Unattended
+    /// runs unless `hitl.auto_approve_tiers` lists it (the fleet-loops seed, §Unattended
     /// runs; reference §7); a step without one needs none.
     pub tier: Option<RiskTier>,
 }
@@ -774,7 +774,7 @@ struct Raw {
     router: Option<String>,
     r#loop: Option<RawLoop>,
     limits: Option<RawLimits>,
-    fanout: Option<Value>,
+    fanout: Option<Int>,
     hitl: Option<RawHitl>,
     procedure: Option<Vec<RawStep>>,
     parallel: Option<RawParallel>,
@@ -787,7 +787,7 @@ struct RawLoop {
     trigger: Option<String>,
     done_when: Option<String>,
     deadline: Option<Text>,
-    budget_usd: Option<f64>,
+    budget_usd: Option<Real>,
     max_iterations: Option<Int>,
 }
 
@@ -796,7 +796,7 @@ struct RawLoop {
 struct RawLimits {
     deadline: Option<Text>,
     stuck: Option<Text>,
-    cost_usd: Option<f64>,
+    cost_usd: Option<Real>,
 }
 
 /// A duration as written: text, or an unquoted number (`deadline: 90`, seconds) kept as
@@ -1115,10 +1115,9 @@ fn validate_limits(raw: RawLimits, errors: &mut Vec<String>) -> Limits {
         .stuck
         .map(Text::into_string)
         .and_then(|s| Stuck::parse(&s).map_err(|rule| errors.push(format!("limits.stuck: {rule}"))).ok());
-    let cost_usd = raw.cost_usd.and_then(|c| {
-        if c.is_finite() && c >= 0.0 {
-            Some(c)
-        } else {
+    let cost_usd = raw.cost_usd.and_then(|c| match c.number() {
+        Some(v) if v.is_finite() && v >= 0.0 => Some(v),
+        _ => {
             errors.push(format!("limits.cost_usd: must be a non-negative number (0 for no ceiling), got {c}"));
             None
         }
@@ -1173,19 +1172,19 @@ fn validate(raw: Raw, stored_limits: Option<LimitsBlock>, mode: Mode) -> Result<
         },
     };
 
+    // A whole number past the cap's range is refused by the range, anything else that is
+    // not a positive whole number by the key's rule, never in serde's words.
     let fanout = raw.fanout.and_then(|v| {
-        let n = match &v {
-            Value::Number(n) => n.as_u64().filter(|&n| n > 0 && n <= u64::from(u32::MAX)).map(|n| n as u32),
-            _ => None,
+        let rule = match &v {
+            Int::Whole(n) if *n <= 0 => format!("must be a positive integer, got {n}"),
+            Int::Other(shown) => format!("must be a positive integer, got {shown}"),
+            _ => match v.within(1, u32::MAX) {
+                Ok(n) => return Some(n),
+                Err(rule) => rule,
+            },
         };
-        if n.is_none() {
-            let shown = match &v {
-                Value::String(s) => format!("{s:?}"),
-                other => serde_yaml_ng::to_string(other).unwrap_or_default().trim().to_string(),
-            };
-            r.soft("fanout", format_args!("must be a positive integer, got {shown}"), "the default of 3 applies");
-        }
-        n
+        r.soft("fanout", rule, "the default of 3 applies");
+        None
     });
 
     let hitl = validate_hitl(raw.hitl.unwrap_or_default(), &mut r);
@@ -1268,8 +1267,8 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
         }
     }
     if let Some(b) = l.budget_usd {
-        if b.is_finite() && b >= 0.0 {
-            out.budget_usd = b;
+        if let Some(v) = b.number().filter(|v| v.is_finite() && *v >= 0.0) {
+            out.budget_usd = v;
         } else {
             r.soft(
                 "loop.budget_usd",
@@ -1880,7 +1879,7 @@ pub struct Job {
     #[serde(default)]
     pub finished_at: Option<u64>,
     /// The approval its procedure is waiting for, or the answer given (`hitl`,
-    /// `seeds/fleet-loops.md` §Unattended runs): set when a run parks a step, answered by
+    /// the fleet-loops seed, §Unattended runs): set when a run parks a step, answered by
     /// `mur fleet approve` / `mur fleet deny`.
     #[serde(default)]
     pub approval: Option<Approval>,

@@ -170,7 +170,7 @@ pub enum StopState {
         sentinel: Sentinel,
     },
     /// The sentinel could not be read (a read error, or a value that does not parse): the
-    /// fleet counts as stopped (fail closed, DESIGN.md invariant 6).
+    /// fleet counts as stopped (fail closed, the design's invariant 6).
     Unreadable {
         /// Why.
         error: String,
@@ -520,7 +520,7 @@ pub struct CancelRequest {
 }
 
 /// `fleet.approve` / `fleet.deny`: the answer to a blocked job's approval request
-/// (`seeds/fleet-loops.md` §Unattended runs: "Approve it whenever you get to it and the next
+/// (the fleet-loops seed, §Unattended runs: "Approve it whenever you get to it and the next
 /// run continues from there").
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -629,6 +629,18 @@ mod tests {
 /// executes there, not in the client.
 pub const RUN_SUBJECT: &str = "mur.leader.fleet.run";
 
+/// The channel text of a run's start, written by the coordinator running it: `run <id>
+/// started; <bounds line>`. `mur fleet run` printed that line already, and leaves it out.
+pub fn run_started_text(run_id: &str, bounds: &str) -> String {
+    format!("run {run_id} started; {bounds}")
+}
+
+/// The channel text of one of a run's notices: `notice: <notice>` (printed by `mur fleet
+/// run` from the record, and left out of its milestones).
+pub fn notice_text(notice: &str) -> String {
+    format!("notice: {notice}")
+}
+
 /// The [`FLEETS_BUCKET`] key of a run's record: `run.<run id>`.
 pub fn run_key(run_id: &str) -> String {
     format!("run.{run_id}")
@@ -665,7 +677,7 @@ pub struct RunRecord {
     /// The fleet.
     pub fleet: String,
     /// `running`, then the stop's run state (`docs/fleet.md` §Stop reasons, from
-    /// `reference/mur-fleet.md` §3): `done` (converged, or the queue drained), `blocked`
+    /// the fleet reference, §3): `done` (converged, or the queue drained), `blocked`
     /// (awaiting approval), `stopped` (the kill-switch) or `failed` (any other stop); `ended`
     /// for a one-shot run whose coordinator died. Records of older versions say `completed`
     /// or `ended`.

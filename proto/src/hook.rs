@@ -1,5 +1,5 @@
 //! The hook protocol: the event a hook program receives on stdin and the answer it prints
-//! on stdout (issue #4; `reference/murmur-runtime.md` §3 for the per-binding fields, with
+//! on stdout (issue #4; the runtime reference, §3 for the per-binding fields, with
 //! the seed's kebab-case names written snake_case: `budget-tokens` is `budget_tokens`).
 //!
 //! One JSON object per event. Every event carries `version` ([`VERSION`]), `event` (the

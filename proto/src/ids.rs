@@ -1,5 +1,5 @@
 //! Prefixed identifiers: `ses_`, `tsk_`, `ctx_`, `wrk_`, `msg_`, `evt_` followed by a
-//! UUIDv7 in undashed lowercase hex (32 chars), as `reference/murmur-runtime.md` §5 gives.
+//! UUIDv7 in undashed lowercase hex (32 chars), as the runtime reference, §5 gives.
 //! UUIDv7 ids sort by creation time, so "the latest session" is the greatest id.
 
 use std::fmt;

@@ -1,5 +1,5 @@
 //! A lane-ordered queue: what waits to run, and which waiting item runs next
-//! (`seeds/session-loop.md` §Queue lanes; `reference/murmur-runtime.md` §5, checklist L6).
+//! (the session-loop seed, §Queue lanes; the runtime reference, §5, checklist L6).
 //!
 //! The rule: take the front of the highest non-empty lane, `user` before `peer` before `bg`;
 //! within one lane, arrival order. The queue only orders what waits: a running item is not

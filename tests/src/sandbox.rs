@@ -1,5 +1,5 @@
 //! A cluster in one test process: a real nats-server (from [`crate::nats`]), a coordinator
-//! and workers running as tokio tasks (CONVENTIONS §7 item 11), capsules pushed as
+//! and workers running as tokio tasks (the conventions, §7 item 11), capsules pushed as
 //! bundles, and helpers that wait on task records with a deadline.
 
 use crate::nats::NatsServer;

@@ -1,6 +1,6 @@
 //! The cluster survives (issue #8): real `nats-server`, `mur coordinator` and `mur worker`
 //! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
-//! DESIGN.md's invariants 2, 3, 4, 7, 8 on what the cluster stored.
+//! the design's invariants 2, 3, 4, 7, 8 on what the cluster stored.
 
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
@@ -545,7 +545,8 @@ async fn mur_task_send_sends_again_until_a_coordinator_answers_and_the_task_runs
     .await;
     assert!(
         retrying.starts_with(
-            "mur: mur.api.task.submit: no coordinator answers (no responders); sending it again in 250 ms (task tsk_"
+            "mur: mur.api.task.submit: no coordinator answers (no responders); start one with `mur coordinator`, \
+             or `mur dev` for a cluster on this machine; sending it again in 250 ms (task tsk_"
         ),
         "{retrying}"
     );
@@ -767,8 +768,8 @@ fn proc_state(pid: u32) -> Option<char> {
 /// Invariant 4 (a turn may run again after a crash, not twice at once): a worker killed
 /// with SIGKILL in the middle of a shell command takes the command's whole process group with
 /// it — the command and what it started in the background — so a takeover's run would be
-/// the only one. A command already detached is left to run out on its own, as
-/// `seeds/session-loop.md` §What a resume reports says of a runtime killed outright.
+/// the only one. A command already detached is left to run out on its own, as the
+/// session-loop seed says of a runtime killed outright (§What a resume reports).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_workers_foreground_command_dies_with_it_and_a_detached_one_runs_on() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;

@@ -887,6 +887,15 @@ async fn submit_refuses_bad_requests_with_their_error_and_stores_nothing() -> Re
 
     let err = refuse(br#"{"capsule":"greeter","text":""}"#.to_vec()).await;
     assert_eq!((err.code, err.message.as_str()), (cluster::ErrorCode::InvalidRequest, "text: must not be empty"));
+    // Issue #29: a NUL was accepted, and the task ended completed/ok with "cannot start sh".
+    let err = refuse(br#"{"capsule":"greeter","text":"echo a\u0000b"}"#.to_vec()).await;
+    assert_eq!(
+        (err.code, err.message.as_str()),
+        (
+            cluster::ErrorCode::InvalidRequest,
+            "text: must not contain a NUL character (U+0000: no command's argument can carry one), found at byte 6"
+        )
+    );
 
     // One byte over the limit: the request itself is over the server's 1 MiB max_payload,
     // so the client refuses to send it (the service-side rule is proto's unit test).
@@ -1523,7 +1532,8 @@ async fn a_process_takes_back_its_own_lease_of_an_ended_term_and_a_namesake_wait
 }
 
 /// With no coordinator on the server, `mur cluster status --json` says so as a JSON error
-/// with the API's code `unavailable` (it had `null`: the refusal was flattened to text).
+/// with the API's code `unavailable` (it had `null`: the refusal was flattened to text), and
+/// what to start (issue #29: it named no remedy).
 #[test]
 fn cluster_status_without_a_coordinator_is_a_json_error_coded_unavailable() {
     use mur_tests::mur::{Run, mur};
@@ -1534,7 +1544,9 @@ fn cluster_status_without_a_coordinator_is_a_json_error_coded_unavailable() {
     assert_eq!(
         said,
         serde_json::json!({"code": "unavailable",
-                           "error": "mur cluster status: unavailable: mur.api.cluster.status: no coordinator answers (no responders)"})
+                           "error": "mur cluster status: unavailable: mur.api.cluster.status: no coordinator answers \
+                                     (no responders); start one with `mur coordinator`, or `mur dev` for a cluster \
+                                     on this machine"})
     );
 }
 

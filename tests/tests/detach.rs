@@ -14,6 +14,64 @@ fn of_type<'a>(lines: &'a [Value], ty: &str) -> Vec<&'a Value> {
     lines.iter().filter(|l| l["event_type"] == ty).collect()
 }
 
+/// A command the test leaves running, killed by the test itself when it is dropped (an
+/// assertion that fails included): the command writes its shell's pid to a file first
+/// (`echo $$ > FILE`), and its process group — the shell tool starts each command in a
+/// group of its own, led by that shell — is killed by that pid. Never by name: on a shared
+/// machine `pkill -f "sleep 30"` kills other people's processes too.
+struct Leftover {
+    dir: tempfile::TempDir,
+}
+
+impl Leftover {
+    fn new() -> Leftover {
+        Leftover { dir: tempfile::tempdir().unwrap() }
+    }
+
+    /// `command`, prefixed with the line that writes its pid.
+    fn command(&self, command: &str) -> String {
+        format!("echo $$ > {}; {command}", self.dir.path().join("pid").display())
+    }
+
+    /// The shell's pid, once it has written it.
+    fn pid(&self) -> i32 {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            if let Some(pid) =
+                std::fs::read_to_string(self.dir.path().join("pid")).ok().and_then(|s| s.trim().parse().ok())
+            {
+                return pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "the command never wrote its pid");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still there.
+    fn alive(&self) -> bool {
+        // SAFETY: kill(2) with signal 0 only checks that the process exists.
+        unsafe { libc::kill(self.pid(), 0) == 0 }
+    }
+}
+
+impl Drop for Leftover {
+    fn drop(&mut self) {
+        let Some(pid) =
+            std::fs::read_to_string(self.dir.path().join("pid")).ok().and_then(|s| s.trim().parse::<i32>().ok())
+        else {
+            return;
+        };
+        // SAFETY: signals to the process (group) this test's command started; getpgid only reads.
+        unsafe {
+            if libc::getpgid(pid) == pid {
+                libc::killpg(pid, libc::SIGKILL);
+            } else {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
 fn capsule(lifecycle: &str, replies: &str) -> TestCapsule {
     TestCapsule::new(
         &format!(
@@ -104,8 +162,12 @@ fn two_detached_commands_each_get_their_own_completion() {
 
 #[test]
 fn under_single_exit_a_running_command_is_abandoned_in_the_trace_and_on_stderr() {
-    let replies = "replies:\n  - tool_calls: [{ name: sh, input: { command: 'sleep 30' } }]\n  - text: leaving\n";
-    let c = capsule("", replies);
+    let leftover = Leftover::new();
+    let replies = format!(
+        "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: '{}' }} }}]\n  - text: leaving\n",
+        leftover.command("exec sleep 30")
+    );
+    let c = capsule("", &replies);
     let run = Run::of(mur().arg("run").arg(c.dir()).args(["--json", "--task", "go"]));
     assert_eq!(run.code, 0, "{run:?}");
     let json = run.last_json();
@@ -118,15 +180,16 @@ fn under_single_exit_a_running_command_is_abandoned_in_the_trace_and_on_stderr()
     assert!(run.stderr.contains("shell_abandoned: "), "{}", run.stderr);
     let pos = |ty: &str| lines.iter().position(|l| l["event_type"] == ty).unwrap();
     assert!(pos("shell_abandoned") < pos("session_end"));
-    // Left to run: kill it ourselves.
-    let _ = std::process::Command::new("pkill").args(["-f", "sleep 30"]).status();
+    // Left to run: `leftover` kills it when dropped.
+    assert!(leftover.alive(), "an abandoned command is left running");
 }
 
 #[test]
 fn a_resume_after_a_kill_reports_the_lost_command_once_and_leaves_it_running() {
-    let marker = format!("mur-lost-{}", std::process::id());
+    let leftover = Leftover::new();
     let replies = format!(
-        "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: 'sleep 20; echo {marker}' }} }}]\n  - text: busy\n    delay_ms: 60000\n  - text: \"report: {{{{task}}}}\"\n"
+        "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: '{}' }} }}]\n  - text: busy\n    delay_ms: 60000\n  - text: \"report: {{{{task}}}}\"\n",
+        leftover.command("sleep 20; echo lost")
     );
     let c = capsule("", &replies);
     let wd = tempfile::tempdir().unwrap();
@@ -188,8 +251,6 @@ fn a_resume_after_a_kill_reports_the_lost_command_once_and_leaves_it_running() {
     assert!(of_type(&lines, "task_start").iter().all(|s| s["source"] != "detached_lost"));
     assert_eq!(of_type(&trace_lines(Path::new(&old_dir)), "shell_lost").len(), 1);
 
-    // The command itself was not killed by any of this.
-    let alive = std::process::Command::new("pgrep").args(["-f", &marker]).output().unwrap();
-    assert!(alive.status.success(), "the detached command is still running");
-    let _ = std::process::Command::new("pkill").args(["-f", &marker]).status();
+    // The command itself was not killed by any of this (`leftover` kills it when dropped).
+    assert!(leftover.alive(), "the detached command is still running");
 }

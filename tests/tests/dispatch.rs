@@ -205,7 +205,7 @@ async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_i
     sb.shutdown().await;
 }
 
-/// Issue #7 §Lifecycle on the cluster (`seeds/session-loop.md` §Detached shell): a shell
+/// Issue #7 §Lifecycle on the cluster (the session-loop seed, §Detached shell): a shell
 /// command still running after the grace period moves to the background of its worker;
 /// when it ends, its completion is submitted to the coordinator as a `completion` task
 /// (bg lane) for the same capsule and context, its log goes to the object store, and the
@@ -605,4 +605,39 @@ async fn a_result_larger_than_a_message_is_clipped_to_fit_the_task_record() {
     assert!(result.len() > 800_000 && result[..result.len() - note.len()].bytes().all(|b| b == b'y'));
     let whole = cluster.dir().join("wkr-big/sessions").join(record.session_id.unwrap()).join("out/result.txt");
     assert_eq!(std::fs::read_to_string(whole).unwrap().len(), 1_100_000);
+}
+
+/// `mur task send` to a capsule that does not exist names the closest ones and the list
+/// (issue #29: it said only `no capsule named …`); the refusal's code stays `not_found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_capsule_name_is_answered_with_the_closest_names_and_the_list() {
+    let sb = Sandbox::start(0, 1).await;
+    sb.push(shell_capsule("hello", "").dir()).await;
+    sb.push(shell_capsule("two-tools", "").dir()).await;
+    let send = |capsule: &'static str, json: bool| {
+        let mut cmd = mur_tests::mur::mur();
+        cmd.args(["task", "send", capsule, "echo hi"]).env("NATS_URL", sb.nats.url());
+        if json {
+            cmd.arg("--json");
+        }
+        mur_tests::mur::run_blocking(cmd)
+    };
+    let run = send("helo", false).await;
+    assert_eq!(
+        (run.code, run.stdout.as_str(), run.stderr.as_str()),
+        (
+            2,
+            "",
+            "mur: not_found: capsule: no capsule named \"helo\" (push it with `mur capsule push`); did you mean \
+             \"hello\"? capsules on this cluster: hello, two-tools\n"
+        )
+    );
+    let run = send("builder", true).await;
+    let said: serde_json::Value = serde_json::from_str(&run.stderr).expect("one JSON object");
+    assert_eq!(
+        said,
+        serde_json::json!({"code": "not_found", "error": "not_found: capsule: no capsule named \"builder\" (push it \
+                           with `mur capsule push`); capsules on this cluster: hello, two-tools"})
+    );
+    sb.shutdown().await;
 }

@@ -1,4 +1,4 @@
-//! The cluster-wide fan-out cap (issue #11 §The fan-out cap; DESIGN.md invariant 5): the
+//! The cluster-wide fan-out cap (issue #11 §The fan-out cap; the design's invariant 5): the
 //! semaphore in `mur_fanout` against a real nats-server, and a chaos run of a real fleet
 //! across real worker processes killed with SIGKILL.
 

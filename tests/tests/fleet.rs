@@ -189,7 +189,7 @@ async fn set_loop_refuses_every_value_that_used_to_mean_something_else() -> Resu
     let kv = fleets_kv(&sb).await;
     let before = kv.entry("def.pair").await?.unwrap();
 
-    // seeds/fleet-loops.md §Settings that used to mean something else, row by row.
+    // the fleet-loops seed, §Settings that used to mean something else, row by row.
     let table: [(&[&str], &str); 4] = [
         (
             &["--deadline", "2026-12-31"],
@@ -309,10 +309,14 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
 
     let mut ids = Vec::new();
     for text in ["first", "second", "third", "fourth"] {
-        let out = ok(&sb, &["send", "pair", text]).stdout;
-        let id = out.trim().to_string();
+        let sent = ok(&sb, &["send", "pair", text]);
+        let id = sent.sent_job_id();
         let uuid = uuid::Uuid::parse_str(&id)?;
-        assert_eq!((uuid.get_version_num(), uuid.hyphenated().to_string(), out), (7, id.clone(), format!("{id}\n")));
+        // A sentence, as `mur fleet create` prints (issue #29: it was the bare id).
+        assert_eq!(
+            (uuid.get_version_num(), uuid.hyphenated().to_string(), sent.stdout),
+            (7, id.clone(), format!("queued job {id} in fleet pair\n"))
+        );
         ids.push(id);
     }
     let sent = ok(&sb, &["send", "pair", "fifth", "--json"]).last_json();
@@ -321,7 +325,21 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
         (json!("queued"), json!("fifth"), json!("cli"))
     );
     ids.push(sent["id"].as_str().unwrap().to_string());
-    assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be empty\n");
+    assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be only whitespace\n");
+    // Issue #29: no command's argument can carry a NUL (the command line cannot either:
+    // straight to the API).
+    let err = mur_coordinator::api::call::<Job>(
+        &sb.client,
+        fleet_store::api::SEND,
+        serde_json::to_vec(&json!({"fleet": "pair", "text": "echo a\u{0}b"}))?,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid_request: text: must not contain a NUL character (U+0000: no command's argument can carry one), \
+         found at byte 6"
+    );
     assert_eq!(
         refused(&sb, &["send", "ghost", "x"]),
         "mur: not_found: fleet: no fleet named \"ghost\" (create it with `mur fleet create FILE`)\n"
@@ -531,7 +549,7 @@ async fn log_prints_the_channel_with_authors_and_sequence_numbers() -> Result<()
     ok(&sb, &["create", other.to_str().unwrap()]);
     assert_eq!(ok(&sb, &["log", "pair"]).stdout, "");
 
-    let job = ok(&sb, &["send", "pair", "build it"]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "pair", "build it"]).sent_job_id();
     ok(&sb, &["stop", "pair", "--by", "ann"]);
     // What a run engine writes: a delegation, a member's reply (another fleet's event between).
     let fleets = handle(&sb).await;
@@ -608,7 +626,7 @@ async fn the_builder_fleet_drains_its_queue_on_the_cluster_and_a_stopped_fleet_r
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stderr.starts_with("bounds: deadline 5m ← --deadline; stuck 10m ← built-in\n"), "{}", run.stderr);
     assert!(run.stderr.contains("done (queue-drained) after 2 iterations"), "{}", run.stderr);
-    let run_id = run.stdout.trim().to_string();
+    let run_id = run.run_id();
     assert!(run_id.starts_with("fleet-builder-"), "{run_id}");
 
     let jobs: Value = serde_json::from_str(ok(&sb, &["jobs", "builder", "--all", "--json"]).stdout.trim()).unwrap();
@@ -722,7 +740,7 @@ async fn a_run_shows_its_milestones_however_long_the_channel_before_it() {
     sb.shutdown().await;
 }
 
-/// `seeds/fleet-loops.md` §The bounds: "Every member the loop delegates to inherits the
+/// the fleet-loops seed, §The bounds: "Every member the loop delegates to inherits the
 /// remaining time". A step still running when the loop's deadline passes is stopped by its
 /// worker (its shell command killed): the task ends `deadline_exceeded`, the job `failed`,
 /// and the run ends `deadline` (exit 1): its iteration failed for the deadline.
@@ -754,7 +772,7 @@ async fn a_step_outliving_the_loops_deadline_is_stopped_by_its_worker() {
     sb.shutdown().await;
 }
 
-/// `seeds/fleet-loops.md` with a router: the `pair` example (router `planner`, members
+/// the fleet-loops seed with a router: the `pair` example (router `planner`, members
 /// `builder` and `reviewer`). The router plans the iteration (a `decision` on the channel),
 /// each member gets the job followed by the router's assignment, and with `done_when`
 /// empty the router judges DONE after the iteration: the loop converges.
@@ -805,7 +823,7 @@ async fn jobs_with_long_texts_list_clipped() -> Result<()> {
     let dir = tempfile::tempdir()?;
     ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
     let text = "x".repeat(100_000);
-    let ids: Vec<String> = (0..12).map(|_| ok(&sb, &["send", "pair", &text]).stdout.trim().to_string()).collect();
+    let ids: Vec<String> = (0..12).map(|_| ok(&sb, &["send", "pair", &text]).sent_job_id()).collect();
     let run = ok(&sb, &["jobs", "pair", "--json"]);
     let jobs = run.last_json();
     let listed: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap()).collect();
@@ -827,7 +845,7 @@ async fn a_fleet_with_a_run_going_is_not_removed() -> Result<()> {
     let sb = Sandbox::start(0, 1).await;
     let dir = tempfile::tempdir()?;
     ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
-    let job = ok(&sb, &["send", "pair", "Go."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "pair", "Go."]).sent_job_id();
     // A run as a coordinator keeps its record while it runs.
     let kv = fleets_kv(&sb).await;
     let mut run = json!({

@@ -47,7 +47,7 @@ async fn cluster() -> (Procs, Proc, Proc, Proc) {
 async fn send(procs: &Procs, text: &str) -> String {
     let sent = mur(procs, &["fleet", "send", "builder", text]).await;
     assert_eq!(sent.code, 0, "{sent:?}");
-    sent.stdout.trim().to_string()
+    sent.sent_job_id()
 }
 
 async fn job(procs: &Procs, id: &str) -> Value {

@@ -62,7 +62,7 @@ async fn a_budget_stops_a_metered_loop_before_the_iteration_it_cannot_afford_and
     }
     let run = mur(&procs, &["fleet", "run", "metered", "--loop", "--budget-usd", "10000", "--deadline", "5m"]).await;
     assert_eq!(run.code, 1, "{run:?}");
-    let run_id = run.stdout.trim().to_string();
+    let run_id = run.run_id();
     assert!(
         run.stderr.contains(&format!(
             "run {run_id} ended: budget after 2 iterations; spent $7000.0000 (4000000 in, 2000000 cached, 2000000 out)"
@@ -134,7 +134,7 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     create_fleet(&procs, "name: est\ngoal: Say something.\nmembers: [coder]\n").await;
     let run = mur(&procs, &["fleet", "run", "est"]).await;
     assert_eq!(run.code, 0, "{run:?}");
-    let run_id = run.stdout.trim().to_string();
+    let run_id = run.run_id();
     let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
         .await
         .unwrap()
@@ -171,7 +171,7 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     let notice = "fleet 'localf' runs on models with no price (local): it is bounded by its deadline 5m; \
                   the budget 1 ← --budget-usd is ignored";
     assert!(local.stderr.contains(&format!("notice: {notice}\n")), "{}", local.stderr);
-    let v = status_json(&procs, local.stdout.trim()).await;
+    let v = status_json(&procs, &local.run_id()).await;
     assert_eq!((v["notices"].clone(), v["budget_usd"].clone()), (json!([notice]), Value::Null));
     assert_eq!((v["spend"]["usd"].as_f64(), v["spend"]["estimated"].as_bool()), (Some(0.0), Some(true)));
     let log = mur(&procs, &["fleet", "log", "localf"]).await.stdout;

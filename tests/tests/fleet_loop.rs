@@ -1,4 +1,4 @@
-//! How a fleet loop ends on the cluster (issue #10 §Runs and loops; `seeds/fleet-loops.md`
+//! How a fleet loop ends on the cluster (issue #10 §Runs and loops; the fleet-loops seed,
 //! §Three ways a loop ends, §Kill-switch; reference §9 Loop termination, Kill-switch):
 //! a marker line converges it, a marker of an earlier run does not, the deadline ends it
 //! between iterations, and a stop reaches it before its next iteration.
@@ -172,4 +172,50 @@ async fn the_cluster_configs_limits_bound_a_fleet_without_its_own() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("limits.deadline: must be a duration"), "{stderr}");
+}
+
+/// Issue #29 items 5 and 13, off a terminal: `--max-iterations N` is accepted and ignored
+/// with the seed's notice (it was refused: `unexpected argument`); the `bounds:` line and
+/// each notice are printed once (the run's channel repeats them, and they were printed
+/// again as milestones); the run id is labelled on stdout; no status line comes twice in a
+/// row; and a step of 3 s is not a silence: with `MUR_FOLLOW_EVERY_SECS=1` the status comes
+/// again each second with the running member's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_followed_loop_says_its_bounds_and_notices_once_and_never_falls_silent() {
+    let sb = Sandbox::start(1, 2).await;
+    let member = echo_member("slowpoke", "3");
+    sb.push(member.dir()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("slow.yaml");
+    std::fs::write(&yaml, "name: slow\ngoal: Go.\nmembers: [slowpoke]\nloop:\n  done_when: queue-empty\n").unwrap();
+    ok(&sb, &["create", yaml.to_str().unwrap()]);
+    ok(&sb, &["send", "slow", "the one job"]);
+    let mut cmd = mur();
+    cmd.args(["fleet", "run", "slow", "--loop", "--deadline", "5m", "--max-iterations", "5"])
+        .env("NATS_URL", sb.nats.url())
+        .env("MUR_FOLLOW_EVERY_SECS", "1");
+    let run = mur_tests::mur::run_blocking(cmd).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let err: Vec<&str> = run.stderr.lines().collect();
+    assert_eq!(err[0], "bounds: deadline 5m ← --deadline; stuck 10m ← built-in", "{}", run.stderr);
+    assert_eq!(run.stderr.matches("deadline 5m ← --deadline").count(), 1, "the bounds once: {}", run.stderr);
+    let ignored = "notice: --max-iterations is ignored: loops are bounded by deadline, stuck and cost \
+                   (a 10000-iteration diagnostic ceiling remains)";
+    assert_eq!(err.iter().filter(|l| **l == ignored).count(), 1, "{}", run.stderr);
+    let mut notices: Vec<&str> = err.iter().copied().filter(|l| l.contains("notice: ")).collect();
+    let all = notices.len();
+    notices.sort();
+    notices.dedup();
+    assert_eq!(notices.len(), all, "each notice once: {}", run.stderr);
+    assert!(all >= 2, "the scripted members' unpriced-model notice too: {}", run.stderr);
+    let id = run.run_id();
+    assert!(id.starts_with("fleet-slow-"), "{run:?}");
+    assert!(run.stdout.starts_with(&format!("run {id} started on coordinator ")), "{run:?}");
+    let status: Vec<&str> = err.iter().copied().filter(|l| l.starts_with("status: ")).collect();
+    assert!(status.windows(2).all(|w| w[0] != w[1]), "a status line twice in a row: {}", run.stderr);
+    assert_eq!(status[0], "status: slowpoke waiting | permits 0 in use | spend $0.0000", "{}", run.stderr);
+    let timed = status.iter().filter(|l| l.starts_with("status: slowpoke running ") && l.contains("s |")).count();
+    assert!(timed >= 2, "the running step's time, at least every second: {}", run.stderr);
+    assert!(err.last().unwrap().starts_with(&format!("run {id} done (queue-drained) after ")), "{}", run.stderr);
+    sb.shutdown().await;
 }

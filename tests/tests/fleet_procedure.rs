@@ -1,5 +1,5 @@
-//! Fleets with a `procedure:` on the cluster (`seeds/fleet-loops.md` §A fixed step graph,
-//! §Unattended runs; `reference/mur-fleet.md` §6, §9 "Procedure / planning / fan-out"): the
+//! Fleets with a `procedure:` on the cluster (the fleet-loops seed, §A fixed step graph,
+//! §Unattended runs; the fleet reference, §6, §9 "Procedure / planning / fan-out"): the
 //! real `mur` binary asks the leading coordinator to run; the coordinator sends each step
 //! as a `peer` task to workers running scripted capsules, rank by rank.
 
@@ -98,7 +98,7 @@ async fn a_procedure_runs_rank_by_rank_and_a_dependent_step_is_sent_its_dependen
     let sb = Sandbox::start(1, 4).await;
     push(&sb, &[capsule("writer", Some("Rivers flow downhill.")), capsule("critic", Some("Noted."))]).await;
     define(&sb, ESSAY);
-    let job = ok(&sb, &["send", "essay", "Write about the Rhine."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "essay", "Write about the Rhine."]).sent_job_id();
 
     let ran = run(&sb, &["essay"]).await;
     assert_eq!(ran.code, 0, "{ran:?}");
@@ -240,7 +240,7 @@ async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_st
     let sb = Sandbox::start(1, 4).await;
     push(&sb, &[capsule("writer", Some("Deployed.")), capsule("critic", Some("Checked."))]).await;
     define(&sb, GATE);
-    let job = ok(&sb, &["send", "gate", "Ship v2."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "gate", "Ship v2."]).sent_job_id();
 
     let ran = run(&sb, &["gate"]).await;
     assert_eq!(ran.code, 1, "{ran:?}");
@@ -271,7 +271,7 @@ async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_st
     );
     // Nothing to approve on a job that is not blocked; a blocked job is not taken again
     // before it is answered.
-    let done_job = ok(&sb, &["send", "gate", "Other work."]).stdout.trim().to_string();
+    let done_job = ok(&sb, &["send", "gate", "Other work."]).sent_job_id();
     let not_blocked = fleet(&sb, &["approve", "gate", &done_job]);
     assert_eq!(
         (not_blocked.code, not_blocked.stderr.trim()),
@@ -303,7 +303,7 @@ async fn a_blocked_job_is_approved_and_the_next_run_continues_from_the_parked_st
     assert!(log.contains("system note: step deploy (destructive) approved by tester"), "{log}");
 
     // Denied: the parked step fails (on_failure abort), the job fails.
-    let denied_job = ok(&sb, &["send", "gate", "Ship v3."]).stdout.trim().to_string();
+    let denied_job = ok(&sb, &["send", "gate", "Ship v3."]).sent_job_id();
     assert_eq!(run(&sb, &["gate"]).await.code, 1);
     let denied = ok(&sb, &["deny", "gate", &denied_job, "--by", "ops"]);
     assert_eq!(denied.stdout, format!("denied job {denied_job} (step deploy); the next run of the fleet takes it\n"));
@@ -422,7 +422,7 @@ async fn with_hitl_mode_wait_the_run_waits_for_the_approval_and_goes_on() {
     let sb = Sandbox::start(1, 4).await;
     push(&sb, &[capsule("writer", Some("Deployed.")), capsule("critic", Some("Checked."))]).await;
     define(&sb, &GATE.replace("members: [writer, critic]\n", "members: [writer, critic]\nhitl:\n  mode: wait\n"));
-    let job = ok(&sb, &["send", "gate", "Ship v2."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "gate", "Ship v2."]).sent_job_id();
     let url = sb.nats.url();
     let running = tokio::task::spawn_blocking(move || {
         Run::of(mur().args(["fleet", "run", "gate", "--deadline", "2m"]).env("NATS_URL", url))
@@ -504,7 +504,7 @@ async fn the_release_example_parks_publish_until_it_is_approved() {
     sb.push(&mur_tests::capsule::repo_root().join("examples/reviewer")).await;
     let file = mur_tests::capsule::repo_root().join("examples/fleets/release.yaml");
     ok(&sb, &["create", file.to_str().unwrap()]);
-    let job = ok(&sb, &["send", "release", "Release v2.1."]).stdout.trim().to_string();
+    let job = ok(&sb, &["send", "release", "Release v2.1."]).sent_job_id();
     let ran = run(&sb, &["release"]).await;
     assert_eq!(ran.code, 1, "{ran:?}");
     assert!(ran.stderr.contains("ended: awaiting-approval"), "{}", ran.stderr);

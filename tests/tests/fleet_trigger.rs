@@ -66,8 +66,8 @@ async fn an_interval_trigger_fires_on_the_leader_not_while_stopped_and_never_ove
         mur(&procs, &["fleet", "create", &fleet_file(&procs, name)]).await;
     }
     // Nobody runs anything: the triggers do.
-    let tick = mur(&procs, &["fleet", "send", "ticker", "echo tick-1"]).await.stdout.trim().to_string();
-    let slow = mur(&procs, &["fleet", "send", "slow", "sleep 3 && echo slow-done"]).await.stdout.trim().to_string();
+    let tick = mur(&procs, &["fleet", "send", "ticker", "echo tick-1"]).await.sent_job_id();
+    let slow = mur(&procs, &["fleet", "send", "slow", "sleep 3 && echo slow-done"]).await.sent_job_id();
     let done = until("the ticker's job done by a triggered run", WAIT, || async {
         let j = job_status(&procs, "ticker", &tick).await;
         (j["status"] == "done").then_some(j)
@@ -103,7 +103,7 @@ async fn an_interval_trigger_fires_on_the_leader_not_while_stopped_and_never_ove
         runs.iter().all(RunRecord::is_over).then_some(runs.len())
     })
     .await;
-    let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick-2"]).await.stdout.trim().to_string();
+    let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick-2"]).await.sent_job_id();
     let before = runs_of(&procs, "slow").await.len();
     until("three more slow runs", WAIT, || async { (runs_of(&procs, "slow").await.len() >= before + 3).then_some(()) })
         .await;
@@ -131,7 +131,7 @@ async fn a_trigger_does_not_fire_unless_autorun_is_on() {
     procs.push(Path::new(&example("examples/builder"))).await;
     mur(&procs, &["fleet", "create", &fleet_file(&procs, "ticker")]).await;
     mur(&procs, &["fleet", "create", &example("examples/fleets/builder.yaml")]).await;
-    let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick"]).await.stdout.trim().to_string();
+    let queued = mur(&procs, &["fleet", "send", "ticker", "echo tick"]).await.sent_job_id();
     mur(&procs, &["fleet", "send", "builder", "sleep 2.5 && echo witness"]).await;
     let witness = mur(&procs, &["fleet", "run", "builder"]).await;
     assert!(witness.stderr.contains("done (converged) after 1 iteration"), "{witness:?}");

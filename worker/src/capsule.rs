@@ -179,7 +179,7 @@ fn read(path: &Path) -> Result<String, Error> {
 }
 
 /// The text of `MURMUR.md`, the onboarding file the runtime writes to the session folder
-/// (`seeds/session-loop.md` §MURMUR.md): identity, model and context budget, directory
+/// (the session-loop seed, §MURMUR.md): identity, model and context budget, directory
 /// layout, tools, how to call a tool, shell commands, checkpoints.
 pub fn onboarding(
     manifest: &Manifest,

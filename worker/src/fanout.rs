@@ -1,5 +1,5 @@
 //! The cluster-wide fan-out semaphore's IO (issue #11 §The fan-out cap, cluster-wide;
-//! DESIGN.md invariant 5): taking, renewing and giving back permits in the KV bucket
+//! the design's invariant 5): taking, renewing and giving back permits in the KV bucket
 //! [`fanout::FANOUT_BUCKET`]. The layout and the order in which waiters are served are in
 //! [`mur_proto::fanout`]; this module only talks to JetStream.
 //!

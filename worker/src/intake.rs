@@ -1,8 +1,8 @@
 //! Task intake for one capsule: admission, the lane-ordered wait, task states, cancel and
 //! updates. `mur run` drives it; the A2A endpoint ([`crate::a2a`]) feeds it.
 //!
-//! Admission follows `lifecycle.task_acceptance` (`seeds/session-loop.md` §Capsule
-//! lifecycle; `reference/murmur-runtime.md` §5, checklist L1–L3):
+//! Admission follows `lifecycle.task_acceptance` (the session-loop seed, §Capsule
+//! lifecycle; the runtime reference, §5, checklist L1–L3):
 //! - `none`: every message is refused with [`Rejected::NotAccepting`] (the A2A layer answers
 //!   JSON-RPC -32601, as the original runtime did);
 //! - `single`: one task in the session's lifetime; any message while a task waits or runs,
@@ -406,7 +406,7 @@ impl Intake {
 
     /// Queues a task the runtime generates itself (a `task.md` at launch, a resume's loss
     /// report), bypassing admission: `task_acceptance` does not gate these
-    /// (`seeds/session-loop.md` §What a resume reports). It waits in its lane like any other
+    /// (the session-loop seed, §What a resume reports). It waits in its lane like any other
     /// and does not count as `single`'s one task.
     pub fn enqueue(&self, submission: Submission) -> TaskRecord {
         let record = self.enqueue_locked(&mut self.lock(), submission);
@@ -496,7 +496,7 @@ impl Intake {
 
     /// Ends a running task: `ok` → `completed` (its text becomes the `result` artifact),
     /// `canceled` → `canceled`, any other exit status → `failed` with the exit status in
-    /// the status message (`reference/murmur-runtime.md` §5, §7 item 1).
+    /// the status message (the runtime reference, §5, §7 item 1).
     pub fn finish(&self, id: &str, exit_status: ExitStatus, result_text: &str) -> Result<TaskRecord, Error> {
         let mut st = self.lock();
         let state = st.entries.get(id).map(|e| e.record.state).ok_or_else(|| Error::NotFound(id.to_string()))?;

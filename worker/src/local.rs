@@ -1,5 +1,5 @@
 //! The local host of a capsule: what `mur run` does around the session loop — the task
-//! intake and its lifecycle (`seeds/session-loop.md` §Capsule lifecycle), idle exit, clean
+//! intake and its lifecycle (the session-loop seed, §Capsule lifecycle), idle exit, clean
 //! shutdown, cancellation, and conversations per context id.
 //!
 //! | `task_acceptance` | `after_task` | what the host does |
@@ -11,7 +11,7 @@
 //!
 //! Tasks the capsule generates for itself (a detached command's completion, a resume's
 //! loss report) are enqueued past admission and always run before the host exits, under
-//! every mode (`seeds/session-loop.md` §What a resume reports).
+//! every mode (the session-loop seed, §What a resume reports).
 //!
 //! When the host stops (a signal, a fatal end), a task still waiting never runs: it ends
 //! `canceled`, its status message saying why, so its sender is not left waiting on a
@@ -98,7 +98,7 @@ impl Summary {
     }
 }
 
-/// The detached shell commands of a session (`seeds/session-loop.md` §Detached shell):
+/// The detached shell commands of a session (the session-loop seed, §Detached shell):
 /// the shell tools' sink (to kill a cancelled task's commands) and the notices it sends.
 pub struct Background {
     /// The sink the shell tools were given.

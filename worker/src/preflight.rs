@@ -1,4 +1,4 @@
-//! The dispatch-time preflight of a task's `needs` (`reference/mur-fleet.md` §1: a
+//! The dispatch-time preflight of a task's `needs` (the fleet reference, §1: a
 //! fleet's `needs:` is "passed to each delegate for dispatch-time preflight"): before a
 //! worker starts a session for a task, every program the task needs must be on its `PATH`.
 //! Pure apart from reading file metadata.

@@ -1,6 +1,6 @@
 //! The cluster worker: pulls dispatches from `MUR_DISPATCH` one at a time while a slot is
 //! free, runs each task in a session of its own, and keeps the task record in `mur_tasks`
-//! (DESIGN.md §A task's way, steps 4–5).
+//! (the design, §A task's way, steps 4–5).
 //!
 //! For each dispatch ([`Dispatch`]) the worker:
 //! 1. reads the task record and its revision (or takes them from the dispatch); a
@@ -1295,7 +1295,7 @@ impl Checkpoints for KvCheckpoints {
 }
 
 /// The conversation a task of `capsule` continues: the context's, for a threaded
-/// conversation or a completion task (`seeds/session-loop.md` §Detached shell: a
+/// conversation or a completion task (the session-loop seed, §Detached shell: a
 /// completion joins its context), else none.
 async fn prior_conversation(sh: &Shared, task: &TaskRecord, capsule: &Capsule) -> Result<ContextConversation, String> {
     if !continues_context(task, capsule) {
@@ -1633,7 +1633,7 @@ struct PublishedSink {
 impl Sink for PublishedSink {
     fn write(&mut self, line: &Line) -> Result<(), trace::Error> {
         let json = serde_json::to_vec(line).map_err(|e| trace::Error(e.to_string()))?;
-        // `task_end` is written once per task (DESIGN.md invariant 4): a task run again
+        // `task_end` is written once per task (the design's invariant 4): a task run again
         // after a crash publishes it with the same message id, which MUR_TRACE drops
         // within its duplicate window.
         let msg_id = match &line.event {

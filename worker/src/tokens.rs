@@ -3,7 +3,7 @@
 //! Two estimators, chosen per model by [`for_model`]:
 //! - [`Tiktoken`]: OpenAI's own BPE (through the `tiktoken-rs` crate) for the `openai`
 //!   driver with an OpenAI model name: `cl100k_base` for the gpt-3.5 / gpt-4 family (the
-//!   reference runtime's tokenizer, `reference/murmur-runtime.md` §4), `o200k_base` for
+//!   reference runtime's tokenizer, the runtime reference, §4), `o200k_base` for
 //!   gpt-4o, gpt-4.1, gpt-5 and the o-series. The BPE is loaded on first use, once per
 //!   process, and shared; loading takes tens of milliseconds and some megabytes, so
 //!   capsules that do not need it never load it. A cluster worker loads it on a blocking

@@ -2,7 +2,7 @@
 //! timestamp, `evt_` id, parent id) and hands the [`Line`] to a [`Sink`] — a
 //! `trace.jsonl` file for `mur run`, the trace stream on the cluster, memory in tests.
 //!
-//! Parent ids follow the tree of `reference/murmur-runtime.md` §1: session → task →
+//! Parent ids follow the tree of the runtime reference, §1: session → task →
 //! turn (`inference`) → call events (`tool_call`, `shell`, `shell_detached`). The later
 //! records of detached work (`shell_completed`, `shell_abandoned`, `shell_lost`) hang under
 //! the task running when they are written, or the session between tasks.

@@ -1,4 +1,4 @@
-//! Where a session's files go (`reference/murmur-runtime.md` §5, "Result / workdir";
+//! Where a session's files go (the runtime reference, §5, "Result / workdir";
 //! issue #2): with `--workdir DIR` the accessible workdir is `DIR` and the session folder
 //! `DIR/.murmur/<session_id>/`, so several sessions can share one workdir; without it both
 //! are `<capsule dir>/workdir/<session_id>/`.

@@ -2,7 +2,7 @@
 //! (§6.1, §9.4) and from the 0.3 shapes, against an [`Intake`] whose runner is simulated by
 //! a tokio task that takes `next()` tasks and finishes them.
 //!
-//! Checklist items covered (`reference/murmur-runtime.md` §8): L1 (single rejects while
+//! Checklist items covered (the runtime reference, §8): L1 (single rejects while
 //! busy), L2 (none answers -32601), L3 (queue depth), L6–L7 (lanes, origin header), L9
 //! (unknown task -32001).
 

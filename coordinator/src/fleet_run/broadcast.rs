@@ -1,5 +1,5 @@
 //! Sending the steps of a broadcast or router-planned iteration (issue #10 §Runs and
-//! loops; `seeds/fleet-loops.md` §The bounds, fan-out bound): each step is a `delegation`
+//! loops; the fleet-loops seed, §The bounds, fan-out bound): each step is a `delegation`
 //! event, a `peer` task with the loop's time left at the moment it is sent, and the
 //! member's `reply` event; at most the fan-out cap are in flight at once
 //! ([`fleet::resolve_fanout`]: the fleet's `fanout:`, else `MUR_FLEET_FANOUT`, else 3), and

@@ -1,5 +1,5 @@
-//! The `procedure:` part of a fleet run (`seeds/fleet-loops.md` §A fixed step graph;
-//! `reference/mur-fleet.md` §6): the IO around the pure [`crate::fleet_plan::Procedure`].
+//! The `procedure:` part of a fleet run (the fleet-loops seed, §A fixed step graph;
+//! the fleet reference, §6): the IO around the pure [`crate::fleet_plan::Procedure`].
 //! For one iteration it claims the job, sends each rank's steps as `peer` tasks (at most
 //! the fan-out cap at once, a `retry` step again up to its `max_retries`), each with the
 //! loop's time left as `deadline_at`, writes a `delegation` and a `reply` event per attempt

@@ -1,6 +1,6 @@
 //! Tests of the dispatch rules: one table-style test per rule, then a seeded property test over
 //! random input sequences that checks the invariants after every step against a plain list
-//! model (`CONVENTIONS.md` §7 item 9).
+//! model (the conventions, §7 item 9).
 
 use super::*;
 use mur_proto::Lane::{Bg, Peer, User};

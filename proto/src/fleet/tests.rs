@@ -265,8 +265,14 @@ fn counts_past_their_range_are_refused_naming_the_field_and_the_bound() {
         rules(&format!("{step}    max_retries: -2\n")),
         ["procedure[0].max_retries: must be at least 0, got -2"]
     );
-    let err = parse_err(&format!("{step}    max_retries: 1.5\n"));
-    assert!(err.contains("invalid type: floating point `1.5`, expected a whole number"), "{err}");
+    assert_eq!(
+        rules(&format!("{step}    max_retries: 1.5\n")),
+        ["procedure[0].max_retries: must be a whole number, got 1.5"]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}loop:\n  max_iterations: 1e27\n")),
+        ["loop.max_iterations: must be a whole number, got 1e27"]
+    );
     let f = Fleet::parse(&format!("{step}    max_retries: 4294967295\n")).unwrap();
     assert_eq!(f.procedure[0].max_retries, u32::MAX);
 }
@@ -289,6 +295,33 @@ fn fanout_key_must_be_a_positive_integer() {
     assert_eq!(rules(&format!("{MINIMAL}fanout: lots\n")), ["fanout: must be a positive integer, got \"lots\""]);
     assert_eq!(rules(&format!("{MINIMAL}fanout: -2\n")), ["fanout: must be a positive integer, got -2"]);
     assert_eq!(rules(&format!("{MINIMAL}fanout: 1.5\n")), ["fanout: must be a positive integer, got 1.5"]);
+    // Issue #29: a number past 64 bits was refused in serde's words (`invalid type: integer
+    // `…` as u128, expected any YAML value`); one written with an exponent is a fraction.
+    assert_eq!(
+        rules(&format!("{MINIMAL}fanout: 1000000000000000000000000000\n")),
+        ["fanout: must be at most 4294967295, got 1000000000000000000000000000"]
+    );
+    assert_eq!(
+        rules(&format!("{MINIMAL}fanout: 4294967296\n")),
+        ["fanout: must be at most 4294967295, got 4294967296"]
+    );
+    assert_eq!(rules(&format!("{MINIMAL}fanout: 1e27\n")), ["fanout: must be a positive integer, got 1e27"]);
+    assert_eq!(rules(&format!("{MINIMAL}fanout: [3]\n")), ["fanout: must be a positive integer, got a list"]);
+    assert_eq!(Fleet::parse(&format!("{MINIMAL}fanout: 4294967295\n")).unwrap().fanout, Some(u32::MAX));
+}
+
+#[test]
+fn a_spend_ceiling_that_is_no_number_is_refused_by_its_rule() {
+    // YAML reads a number past f64 as a string: serde said `invalid type: string "1e400",
+    // expected f64`.
+    for (value, shown) in [("1e400", "\"1e400\""), ("lots", "\"lots\""), ("-1", "-1"), (".nan", "NaN")] {
+        assert_eq!(
+            rules(&format!("{MINIMAL}limits:\n  cost_usd: {value}\n")),
+            [format!("limits.cost_usd: must be a non-negative number (0 for no ceiling), got {shown}")]
+        );
+    }
+    let f = Fleet::parse(&format!("{MINIMAL}limits:\n  cost_usd: 2\n")).unwrap();
+    assert!(matches!(f.limits, LimitsBlock::Set(Limits { cost_usd: Some(2.0), .. })), "{:?}", f.limits);
 }
 
 // ---- durations, triggers, done_when ---------------------------------------------------

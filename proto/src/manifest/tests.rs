@@ -149,9 +149,18 @@ fn bad_enum_values_name_the_field_and_the_allowed_values() {
 
 #[test]
 fn wrong_types_name_the_field() {
-    let err =
-        load(&with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: lots\n")).unwrap_err().to_string();
-    assert!(err.starts_with("inference.max_turns: invalid type: string \"lots\""), "{err}");
+    assert_eq!(
+        rules(&with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: lots\n")),
+        ["inference.max_turns: must be a whole number, got \"lots\""]
+    );
+    // A fraction's field says its rule for a value that is no number, or one past f64
+    // (which YAML reads as a string), as for one out of its range.
+    for (value, shown) in [("half", "\"half\""), ("1e400", "\"1e400\""), ("[0.5]", "a list"), (".inf", "inf")] {
+        assert_eq!(
+            rules(&format!("{MINIMAL}context:\n  max_tokens: 1000\n  seed_budget: {value}\n")),
+            [format!("context.seed_budget: must be a number in (0, 1], got {shown}")]
+        );
+    }
 }
 
 #[test]
@@ -173,6 +182,22 @@ fn an_unquoted_version_is_kept_as_written_not_read_as_a_number() {
     {
         let y = format!("name: demo\nversion: {written}\ninference:\n  driver: scripted\n  script: r.yaml\n");
         assert_eq!(load(&y).unwrap().version, kept, "version: {written}");
+    }
+}
+
+/// Issue #29 asked what a version is: a label taken as written (`Manifest::version`), so a
+/// YAML number is accepted as its text; a list or a mapping is refused naming the rule
+/// (it said `expected a string`).
+#[test]
+fn a_version_is_a_label_taken_as_written_and_a_list_or_mapping_is_refused_by_its_rule() {
+    for (written, kept) in [("1", "1"), ("7", "7"), ("1e3", "1e3"), ("0x10", "0x10"), ("2026-12-01", "2026-12-01")] {
+        assert_eq!(load(&MINIMAL.replace("1.0.0", written)).unwrap().version, kept, "version: {written}");
+    }
+    for (written, kind) in [("[1]", "sequence"), ("{major: 1}", "map")] {
+        assert_eq!(
+            load(&MINIMAL.replace("1.0.0", written)).unwrap_err().to_string(),
+            format!("version: invalid type: {kind}, expected 1-64 characters on one line (1.0.0) at line 2 column 10")
+        );
     }
 }
 
@@ -446,14 +471,11 @@ fn integers_past_64_bits_are_refused_by_the_fields_range_and_fractions_as_not_wh
     let y = format!("{MINIMAL}lifecycle:\n  shell_grace_secs: 9223372036854775807\n");
     assert_eq!(load(&y).unwrap().lifecycle.shell_grace_secs, 9_223_372_036_854_775_807);
     let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 1.5\n");
-    let err = load(&y).unwrap_err().to_string();
-    assert!(
-        err.starts_with("inference.max_turns: invalid type: floating point `1.5`, expected a whole number"),
-        "{err}"
-    );
+    assert_eq!(rules(&y), ["inference.max_turns: must be a whole number, got 1.5"]);
+    let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: 1e27\n");
+    assert_eq!(rules(&y), ["inference.max_turns: must be a whole number, got 1e27"]);
     let y = with_inference("  driver: scripted\n  script: r.yaml\n  max_turns: \"5\"\n");
-    let err = load(&y).unwrap_err().to_string();
-    assert!(err.starts_with("inference.max_turns: invalid type: string \"5\", expected a whole number"), "{err}");
+    assert_eq!(rules(&y), ["inference.max_turns: must be a whole number, got \"5\""]);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //!
 //! Every request carries `A2A-Version: 1.0` (1.0 §3.6.1: clients MUST send it) and, when
 //! given, the task's origin in `x-murmur-task-origin` (a capsule believes only `peer` and
-//! `completion` there; `seeds/session-loop.md` §Queue lanes).
+//! `completion` there; the session-loop seed, §Queue lanes).
 //!
 //! Usage, as the CLI would wire `mur task send --url URL "text" [--origin O] [--context ID]
 //! [--wait]`:

@@ -10,7 +10,7 @@ pub const PARSE_ERROR: i64 = -32700;
 /// The JSON is not a valid request object (`InvalidRequestError`).
 pub const INVALID_REQUEST: i64 = -32600;
 /// The method does not exist or is not available (`MethodNotFoundError`); also every send
-/// to a capsule with `task_acceptance: none` (`reference/murmur-runtime.md` §5, L2).
+/// to a capsule with `task_acceptance: none` (the runtime reference, §5, L2).
 pub const METHOD_NOT_FOUND: i64 = -32601;
 /// The method's parameters are invalid (`InvalidParamsError`).
 pub const INVALID_PARAMS: i64 = -32602;

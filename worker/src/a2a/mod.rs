@@ -4,8 +4,8 @@
 //! Protocol: A2A 1.0 over JSON-RPC 2.0 (the specification at a2a-protocol.org and the
 //! normative `specification/a2a.proto` of `a2aproject/A2A`), with the 0.3 method names and
 //! shapes also served for older clients, as the official SDKs do. Behaviour on top of the
-//! protocol (acceptance, lanes, origins, states) is `reference/murmur-runtime.md` §5 and
-//! `seeds/session-loop.md` §Capsule lifecycle and §Queue lanes.
+//! protocol (acceptance, lanes, origins, states) is the runtime reference, §5 and
+//! the session-loop seed, §Capsule lifecycle and §Queue lanes.
 
 pub mod backend;
 pub mod card;
@@ -23,7 +23,7 @@ pub use server::Server;
 /// The service parameter naming the protocol version a request uses (1.0 §3.2.6, §3.6).
 pub const VERSION_HEADER: &str = "A2A-Version";
 
-/// The request header carrying a task's origin (`seeds/session-loop.md` §Queue lanes).
+/// The request header carrying a task's origin (the session-loop seed, §Queue lanes).
 pub const ORIGIN_HEADER: &str = "x-murmur-task-origin";
 
 /// A2A 1.0, the version this endpoint prefers.

@@ -1,4 +1,4 @@
-//! The A2A HTTP endpoint of one capsule (`reference/murmur-runtime.md` §5): the agent card
+//! The A2A HTTP endpoint of one capsule (the runtime reference, §5): the agent card
 //! at `GET /.well-known/agent-card.json` and JSON-RPC 2.0 at `POST /`.
 //!
 //! Methods, in both the 1.0 names (§9.4 of the specification) and the 0.3 names the

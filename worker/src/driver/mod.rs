@@ -1,7 +1,7 @@
 //! Model drivers: one request/response exchange with a model, in the runtime's
 //! driver-neutral message model (`mur_proto::message`).
 //!
-//! Stop reasons follow `reference/murmur-runtime.md` §4: `tool_call`, `end_turn`,
+//! Stop reasons follow the runtime reference, §4: `tool_call`, `end_turn`,
 //! `max_tokens`, `error`; anything else is carried as [`StopReason::Other`] and fails the
 //! task with `error: unsupported stop_reason '<x>'`.
 

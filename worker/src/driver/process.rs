@@ -2,7 +2,7 @@
 //! (issue #3). The task's text goes to its stdin (then stdin is closed), its stdout is the
 //! result, exit code 0 is success. One task is one turn: the program is run once, and the
 //! loop sees an `end_turn` reply carrying its stdout. Per the seeds nothing is seeded under
-//! this transport (`seeds/session-loop.md` §Context seeding, first row).
+//! this transport (the session-loop seed, §Context seeding, first row).
 //!
 //! The program runs in the session's workdir, in its own process group, with the host
 //! environment (an agent CLI needs its own credentials) plus `MURMUR_CAPSULE_DIR`; past

@@ -1,4 +1,4 @@
-//! Hook programs as child processes (issue #4; `reference/murmur-runtime.md` §3): how one
+//! Hook programs as child processes (issue #4; the runtime reference, §3): how one
 //! is started, a one-shot run (one process per event: the event on stdin, then end of
 //! file, the answer on stdout), a persistent process (one per session: one JSON line per
 //! event in, one line per answer out), and the pump that copies a hook's stderr into its

@@ -1,5 +1,5 @@
-//! The inference endpoint for hook programs (issue #4; `seeds/context.md`;
-//! `reference/murmur-runtime.md` §3, the `run-inference` import, checklist H14): a hook
+//! The inference endpoint for hook programs (issue #4; the context seed;
+//! the runtime reference, §3, the `run-inference` import, checklist H14): a hook
 //! process makes a model call with the capsule's own driver by posting to
 //! `$MURMUR_INFERENCE_URL`, which is `http://127.0.0.1:<port>/hooks/<hook>/inference`.
 //!

@@ -1,5 +1,5 @@
 //! `logs/hook-<name>.log`: one line per hook error, per fault, per restart of a persistent
-//! hook and per line a hook wrote to its stderr (`reference/murmur-runtime.md` §3 "Errors",
+//! hook and per line a hook wrote to its stderr (the runtime reference, §3 "Errors",
 //! checklist H4).
 //!
 //! Every line is `<time> <event> <kind>: <text>`, with `<time>` in RFC 3339 UTC with

@@ -1,9 +1,9 @@
-//! Hooks: programs bound to session events (issue #4; `seeds/session-loop.md` §Task
-//! reopening and §Context seeding; `seeds/context.md`). The loop sees them through
+//! Hooks: programs bound to session events (issue #4; the session-loop seed, §Task
+//! reopening and §Context seeding; the context seed). The loop sees them through
 //! [`Hooks`]; [`process::ProcessHooks`] runs hook programs as child processes speaking the
 //! JSON protocol of `mur_proto::hook`, and hands `builtin:*` commands to [`Builtin`]s.
 //!
-//! Rules the dispatcher keeps (`reference/murmur-runtime.md` §3, checklist H1–H9):
+//! Rules the dispatcher keeps (the runtime reference, §3, checklist H1–H9):
 //! blocking hooks run in manifest order and every matching hook is called; a hook with no
 //! binding receives every event except `on-stage`; async hooks get a bounded FIFO queue
 //! each, never run concurrently with themselves, and are drained at session end within one
@@ -76,7 +76,7 @@ pub struct Reply {
     /// Its answer, or why there is none.
     pub answer: Result<Answer, Error>,
     /// Whether a spend ceiling refused one of this hook's model calls during the event
-    /// (`seeds/context.md`: the hook's error then ends the session
+    /// (the context seed: the hook's error then ends the session
     /// `spend_ceiling_reached`).
     pub spend_refused: bool,
 }

@@ -1,5 +1,5 @@
 //! The manifest's hooks run as child processes, or handed to built-ins (issue #4;
-//! `reference/murmur-runtime.md` §3 "Execution", checklist H1, H3, H4, H6–H9, H13, H14).
+//! the runtime reference, §3 "Execution", checklist H1, H3, H4, H6–H9, H13, H14).
 //!
 //! - Matching: a hook receives an event when its binding is the event's, or when it has
 //!   no binding and the event is not `on-stage` (H3).
@@ -36,7 +36,7 @@ use tokio::sync::{OnceCell, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Events an async hook's queue holds (`reference/murmur-runtime.md` §3 "Async": FIFO
+/// Events an async hook's queue holds (the runtime reference, §3 "Async": FIFO
 /// queue depth 1024).
 pub const QUEUE_CAPACITY: usize = 1024;
 

@@ -1,4 +1,4 @@
-//! Detached shell commands on the cluster (`seeds/session-loop.md` §Detached shell; issue
+//! Detached shell commands on the cluster (the session-loop seed, §Detached shell; issue
 //! #7 §Lifecycle on the cluster): a command still running after
 //! `lifecycle.shell_grace_secs` moves to the background of the worker that ran it, and the
 //! task goes on. When the command ends, its log is uploaded to the object store

@@ -1,4 +1,4 @@
-//! Checking a compaction hook's replacement history (`seeds/context.md` step 4; checklist
+//! Checking a compaction hook's replacement history (the context seed, step 4; checklist
 //! C4): a `tool`-role message survives only if the hook returned it unmodified, and a
 //! replacement that would leave a tool result without its call, or a call without its
 //! result, is rejected (`unresolved_tool_call`). When the turn being compacted still has

@@ -3,8 +3,8 @@
 //! of a session that ends with commands still running, and — for a resume — which commands
 //! of an earlier session were never accounted for and the one task reporting their loss.
 //!
-//! Rules (`seeds/session-loop.md` §Detached shell and §What a resume reports;
-//! `reference/murmur-runtime.md` §1 and "Detached shell"):
+//! Rules (the session-loop seed, §Detached shell and §What a resume reports;
+//! the runtime reference, §1 and "Detached shell"):
 //! - a finished command becomes one task with origin `completion` (so lane `bg`) under the
 //!   `contextId` it was started from, source `detached_shell`; its text names the work id,
 //!   binary, command, status, exit code, duration and the log's path and size — never the

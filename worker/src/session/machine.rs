@@ -2,8 +2,8 @@
 //! results and answers with the next [`Action`] and the trace events to write. No IO, no
 //! clock: durations are passed in.
 //!
-//! Rules (`seeds/session-loop.md` §Session Loop and §Turn limit;
-//! `reference/murmur-runtime.md` §4 and checklist I1–I16):
+//! Rules (the session-loop seed, §Session Loop and §Turn limit;
+//! the runtime reference, §4 and checklist I1–I16):
 //! - one turn is one model call; at most `inference.max_turns` calls per task; when the
 //!   limit is used up with the model still asking for tools, the task ends
 //!   `max_turns_reached` with `error: inference loop exceeded N turns`;
@@ -77,7 +77,7 @@ pub enum Action {
     },
     /// The context crossed the compaction threshold: fire `on-compaction` with
     /// [`TaskMachine::messages`], then report with [`TaskMachine::on_compaction`]. Never
-    /// consumes a turn (`seeds/context.md`).
+    /// consumes a turn (the context seed).
     Compact {
         /// The turn whose reply crossed the threshold.
         turn: u32,
@@ -473,7 +473,7 @@ impl TaskMachine {
             StopReason::Other(x) => self.finish(ExitStatus::Failed, format!("error: unsupported stop_reason '{x}'")),
         };
         // Compaction is checked after the response and before its tools run
-        // (`seeds/context.md` step 2; `reference/murmur-runtime.md` §1 ordering), and only
+        // (the context seed step 2; the runtime reference, §1 ordering), and only
         // when the loop goes on.
         if let (Action::RunTool { .. }, Some(rule)) = (&action, self.compaction)
             && self.session_tokens as f64 / rule.max_tokens as f64 >= rule.threshold
@@ -521,7 +521,7 @@ impl TaskMachine {
     }
 
     /// A hook bound to `on-task-end` with `commit_policy: reopen-task` asked to reopen the
-    /// finished attempt (`seeds/session-loop.md` §Task reopening). Granted while reopens
+    /// finished attempt (the session-loop seed, §Task reopening). Granted while reopens
     /// used < `lifecycle.max_task_reopens` and turns used < `inference.max_turns` (every
     /// attempt shares one cumulative turn count): the task's text gets a feedback section,
     /// the history restarts from the head, and the next attempt runs. Otherwise the task
@@ -584,7 +584,7 @@ impl TaskMachine {
         }];
         if let Some(work) = outcome.detached {
             // A demoted command: `shell_detached` replaces the `shell` line and counts as the
-            // shell call (`reference/murmur-runtime.md` §1, checklist D4).
+            // shell call (the runtime reference, §1, checklist D4).
             self.counters.shell_calls += 1;
             events.push(Event::ShellDetached {
                 turn: self.turn,
@@ -646,7 +646,7 @@ impl TaskMachine {
 
 /// The task text of a reopened attempt: the original (trailing whitespace trimmed), then a
 /// "Reopen feedback" section with one numbered entry per reopen so far, naming its hook
-/// (`reference/murmur-runtime.md` §5, "Reopen").
+/// (the runtime reference, §5, "Reopen").
 pub fn feedback_text(original: &str, reopens: &[(String, String)]) -> String {
     let mut text = original.trim_end().to_string();
     text.push_str("\n\n---\n## Reopen feedback\n");

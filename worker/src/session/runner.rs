@@ -1,10 +1,10 @@
 //! The async side of the session loop: performs the [`TaskMachine`]'s actions through the
 //! driver, the tools, the hooks and the tracer, and frames tasks with `session_start`,
-//! `task_start`, `task_end` and `session_end` (`reference/murmur-runtime.md` §1: one
+//! `task_start`, `task_end` and `session_end` (the runtime reference, §1: one
 //! session_start / session_end pair per launch, one task_start / task_end pair per task,
 //! whatever the reopens).
 //!
-//! Hook firing order (`seeds/session-loop.md` diagram; `reference/murmur-runtime.md` §3):
+//! Hook firing order (the session-loop seed diagram; the runtime reference, §3):
 //! `on-session-start` once after `session_start`; per task `task_start` → `on-task-start`
 //! (seeding) → attempts, `on-task-end` after each (reopening) → `task_end`; after each
 //! model reply `on-inference` (and `on-compaction` when the threshold is crossed, before
@@ -12,7 +12,7 @@
 //! commands; `on-session-end` once, then async hooks are drained (15 s shared), their
 //! faults written, and `session_end`.
 //!
-//! Spans follow the OpenTelemetry GenAI conventions (`reference/jetstream-patterns.md`
+//! Spans follow the OpenTelemetry GenAI conventions (the JetStream patterns reference,
 //! §5.1): `invoke_agent {capsule}` around a task, `chat {model}` around a model call,
 //! `execute_tool {tool}` around a tool call.
 
@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// How long async hooks may take to drain at session end, all together
-/// (`reference/murmur-runtime.md` §3, "Async").
+/// (the runtime reference, §3, "Async").
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(15);
 
 /// A task taken over from a session that stopped answering for it (issue #8 §Takeover):
@@ -172,7 +172,7 @@ pub struct TaskReport {
     /// The conversation at the end (for threaded contexts).
     pub history: Vec<Message>,
     /// The session cannot go on (a compaction hook's error, a spend ceiling hit by one):
-    /// no further task may run (`seeds/context.md`).
+    /// no further task may run (the context seed).
     pub fatal: bool,
 }
 
@@ -818,7 +818,7 @@ impl Session {
         Ok(next)
     }
 
-    /// Fires `on-compaction` (`seeds/context.md`): a bound hook's error ends the session —
+    /// Fires `on-compaction` (the context seed): a bound hook's error ends the session —
     /// `spend_ceiling_reached` when a spend ceiling refused its model call, `failed`
     /// otherwise; no hook, or no acceptable replacement, is declined and the loop goes on.
     async fn compact(

@@ -1,4 +1,4 @@
-//! Context seeding decisions (`seeds/session-loop.md` §Context seeding): what the runtime
+//! Context seeding decisions (the session-loop seed, §Context seeding): what the runtime
 //! does with a `seed-context` proposal, checked in the seed's order. Pure: token counts are
 //! passed in.
 //!
@@ -14,7 +14,7 @@
 //! | over by more, no `on-compaction` hook answers | oldest dropped until it fits (`trimmed`) |
 //!
 //! "More than three times the ceiling over it" is read as: the overflow (proposal − ceiling)
-//! exceeds 3 × ceiling, as in the reference runtime (`reference/murmur-runtime.md` §5).
+//! exceeds 3 × ceiling, as in the reference runtime (the runtime reference, §5).
 
 /// Why nothing was seeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

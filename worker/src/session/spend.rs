@@ -1,4 +1,4 @@
-//! Spend ceilings and model calls on hooks' behalf (`seeds/context.md`, the spend-ceiling
+//! Spend ceilings and model calls on hooks' behalf (the context seed, the spend-ceiling
 //! row; issue #4): `inference.max_session_tokens` bounds the tokens a session may spend,
 //! counted with the runtime's own estimates (input + output of every call). A call that
 //! would go past it is refused before it is sent, for the loop and for hooks alike.

@@ -1,4 +1,4 @@
-//! The process side of detached shell commands (`seeds/session-loop.md` §Detached shell):
+//! The process side of detached shell commands (the session-loop seed, §Detached shell):
 //! the foreground wait that demotes a command still running after its grace period, the
 //! background task that then drains its output into `logs/<work_id>.log` and reports its
 //! end, and the [`DetachSink`] through which the session hears about both and can kill
@@ -363,7 +363,7 @@ pub(crate) enum Foreground {
 /// for zero — the command is demoted unless `try_wait` finds it exited; an exited command
 /// whose streams are still open (a child it started in the background holds them:
 /// `server & echo started`) gets [`DRAIN`] more for them to end, and is demoted after it:
-/// its output goes on to the background, and the turn carries on (`seeds/session-loop.md`
+/// its output goes on to the background, and the turn carries on (the session-loop seed,
 /// §Detached shell). Dropped before it returns, it leaves the child to its caller (whose
 /// group guard kills it).
 pub(crate) async fn foreground(

@@ -5,13 +5,13 @@
 //! Children run in process groups of their own (`process_group(0)`, see `process.rs`), so a
 //! signal to the worker does not reach them, and a worker that dies without cleaning up
 //! would leave them running, adopted by init. For a cluster worker that is a duplicate run:
-//! the task is taken over elsewhere and the turn in flight runs again (`DESIGN.md`
+//! the task is taken over elsewhere and the turn in flight runs again (the design,
 //! §Invariants 4 allows a turn to run again after a crash), its command started beside the
 //! orphan. `PR_SET_PDEATHSIG` does not serve: it fires when the parent *thread* ends, and
 //! tokio's blocking threads come and go.
 //!
 //! A detached command is untied when it moves to the background: its turn has carried on,
-//! and of a runtime killed outright `seeds/session-loop.md` §What a resume reports says the
+//! and of a runtime killed outright the session-loop seed, §What a resume reports says the
 //! command "is left to run out on its own".
 //!
 //! The reaper is one small `sh` per process, started at the first spawn, in a process group

@@ -46,7 +46,7 @@ pub struct ShellRun {
 }
 
 /// A shell command that outlived its grace period and moved to the background, for the
-/// `shell_detached` trace line (`seeds/session-loop.md` §Detached shell).
+/// `shell_detached` trace line (the session-loop seed, §Detached shell).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DetachedWork {
     /// `wrk_…`, the handle the turn was given.

@@ -1,5 +1,5 @@
 //! The built-in shell tools: one tool per binary in `capabilities.shell.allow`, named after
-//! the binary, taking `{"command": "..."}` (`reference/murmur-runtime.md` §5, "Shell
+//! the binary, taking `{"command": "..."}` (the runtime reference, §5, "Shell
 //! tools"). Interpreters (sh, bash, zsh, fish, dash, ksh) get `-c <command>`; other
 //! binaries get the command split into arguments with shell-word rules. A non-zero exit is
 //! a successful call whose text reports the code. Each stream is cut at 16 KiB in the
@@ -11,7 +11,7 @@
 //! [`STREAM_LIMIT`] is spilled to a file next to the log and folded into the log at the end.
 //!
 //! With a grace period ([`Shell::with_detach`], `lifecycle.shell_grace_secs`), a command
-//! still running when it is up moves to the background (`seeds/session-loop.md` §Detached
+//! still running when it is up moves to the background (the session-loop seed, §Detached
 //! shell): the call returns at once a result of constant size naming its `wrk_` handle, its
 //! output goes to `logs/<work_id>.log`, and its end is reported through the
 //! [`DetachSink`] (see [`super::background`]).
@@ -37,7 +37,7 @@ use tokio::process::{Child, ChildStderr, ChildStdout, Command};
 pub const STREAM_LIMIT: usize = 16 * 1024;
 
 /// Binaries that take the command as one script (`-c <command>`) rather than as split
-/// arguments (`reference/murmur-runtime.md` §5).
+/// arguments (the runtime reference, §5).
 pub const INTERPRETERS: [&str; 6] = ["sh", "bash", "zsh", "fish", "dash", "ksh"];
 
 /// The folder under the workdir that commands get as `HOME`.
@@ -59,7 +59,7 @@ impl Shell {
     }
 
     /// Moves a command still running after `grace` to the background and reports it to
-    /// `sink` (`seeds/session-loop.md` §Detached shell; zero demotes at the first check
+    /// `sink` (the session-loop seed, §Detached shell; zero demotes at the first check
     /// unless the command has already exited).
     pub fn with_detach(mut self, grace: Duration, sink: DetachSink) -> Self {
         self.detach = Some((grace, sink));
