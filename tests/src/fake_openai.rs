@@ -54,6 +54,9 @@ pub enum FakeReply {
     Stall(Vec<Vec<u8>>),
     /// As [`FakeReply::Raw`], then the connection is cut mid-body (a dropped connection).
     Drop(Vec<Vec<u8>>),
+    /// `200 text/event-stream` that sends this frame (say, an SSE comment) every interval,
+    /// forever: never idle, never done.
+    Trickle(Vec<u8>, Duration),
 }
 
 /// The `data: <json>\n\n` frame of one chunk object.
@@ -260,6 +263,7 @@ async fn answer(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Response 
         Some(FakeReply::Raw(frames)) => raw_response(frames, End::Close),
         Some(FakeReply::Stall(frames)) => raw_response(frames, End::Stall),
         Some(FakeReply::Drop(frames)) => raw_response(frames, End::Cut),
+        Some(FakeReply::Trickle(frame, every)) => trickle_response(frame, every),
         Some(FakeReply::Status(status, body)) => {
             (StatusCode::from_u16(status).expect("fake openai: a valid HTTP status"), body).into_response()
         }
@@ -308,7 +312,11 @@ pub(crate) fn raw_response(frames: Vec<Vec<u8>>, end: End) -> Response {
         match end {
             End::Close => Ok(Vec::new()),
             End::Stall => std::future::pending().await,
-            End::Cut => Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "fake: connection cut")),
+            End::Cut => {
+                // As a server that dies mid-reply: the frames are on the wire first.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "fake: connection cut"))
+            }
         }
     });
     use futures::StreamExt;
@@ -316,6 +324,17 @@ pub(crate) fn raw_response(frames: Vec<Vec<u8>>, end: End) -> Response {
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("fake: a valid streaming response")
+}
+
+fn trickle_response(frame: Vec<u8>, every: Duration) -> Response {
+    let body = futures::stream::unfold(frame, move |frame| async move {
+        tokio::time::sleep(every).await;
+        Some((Ok::<_, Infallible>(frame.clone()), frame))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
         .body(Body::from_stream(body))
         .expect("fake: a valid streaming response")
 }
