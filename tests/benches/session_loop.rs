@@ -600,8 +600,10 @@ fn main() {
     let (r1, rn) = (request(&tools.0, &long[..1], 0), request(&tools.0, &long, 0));
     let body_len = serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap().len();
     println!("  turn {openai_turns}: {} messages, {body_len} bytes", long.len());
-    let tree1 = time(reps, || serde_json::to_vec(&openai::request_body(&r1, false, MaxTokensParam::MaxTokens)).unwrap());
-    let treen = time(reps, || serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap());
+    let tree1 =
+        time(reps, || serde_json::to_vec(&openai::request_body(&r1, false, MaxTokensParam::MaxTokens)).unwrap());
+    let treen =
+        time(reps, || serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap());
     println!(
         "  request_body + to_vec (before)  turn 1 {}  turn {openai_turns} {}  ratio {:.1}",
         us(tree1),

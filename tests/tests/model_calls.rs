@@ -48,15 +48,7 @@ fn anthropic_driver(fake: &FakeAnthropic, policy: Policy) -> Anthropic {
 }
 
 fn request<'a>(messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
-    ModelRequest {
-        model: "fake-model",
-        system: "",
-        messages,
-        history_epoch: 0,
-        tools,
-        max_tokens: 64,
-        task_text: "",
-    }
+    ModelRequest { model: "fake-model", system: "", messages, history_epoch: 0, tools, max_tokens: 64, task_text: "" }
 }
 
 fn call(id: &str, name: &str, input: Value) -> Block {
@@ -115,7 +107,11 @@ fn shapes() -> Vec<(&'static str, Vec<Value>, Vec<Block>)> {
                 piece(0, None, Some("sh"), "{\"command\": \"echo b\"}"),
                 piece(0, None, Some("read"), "{\"path\": \"x\"}"),
             ],
-            vec![call("call_0", "sh", a.clone()), call("call_1", "sh", b.clone()), call("call_2", "read", json!({"path": "x"}))],
+            vec![
+                call("call_0", "sh", a.clone()),
+                call("call_1", "sh", b.clone()),
+                call("call_2", "read", json!({"path": "x"})),
+            ],
         ),
         (
             "one call's arguments over many deltas",
@@ -193,9 +189,10 @@ fn anthropic_capsule(url: &str, extra: &str) -> TestCapsule {
 
 async fn run(capsule: &TestCapsule) -> (Run, Value, PathBuf) {
     let dir = capsule.dir().to_path_buf();
-    let run = tokio::task::spawn_blocking(move || Run::of(mur().arg("run").arg(&dir).args(["--task", "say hi", "--json"])))
-        .await
-        .unwrap();
+    let run =
+        tokio::task::spawn_blocking(move || Run::of(mur().arg("run").arg(&dir).args(["--task", "say hi", "--json"])))
+            .await
+            .unwrap();
     let json = run.last_json();
     let session_dir = PathBuf::from(json["session_dir"].as_str().unwrap());
     (run, json, session_dir)
@@ -302,7 +299,10 @@ async fn anthropic_overloaded_error_mid_stream_is_retried_with_a_model_attempt_l
     let fake = FakeAnthropic::start(vec![
         AnthropicReply::Sse(cut),
         // Truncated: no message_stop.
-        AnthropicReply::Raw(vec![event_frame("message_start", &json!({"type": "message_start", "message": {"usage": usage}}))]),
+        AnthropicReply::Raw(vec![event_frame(
+            "message_start",
+            &json!({"type": "message_start", "message": {"usage": usage}}),
+        )]),
         AnthropicReply::streamed_text("hello", usage.clone(), 2),
     ]);
     let capsule = anthropic_capsule(&fake.url(), "  stream: true\n  max_retries: 2\n");
@@ -334,14 +334,20 @@ async fn a_stalled_stream_fails_its_attempt_at_the_idle_timeout_and_is_retried()
     let errors: Vec<_> = log.iter().map(|a| (a.status, a.error.clone())).collect();
     assert_eq!(
         errors,
-        [(Some(200), Some("the provider sent nothing for 1 s (inference.idle_timeout_secs)".into())), (Some(200), None)]
+        [
+            (Some(200), Some("the provider sent nothing for 1 s (inference.idle_timeout_secs)".into())),
+            (Some(200), None)
+        ]
     );
     assert!(log[0].duration_ms >= 1_000, "{log:?}");
 
     // The anthropic driver, the same way.
     let usage = json!({"input_tokens": 10, "output_tokens": 1});
     let fake = FakeAnthropic::start(vec![
-        AnthropicReply::Stall(vec![event_frame("message_start", &json!({"type": "message_start", "message": {"usage": usage}}))]),
+        AnthropicReply::Stall(vec![event_frame(
+            "message_start",
+            &json!({"type": "message_start", "message": {"usage": usage}}),
+        )]),
         AnthropicReply::streamed_text("hello", usage.clone(), 2),
     ]);
     let driver = anthropic_driver(&fake, policy(1, 8_000, 1_000));
@@ -352,7 +358,10 @@ async fn a_stalled_stream_fails_its_attempt_at_the_idle_timeout_and_is_retried()
     let errors: Vec<_> = log.iter().map(|a| (a.status, a.error.clone())).collect();
     assert_eq!(
         errors,
-        [(Some(200), Some("the provider sent nothing for 1 s (inference.idle_timeout_secs)".into())), (Some(200), None)]
+        [
+            (Some(200), Some("the provider sent nothing for 1 s (inference.idle_timeout_secs)".into())),
+            (Some(200), None)
+        ]
     );
 }
 
@@ -405,17 +414,18 @@ async fn a_line_past_the_cap_fails_naming_the_limit_and_is_not_retried() {
 async fn error_bodies_of_both_providers_are_parsed_the_same_way() {
     let openai_body = r#"{"error": {"message": "Rate limit reached for gpt-4o", "type": "requests", "param": null, "code": "rate_limit_exceeded"}}"#;
     let fake = FakeOpenAi::start(vec![FakeReply::Status(400, openai_body.into())]);
-    let err = openai_driver(&fake, false, Policy::default()).call(&request(&[Message::user("x")], &[])).await.unwrap_err();
+    let err =
+        openai_driver(&fake, false, Policy::default()).call(&request(&[Message::user("x")], &[])).await.unwrap_err();
     let Error::Status { status, body, provider } = err else { panic!("a status error: {err}") };
     assert_eq!(status, 400);
     assert_eq!(body, "requests: Rate limit reached for gpt-4o (code rate_limit_exceeded)");
     assert_eq!(
         provider,
-        Some(ProviderError {
+        Some(Box::new(ProviderError {
             kind: Some("requests".into()),
             message: "Rate limit reached for gpt-4o".into(),
             code: Some("rate_limit_exceeded".into()),
-        })
+        }))
     );
 
     let fake = FakeAnthropic::start(vec![AnthropicReply::Status(
@@ -429,11 +439,11 @@ async fn error_bodies_of_both_providers_are_parsed_the_same_way() {
     assert_eq!(body, "invalid_request_error: max_tokens: 100000 > 64000");
     assert_eq!(
         provider,
-        Some(ProviderError {
+        Some(Box::new(ProviderError {
             kind: Some("invalid_request_error".into()),
             message: "max_tokens: 100000 > 64000".into(),
             code: None,
-        })
+        }))
     );
 }
 

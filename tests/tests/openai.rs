@@ -10,7 +10,13 @@ use mur_worker::driver::{Driver, Error, ModelRequest, ModelResponse, StopReason,
 use serde_json::{Value, json};
 
 fn driver(fake: &FakeOpenAi, stream: bool) -> OpenAi {
-    OpenAi::new(Config { endpoint: fake.url(), api_key: Some("sk-test".into()), stream, policy: Default::default(), max_tokens_param: MaxTokensParam::MaxTokens })
+    OpenAi::new(Config {
+        endpoint: fake.url(),
+        api_key: Some("sk-test".into()),
+        stream,
+        policy: Default::default(),
+        max_tokens_param: MaxTokensParam::MaxTokens,
+    })
 }
 
 fn sh_tool() -> Vec<ToolSpec> {
@@ -94,7 +100,13 @@ async fn non_streaming_text_reply_is_mapped_and_the_request_is_well_formed() -> 
 #[tokio::test]
 async fn no_authorization_header_without_an_api_key() -> Result<()> {
     let fake = FakeOpenAi::start(vec![FakeReply::text("ok")]);
-    let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false, policy: Default::default(), max_tokens_param: MaxTokensParam::MaxTokens });
+    let driver = OpenAi::new(Config {
+        endpoint: fake.url(),
+        api_key: None,
+        stream: false,
+        policy: Default::default(),
+        max_tokens_param: MaxTokensParam::MaxTokens,
+    });
     ask(&driver, &[Message::user("x")], &[]).await?;
     assert_eq!(fake.received()[0].authorization, None);
     Ok(())

@@ -96,7 +96,11 @@ impl Anthropic {
 }
 
 /// Reads one 2xx reply inside its attempt: a JSON message, or (streaming) an event stream.
-async fn read_reply(response: reqwest::Response, stream: bool, idle: std::time::Duration) -> Result<ModelResponse, Failed> {
+async fn read_reply(
+    response: reqwest::Response,
+    stream: bool,
+    idle: std::time::Duration,
+) -> Result<ModelResponse, Failed> {
     let status = response.status().as_u16();
     let fail = |e: Error, streamed: bool| {
         let retry = http::retryable(&e, streamed);
@@ -111,7 +115,11 @@ async fn read_reply(response: reqwest::Response, stream: bool, idle: std::time::
         .map_err(|e| Failed::after(status, Error::Transport(format!("reading the reply: {e}")), true))?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
         let text = String::from_utf8_lossy(&bytes);
-        Failed::after(status, Error::Protocol(format!("the reply is not JSON ({e}): {}", http::truncate(&text, 2048))), false)
+        Failed::after(
+            status,
+            Error::Protocol(format!("the reply is not JSON ({e}): {}", http::truncate(&text, 2048))),
+            false,
+        )
     })?;
     parse_response(&value).map_err(|e| fail(e, false))
 }
@@ -462,7 +470,7 @@ impl StreamAssembler {
     /// ended before `message_stop` or without a `stop_reason`.
     pub fn finish(self) -> Result<ModelResponse, Error> {
         let stop = match (self.error, self.stop) {
-            (Some(error), _) => return Err(Error::Provider(error)),
+            (Some(error), _) => return Err(Error::Provider(Box::new(error))),
             (None, _) if !self.stopped => {
                 return Err(Error::Protocol("stream ended before message_stop".into()));
             }
@@ -500,7 +508,11 @@ fn index(value: &Value) -> Option<u64> {
 ///
 /// # Errors
 /// As [`sse::read`] and [`StreamAssembler::feed`] / [`StreamAssembler::finish`].
-pub async fn read_stream<S, B, E>(bytes: S, limits: sse::Limits, idle: std::time::Duration) -> Result<ModelResponse, Error>
+pub async fn read_stream<S, B, E>(
+    bytes: S,
+    limits: sse::Limits,
+    idle: std::time::Duration,
+) -> Result<ModelResponse, Error>
 where
     S: futures::Stream<Item = Result<B, E>>,
     B: AsRef<[u8]>,
@@ -759,9 +771,7 @@ mod tests {
     fn assemble(chunks: Vec<Vec<u8>>) -> ModelResponse {
         let stream = futures::stream::iter(chunks.into_iter().map(Ok::<_, std::convert::Infallible>));
         let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-        runtime
-            .block_on(read_stream(stream, sse::Limits::default(), std::time::Duration::from_secs(5)))
-            .unwrap()
+        runtime.block_on(read_stream(stream, sse::Limits::default(), std::time::Duration::from_secs(5))).unwrap()
     }
 
     #[test]

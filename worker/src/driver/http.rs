@@ -366,7 +366,7 @@ async fn send(
     let retry_after = retry_after(resp.headers(), SystemTime::now());
     // The status is the news; a body that cannot be read only loses the details.
     let text = resp.text().await.unwrap_or_default();
-    let provider = ProviderError::from_body(&text);
+    let provider = ProviderError::from_body(&text).map(Box::new);
     let body = match &provider {
         Some(error) => truncate(&error.to_string(), ERROR_BODY_LIMIT),
         None => truncate(&text, ERROR_BODY_LIMIT),

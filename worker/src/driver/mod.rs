@@ -93,12 +93,12 @@ pub enum Error {
         /// error object, else the raw body (truncated to 2 KiB).
         body: String,
         /// The parsed error object, when the body is one.
-        provider: Option<ProviderError>,
+        provider: Option<Box<ProviderError>>,
     },
     /// The provider reported an error inside a 200 reply or a stream (an OpenAI
     /// `{"error": …}` chunk, an Anthropic `error` event).
     #[error("the provider reported an error: {0}")]
-    Provider(ProviderError),
+    Provider(Box<ProviderError>),
     /// The connection failed or broke.
     #[error("connection to the provider failed: {0}")]
     Transport(String),

@@ -129,12 +129,10 @@ impl OpenAi {
 async fn read_reply(response: reqwest::Response, stream: bool, idle: Duration) -> Result<ModelResponse, Failed> {
     let status = response.status().as_u16();
     if stream && !is_json(&response) {
-        return read_stream(response.bytes_stream(), sse::Limits::default(), idle)
-            .await
-            .map_err(|e| {
-                let retry = http::retryable(&e, true);
-                Failed::after(status, e, retry)
-            });
+        return read_stream(response.bytes_stream(), sse::Limits::default(), idle).await.map_err(|e| {
+            let retry = http::retryable(&e, true);
+            Failed::after(status, e, retry)
+        });
     }
     let bytes = response
         .bytes()
@@ -440,7 +438,7 @@ pub fn provider_usage(usage: Option<&Value>) -> ProviderUsage {
 fn in_band_error(value: &Value) -> Result<(), Error> {
     match ProviderError::from_value(value) {
         None => Ok(()),
-        Some(error) => Err(Error::Provider(error)),
+        Some(error) => Err(Error::Provider(Box::new(error))),
     }
 }
 
