@@ -204,6 +204,18 @@ pub struct SetLoopArgs {
     /// A spend ceiling in USD; 0 for none.
     #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = finite_usd)]
     budget_usd: Option<f64>,
+    /// The IANA zone a cron trigger is read in (Europe/Berlin); empty for UTC.
+    #[arg(long, value_name = "ZONE", allow_hyphen_values = true)]
+    timezone: Option<String>,
+    /// What an occurrence does while a run is going: skip, queue_one or cancel_previous.
+    #[arg(long, value_name = "POLICY", allow_hyphen_values = true)]
+    overlap: Option<String>,
+    /// How late a missed occurrence still runs (1h; one run for all missed); empty for 90s.
+    #[arg(long, value_name = "D", allow_hyphen_values = true)]
+    catchup: Option<String>,
+    /// Pause the trigger after N failed runs in a row (0: never).
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    pause_after_failures: Option<String>,
     #[command(flatten)]
     common: Common,
 }
@@ -398,6 +410,10 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 done_when: args.done_when,
                 deadline: args.deadline,
                 budget_usd: args.budget_usd,
+                timezone: args.timezone,
+                overlap: args.overlap,
+                catchup: args.catchup,
+                pause_after_failures: args.pause_after_failures,
             };
             let info: FleetInfo = request(&args.common, "mur fleet set-loop", api::SET_LOOP, &req)?;
             if args.common.json {

@@ -745,9 +745,16 @@ impl Fleets {
             done_when: req.done_when,
             deadline: req.deadline,
             budget_usd: req.budget_usd,
+            timezone: req.timezone,
+            overlap: req.overlap,
+            catchup: req.catchup,
+            pause_after_failures: req.pause_after_failures,
         };
         if edit == LoopEdit::default() {
-            return Err(ApiError::invalid("give at least one of --done-when, --trigger, --deadline, --budget-usd"));
+            return Err(ApiError::invalid(
+                "give at least one of --done-when, --trigger, --deadline, --budget-usd, --timezone, --overlap, \
+                 --catchup, --pause-after-failures",
+            ));
         }
         let key = fleet_store::def_key(&req.fleet);
         for _ in 0..CAS_ATTEMPTS {

@@ -551,6 +551,18 @@ pub struct SetLoopRequest {
     /// `--budget-usd` (any number: the validator judges it).
     #[serde(default)]
     pub budget_usd: Option<f64>,
+    /// `--timezone` (issue #36).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// `--overlap`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<String>,
+    /// `--catchup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catchup: Option<String>,
+    /// `--pause-after-failures` (as typed: the validator judges it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_after_failures: Option<String>,
 }
 
 /// `fleet.stop`.

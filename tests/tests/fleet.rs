@@ -217,7 +217,8 @@ async fn set_loop_refuses_every_value_that_used_to_mean_something_else() -> Resu
     );
     assert_eq!(
         refused(&sb, &["set-loop", "pair"]),
-        "mur: invalid_request: give at least one of --done-when, --trigger, --deadline, --budget-usd\n"
+        "mur: invalid_request: give at least one of --done-when, --trigger, --deadline, --budget-usd, --timezone, \
+         --overlap, --catchup, --pause-after-failures\n"
     );
     let after = kv.entry("def.pair").await?.unwrap();
     assert_eq!((after.revision, &after.value), (before.revision, &before.value));
