@@ -341,7 +341,7 @@ fn the_trigger_pauses_after_failures_in_a_row_fires_only_by_hand_then_resumes() 
 
 #[test]
 fn a_claim_not_seen_started_is_started_again_under_its_id_never_twice() {
-    let mut sim = Sim::new("  trigger: interval:1h\n", "2026-06-01T09:00:00Z");
+    let sim = Sim::new("  trigger: interval:1h\n", "2026-06-01T09:00:00Z");
     let seen =
         Seen { now: sim.now, autorun: true, going: None, ended: None, claim_started: false, fresh_run_id: "run-1" };
     let (claimed, actions) = step(&sim.state, &sim.lp, &seen);
