@@ -26,9 +26,13 @@
 //!   a claim whose run has no record yet is started again under the same id (a failover
 //!   between claim and start neither loses nor doubles it).
 
-use mur_proto::fleet::schedule::show_instant;
+use mur_proto::fleet::schedule::{self, show_instant};
 use mur_proto::fleet::{Loop, Overlap, Trigger};
+use mur_proto::fleet_store::{NextFire, ScheduleInfo};
 use serde::{Deserialize, Serialize};
+
+/// How many next occurrences `mur fleet show`, `set-loop` and `status` print.
+pub const NEXT_SHOWN: usize = 3;
 
 /// At most this many passed occurrences are looked at in one step (a `* * * * *` cron
 /// after a week down): the count of skipped ones is then a lower bound.
@@ -98,6 +102,29 @@ impl State {
         self.paused_at = None;
         self.failures = 0;
         changed
+    }
+}
+
+/// The schedule as the API shows it: the loop's keys, the next [`NEXT_SHOWN`]
+/// occurrences after `now` (in the zone and in UTC) and the stored state.
+pub fn info(lp: &Loop, state: &State, now: u64) -> ScheduleInfo {
+    let next = schedule::next_occurrences(&lp.trigger, lp.timezone, now, NEXT_SHOWN)
+        .into_iter()
+        .map(|at| NextFire { at, local: show_instant(lp.timezone, at), utc: show_instant(schedule::Tz::UTC, at) })
+        .collect();
+    ScheduleInfo {
+        timezone: lp.timezone.name().to_string(),
+        overlap: lp.overlap.as_text().to_string(),
+        catchup: lp.catchup.as_ref().map_or_else(|| "90s".to_string(), |c| c.text.clone()),
+        pause_after_failures: lp.pause_after_failures,
+        next,
+        failures: state.failures,
+        paused_at: state.paused_at,
+        skipped: state.skipped,
+        queued: state.queued,
+        last: state.last,
+        run: state.claim.as_ref().map(|c| c.run_id.clone()).or_else(|| state.running.clone()),
+        manual: state.manual,
     }
 }
 

@@ -13,7 +13,7 @@
 
 use super::{Cron, DurationText, Trigger};
 use chrono::{DateTime, LocalResult, NaiveDateTime, TimeZone, Timelike, Utc};
-use chrono_tz::Tz;
+pub use chrono_tz::Tz;
 use std::time::Duration;
 
 /// The catch-up window when `loop.catchup` is absent: an occurrence whose time passed at
