@@ -31,11 +31,11 @@
 //! `min(100, gaps / 2)` turns each.
 
 use async_trait::async_trait;
+use mur_nats::clock::SystemClock;
 use mur_proto::Manifest;
 use mur_proto::message::Message;
 use mur_proto::task::{ExitStatus, Origin};
 use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
-use mur_worker::clock::SystemClock;
 use mur_worker::driver::http::Attempt;
 use mur_worker::driver::openai::{self, MaxTokensParam, OpenAi};
 use mur_worker::driver::scripted::{Reply, Script, Scripted, ScriptedCall};
