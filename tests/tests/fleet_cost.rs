@@ -217,7 +217,7 @@ async fn cache_writes_are_priced_at_their_own_rate_and_counted_apart() {
     let text = mur(&procs, &["job", "status", &run.run_id()]).await.stdout;
     assert!(text.contains("spend      $19.0000 (7000 in, 4000 cached, 2000 cache-write, 500 out)\n"), "{text}");
 
-    let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+    let tasks = mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
         .await
         .unwrap()
         .items;
