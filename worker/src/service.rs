@@ -53,8 +53,6 @@
 
 use crate::bundle;
 use crate::capsule::{self, Capsule};
-use crate::clock::{Clock, SystemClock};
-use crate::fanout;
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
@@ -62,12 +60,14 @@ use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
-use crate::trace_context;
 use crate::workdir::Layout;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
+use mur_nats::fanout;
+use mur_nats::trace_context;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::manifest::Conversation;
