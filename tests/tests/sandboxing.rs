@@ -401,15 +401,13 @@ echo '{}'
 fn a_hook_under_network_none_reaches_the_inference_endpoint_and_nothing_else() {
     let other = TcpListener::bind("0.0.0.0:0").unwrap();
     let other_port = other.local_addr().unwrap().port();
-    let manifest = format!(
-        "name: asking\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 5\n\
-         capabilities:\n  shell:\n    allow: [sh]\nhooks:\n  - name: asker\n    binding: on-task-end\n    \
-         command: [./asker.sh]\nsandbox:\n  network: none\n"
-    );
+    let manifest = "name: asking\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  \
+                    max_turns: 5\ncapabilities:\n  shell:\n    allow: [sh]\nhooks:\n  - name: asker\n    \
+                    binding: on-task-end\n    command: [./asker.sh]\nsandbox:\n  network: none\n";
     let replies = "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: done\n  \
                    - text: from the gate\n";
     let asker = ASKER.replace("$OTHER_PORT", &other_port.to_string());
-    let capsule = TestCapsule::new(&manifest, &[("replies.yaml", replies), ("asker.sh", &asker)]);
+    let capsule = TestCapsule::new(manifest, &[("replies.yaml", replies), ("asker.sh", &asker)]);
     let s = run(&capsule, "echo ran");
     let read = |name: &str| std::fs::read_to_string(s.dir.join(format!("gate.{name}"))).unwrap_or_default();
     let hook = sandbox_lines(&s.lines).into_iter().find(|l| l["hook_name"] == "asker").cloned().unwrap();
