@@ -8,6 +8,9 @@ mod run;
 /// `mur run` against fake providers: retries in the trace, provider errors in the result.
 mod drivers;
 
+/// Capsules as MCP clients: the testkit's rmcp servers over stdio and streamable HTTP (issue #35).
+mod mcp;
+
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
 /// Sandboxed capsules: filesystem, network and resource limits enforced by the kernel.

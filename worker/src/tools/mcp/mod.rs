@@ -161,7 +161,9 @@ impl Mcp {
                         *l.tools.lock().expect("tools lock") = tools;
                         any = true;
                     }
-                    Err(e) => tracing::warn!(server = %l.decl.name, error = %e, "re-listing an MCP server's tools failed"),
+                    Err(e) => {
+                        tracing::warn!(server = %l.decl.name, error = %e, "re-listing an MCP server's tools failed")
+                    }
                 }
             }
         }
@@ -330,7 +332,10 @@ impl Live {
         let arguments = match input {
             Value::Object(map) => Some(map.clone()),
             Value::Null => None,
-            other => return self.outcome(Outcome::error(format!("tool {offered:?}: the input must be an object, got {other}"))),
+            other => {
+                return self
+                    .outcome(Outcome::error(format!("tool {offered:?}: the input must be an object, got {other}")));
+            }
         };
         let mut params = CallToolRequestParams::new(tool.to_string());
         params.arguments = arguments;
@@ -350,8 +355,9 @@ impl Live {
             Ok(Ok(result)) => from_result(&result),
             Ok(Err(e)) => {
                 let mut text = format!("MCP server {server:?} failed the call of {tool:?}: {e}");
+                let closed = matches!(e, rmcp::ServiceError::TransportClosed | rmcp::ServiceError::TransportSend(_));
                 if let Some(child) = &self.child
-                    && let Some(exit) = child.exited()
+                    && let Some(exit) = if closed { child.ended().await } else { child.exited() }
                 {
                     text = format!("MCP server {server:?} has exited ({exit}); the call of {tool:?} failed: {e}");
                     text.push_str(&stderr_note(&child.stderr_tail()));
@@ -391,7 +397,11 @@ fn from_result(result: &CallToolResult) -> Outcome {
         parts.push(structured.to_string());
     }
     let text = cap(parts.join("\n"));
-    if result.is_error == Some(true) { Outcome::error(text) } else { Outcome { is_error: false, ..Outcome::error(text) } }
+    if result.is_error == Some(true) {
+        Outcome::error(text)
+    } else {
+        Outcome { is_error: false, ..Outcome::error(text) }
+    }
 }
 
 fn content_text(block: &ContentBlock) -> String {

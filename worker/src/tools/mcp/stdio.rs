@@ -103,12 +103,12 @@ impl Child {
                     }
                 };
                 // Whatever it started goes with it; its group id is not ours any more.
-                process::kill_marked(&mark);
                 if let Some(pgid) = pgid {
                     let _ = process::kill_group(pgid);
                 }
                 guard.disarm();
                 let _ = exit_tx.send(Some(describe(status)));
+                process::kill_marked(&mark);
             }
         });
         Ok(Child {
@@ -129,6 +129,18 @@ impl Child {
     /// How it ended, if it has.
     pub fn exited(&self) -> Option<String> {
         self.exit.borrow().clone()
+    }
+
+    /// How it ended, waiting up to [`LAST_WORDS`] for it to end and for its stderr to be
+    /// read to its end (a connection that closed: the process is going); `None` when it
+    /// still runs.
+    pub async fn ended(&self) -> Option<String> {
+        let mut exit = self.exit.clone();
+        let _ = tokio::time::timeout(LAST_WORDS, exit.wait_for(Option::is_some)).await;
+        let ended = self.exited()?;
+        let mut done = self.stderr_done.clone();
+        let _ = tokio::time::timeout(LAST_WORDS, done.wait_for(|d| *d)).await;
+        Some(ended)
     }
 
     /// The last lines of its stderr so far, oldest first.
