@@ -213,3 +213,39 @@ async fn streamable_http_tools_are_listed_and_called_over_a_real_socket() {
         .collect();
     assert_eq!(seen, [("web", "ok", "42"), ("web", "error", "nope")]);
 }
+
+/// The same capsule on the cluster (an in-process coordinator and worker, a real
+/// nats-server): pushed as a bundle, its server started by the worker in the session's
+/// folder; a server the worker machine lacks fails the task before any model call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_capsule_runs_on_the_cluster_and_a_missing_server_fails_its_task() {
+    use mur_proto::task::{ExitStatus, Origin, TaskState};
+    let sb = mur_tests::sandbox::Sandbox::start(1, 2).await;
+    let good = capsule(
+        &stdio_server(""),
+        "  - tool_calls: [{ name: mcp__t__add, input: { a: 2, b: 40 } }]\n  - text: \"sum {{tool_result}}\"\n",
+    );
+    sb.push(good.dir()).await;
+    let missing = TestCapsule::new(
+        "name: lacking\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\nmcp_servers:\n  - name: git\n    \
+         command: [mcp-server-nowhere-to-be-found]\n",
+        &[("r.yaml", "replies:\n  - text: never\n")],
+    );
+    sb.push(missing.dir()).await;
+    let ids = [sb.submit("mcp-user", "go", Origin::User).await, sb.submit("lacking", "go", Origin::User).await];
+    let records = sb.wait_all(&ids, std::time::Duration::from_secs(90)).await;
+    assert_eq!(
+        (records[0].state, records[0].exit_status, records[0].result.as_deref()),
+        (TaskState::Completed, Some(ExitStatus::Ok), Some("sum 42")),
+        "{records:?}"
+    );
+    assert_eq!(records[1].exit_status, Some(ExitStatus::Failed), "{records:?}");
+    assert_eq!(
+        records[1].result.as_deref(),
+        Some(
+            "error: MCP server \"git\": program \"mcp-server-nowhere-to-be-found\" not found on this machine (the worker \
+             machine must have it: a capsule bundle ships only the server's declaration)"
+        )
+    );
+    sb.shutdown().await;
+}
