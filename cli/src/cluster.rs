@@ -51,7 +51,7 @@ pub fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let status: mur_proto::cluster::ClusterStatus = rt.block_on(async {
         let client = conn.connect("mur cluster status").await?;
-        mur_coordinator::api::call(&client, mur_proto::cluster::api::CLUSTER_STATUS, Vec::new())
+        mur_nats::api::call(&client, mur_proto::cluster::api::CLUSTER_STATUS, Vec::new())
             .await
             .context("mur cluster status")
     })?;
@@ -550,13 +550,9 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
             // Ready means the coordinator answers: wait for it (with a deadline). The capsule
             // list is the cheap question (the task list reads every record).
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            while mur_coordinator::api::call::<serde_json::Value>(
-                &client,
-                mur_proto::cluster::api::CAPSULE_LIST,
-                Vec::new(),
-            )
-            .await
-            .is_err()
+            while mur_nats::api::call::<serde_json::Value>(&client, mur_proto::cluster::api::CAPSULE_LIST, Vec::new())
+                .await
+                .is_err()
             {
                 if std::time::Instant::now() > deadline {
                     bail!("the coordinator did not answer within 30 s");

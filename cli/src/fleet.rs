@@ -554,7 +554,7 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             }
         };
         let status = match id {
-            Some(id) => mur_worker::tools::fleet::run_status(&js, &id, mur_coordinator::fleets::now_ms())
+            Some(id) => mur_nats::fleet::run_status(&js, &id, mur_coordinator::fleets::now_ms())
                 .await
                 .map_err(|e| anyhow::anyhow!(e))?,
             None => None,

@@ -3,12 +3,12 @@
 //! folder (`MURMUR.md`, `trace.jsonl`, `out/result.txt`, `logs/`).
 
 use anyhow::{Context, Result};
+use mur_a2a::intake::{Intake, Submission};
+use mur_a2a::{AgentInfo, server::Server};
+use mur_nats::clock::SystemClock;
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::task::ExitStatus;
-use mur_worker::a2a::{AgentInfo, server::Server};
 use mur_worker::capsule::{self, Capsule};
-use mur_worker::clock::SystemClock;
-use mur_worker::intake::{Intake, Submission};
 use mur_worker::launch::{Setup, build_session_parts};
 use mur_worker::local;
 use mur_worker::session::Session;
@@ -128,7 +128,7 @@ fn mark_lost(resume: &Resume, by_session: &str, task_id: &str) -> Result<()> {
         let line = mur_proto::trace::Line {
             event: lost.event(by_session, task_id),
             session_id: resume.session_id.clone(),
-            timestamp: mur_worker::clock::Clock::now_ms(&SystemClock),
+            timestamp: mur_nats::clock::Clock::now_ms(&SystemClock),
             event_id: Id::generate(IdKind::Event),
             parent_id: resume.session_start_event.clone(),
         };

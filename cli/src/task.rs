@@ -4,12 +4,12 @@
 
 use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
+use mur_a2a::client::{self, SendOptions};
+use mur_a2a::v1;
 use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::page::Page;
 use mur_proto::task::Origin;
 use mur_proto::{Id, IdKind};
-use mur_worker::a2a::client::{self, SendOptions};
-use mur_worker::a2a::v1;
 use serde_json::json;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -205,7 +205,7 @@ pub async fn call<T: serde::de::DeserializeOwned>(
     body: Vec<u8>,
 ) -> Result<T> {
     // The refusal itself, not its text: `--json` reports its code ([`crate::report`]).
-    Ok(mur_coordinator::api::call(client, subject, body).await?)
+    Ok(mur_nats::api::call(client, subject, body).await?)
 }
 
 fn print_record(rec: &TaskRecord, json: bool) {
@@ -380,11 +380,10 @@ async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<
         gen_ai.agent.name = %request.capsule,
         mur.task_id = tracing::field::Empty,
     );
-    let headers = mur_worker::trace_context::headers(&span);
+    let headers = mur_nats::trace_context::headers(&span);
     let body = serde_json::to_vec(request).expect("a submit request serializes");
-    let reply: SubmitReply = mur_coordinator::api::call_with_headers(client, api::TASK_SUBMIT, headers, body)
-        .instrument(span.clone())
-        .await?;
+    let reply: SubmitReply =
+        mur_nats::api::call_with_headers(client, api::TASK_SUBMIT, headers, body).instrument(span.clone()).await?;
     span.record("mur.task_id", reply.task_id.as_str());
     Ok(reply)
 }

@@ -12,7 +12,7 @@
 //! [`Telemetry::shutdown`] flushes what is left on exit.
 //!
 //! The W3C Trace Context propagator is installed globally either way; murmur's own
-//! processes pass context with [`mur_worker::trace_context`].
+//! processes pass context with [`mur_nats::trace_context`].
 
 use anyhow::{Context as _, Result};
 use opentelemetry::trace::TracerProvider as _;

@@ -103,7 +103,7 @@ async fn scan(env: &Env, over: &mut OverCache) -> Result<(), String> {
         if env.active.lock().expect("active runs poisoned").contains(&record.run_id) {
             continue;
         }
-        let beat = mur_worker::tools::fleet::read_beat(&defs, &record.run_id).await;
+        let beat = mur_nats::fleet::read_beat(&defs, &record.run_id).await;
         if let Some(adoption) = orphan(&record, beat, now_ms()) {
             take_over(env, &defs, &key, entry.revision, record, adoption).await;
         }

@@ -147,7 +147,7 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
         if let Some(reply) = msg.reply {
             let (headers, body) = match answer {
                 Ok(body) => (async_nats::HeaderMap::new(), body),
-                Err(e) => crate::api::error_reply(&e),
+                Err(e) => mur_nats::api::error_reply(&e),
             };
             if let Err(e) = client.publish_with_headers(reply, headers, body).await {
                 tracing::warn!(%instance, "answering a run request: {e}");
@@ -650,7 +650,7 @@ impl Exec {
             task_id: None,
         };
         let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-        crate::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
+        mur_nats::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
     }
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends
@@ -668,8 +668,8 @@ impl Exec {
                 return (r.state == TaskState::Completed, r.result.unwrap_or_default());
             }
             if tokio::time::Instant::now() >= deadline {
-                let _ =
-                    crate::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string()).await;
+                let _ = mur_nats::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string())
+                    .await;
                 return (false, "error: the step outlived the loop's deadline and was canceled".into());
             }
             tokio::time::sleep(backoff).await;

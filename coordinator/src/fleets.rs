@@ -157,7 +157,7 @@ fn not_found(fleet: &str) -> ApiError {
 
 /// Unix milliseconds now.
 pub fn now_ms() -> u64 {
-    mur_worker::clock::Clock::now_ms(&mur_worker::clock::SystemClock)
+    mur_nats::clock::Clock::now_ms(&mur_nats::clock::SystemClock)
 }
 
 /// The summary of a stored definition: what loads of it, its kill-switch and job counts,

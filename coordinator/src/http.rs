@@ -4,7 +4,7 @@
 //! the cluster as it does against a single capsule.
 //!
 //! Each capsule's endpoint is the capsule's own A2A server
-//! ([`mur_worker::a2a::server::router`]) over a [`ClusterBackend`], which talks to the
+//! ([`mur_a2a::server::router`]) over a [`ClusterBackend`], which talks to the
 //! coordinator through its NATS API (`mur.api.task.*`) and follows task records in
 //! [`TASKS_BUCKET`]. Origins follow the A2A endpoint's rule: only `peer` and `completion`
 //! in `x-murmur-task-origin` are believed, anything else (a claimed `user` included) is
@@ -22,16 +22,16 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use futures::stream::{self, StreamExt};
+use mur_a2a::Backend;
+use mur_a2a::card::{AgentInfo, agent_card};
+use mur_a2a::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
+use mur_nats::trace_context;
 use mur_proto::cluster::{
     ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitReply, SubmitRequest, TASKS_BUCKET,
     TaskRecord as ClusterRecord, TaskRef, api,
 };
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
-use mur_worker::a2a::Backend;
-use mur_worker::a2a::card::{AgentInfo, agent_card};
-use mur_worker::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
-use mur_worker::trace_context;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
@@ -116,7 +116,7 @@ impl Endpoints {
         };
         let url = format!("{}/capsules/{name}/", self.base);
         let backend = Arc::new(ClusterBackend::new(self.client.clone(), name));
-        let router = mur_worker::a2a::server::router(backend, agent_card(&info, &url));
+        let router = mur_a2a::server::router(backend, agent_card(&info, &url));
         if known {
             self.routers.lock().expect("routers").insert(name.to_string(), router.clone());
         }
@@ -146,7 +146,7 @@ async fn capsule_path(
 ) -> Response {
     // No card for a capsule never pushed: a client discovering agents is told so, where a
     // send to it is refused by the task API (with the reason) as before.
-    let card = mur_worker::a2a::server::AGENT_CARD_PATH.trim_start_matches('/');
+    let card = mur_a2a::server::AGENT_CARD_PATH.trim_start_matches('/');
     if rest == card && capsule_entry(&state.client, &name).await.is_none() {
         let body = format!("no capsule named {name:?} (push it with `mur capsule push`)\n");
         return (StatusCode::NOT_FOUND, body).into_response();
@@ -204,7 +204,7 @@ impl ClusterBackend {
 
     async fn record(&self, id: &str) -> Result<ClusterRecord, ApiError> {
         let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
-        let record: ClusterRecord = crate::api::call(&self.client, api::TASK_GET, body).await?;
+        let record: ClusterRecord = mur_nats::api::call(&self.client, api::TASK_GET, body).await?;
         if record.capsule != self.capsule {
             return Err(ApiError::new(ErrorCode::NotFound, format!("task {id} not found")));
         }
@@ -310,7 +310,7 @@ impl Backend for ClusterBackend {
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.
         let headers = trace_context::headers(&tracing::Span::current());
         let reply: SubmitReply =
-            match crate::api::call_with_headers(&self.client, api::TASK_SUBMIT, headers, body).await {
+            match mur_nats::api::call_with_headers(&self.client, api::TASK_SUBMIT, headers, body).await {
                 Ok(reply) => reply,
                 Err(err) => return Err(refused(submission, &err)),
             };
@@ -329,7 +329,7 @@ impl Backend for ClusterBackend {
     async fn cancel(&self, id: &str) -> Result<TaskRecord, intake::Error> {
         let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
         let current = self.record(id).await.map_err(|_| intake::Error::NotFound(id.to_string()))?;
-        match crate::api::call::<ClusterRecord>(&self.client, api::TASK_CANCEL, body).await {
+        match mur_nats::api::call::<ClusterRecord>(&self.client, api::TASK_CANCEL, body).await {
             Ok(record) => Ok(to_intake(&record)),
             Err(err) if err.code == ErrorCode::NotFound => Err(intake::Error::NotFound(id.to_string())),
             Err(err) if err.code == ErrorCode::Conflict && current.state.is_terminal() => {

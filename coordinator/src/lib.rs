@@ -3,7 +3,6 @@
 //! [`resources`] sets up the cluster's streams and buckets, [`service`] is the NATS
 //! adapter that runs them, [`http`] the A2A HTTP endpoint that takes tasks for it.
 
-pub mod api;
 pub mod dead_letter;
 pub mod fleet_adopt;
 pub mod fleet_cost;

@@ -16,7 +16,7 @@
 //!    so that no release waits for another's round trips.
 //! 3. The micro service `mur` ([`cluster::SERVICE_NAME`], discoverable with `$SRV.INFO`)
 //!    has one endpoint per subject of [`cluster::api`]; each request is handled in a task
-//!    of its own. Replies follow the scheme of [`crate::api`] (success = the plain JSON
+//!    of its own. Replies follow the scheme of [`mur_nats::api`] (success = the plain JSON
 //!    value; failure = micro service error headers + the [`ApiError`] JSON).
 //!
 //! Admission at submit (issue #9): `task.submit` first asks the actor to
@@ -59,7 +59,6 @@
 //! Whether a task's capsule is a `queue` capsule is read from the capsule index entry
 //! ([`CapsuleIndexEntry::queue`]) of the capsule's latest push when the task is first seen.
 
-use crate::api;
 use crate::lease::{Held, Lease};
 use crate::resources::{self, Resources, Settings};
 use crate::scheduler::{self, Input, Output, Scheduler};
@@ -67,6 +66,8 @@ use async_nats::jetstream::{self, kv, message::PublishMessage};
 use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use mur_nats::api;
+use mur_nats::trace_context;
 use mur_proto::cluster::{
     self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, Released, SubmitReply, SubmitRequest,
     TaskRecord, TaskRef, WorkerInfo,
@@ -74,7 +75,6 @@ use mur_proto::cluster::{
 use mur_proto::page::{self, Page};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
-use mur_worker::trace_context;
 use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -748,9 +748,9 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
 
 /// A capsule index read that failed: the server's fault is `unavailable`, anything else
 /// (a malformed entry) `internal`.
-fn index_error(e: mur_worker::bundle::Error) -> ApiError {
+fn index_error(e: mur_nats::bundle::Error) -> ApiError {
     match e {
-        mur_worker::bundle::Error::Nats { .. } => unavailable("mur_capsule_index", e),
+        mur_nats::bundle::Error::Nats { .. } => unavailable("mur_capsule_index", e),
         other => internal("mur_capsule_index", other),
     }
 }
@@ -908,7 +908,7 @@ impl Ctx {
     }
 
     async fn latest_capsule(&self, name: &str) -> Result<Option<CapsuleIndexEntry>, ApiError> {
-        mur_worker::bundle::latest(&self.capsule_index, name).await.map_err(index_error)
+        mur_nats::bundle::latest(&self.capsule_index, name).await.map_err(index_error)
     }
 
     /// `task.get`.
@@ -1095,7 +1095,7 @@ impl Ctx {
         let leader = Lease::holder(&leader_kv).await.map_err(|e| unavailable("mur_leader: read", e))?;
         let fanout_kv =
             self.js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.map_err(|e| unavailable("mur_fanout", e))?;
-        let fanout = mur_worker::fanout::status(&fanout_kv).await.map_err(|e| unavailable("mur_fanout: read", e))?;
+        let fanout = mur_nats::fanout::status(&fanout_kv).await.map_err(|e| unavailable("mur_fanout: read", e))?;
         Ok(cluster::ClusterStatus {
             fanout,
             ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms(), self.worker_timeout_ms)
@@ -1104,7 +1104,7 @@ impl Ctx {
 
     /// `capsule.list`.
     async fn capsules(&self) -> Result<Vec<CapsuleEntry>, ApiError> {
-        mur_worker::bundle::list(&self.capsule_index).await.map_err(index_error)
+        mur_nats::bundle::list(&self.capsule_index).await.map_err(index_error)
     }
 
     /// Parses a task record entry, logging a malformed one.
@@ -1339,7 +1339,7 @@ impl QueueFlags {
     /// it keeps, `mur_capsule_index`'s history setting), learned into `bundles`; `None`
     /// when the history no longer holds that bundle or cannot be read.
     async fn from_history(index: &kv::Store, bundles: &BundleFlags, record: &TaskRecord) -> Option<bool> {
-        let pushes = mur_worker::bundle::history(index, &record.capsule).await.ok()?;
+        let pushes = mur_nats::bundle::history(index, &record.capsule).await.ok()?;
         let entry = pushes.iter().find(|e| e.digest == record.capsule_digest)?;
         bundles.learn(entry);
         Some(entry.queue)
@@ -1356,7 +1356,7 @@ struct ProcessShared {
 
 /// The queue flag (`lifecycle.task_acceptance: queue`) of each capsule bundle this process
 /// has read from the index, by bundle digest, shared by its contexts. A digest is the
-/// SHA-256 of one bundle's bytes, manifest included ([`mur_worker::bundle`]), so its flag
+/// SHA-256 of one bundle's bytes, manifest included (`mur_worker::bundle`), so its flag
 /// never changes: a task whose bundle is known here is put to the scheduler without a
 /// capsule index read (issue #9: the submit's read serves the watch too). Holds at most
 /// [`BundleFlags::KEPT`] digests; past that it starts over.

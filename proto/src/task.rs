@@ -6,6 +6,28 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
+/// A task as the loop receives it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TaskSpec {
+    /// `tsk_…`.
+    pub task_id: String,
+    /// `ctx_…`.
+    pub context_id: String,
+    /// The task's text: the first user message.
+    pub text: String,
+    /// Where it came from.
+    pub origin: Origin,
+    /// `cli`, `task_md`, `a2a`, …
+    pub source: String,
+}
+
+impl TaskSpec {
+    /// The lane the task waited in.
+    pub fn lane(&self) -> Lane {
+        self.origin.lane()
+    }
+}
+
 /// Where a task came from (the session-loop seed, §Queue lanes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

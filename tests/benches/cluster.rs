@@ -833,7 +833,7 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
                 Instant::now(),
                 tokio::spawn(async move {
                     let _: Vec<cluster::CapsuleEntry> =
-                        mur_coordinator::api::call(&client, api::CAPSULE_LIST, "").await.expect("capsule.list");
+                        mur_nats::api::call(&client, api::CAPSULE_LIST, "").await.expect("capsule.list");
                     Instant::now()
                 }),
             ));
@@ -850,11 +850,11 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
     // The two questions that read every record: `mur task ls` and `mur cluster status`.
     let t = Instant::now();
     let page: mur_proto::page::Page<cluster::TaskRecord> =
-        mur_coordinator::api::call(&client, api::TASK_LIST, r#"{"limit":20}"#).await.expect("task.list");
+        mur_nats::api::call(&client, api::TASK_LIST, r#"{"limit":20}"#).await.expect("task.list");
     let list = t.elapsed();
     assert_eq!(page.items.len(), records.min(20));
     let t = Instant::now();
-    let _: cluster::ClusterStatus = mur_coordinator::api::call(&client, api::CLUSTER_STATUS, "").await.expect("status");
+    let _: cluster::ClusterStatus = mur_nats::api::call(&client, api::CLUSTER_STATUS, "").await.expect("status");
     let status = t.elapsed();
     let peak = vm_field(pid, "VmHWM:").unwrap_or(0);
     let _ = child.kill();
@@ -939,9 +939,7 @@ async fn submit(client: &async_nats::Client, capsule: &str) -> String {
 async fn submit_prompt(client: &async_nats::Client, capsule: &str, prompt: &str) -> String {
     let request = SubmitRequest::new(capsule, prompt, Origin::User);
     let reply: SubmitReply =
-        mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
-            .await
-            .expect("submit");
+        mur_nats::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.expect("submit");
     reply.task_id
 }
 

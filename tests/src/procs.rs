@@ -163,7 +163,7 @@ impl Procs {
         let request = SubmitRequest::new(capsule, text, origin);
         let body = serde_json::to_vec(&request).unwrap();
         until("a coordinator takes the submission", Duration::from_secs(30), || async {
-            mur_coordinator::api::call::<SubmitReply>(&self.client, api::TASK_SUBMIT, body.clone())
+            mur_nats::api::call::<SubmitReply>(&self.client, api::TASK_SUBMIT, body.clone())
                 .await
                 .ok()
                 .map(|r| r.task_id)

@@ -71,13 +71,10 @@ impl Sandbox {
     pub async fn wait_ready(&self, workers: usize) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            let answered = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(
-                &self.client,
-                api::TASK_LIST,
-                Vec::new(),
-            )
-            .await
-            .is_ok();
+            let answered =
+                mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new())
+                    .await
+                    .is_ok();
             let js = async_nats::jetstream::new(self.client.clone());
             let registered = match js.get_key_value(mur_proto::cluster::WORKERS_BUCKET).await {
                 Ok(kv) => match kv.keys().await {
@@ -147,7 +144,7 @@ impl Sandbox {
     pub async fn submit(&self, capsule: &str, text: &str, origin: Origin) -> String {
         let request = SubmitRequest::new(capsule, text, origin);
         let reply: SubmitReply =
-            mur_coordinator::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
+            mur_nats::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
                 .await
                 .expect("submit");
         reply.task_id
@@ -155,7 +152,7 @@ impl Sandbox {
 
     /// Every task record, newest first: one `task.list` page (its items).
     pub async fn tasks(&self) -> Vec<TaskRecord> {
-        mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new())
+        mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&self.client, api::TASK_LIST, Vec::new())
             .await
             .expect("task.list")
             .items

@@ -44,7 +44,7 @@ async fn run_records(cluster: &Procs) -> usize {
 async fn submit_raw(cluster: &Procs, body: serde_json::Value) -> Result<String, mur_proto::cluster::ApiError> {
     let bytes = serde_json::to_vec(&body).unwrap();
     until("a coordinator answers the submission", Duration::from_secs(30), || async {
-        match mur_coordinator::api::call::<SubmitReply>(&cluster.client, api::TASK_SUBMIT, bytes.clone()).await {
+        match mur_nats::api::call::<SubmitReply>(&cluster.client, api::TASK_SUBMIT, bytes.clone()).await {
             Ok(r) => Some(Ok(r.task_id)),
             Err(e) if e.code == mur_proto::cluster::ErrorCode::Unavailable => None,
             Err(e) => Some(Err(e)),
@@ -488,7 +488,7 @@ async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_fre
     let js = server.jetstream().await;
     let settings = mur_coordinator::Settings { fanout_lease_secs: 30, ..mur_coordinator::Settings::default() };
     let res = mur_coordinator::resources::ensure(&js, &settings).await.unwrap();
-    let sem = mur_worker::fanout::Semaphore::open(&js).await.unwrap();
+    let sem = mur_nats::fanout::Semaphore::open(&js).await.unwrap();
     let kv = res.fanout;
     let holder = |task: &str| Holder {
         task_id: task.into(),
@@ -557,7 +557,7 @@ async fn a_permit_dropped_without_a_release_gives_its_slot_back_at_once() {
     let js = server.jetstream().await;
     let settings = mur_coordinator::Settings { fanout_lease_secs: 30, ..mur_coordinator::Settings::default() };
     let res = mur_coordinator::resources::ensure(&js, &settings).await.unwrap();
-    let sem = mur_worker::fanout::Semaphore::open(&js).await.unwrap();
+    let sem = mur_nats::fanout::Semaphore::open(&js).await.unwrap();
     let kv = res.fanout;
     let holder = |task: &str| Holder {
         task_id: task.into(),

@@ -452,7 +452,7 @@ async fn tasks_cancelled_during_a_restore_are_not_replayed_and_hold_no_slot() {
     for id in &waiting {
         let body = serde_json::to_vec(&TaskRef { task_id: id.clone() }).unwrap();
         let record: cluster::TaskRecord =
-            mur_coordinator::api::call(&cluster.client, api::TASK_CANCEL, body).await.expect("cancel");
+            mur_nats::api::call(&cluster.client, api::TASK_CANCEL, body).await.expect("cancel");
         assert_eq!(record.state, TaskState::Canceled);
     }
     until("coordinator-2 restores", WAIT, || async { second.log().contains("coordinator restored").then_some(()) })
@@ -490,8 +490,7 @@ async fn a_submission_sent_twice_with_its_own_task_id_runs_once() {
     let send = |request: SubmitRequest| {
         let client = cluster.client.clone();
         async move {
-            mur_coordinator::api::call::<SubmitReply>(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
-                .await
+            mur_nats::api::call::<SubmitReply>(&client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await
         }
     };
     // Sent until the coordinator answers (it may not serve yet): the same task each time.
@@ -577,7 +576,7 @@ async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
     until("the coordinator leads", WAIT, || async { coordinator.log().contains("service: leading").then_some(()) })
         .await;
     let capsules: Vec<cluster::CapsuleEntry> =
-        mur_coordinator::api::call(&cluster.client, cluster::api::CAPSULE_LIST, "").await.expect("capsule.list");
+        mur_nats::api::call(&cluster.client, cluster::api::CAPSULE_LIST, "").await.expect("capsule.list");
     assert!(capsules.is_empty(), "{capsules:?}");
     assert!(
         !coordinator.log().contains("coordinator restored"),

@@ -131,9 +131,9 @@ async fn serve_http(sb: &Sandbox, stop: tokio_util::sync::CancellationToken) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_is_not_believed() {
     use futures::StreamExt;
+    use mur_a2a::client::{self, SendOptions};
+    use mur_a2a::v1::{StreamResponse, TaskState as A2aState};
     use mur_proto::task::Lane;
-    use mur_worker::a2a::client::{self, SendOptions};
-    use mur_worker::a2a::v1::{StreamResponse, TaskState as A2aState};
 
     let sb = Sandbox::start(1, 1).await;
     let c = shell_capsule("httpecho", "");
@@ -359,7 +359,7 @@ async fn submit_in_context(client: &async_nats::Client, capsule: &str, text: &st
     use mur_proto::cluster::{SubmitReply, SubmitRequest, api};
     let request = SubmitRequest { context_id: Some(context.into()), ..SubmitRequest::new(capsule, text, Origin::User) };
     let reply: SubmitReply =
-        mur_coordinator::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.unwrap();
+        mur_nats::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.unwrap();
     reply.task_id
 }
 

@@ -5,11 +5,11 @@
 use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_coordinator::{Settings, resources};
+use mur_nats::fanout::{Error as FanoutError, Semaphore};
 use mur_proto::fanout::{FleetStep, Holder, SLOT_PREFIX, slot_key};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::nats::NatsServer;
 use mur_tests::procs::{Procs, until};
-use mur_worker::fanout::{Error as FanoutError, Semaphore};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 

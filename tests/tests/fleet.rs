@@ -328,7 +328,7 @@ async fn jobs_are_queued_listed_filtered_by_run_id_prefix_and_canceled() -> Resu
     assert_eq!(refused(&sb, &["send", "pair", "  "]), "mur: invalid_request: text: must not be only whitespace\n");
     // Issue #29: no command's argument can carry a NUL (the command line cannot either:
     // straight to the API).
-    let err = mur_coordinator::api::call::<Job>(
+    let err = mur_nats::api::call::<Job>(
         &sb.client,
         fleet_store::api::SEND,
         serde_json::to_vec(&json!({"fleet": "pair", "text": "echo a\u{0}b"}))?,

@@ -63,7 +63,7 @@ async fn wait_step_working(procs: &Procs, job_id: &str) -> String {
         if j["status"] != "running" {
             return None;
         }
-        let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+        let tasks = mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
             .await
             .ok()?
             .items;

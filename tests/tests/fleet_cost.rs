@@ -135,7 +135,7 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     let run = mur(&procs, &["fleet", "run", "est"]).await;
     assert_eq!(run.code, 0, "{run:?}");
     let run_id = run.run_id();
-    let tasks = mur_coordinator::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+    let tasks = mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
         .await
         .unwrap()
         .items;

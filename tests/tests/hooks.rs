@@ -533,7 +533,7 @@ fn the_reopen_limit_is_fresh_for_every_task_of_a_queue_session() {
     let start = bg.next_json(std::time::Duration::from_secs(30));
     let url = start["url"].as_str().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(mur_worker::a2a::client::Client::new(url).send("second", &Default::default())).unwrap();
+    rt.block_on(mur_a2a::client::Client::new(url).send("second", &Default::default())).unwrap();
     let last = bg.next_json(std::time::Duration::from_secs(30));
     let lines = trace_lines(Path::new(last["session_dir"].as_str().unwrap()));
     let ends: Vec<(String, u64)> = of_type(&lines, "task_end")

@@ -1,11 +1,11 @@
 //! Capsule lifecycle over real HTTP (issue #5): task acceptance, lanes, idle exit and
 //! shutdown of a capsule run by `mur run`, driven through its A2A endpoint.
 
+use mur_a2a::client::{Client, SendOptions};
+use mur_a2a::v1::TaskState;
 use mur_proto::task::Origin;
 use mur_tests::capsule::TestCapsule;
 use mur_tests::mur::{Background, mur, trace_lines};
-use mur_worker::a2a::client::{Client, SendOptions};
-use mur_worker::a2a::v1::TaskState;
 use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;
@@ -81,7 +81,7 @@ fn waiting_sender(
     (sender, id, rx)
 }
 
-fn send(url: &str, text: &str, origin: Option<Origin>) -> mur_worker::a2a::v1::Task {
+fn send(url: &str, text: &str, origin: Option<Origin>) -> mur_a2a::v1::Task {
     rt().block_on(Client::new(url).send(text, &SendOptions { origin, context_id: None })).unwrap()
 }
 
@@ -185,12 +185,7 @@ fn idle_exit_ends_an_idle_queue_capsule_cleanly() {
     let (mut bg, first) = start(&c, &["--idle-exit", "1"]);
     let url = first["url"].as_str().unwrap();
     let t = rt()
-        .block_on(mur_worker::a2a::client::send_task(
-            url,
-            "go",
-            &SendOptions::default(),
-            Some(Duration::from_millis(50)),
-        ))
+        .block_on(mur_a2a::client::send_task(url, "go", &SendOptions::default(), Some(Duration::from_millis(50))))
         .unwrap();
     assert_eq!(t.status.state, TaskState::Completed);
     let last = bg.next_json(WAIT);
@@ -332,7 +327,7 @@ fn mur_task_send_reaches_a_running_capsule() {
 #[test]
 fn a_stop_cancels_the_waiting_tasks_and_a_waiting_sender_learns_it() {
     use futures::StreamExt;
-    use mur_worker::a2a::v1::StreamResponse;
+    use mur_a2a::v1::StreamResponse;
     let c = hooked(
         "  queue_depth: 5\n",
         "on-session-end",

@@ -7,6 +7,9 @@ mod run;
 
 /// `mur run` against fake providers: retries in the trace, provider errors in the result.
 mod drivers;
+/// Model calls against what third-party servers send: tool-call shapes, broken, stalled
+/// and oversized streams, error bodies, the output cap's key (issue #28).
+mod model_calls;
 
 /// Capsules as MCP clients: the testkit's rmcp servers over stdio and streamable HTTP (issue #35).
 mod mcp;

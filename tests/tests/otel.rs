@@ -52,7 +52,7 @@ async fn traced_cluster(collector: &FakeOtlp) -> (Procs, Vec<Proc>, String, Test
     cluster.push(capsule.dir()).await;
     cluster.wait_workers(1).await;
     until("the coordinator answers", WAIT, || async {
-        mur_coordinator::api::call::<serde_json::Value>(&cluster.client, api::CAPSULE_LIST, "").await.ok()
+        mur_nats::api::call::<serde_json::Value>(&cluster.client, api::CAPSULE_LIST, "").await.ok()
     })
     .await;
     (cluster, vec![coordinator, worker], base, capsule)

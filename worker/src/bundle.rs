@@ -16,14 +16,13 @@
 //!   it, then rename), after checking the digest.
 
 use async_nats::jetstream::{kv, object_store};
-use futures::TryStreamExt;
+use mur_nats::bundle as capsule_index;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::Manifest;
-use mur_proto::cluster::{CapsuleEntry, CapsuleIndexEntry, bundle_object, is_valid_digest};
-use mur_proto::manifest::is_valid_name;
+use mur_proto::cluster::{CapsuleIndexEntry, bundle_object, is_valid_digest};
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::io::AsyncReadExt;
 
 /// The manifest's file name, at the folder's top.
@@ -42,8 +41,6 @@ pub const SKIPPED_DIRS: [&str; 1] = [".git"];
 /// What `${VAR}` in the manifest resolves to while packing: the environment belongs to the
 /// worker that runs the capsule, not to the machine that pushes it.
 const UNRESOLVED: &str = "${unresolved}";
-/// How often [`push`] retries its compare-and-set on the index when pushes race.
-const INDEX_CAS_ATTEMPTS: usize = 10;
 
 /// A packed capsule folder.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -182,6 +179,18 @@ impl Error {
     }
 }
 
+/// The index's errors keep their variant and message: it is read and written in
+/// [`mur_nats::bundle`], shared with the coordinator.
+impl From<capsule_index::Error> for Error {
+    fn from(e: capsule_index::Error) -> Self {
+        match e {
+            capsule_index::Error::Invalid(reason) => Error::Invalid(reason),
+            capsule_index::Error::Malformed { object, reason } => Error::Malformed { object, reason },
+            capsule_index::Error::Nats { what, source } => Error::Nats { what, source },
+        }
+    }
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |reason| Error::Io { path: path.to_path_buf(), reason }
 }
@@ -190,6 +199,9 @@ fn nats(what: impl Into<String>) -> impl FnOnce(async_nats::Error) -> Error {
     let what = what.into();
     move |source| Error::Nats { what, source }
 }
+
+/// The index reads ([`list`], [`latest`], [`history`]) live in [`mur_nats::bundle`].
+pub use capsule_index::{history, latest, list};
 
 // ---------------------------------------------------------------------------------------
 // Packing.
@@ -501,109 +513,13 @@ pub async fn push(store: &object_store::ObjectStore, index: &kv::Store, bundle: 
     let value = CapsuleIndexEntry {
         digest: bundle.digest.clone(),
         version: bundle.version.clone(),
-        pushed_at: now_ms(),
+        pushed_at: SystemClock.now_ms(),
         bytes,
         queue: bundle.queue,
         model: bundle.model.clone(),
     };
-    let value = bytes::Bytes::from(serde_json::to_vec(&value).expect("index entry serializes"));
-    let what = || format!("index {}", bundle.name);
-    for _ in 0..INDEX_CAS_ATTEMPTS {
-        let current = index.entry(&bundle.name).await.map_err(|e| nats(what())(e.into()))?;
-        match current.filter(|e| e.operation == kv::Operation::Put) {
-            Some(entry) => {
-                if serde_json::from_slice::<CapsuleIndexEntry>(&entry.value).is_ok_and(|e| e.digest == bundle.digest) {
-                    return Ok(receipt);
-                }
-                match index.update(&bundle.name, value.clone(), entry.revision).await {
-                    Ok(_) => return Ok(receipt),
-                    // Another push won the race: read again.
-                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                    Err(e) => return Err(nats(what())(e.into())),
-                }
-            }
-            None => match index.create(&bundle.name, value.clone()).await {
-                Ok(_) => return Ok(receipt),
-                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
-                Err(e) => return Err(nats(what())(e.into())),
-            },
-        }
-    }
-    Err(Error::Nats {
-        what: what(),
-        source: format!("{INDEX_CAS_ATTEMPTS} pushes raced and this one lost each time").into(),
-    })
-}
-
-/// Every capsule's latest bundle, sorted by name.
-///
-/// # Errors
-/// [`Error::Nats`] when the index cannot be read; [`Error::Malformed`] for an entry that
-/// is not a [`CapsuleIndexEntry`].
-pub async fn list(index: &kv::Store) -> Result<Vec<CapsuleEntry>, Error> {
-    let mut names: Vec<String> = index
-        .keys()
-        .await
-        .map_err(|e| nats("index keys")(e.into()))?
-        .try_collect()
-        .await
-        .map_err(|e| nats("index keys")(e.into()))?;
-    names.sort();
-    let mut entries = Vec::with_capacity(names.len());
-    for name in names {
-        if let Some(e) = latest(index, &name).await? {
-            entries.push(CapsuleEntry {
-                name,
-                digest: e.digest,
-                version: e.version,
-                pushed_at: e.pushed_at,
-                bytes: e.bytes,
-            });
-        }
-    }
-    Ok(entries)
-}
-
-/// The latest bundle of capsule `name`, or `None` if it was never pushed.
-///
-/// # Errors
-/// As [`list`].
-pub async fn latest(index: &kv::Store, name: &str) -> Result<Option<CapsuleIndexEntry>, Error> {
-    check_name(name)?;
-    let value = index.get(name).await.map_err(|e| nats(format!("index {name}"))(e.into()))?;
-    value.map(|v| parse_entry(name, &v)).transpose()
-}
-
-/// The pushes of capsule `name` the index still remembers (up to its history setting),
-/// oldest first.
-///
-/// # Errors
-/// As [`list`].
-pub async fn history(index: &kv::Store, name: &str) -> Result<Vec<CapsuleIndexEntry>, Error> {
-    check_name(name)?;
-    let entries: Vec<kv::Entry> = index
-        .history(name)
-        .await
-        .map_err(|e| nats(format!("index history {name}"))(e.into()))?
-        .try_collect()
-        .await
-        .map_err(|e| nats(format!("index history {name}"))(e.into()))?;
-    entries.iter().filter(|e| e.operation == kv::Operation::Put).map(|e| parse_entry(name, &e.value)).collect()
-}
-
-fn parse_entry(name: &str, value: &[u8]) -> Result<CapsuleIndexEntry, Error> {
-    serde_json::from_slice(value).map_err(|e| Error::Malformed {
-        object: format!("index entry {name}"),
-        reason: format!("not an index entry: {e}"),
-    })
-}
-
-fn check_name(name: &str) -> Result<(), Error> {
-    if is_valid_name(name) { Ok(()) } else { Err(Error::Invalid(format!("capsule name {name:?} is not valid"))) }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    capsule_index::set_latest(index, &bundle.name, &value).await?;
+    Ok(receipt)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -630,7 +546,7 @@ pub async fn fetch(
     digest: &str,
     cache_dir: &Path,
 ) -> Result<PathBuf, Error> {
-    check_name(name)?;
+    capsule_index::check_name(name)?;
     if !is_valid_digest(digest) {
         return Err(Error::Invalid(format!("bundle digest {digest:?} is not 64 lowercase hex digits")));
     }

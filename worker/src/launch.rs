@@ -3,7 +3,6 @@
 //! hook processes with their builtins and the gate, and the [`SessionConfig`].
 
 use crate::capsule::Capsule;
-use crate::clock::SystemClock;
 use crate::driver::Driver;
 use crate::hooks::{self, InferenceGate, process::ProcessHooks};
 use crate::session::SessionConfig;
@@ -13,6 +12,7 @@ use crate::tokens;
 use crate::tools::{CallContext, Toolbox};
 use crate::trace::{Sink, Tracer};
 use crate::workdir::Layout;
+use mur_nats::clock::SystemClock;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 

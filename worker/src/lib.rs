@@ -5,14 +5,10 @@
 //! ([`clock::Clock`]) sit behind traits, so `mur run` (local files) and the cluster worker
 //! (NATS) share one loop, and the loop is tested without sockets.
 
-pub mod a2a;
 pub mod bundle;
 pub mod capsule;
-pub mod clock;
 pub mod driver;
-pub mod fanout;
 pub mod hooks;
-pub mod intake;
 pub mod launch;
 pub mod local;
 pub mod preflight;
@@ -23,6 +19,5 @@ pub mod timer;
 pub mod tokens;
 pub mod tools;
 pub mod trace;
-pub mod trace_context;
 pub mod usage;
 pub mod workdir;

@@ -17,12 +17,12 @@
 //! `canceled`, its status message saying why, so its sender is not left waiting on a
 //! task that stays `submitted`.
 
-use crate::clock::{Clock, SystemClock};
-use crate::intake::{Intake, Next, Submission};
 use crate::session::detach::{Detached, Work};
 use crate::session::{Session, TaskReport};
 use crate::tools::background::{DetachNotice, DetachSink};
 use crate::trace;
+use mur_a2a::intake::{Intake, Next, Submission};
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::manifest::{AfterTask, Conversation, TaskAcceptance};
 use mur_proto::message::Message;
 use mur_proto::task::{ExitStatus, Origin};

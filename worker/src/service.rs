@@ -53,8 +53,6 @@
 
 use crate::bundle;
 use crate::capsule::{self, Capsule};
-use crate::clock::{Clock, SystemClock};
-use crate::fanout;
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
 use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
@@ -62,12 +60,14 @@ use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
 use crate::trace::{self, FileSink, Sink, Tee};
-use crate::trace_context;
 use crate::workdir::Layout;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
+use mur_nats::fanout;
+use mur_nats::trace_context;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::manifest::Conversation;
@@ -265,6 +265,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     std::fs::create_dir_all(&config.workdir).map_err(|source| Error::Io { path: config.workdir.clone(), source })?;
     config.workdir =
         std::path::absolute(&config.workdir).map_err(|source| Error::Io { path: config.workdir.clone(), source })?;
+    // The sandbox fences (address rules) a killed worker left behind.
+    tokio::task::spawn_blocking(crate::sandbox::netfilter::sweep);
 
     // The coordinator creates the streams and buckets: until it has, wait for them (a
     // worker may start first, as docker-compose starts services in any order).

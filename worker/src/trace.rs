@@ -7,7 +7,7 @@
 //! records of detached work (`shell_completed`, `shell_abandoned`, `shell_lost`) hang under
 //! the task running when they are written, or the session between tasks.
 
-use crate::clock::Clock;
+use mur_nats::clock::Clock;
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::trace::{Event, Line};
 use std::io::Write;
@@ -164,7 +164,7 @@ impl Tracer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::SystemClock;
+    use mur_nats::clock::SystemClock;
     use mur_proto::task::{Lane, Origin};
     use mur_proto::trace::{CallStatus, Decision, ProviderUsage};
 

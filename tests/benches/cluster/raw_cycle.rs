@@ -30,11 +30,11 @@
 use super::{CpuMark, MODEL_DELAY, Watcher, submit_concurrently};
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, CapsuleIndexEntry, Dispatch, Released, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
 use mur_tests::nats::NatsServer;
-use mur_worker::clock::{Clock, SystemClock};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -11,11 +11,11 @@
 //! A command still running when the worker shuts down is killed, and recorded
 //! `shell_abandoned` (the worker is stateless: nothing would collect its end).
 
-use crate::clock::Clock;
 use crate::session::detach::{Detached, Work};
 use crate::tools::background::{DetachNotice, DetachSink};
 use async_nats::jetstream::object_store;
 use bytes::Bytes;
+use mur_nats::clock::Clock;
 use mur_proto::cluster::{self, SubmitReply, SubmitRequest};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::trace::{Event, Line};
@@ -219,5 +219,5 @@ pub async fn fetch_logs(store: &object_store::ObjectStore, text: &str, session_d
 }
 
 fn now_ms() -> u64 {
-    crate::clock::SystemClock.now_ms()
+    mur_nats::clock::SystemClock.now_ms()
 }

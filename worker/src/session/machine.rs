@@ -23,34 +23,16 @@ use crate::tokens::Estimator;
 use crate::tools::Outcome as ToolOutcome;
 use mur_proto::manifest::Capture;
 use mur_proto::message::{Block, Message, join_text};
-use mur_proto::task::{ExitStatus, Lane, Origin};
+use mur_proto::task::ExitStatus;
 use mur_proto::trace::{CallStatus, Decision, Event};
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A task as the loop receives it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TaskSpec {
-    /// `tsk_…`.
-    pub task_id: String,
-    /// `ctx_…`.
-    pub context_id: String,
-    /// The task's text: the first user message.
-    pub text: String,
-    /// Where it came from.
-    pub origin: Origin,
-    /// `cli`, `task_md`, `a2a`, …
-    pub source: String,
-}
-
-impl TaskSpec {
-    /// The lane the task waited in.
-    pub fn lane(&self) -> Lane {
-        self.origin.lane()
-    }
-}
+/// A task as the loop receives it (defined beside the task vocabulary, so the A2A intake
+/// can build one without the loop).
+pub use mur_proto::task::TaskSpec;
 
 /// How a task ended.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -21,12 +21,12 @@ use super::machine::{
 };
 use super::seed::{self, Plan};
 use super::spend::{Position, Spend};
-use crate::clock::Clock;
 use crate::driver::{Driver, ModelRequest, ToolSpec};
 use crate::hooks::{Hooks, Reply};
 use crate::tokens::Estimator;
 use crate::tools::{CallContext, Tools};
 use crate::trace::{self, Tracer};
+use mur_nats::clock::Clock;
 use mur_proto::Manifest;
 use mur_proto::hook::{Answer, Event as HookEvent};
 use mur_proto::manifest::{Binding, CommitPolicy, Transport};
@@ -501,7 +501,7 @@ impl Session {
             origin: task.origin,
             lane: task.lane(),
             // Inside the task's `invoke_agent` span.
-            trace_id: crate::trace_context::trace_id(&tracing::Span::current()),
+            trace_id: mur_nats::trace_context::trace_id(&tracing::Span::current()),
         })?;
 
         self.parts.driver.task_started();

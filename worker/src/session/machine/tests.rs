@@ -3,6 +3,7 @@
 use super::*;
 use crate::tools::{DetachedWork, ShellRun};
 use mur_proto::message::Role;
+use mur_proto::task::Origin;
 use mur_proto::trace::ProviderUsage;
 use serde_json::json;
 

@@ -8,8 +8,8 @@
 //! [--wait]`:
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), mur_worker::a2a::client::Error> {
-//! use mur_worker::a2a::client::{SendOptions, send_task};
+//! # async fn demo() -> Result<(), mur_a2a::client::Error> {
+//! use mur_a2a::client::{SendOptions, send_task};
 //! use std::time::Duration;
 //! let options = SendOptions { origin: None, context_id: Some("ctx_1".into()) };
 //! // Without --wait: the task as admitted (`TASK_STATE_SUBMITTED`, or `REJECTED`).
@@ -126,7 +126,7 @@ impl Client {
             request = request.header(ORIGIN_HEADER, origin.as_str());
         }
         // The caller's span, when it has one (issue #7 §Trace context).
-        for (name, value) in crate::trace_context::pairs(&tracing::Span::current()) {
+        for (name, value) in mur_nats::trace_context::pairs(&tracing::Span::current()) {
             request = request.header(name, value);
         }
         request

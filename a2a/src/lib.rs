@@ -1,5 +1,7 @@
-//! The capsule's A2A surface: the HTTP endpoint ([`server`]) that feeds the task intake,
-//! and a small client ([`client`]) for `mur task send`.
+//! The capsule's A2A surface: the HTTP endpoint ([`server`]) over a task [`Backend`], the
+//! agent [`card`], the in-memory task [`intake`] that `mur run` serves (the coordinator's
+//! backend, in its own crate, speaks to the cluster instead), and — with the `client`
+//! feature — a small client for `mur task send`.
 //!
 //! Protocol: A2A 1.0 over JSON-RPC 2.0 (the specification at a2a-protocol.org and the
 //! normative `specification/a2a.proto` of `a2aproject/A2A`), with the 0.3 method names and
@@ -9,7 +11,9 @@
 
 pub mod backend;
 pub mod card;
+#[cfg(feature = "client")]
 pub mod client;
+pub mod intake;
 pub mod jsonrpc;
 pub mod server;
 pub mod v03;
@@ -17,6 +21,7 @@ pub mod v1;
 
 pub use backend::Backend;
 pub use card::{AgentCard, AgentInfo};
+#[cfg(feature = "client")]
 pub use client::Client;
 pub use server::Server;
 

@@ -39,7 +39,7 @@ pub async fn call<T: DeserializeOwned>(
 }
 
 /// [`call`] with request headers: the W3C `traceparent` of the caller's span (issue #7
-/// §Trace context; see [`mur_worker::trace_context::headers`]). Empty headers send a
+/// §Trace context; see [`crate::trace_context::headers`]). Empty headers send a
 /// plain request.
 ///
 /// # Errors

@@ -1,5 +1,5 @@
 //! Task intake for one capsule: admission, the lane-ordered wait, task states, cancel and
-//! updates. `mur run` drives it; the A2A endpoint ([`crate::a2a`]) feeds it.
+//! updates. `mur run` drives it; the A2A endpoint ([`crate::server`]) feeds it.
 //!
 //! Admission follows `lifecycle.task_acceptance` (the session-loop seed, §Capsule
 //! lifecycle; the runtime reference, §5, checklist L1–L3):
@@ -31,7 +31,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, broadcast, watch};
 
-use crate::session::TaskSpec;
+use mur_proto::task::TaskSpec;
 
 /// How many finished (or rejected) tasks [`Intake::get`] still knows by default.
 pub const DEFAULT_HISTORY_LIMIT: usize = 256;

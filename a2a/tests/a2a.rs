@@ -7,13 +7,13 @@
 //! (unknown task -32001).
 
 use futures::StreamExt;
+use mur_a2a::client::{self, Client, SendOptions};
+use mur_a2a::intake::Intake;
+use mur_a2a::v1::StreamResponse;
+use mur_a2a::{AgentInfo, Server, v1};
 use mur_proto::manifest::TaskAcceptance;
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Lane, Origin};
-use mur_worker::a2a::client::{self, Client, SendOptions};
-use mur_worker::a2a::v1::StreamResponse;
-use mur_worker::a2a::{AgentInfo, Server, v1};
-use mur_worker::intake::Intake;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;

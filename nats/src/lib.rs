@@ -1,0 +1,16 @@
+//! The NATS/JetStream adapters that more than one of murmur's crates use: the worker, the
+//! coordinator and the CLI depend on this crate, and never on each other for these.
+//!
+//! - [`api`]: the client and reply scheme of the coordinator's NATS API (`mur.api.*`);
+//! - [`trace_context`]: W3C trace context in NATS headers;
+//! - [`bundle`]: the capsule index (`mur_capsule_index`) reads and its compare-and-set write;
+//! - [`fanout`]: the cluster-wide fan-out semaphore;
+//! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
+//! - [`clock`]: wall-clock time behind a trait.
+
+pub mod api;
+pub mod bundle;
+pub mod clock;
+pub mod fanout;
+pub mod fleet;
+pub mod trace_context;
