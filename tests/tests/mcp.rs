@@ -249,3 +249,153 @@ async fn the_same_capsule_runs_on_the_cluster_and_a_missing_server_fails_its_tas
     );
     sb.shutdown().await;
 }
+
+/// The client side of `mur mcp serve` tests: records the progress notifications it gets.
+#[derive(Clone, Default)]
+struct ProgressClient {
+    seen: std::sync::Arc<std::sync::Mutex<Vec<rmcp::model::ProgressNotificationParam>>>,
+}
+
+impl rmcp::ClientHandler for ProgressClient {
+    async fn on_progress(
+        &self,
+        params: rmcp::model::ProgressNotificationParam,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        self.seen.lock().unwrap().push(params);
+    }
+}
+
+/// A tool call's result: (is_error, its text).
+async fn call_tool(
+    client: &rmcp::service::RunningService<rmcp::RoleClient, ProgressClient>,
+    name: &'static str,
+    args: Value,
+) -> (bool, String) {
+    let Value::Object(args) = args else { panic!("arguments are an object") };
+    let mut params = rmcp::model::CallToolRequestParams::new(name);
+    params.arguments = Some(args);
+    let result = client.peer().call_tool(params).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+    let text = result
+        .content
+        .iter()
+        .filter_map(|c| match c {
+            rmcp::model::ContentBlock::Text(t) => Some(t.text.clone()),
+            _ => None,
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    (result.is_error == Some(true), text)
+}
+
+/// `mur mcp serve` (a real child process on stdio) driven by the `rmcp` client against a
+/// cluster in this process: every tool, progress notifications of a long wait, and an error
+/// for a missing capsule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
+    use rmcp::ServiceExt;
+    let sb = mur_tests::sandbox::Sandbox::start(1, 4).await;
+    let slow = TestCapsule::new(
+        "name: slow\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
+        &[("r.yaml", "replies:\n  - text: \"done {{task}}\"\n    delay_ms: 2500\n")],
+    );
+    sb.push(slow.dir()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let pair = dir.path().join("pair.yaml");
+    std::fs::write(&pair, "name: pair\ngoal: Answer the question.\nmembers: [slow]\n").unwrap();
+    sb.fleet_ok(&["create", pair.to_str().unwrap()]);
+
+    let mut child = tokio::process::Command::new(mur_tests::mur::bin("mur"))
+        .args(["mcp", "serve", "--server", &sb.nats.url()])
+        .env_remove("NATS_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let transport = (child.stdout.take().unwrap(), child.stdin.take().unwrap());
+    let handler = ProgressClient::default();
+    let client = handler.clone().serve(transport).await.expect("initialize");
+
+    let tools = client.peer().list_all_tools().await.unwrap();
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    assert_eq!(
+        names,
+        [
+            "task_send",
+            "task_status",
+            "task_list",
+            "task_cancel",
+            "capsule_list",
+            "fleet_send",
+            "fleet_run",
+            "job_status",
+            "fleet_stop"
+        ]
+    );
+
+    let (err, capsules) = call_tool(&client, "capsule_list", json!({})).await;
+    assert!(!err && capsules.contains("\"slow\""), "{capsules}");
+
+    // A missing capsule is a tool error naming it.
+    let (err, text) = call_tool(&client, "task_send", json!({"capsule": "nope", "text": "x"})).await;
+    assert!(err, "{text}");
+    assert!(text.starts_with("task_send: ") && text.contains("nope"), "{text}");
+
+    // Sent without waiting: its id at once; then its status, and a cancel of it.
+    let (err, sent) = call_tool(&client, "task_send", json!({"capsule": "slow", "text": "later"})).await;
+    assert!(!err, "{sent}");
+    let sent: Value = serde_json::from_str(&sent).unwrap();
+    let later = sent["task_id"].as_str().unwrap().to_string();
+    let (err, status) = call_tool(&client, "task_status", json!({"task_id": later})).await;
+    assert!(!err, "{status}");
+    assert_eq!(serde_json::from_str::<Value>(&status).unwrap()["task_id"], later.as_str());
+    let (err, canceled) = call_tool(&client, "task_cancel", json!({"task_id": later})).await;
+    assert!(!err, "{canceled}");
+    assert_eq!(serde_json::from_str::<Value>(&canceled).unwrap()["task_id"], later.as_str());
+
+    // A long wait reports progress to a client that asked for it.
+    let mut params = rmcp::model::CallToolRequestParams::new("task_send");
+    params.arguments = json!({"capsule": "slow", "text": "now", "wait": true}).as_object().cloned();
+    let handle = client
+        .send_cancellable_request(
+            rmcp::model::ClientRequest::CallToolRequest(rmcp::model::Request::new(params)),
+            rmcp::service::PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    let token = handle.progress_token.clone();
+    let rmcp::model::ServerResult::CallToolResult(result) = handle.await_response().await.unwrap() else {
+        panic!("not a tool result")
+    };
+    let rmcp::model::ContentBlock::Text(t) = &result.content[0] else { panic!("not text") };
+    let record: Value = serde_json::from_str(&t.text).unwrap();
+    assert_eq!((record["exit_status"].as_str(), record["result"].as_str()), (Some("ok"), Some("done now")));
+    let seen = handler.seen.lock().unwrap().clone();
+    assert!(!seen.is_empty(), "no progress notification");
+    assert_eq!(seen[0].progress_token, token);
+    assert_eq!((seen[0].progress, seen[0].message.as_deref()), (1.0, Some("task_send: waiting, 1 s")));
+
+    let (err, list) = call_tool(&client, "task_list", json!({})).await;
+    assert!(!err, "{list}");
+    assert!(list.contains(&later) && list.contains(record["task_id"].as_str().unwrap()), "{list}");
+
+    // The fleet tools: queue a job, start a run, read it, stop the fleet.
+    let (err, queued) = call_tool(&client, "fleet_send", json!({"fleet": "pair", "text": "a job"})).await;
+    assert!(!err, "{queued}");
+    assert!(serde_json::from_str::<Value>(&queued).unwrap()["job_id"].is_string(), "{queued}");
+    let (err, run) = call_tool(&client, "fleet_run", json!({"fleet": "pair"})).await;
+    assert!(!err, "{run}");
+    let run_id = serde_json::from_str::<Value>(&run).unwrap()["run_id"].as_str().unwrap().to_string();
+    let (err, status) = call_tool(&client, "job_status", json!({"run_id": run_id})).await;
+    assert!(!err, "{status}");
+    assert!(status.contains(&run_id), "{status}");
+    let (err, stopped) = call_tool(&client, "fleet_stop", json!({"fleet": "pair", "by": "tester"})).await;
+    assert!(!err, "{stopped}");
+    assert!(stopped.contains("\"stopped\""), "{stopped}");
+    let (err, text) = call_tool(&client, "fleet_stop", json!({"fleet": "nope"})).await;
+    assert!(err && text.contains("nope"), "{text}");
+
+    client.cancel().await.unwrap();
+    sb.shutdown().await;
+}
