@@ -628,8 +628,10 @@ impl TaskMachine {
         if let Some(rules) = outcome.sandbox {
             events.push(Event::Sandbox {
                 turn: self.turn,
-                task_id: self.task.task_id.clone(),
-                tool_name: name,
+                task_id: Some(self.task.task_id.clone()),
+                tool_name: Some(name),
+                hook_name: None,
+                event: None,
                 read: rules.read,
                 write: rules.write,
                 network: rules.network,

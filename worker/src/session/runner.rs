@@ -354,9 +354,29 @@ impl Session {
         Ok(replies)
     }
 
+    /// Writes a `hook_dispatch_error` per fault, then a `sandbox` line per hook program
+    /// started sandboxed since the last flush.
     fn flush_faults(&self, faults: Vec<crate::hooks::Fault>) -> Result<(), trace::Error> {
         for f in faults {
             self.emit(Event::HookDispatchError { hook_name: f.hook, event: f.event, arm: f.arm, message: f.message })?;
+        }
+        for h in self.parts.hooks.take_sandboxed() {
+            let r = h.rules;
+            self.emit(Event::Sandbox {
+                turn: self.parts.position.turn.load(Ordering::SeqCst),
+                task_id: self.parts.position.task_id.lock().expect("position lock").clone(),
+                tool_name: None,
+                hook_name: Some(h.hook),
+                event: Some(h.event),
+                read: r.read,
+                write: r.write,
+                network: r.network,
+                memory_mb: r.memory_mb,
+                pids: r.pids,
+                cpu_secs: r.cpu_secs,
+                landlock_abi: r.landlock_abi,
+                enforced_by: r.enforced_by,
+            })?;
         }
         Ok(())
     }
