@@ -969,9 +969,10 @@ async fn a_refused_request_counts_as_an_error_in_the_service_stats_and_keeps_its
     let coordinator = Coordinator::start(&server, "c1").await;
     let client = server.connect().await;
 
-    let err = api::call::<cluster::SubmitReply>(&client, cluster::api::TASK_SUBMIT, r#"{"capsule":"nope","text":"hi"}"#)
-        .await
-        .expect_err("refused");
+    let err =
+        api::call::<cluster::SubmitReply>(&client, cluster::api::TASK_SUBMIT, r#"{"capsule":"nope","text":"hi"}"#)
+            .await
+            .expect_err("refused");
     assert_eq!(err.code, cluster::ErrorCode::NotFound);
     assert_eq!(err.message, r#"capsule: no capsule named "nope" (push it with `mur capsule push`)"#);
     submit(&client, "greeter", "hi", "user").await?;
