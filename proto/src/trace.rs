@@ -399,7 +399,9 @@ pub enum Event {
         task_id: String,
         /// Occupancy at the time.
         tokens: u64,
-        /// `no_hook_replacement` or `unresolved_tool_call`.
+        /// `no_hook_replacement`, `unresolved_tool_call`, or `threshold_unreachable` (the
+        /// last compaction left the count over the threshold and the history has not
+        /// outgrown it since; written once per such compaction, issue #28 item 4).
         reason: String,
     },
     /// A spend ceiling refused a model call before it was sent.

@@ -208,6 +208,24 @@ pub struct Session {
     task_stop: CancellationToken,
 }
 
+/// The warning due when the part of the context every request carries (the system prompt
+/// and the tool specs, `fixed_tokens`) alone reaches the compaction threshold, so no
+/// compaction can get the count under it (issue #28 item 4); `None` otherwise or when
+/// compaction is off.
+pub fn fixed_part_warning(m: &mur_proto::manifest::Manifest, fixed_tokens: u64) -> Option<String> {
+    let max_tokens = m.context.max_tokens?;
+    let threshold = m.inference.compaction.threshold;
+    let rule = CompactionRule { max_tokens, threshold };
+    rule.crossed(fixed_tokens).then(|| {
+        format!(
+            "capsule {}: the system prompt and tool specs alone are about {fixed_tokens} tokens, at or over the \
+             compaction threshold ({threshold} × context.max_tokens {max_tokens}): compaction cannot bring the \
+             context under it, so after one that does not, the next waits until the history outgrows what it left",
+            m.name
+        )
+    })
+}
+
 /// Why a compaction ended the session.
 enum Fatal {
     Spend(String),
@@ -225,6 +243,9 @@ impl Session {
         let fixed_tokens = parts.estimator.count_repeated(&cfg.system_prompt)
             + parts.estimator.count_repeated(&tools_json(parts.tools.specs()));
         let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
+        if let Some(warning) = fixed_part_warning(&m, fixed_tokens) {
+            tracing::warn!("{warning}");
+        }
         let session = Session {
             cfg,
             parts,
