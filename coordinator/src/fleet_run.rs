@@ -34,7 +34,7 @@ use crate::fleets::{Fleets, now_ms};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
-use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord};
+use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest, TaskRecord};
 use mur_proto::fanout::FleetStep;
 use mur_proto::fleet::{self, Fleet, JobStatus, RunFlags, Stop};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, RunRequest};
@@ -655,7 +655,7 @@ impl Exec {
     /// the fleet's `needs` (the worker checks them before it starts), and runs only while
     /// it holds one of the run's `fanout` permits (issue #11).
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
-        let request = SubmitRequest {
+        let mut request = SubmitRequest {
             capsule: member.into(),
             text: text.into(),
             origin: Origin::Peer,
@@ -670,8 +670,12 @@ impl Exec {
             }),
             task_id: None,
         };
-        let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-        mur_nats::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
+        // Sent again, the same task, while no coordinator answers (a leader failover).
+        mur_nats::api::submit(&self.client, &mut request, mur_nats::api::SUBMIT_PATIENCE, |e, delay| {
+            tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "step task not taken yet; sending it again");
+        })
+        .await
+        .map(|r| r.task_id)
     }
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends
