@@ -326,7 +326,7 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur coordinator").await?;
-        eprintln!("coordinator connected to {}", crate::nats::redacted(&args.conn.server));
+        eprintln!("coordinator connected to {}", mur_nats::connect::redacted(&args.conn.server));
         let stop = tokio_util::sync::CancellationToken::new();
         let http = match &args.http {
             Some(addr) => {
@@ -365,7 +365,7 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
             "worker {} with {} slots connected to {}",
             config.worker_id,
             config.slots,
-            crate::nats::redacted(&args.conn.server)
+            mur_nats::connect::redacted(&args.conn.server)
         );
         mur_worker::service::run(client, config, crate::run::shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)

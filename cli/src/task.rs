@@ -6,6 +6,7 @@ use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
 use mur_a2a::client::{self, SendOptions};
 use mur_a2a::v1;
+use mur_nats::api::SUBMIT_PATIENCE;
 use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::page::Page;
 use mur_proto::task::Origin;
@@ -325,18 +326,10 @@ async fn wait_for_end<T, E: std::fmt::Display>(
     }
 }
 
-/// Submits `request` in a `submit_task` span whose W3C `traceparent` goes along in the
-/// request headers, so the task's spans on the coordinator and the worker join its trace
-/// (issue #7 §Trace context).
-/// How long `mur task send` goes on sending a submission that no coordinator answered.
-const SUBMIT_PATIENCE: Duration = Duration::from_secs(30);
-
-/// Sends `request` (whose `task_id` the caller minted) until a coordinator answers: an
-/// `unavailable` error (no coordinator answers, one timed out — a restart or a failover
-/// under way — or its broker failed) is sent again with the same id, for up to
-/// [`SUBMIT_PATIENCE`], saying so on stderr each time; the coordinator answers a
-/// submission it already stored with the stored task, so it runs once. A coordinator older
-/// than the `task_id` field refuses it as unknown: sent again without it.
+/// Submits `request` with [`mur_nats::api::submit`] (sent again, the same task, while no
+/// coordinator answers, for up to [`SUBMIT_PATIENCE`], saying so on stderr each time), in
+/// a `submit_task` span whose W3C `traceparent` goes along in the request headers, so the
+/// task's spans on the coordinator and the worker join its trace (issue #7 §Trace context).
 ///
 /// # Errors
 /// The coordinator's refusal, or the last `unavailable` error once the patience is spent.
@@ -344,34 +337,6 @@ async fn submit_until_answered(
     client: &async_nats::Client,
     request: &mut SubmitRequest,
 ) -> Result<SubmitReply, ApiError> {
-    let give_up = tokio::time::Instant::now() + SUBMIT_PATIENCE;
-    let mut backoff = Duration::from_millis(250);
-    loop {
-        match submit(client, request).await {
-            Ok(reply) => return Ok(reply),
-            Err(e)
-                if e.code == ErrorCode::InvalidRequest
-                    && request.task_id.is_some()
-                    && e.message.contains("task_id: unknown field") =>
-            {
-                request.task_id = None;
-            }
-            Err(e) if e.code == ErrorCode::Unavailable && tokio::time::Instant::now() + backoff < give_up => {
-                let id = request.task_id.as_deref().unwrap_or("(the coordinator's)");
-                eprintln!(
-                    "mur: {}; sending it again in {} ms (task {id}: it runs once however often it is sent)",
-                    crate::text::printable(&e.message),
-                    backoff.as_millis()
-                );
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(4));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<SubmitReply, ApiError> {
     let span = tracing::info_span!(
         "submit_task",
         otel.kind = "client",
@@ -380,10 +345,16 @@ async fn submit(client: &async_nats::Client, request: &SubmitRequest) -> Result<
         gen_ai.agent.name = %request.capsule,
         mur.task_id = tracing::field::Empty,
     );
-    let headers = mur_nats::trace_context::headers(&span);
-    let body = serde_json::to_vec(request).expect("a submit request serializes");
-    let reply: SubmitReply =
-        mur_nats::api::call_with_headers(client, api::TASK_SUBMIT, headers, body).instrument(span.clone()).await?;
+    let id = request.task_id.clone().unwrap_or_else(|| "(the coordinator's)".into());
+    let reply = mur_nats::api::submit(client, request, SUBMIT_PATIENCE, |e, delay| {
+        eprintln!(
+            "mur: {}; sending it again in {} ms (task {id}: it runs once however often it is sent)",
+            crate::text::printable(&e.message),
+            delay.as_millis()
+        );
+    })
+    .instrument(span.clone())
+    .await?;
     span.record("mur.task_id", reply.task_id.as_str());
     Ok(reply)
 }

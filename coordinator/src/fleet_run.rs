@@ -34,7 +34,7 @@ use crate::fleets::{Fleets, now_ms};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
-use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord};
+use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest, TaskRecord};
 use mur_proto::fanout::FleetStep;
 use mur_proto::fleet::{self, Fleet, JobStatus, RunFlags, Stop};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, RunRequest};
@@ -456,8 +456,15 @@ impl Exec {
                 }
             };
             let stopped = self.fleets.stop_state(&fleet).await;
-            let view =
-                View { now: now_ms(), stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: last_agent };
+            // Asked to stop by its fleet's trigger (`loop.overlap: cancel_previous`): it ends
+            // as the kill-switch ends it, at an iteration boundary.
+            let canceled = self.canceled().await;
+            let view = View {
+                now: now_ms(),
+                stopped: Ok(stopped.is_stopped() || canceled),
+                jobs: &jobs,
+                last_agent_event: last_agent,
+            };
             let mut next = run.next(&view);
             let mut claimed: Option<String> = None;
             if let Next::Plan { iteration_run_id, job, router, text, time_left, .. } = &next {
@@ -571,7 +578,17 @@ impl Exec {
         claimed.is_ok()
     }
 
+    /// Whether the fleet's trigger asked this run to stop (`cancel.<run id>`, issue #36).
+    async fn canceled(&self) -> bool {
+        matches!(self.fleets.defs().get(fleet_store::cancel_key(&self.record.run_id)).await, Ok(Some(_)))
+    }
+
     async fn finish(&mut self, stop: Stop) {
+        if self.canceled().await
+            && let Err(e) = self.fleets.defs().purge(fleet_store::cancel_key(&self.record.run_id)).await
+        {
+            tracing::warn!(run = %self.record.run_id, "removing the run's cancel mark: {e}");
+        }
         // Tasks waited for since the last iteration (a router's plan that failed).
         let rest = self.tally.take();
         if !rest.is_empty() {
@@ -634,7 +651,7 @@ impl Exec {
     /// the fleet's `needs` (the worker checks them before it starts), and runs only while
     /// it holds one of the run's `fanout` permits (issue #11).
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
-        let request = SubmitRequest {
+        let mut request = SubmitRequest {
             capsule: member.into(),
             text: text.into(),
             origin: Origin::Peer,
@@ -649,8 +666,12 @@ impl Exec {
             }),
             task_id: None,
         };
-        let body = serde_json::to_vec(&request).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-        mur_nats::api::call::<SubmitReply>(&self.client, cluster::api::TASK_SUBMIT, body).await.map(|r| r.task_id)
+        // Sent again, the same task, while no coordinator answers (a leader failover).
+        mur_nats::api::submit(&self.client, &mut request, mur_nats::api::SUBMIT_PATIENCE, |e, delay| {
+            tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "step task not taken yet; sending it again");
+        })
+        .await
+        .map(|r| r.task_id)
     }
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends

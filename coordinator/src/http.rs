@@ -27,7 +27,7 @@ use mur_a2a::card::{AgentInfo, agent_card};
 use mur_a2a::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
 use mur_nats::trace_context;
 use mur_proto::cluster::{
-    ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitReply, SubmitRequest, TASKS_BUCKET,
+    ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitRequest, TASKS_BUCKET,
     TaskRecord as ClusterRecord, TaskRef, api,
 };
 use mur_proto::task::TaskState;
@@ -296,7 +296,7 @@ fn updates_between(previous: TaskState, next: &ClusterRecord) -> Vec<TaskUpdate>
 #[async_trait]
 impl Backend for ClusterBackend {
     async fn submit(&self, submission: Submission) -> Result<TaskRecord, Rejected> {
-        let request = SubmitRequest {
+        let mut request = SubmitRequest {
             capsule: self.capsule.clone(),
             text: submission.text.clone(),
             origin: submission.origin,
@@ -306,14 +306,15 @@ impl Backend for ClusterBackend {
             needs: Vec::new(),
             task_id: None,
         };
-        let body = serde_json::to_vec(&request).expect("a submit request serializes");
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.
-        let headers = trace_context::headers(&tracing::Span::current());
-        let reply: SubmitReply =
-            match mur_nats::api::call_with_headers(&self.client, api::TASK_SUBMIT, headers, body).await {
-                Ok(reply) => reply,
-                Err(err) => return Err(refused(submission, &err)),
-            };
+        // Sent again, the same task, while no coordinator answers (a leader failover).
+        let sending = mur_nats::api::submit(&self.client, &mut request, mur_nats::api::SUBMIT_PATIENCE, |e, delay| {
+            tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "A2A task not taken yet; sending it again");
+        });
+        let reply = match sending.await {
+            Ok(reply) => reply,
+            Err(err) => return Err(refused(submission, &err)),
+        };
         let mut task = match self.record(&reply.task_id).await {
             Ok(record) => to_intake(&record),
             Err(err) => return Err(refused(submission, &err)),

@@ -1,6 +1,8 @@
 //! Talking to the coordinator's NATS API (`mur.api.*`, see [`mur_proto::cluster::api`]):
-//! the reply scheme the service answers with, and [`call`], which the CLI and the tests
-//! use to send a request and read the answer ([`call_with_headers`] to send headers too).
+//! the reply scheme the service answers with, [`call`], which every caller uses to send a
+//! request and read the answer ([`call_with_headers`] to send headers too), and
+//! [`submit`], the one way to submit a task: idempotent, sent again while no coordinator
+//! answers.
 //!
 //! The reply scheme, one for every endpoint:
 //! - **success**: the body is the reply value as plain JSON (a [`SubmitReply`], a
@@ -21,8 +23,70 @@
 use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
 use async_nats::{HeaderMap, Message, RequestErrorKind};
 use bytes::Bytes;
-use mur_proto::cluster::{ApiError, ErrorCode};
+use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest};
+use mur_proto::ids::{Id, IdKind};
 use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+/// How long a client that submits a task goes on sending it while no coordinator answers
+/// (`mur task send`, a fleet run's steps, a detached command's completion): a coordinator
+/// restart or a leader failover (one lease, 10 s by default) is over well within it.
+pub const SUBMIT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The first wait before [`submit`] sends again; it doubles up to [`SUBMIT_MAX_DELAY`]
+/// ([`crate::backoff`]).
+const SUBMIT_FIRST_DELAY: Duration = Duration::from_millis(250);
+/// The longest base wait between two sends of [`submit`].
+const SUBMIT_MAX_DELAY: Duration = Duration::from_secs(4);
+
+/// Submits a task, sending it again while no coordinator answers: an `unavailable` error
+/// (no coordinator answers, one timed out — a restart or a failover under way — or its
+/// broker failed) is sent again with the same task id, after a backoff with jitter
+/// ([`crate::backoff`]), for up to `patience` (zero: sent once). The coordinator answers a
+/// submission it already stored with the stored task, so the task runs once however often
+/// it is sent. `request.task_id` is minted here when the caller left it empty. A
+/// coordinator older than the `task_id` field refuses it as unknown: sent again without
+/// it. Each send carries the W3C trace context of the current span
+/// ([`crate::trace_context`]). `retrying` is told each error that will be retried and the
+/// wait before the next send (the CLI says it on stderr).
+///
+/// # Errors
+/// The coordinator's refusal, or the last `unavailable` error once the patience is spent.
+pub async fn submit(
+    client: &async_nats::Client,
+    request: &mut SubmitRequest,
+    patience: Duration,
+    mut retrying: impl FnMut(&ApiError, Duration),
+) -> Result<SubmitReply, ApiError> {
+    if request.task_id.is_none() {
+        request.task_id = Some(Id::generate(IdKind::Task).to_string());
+    }
+    let give_up = tokio::time::Instant::now() + patience;
+    let mut delays = crate::backoff::delays(SUBMIT_FIRST_DELAY, SUBMIT_MAX_DELAY);
+    loop {
+        let headers = crate::trace_context::headers(&tracing::Span::current());
+        let body = serde_json::to_vec(&*request).expect("a submit request serializes");
+        match call_with_headers(client, mur_proto::cluster::api::TASK_SUBMIT, headers, body).await {
+            Ok(reply) => return Ok(reply),
+            Err(e)
+                if e.code == ErrorCode::InvalidRequest
+                    && request.task_id.is_some()
+                    && e.message.contains("task_id: unknown field") =>
+            {
+                request.task_id = None;
+            }
+            Err(e) if e.code == ErrorCode::Unavailable => {
+                let delay = delays.next().unwrap_or(SUBMIT_MAX_DELAY);
+                if tokio::time::Instant::now() + delay >= give_up {
+                    return Err(e);
+                }
+                retrying(&e, delay);
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
 
 /// Sends `body` to the API endpoint `subject` and decodes the reply.
 ///

@@ -6,11 +6,15 @@
 //! - [`bundle`]: the capsule index (`mur_capsule_index`) reads and its compare-and-set write;
 //! - [`fanout`]: the cluster-wide fan-out semaphore;
 //! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
-//! - [`clock`]: wall-clock time behind a trait.
+//! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
+//! - [`clock`]: wall-clock time behind a trait;
+//! - [`connect`]: the connection options (server list, credentials, TLS).
 
 pub mod api;
+pub mod backoff;
 pub mod bundle;
 pub mod clock;
+pub mod connect;
 pub mod fanout;
 pub mod fleet;
 pub mod trace_context;

@@ -542,13 +542,13 @@ async fn mur_task_send_sends_again_until_a_coordinator_answers_and_the_task_runs
         text.contains("sending it again").then_some(text)
     })
     .await;
-    assert!(
-        retrying.starts_with(
-            "mur: mur.api.task.submit: no coordinator answers (no responders); start one with `mur coordinator`, \
-             or `mur dev` for a cluster on this machine; sending it again in 250 ms (task tsk_"
-        ),
-        "{retrying}"
-    );
+    let said = "mur: mur.api.task.submit: no coordinator answers (no responders); start one with `mur coordinator`, \
+                or `mur dev` for a cluster on this machine; sending it again in ";
+    assert!(retrying.starts_with(said), "{retrying}");
+    // The first wait is 250 ms plus jitter of up to as much again (issue #30: one backoff).
+    let (ms, rest) = retrying[said.len()..].split_once(" ms ").expect("a wait in ms");
+    assert!((250..500).contains(&ms.parse::<u64>().unwrap()), "{retrying}");
+    assert!(rest.starts_with("(task tsk_"), "{retrying}");
     let _coordinator = cluster.coordinator("coordinator-1");
     let _worker = cluster.worker("wkr-1", 1);
     let out = tokio::task::spawn_blocking(move || send.wait_with_output()).await.unwrap().unwrap();

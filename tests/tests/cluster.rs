@@ -1612,3 +1612,95 @@ async fn a_killed_worker_is_listed_silent_then_forgotten_after_silent_worker_sec
     let info = js.get_stream(format!("KV_{}", cluster::WORKERS_BUCKET)).await.unwrap().cached_info().clone();
     assert_eq!(info.config.max_age, Duration::from_secs(30));
 }
+
+// ---------------------------------------------------------------------------------------
+// A detached command's completion on the cluster.
+
+/// Issue #29 item 2 (issue #30: one API client): a detached command's completion sent
+/// while no coordinator takes it — one answering `unavailable`, then none answering at
+/// all — is sent again, the same task, and arrives, once, when a coordinator starts. It
+/// was sent once, and lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts() -> Result<()> {
+    use mur_worker::service::detached;
+    use mur_worker::tools::DetachedWork;
+    use mur_worker::tools::background::{DetachNotice, DetachSink};
+
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
+    let client = server.connect().await;
+    // Stands in for a coordinator whose JetStream fails: it answers the first send
+    // `unavailable`, then goes away.
+    let mut stand_in = client.subscribe(cluster::api::TASK_SUBMIT).await?;
+    client.flush().await?;
+
+    let session = tempfile::tempdir()?;
+    let work_id = Id::generate(IdKind::Work).to_string();
+    let output_path = format!("logs/{work_id}.log");
+    std::fs::create_dir_all(session.path().join("logs"))?;
+    std::fs::write(session.path().join(&output_path), "done\n")?;
+    let context_id = Id::generate(IdKind::Context).to_string();
+    let host = detached::Host {
+        client: server.connect().await,
+        store: res.capsules.clone(),
+        capsule: "greeter".into(),
+        task_id: Id::generate(IdKind::Task).to_string(),
+        context_id: context_id.clone(),
+        session_id: Id::generate(IdKind::Session).to_string(),
+        session_dir: session.path().to_path_buf(),
+    };
+    let (notify, notices) = tokio::sync::mpsc::unbounded_channel();
+    let (sink, _sink_notices) = DetachSink::channel();
+    let (session_done, stop) = (tokio_util::sync::CancellationToken::new(), tokio_util::sync::CancellationToken::new());
+    let serving = tokio::spawn(host.serve(notices, sink, session_done.clone(), stop.clone()));
+    notify.send(DetachNotice::Detached(DetachedWork {
+        work_id: work_id.clone(),
+        binary: "sleep".into(),
+        command: "sleep 60".into(),
+        grace_ms: 1000,
+        running_ms: 1000,
+        output_path: output_path.clone(),
+    }))?;
+    notify.send(DetachNotice::Completed {
+        work_id: work_id.clone(),
+        exit_code: 0,
+        duration_ms: 61_000,
+        output_path: output_path.clone(),
+        output_bytes: 5,
+    })?;
+    session_done.cancel();
+
+    let first = tokio::time::timeout(WAIT, stand_in.next()).await?.expect("the completion is sent");
+    let sent: cluster::SubmitRequest = serde_json::from_slice(&first.payload)?;
+    let task_id = sent.task_id.clone().expect("the client names the task, so a send again is the same task");
+    let (headers, body) =
+        api::error_reply(&cluster::ApiError::new(cluster::ErrorCode::Unavailable, "mur_tasks: broker restarting"));
+    client.publish_with_headers(first.reply.expect("a request"), headers, body).await?;
+    stand_in.unsubscribe().await?;
+    client.flush().await?;
+
+    // Until the coordinator is up nobody answers (no responders); then the next send lands.
+    let mut arrivals = res.tasks.watch_with_history(&task_id).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let arrived = tokio::time::timeout(WAIT, arrivals.next()).await?.expect("the watch goes on")?;
+    let record: TaskRecord = serde_json::from_slice(&arrived.value)?;
+    assert_eq!((record.capsule.as_str(), record.origin), ("greeter", mur_proto::task::Origin::Completion));
+    assert_eq!(record.context_id, context_id);
+    assert!(
+        record.text.starts_with(&format!("A detached shell command has ended.\nwork_id: {work_id}\n")),
+        "{}",
+        record.text
+    );
+    // Once: the only task in the bucket.
+    assert_eq!(task_keys(&server).await?, vec![task_id.clone()]);
+    // The host is done (the session ended, its one command reported) and the session's
+    // trace names the completion task.
+    tokio::time::timeout(WAIT, serving).await??;
+    let trace = std::fs::read_to_string(session.path().join("trace.jsonl"))?;
+    let completed: serde_json::Value = serde_json::from_str(trace.lines().last().expect("a trace line"))?;
+    assert_eq!(completed["event_type"], "shell_completed", "{trace}");
+    assert_eq!(completed["completion_task_id"], task_id.as_str(), "{trace}");
+    coordinator.stop().await?;
+    Ok(())
+}

@@ -16,12 +16,18 @@ use crate::tools::background::{DetachNotice, DetachSink};
 use async_nats::jetstream::object_store;
 use bytes::Bytes;
 use mur_nats::clock::Clock;
-use mur_proto::cluster::{self, SubmitReply, SubmitRequest};
+use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::trace::{Event, Line};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
+
+/// How long a worker goes on sending a completion task while no coordinator answers: a
+/// command's result outlives a coordinator restart or failover, not a cluster left
+/// without one.
+pub const COMPLETION_PATIENCE: Duration = Duration::from_secs(300);
 
 /// The object store name of a detached command's log.
 pub fn log_object(work_id: &str) -> String {
@@ -63,7 +69,7 @@ impl Host {
                 // Every `Detached` notice is sent before its tool call returns: all are
                 // queued by now.
                 while let Ok(n) = notices.try_recv() {
-                    self.handle(&mut registry, n).await;
+                    self.handle(&mut registry, n, &stop).await;
                 }
                 if registry.is_empty() {
                     return;
@@ -73,13 +79,13 @@ impl Host {
                 biased;
                 () = stop.cancelled() => {
                     while let Ok(n) = notices.try_recv() {
-                        self.handle(&mut registry, n).await;
+                        self.handle(&mut registry, n, &stop).await;
                     }
                     self.abandon(&registry, &sink).await;
                     return;
                 }
                 n = notices.recv() => match n {
-                    Some(n) => self.handle(&mut registry, n).await,
+                    Some(n) => self.handle(&mut registry, n, &stop).await,
                     None => return,
                 },
                 () = session_done.cancelled(), if !session_done.is_cancelled() => {}
@@ -87,7 +93,7 @@ impl Host {
         }
     }
 
-    async fn handle(&self, registry: &mut Detached, notice: DetachNotice) {
+    async fn handle(&self, registry: &mut Detached, notice: DetachNotice, stop: &CancellationToken) {
         match notice {
             DetachNotice::Detached(w) => {
                 let now = now_ms();
@@ -106,7 +112,7 @@ impl Host {
                     return;
                 };
                 self.upload_log(&work_id, &output_path).await;
-                match self.submit(&done.task.text).await {
+                match self.submit(&done.task.text, stop).await {
                     Ok(task_id) => self.record(done.event(&task_id)).await,
                     Err(e) => tracing::warn!(work_id, error = %e, "submitting a completion task failed"),
                 }
@@ -144,23 +150,29 @@ impl Host {
         }
     }
 
-    /// Submits the completion task; returns its id.
-    async fn submit(&self, text: &str) -> Result<String, String> {
-        let request = SubmitRequest {
-            capsule: self.capsule.clone(),
-            text: text.to_string(),
-            origin: mur_proto::task::Origin::Completion,
+    /// Submits the completion task with [`mur_nats::api::submit`]: sent again, the same
+    /// task, while no coordinator answers, for up to [`COMPLETION_PATIENCE`] (issue #29:
+    /// it was sent once, and a completion that met a coordinator restart was lost), until
+    /// `stop` fires; once `stop` has fired, sent once. Returns its id.
+    async fn submit(&self, text: &str, stop: &CancellationToken) -> Result<String, ApiError> {
+        let mut request = SubmitRequest {
             context_id: Some(self.context_id.clone()),
-            deadline_at: None,
-            fleet_step: None,
-            needs: Vec::new(),
-            task_id: None,
+            ..SubmitRequest::new(self.capsule.clone(), text.to_string(), mur_proto::task::Origin::Completion)
         };
-        let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
-        let reply = self.client.request(cluster::api::TASK_SUBMIT, body.into()).await.map_err(|e| e.to_string())?;
-        serde_json::from_slice::<SubmitReply>(&reply.payload)
-            .map(|r| r.task_id)
-            .map_err(|_| format!("the coordinator refused it: {}", String::from_utf8_lossy(&reply.payload)))
+        let patience = if stop.is_cancelled() { Duration::ZERO } else { COMPLETION_PATIENCE };
+        let sending = mur_nats::api::submit(&self.client, &mut request, patience, |e, delay| {
+            tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "completion task not taken yet; sending it again");
+        });
+        if stop.is_cancelled() {
+            return sending.await.map(|r| r.task_id);
+        }
+        tokio::select! {
+            reply = sending => reply.map(|r| r.task_id),
+            () = stop.cancelled() => Err(ApiError::new(
+                ErrorCode::Unavailable,
+                "the worker stopped before a coordinator took the completion task",
+            )),
+        }
     }
 
     /// Appends `event` to the session's `trace.jsonl` and publishes it on its subject.

@@ -219,6 +219,24 @@ pub struct Session {
     task_stop: CancellationToken,
 }
 
+/// The warning due when the part of the context every request carries (the system prompt
+/// and the tool specs, `fixed_tokens`) alone reaches the compaction threshold, so no
+/// compaction can get the count under it (issue #28 item 4); `None` otherwise or when
+/// compaction is off.
+pub fn fixed_part_warning(m: &mur_proto::manifest::Manifest, fixed_tokens: u64) -> Option<String> {
+    let max_tokens = m.context.max_tokens?;
+    let threshold = m.inference.compaction.threshold;
+    let rule = CompactionRule { max_tokens, threshold };
+    rule.crossed(fixed_tokens).then(|| {
+        format!(
+            "capsule {}: the system prompt and tool specs alone are about {fixed_tokens} tokens, at or over the \
+             compaction threshold ({threshold} × context.max_tokens {max_tokens}): compaction cannot bring the \
+             context under it, so after one that does not, the next waits until the history outgrows what it left",
+            m.name
+        )
+    })
+}
+
 /// Why a compaction ended the session.
 enum Fatal {
     Spend(String),
@@ -239,6 +257,9 @@ impl Session {
         let fixed_tokens = parts.estimator.count_repeated(&cfg.system_prompt)
             + parts.estimator.count_repeated(&tools_json(&parts.tools.specs()));
         let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
+        if let Some(warning) = fixed_part_warning(&m, fixed_tokens) {
+            tracing::warn!("{warning}");
+        }
         let session = Session {
             cfg,
             parts,
@@ -347,9 +368,29 @@ impl Session {
         Ok(replies)
     }
 
+    /// Writes a `hook_dispatch_error` per fault, then a `sandbox` line per hook program
+    /// started sandboxed since the last flush.
     fn flush_faults(&self, faults: Vec<crate::hooks::Fault>) -> Result<(), trace::Error> {
         for f in faults {
             self.emit(Event::HookDispatchError { hook_name: f.hook, event: f.event, arm: f.arm, message: f.message })?;
+        }
+        for h in self.parts.hooks.take_sandboxed() {
+            let r = h.rules;
+            self.emit(Event::Sandbox {
+                turn: self.parts.position.turn.load(Ordering::SeqCst),
+                task_id: self.parts.position.task_id.lock().expect("position lock").clone(),
+                tool_name: None,
+                hook_name: Some(h.hook),
+                event: Some(h.event),
+                read: r.read,
+                write: r.write,
+                network: r.network,
+                memory_mb: r.memory_mb,
+                pids: r.pids,
+                cpu_secs: r.cpu_secs,
+                landlock_abi: r.landlock_abi,
+                enforced_by: r.enforced_by,
+            })?;
         }
         Ok(())
     }
