@@ -812,7 +812,7 @@ async fn restore_once(mur: &std::path::Path, records: usize) -> Restore {
         use std::io::BufRead;
         for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
             let restored = line.contains("coordinator restored");
-            if !restored && !line.contains("service: leading") {
+            if !restored && !line.contains(" leading (term ") {
                 continue;
             }
             if lines_tx.send(restored).is_err() || restored {

@@ -448,7 +448,7 @@ async fn tasks_cancelled_during_a_restore_are_not_replayed_and_hold_no_slot() {
     let tasks = js.get_key_value(cluster::TASKS_BUCKET).await.unwrap();
     mur_tests::procs::store_ended_tasks(&tasks, 1500, 100_000).await;
     let second = cluster.coordinator("coordinator-2");
-    until("coordinator-2 leads", WAIT, || async { second.log().contains("service: leading").then_some(()) }).await;
+    until("coordinator-2 leads", WAIT, || async { second.log().contains(" leading (term ").then_some(()) }).await;
     for id in &waiting {
         let body = serde_json::to_vec(&TaskRef { task_id: id.clone() }).unwrap();
         let record: cluster::TaskRecord =
@@ -573,7 +573,7 @@ async fn a_coordinator_answers_the_api_while_it_restores_a_big_store() {
     // 1500 ended tasks with 100 KB results: the replay reads each (~150 MB).
     mur_tests::procs::store_ended_tasks(&res.tasks, 1500, 100_000).await;
     let coordinator = cluster.coordinator("coordinator-1");
-    until("the coordinator leads", WAIT, || async { coordinator.log().contains("service: leading").then_some(()) })
+    until("the coordinator leads", WAIT, || async { coordinator.log().contains(" leading (term ").then_some(()) })
         .await;
     let capsules: Vec<cluster::CapsuleEntry> =
         mur_nats::api::call(&cluster.client, cluster::api::CAPSULE_LIST, "").await.expect("capsule.list");
