@@ -8,8 +8,9 @@
 //! `env`), confined by the session's sandbox and tied to the worker's life like shell
 //! commands ([`super::process::GroupGuard`]); a streamable-HTTP server is reached at its
 //! `url` with its `headers`. A server that cannot start or initialize fails the start with
-//! an error naming it and its stderr's last lines. [`Mcp::refresh`] re-lists the tools of
-//! servers that sent `notifications/tools/list_changed`, between turns. [`Mcp::shutdown`]
+//! an error naming it and its stderr's last lines. [`Mcp::refresh`] re-lists, between turns,
+//! the tools of servers that declared `tools.listChanged` or sent
+//! `notifications/tools/list_changed`. [`Mcp::shutdown`]
 //! closes every connection at the session's end (a stdio server gets its stdin closed, then
 //! [`SHUTDOWN_GRACE`], then SIGKILL to its process group).
 //!
@@ -89,6 +90,8 @@ struct Live {
     tools: std::sync::Mutex<Vec<Tool>>,
     /// Set by `notifications/tools/list_changed`.
     changed: Arc<AtomicBool>,
+    /// The server declared `tools.listChanged` at initialization.
+    declares_list_changed: bool,
     /// The child of a stdio server.
     child: Option<stdio::Child>,
 }
@@ -149,17 +152,25 @@ impl Mcp {
         specs
     }
 
-    /// Lists again the tools of every server that said its list changed; returns whether
-    /// any did. A server that cannot list keeps its former tools (its calls will say why).
+    /// Lists again the tools of every server whose list may have changed — one that
+    /// declared `tools.listChanged` (listed at every turn: its notification is handled on a
+    /// task of the SDK's own, so a flag it sets could still be on its way when the turn
+    /// starts), or one that sent `notifications/tools/list_changed` undeclared; returns
+    /// whether any list changed. A server that cannot list keeps its former tools (its
+    /// calls will say why).
     pub async fn refresh(&self) -> bool {
         let live = self.live.read().await;
         let mut any = false;
         for l in live.iter() {
-            if l.changed.swap(false, Ordering::SeqCst) {
+            let notified = l.changed.swap(false, Ordering::SeqCst);
+            if notified || l.declares_list_changed {
                 match list_tools(&l.peer, &l.decl).await {
                     Ok(tools) => {
-                        *l.tools.lock().expect("tools lock") = tools;
-                        any = true;
+                        let mut held = l.tools.lock().expect("tools lock");
+                        if *held != tools {
+                            *held = tools;
+                            any = true;
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(server = %l.decl.name, error = %e, "re-listing an MCP server's tools failed")
@@ -275,7 +286,12 @@ async fn connect(decl: &McpServer, ctx: &CallContext) -> Result<Live, StartError
             return Err(failed(format!("failed to list its tools: {e}"), stderr));
         }
     };
+    let declares_list_changed = peer
+        .peer_info()
+        .and_then(|info| info.capabilities.tools.as_ref().and_then(|t| t.list_changed))
+        .unwrap_or(false);
     Ok(Live {
+        declares_list_changed,
         decl: decl.clone(),
         peer,
         service: tokio::sync::Mutex::new(Some(service)),
