@@ -35,7 +35,8 @@ pub struct CoordinatorArgs {
 #[derive(clap::Subcommand, Debug)]
 pub enum ClusterCommand {
     /// The queue per capsule and lane (pending, oldest age), tasks in flight with their
-    /// worker and attempt, dead letters, workers with free slots, and the leader.
+    /// worker and attempt, dead letters, workers with free slots, the leader and the
+    /// coordinators standing by.
     Status {
         #[command(flatten)]
         conn: Connection,
@@ -74,6 +75,10 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
     match &s.leader {
         Some(l) => out.push_str(&format!("leader    {} (term {})\n", l.instance, l.term)),
         None => out.push_str("leader    none (no coordinator holds the lease)\n"),
+    }
+    if !s.standbys.is_empty() {
+        let names: Vec<&str> = s.standbys.iter().map(|c| c.instance.as_str()).collect();
+        out.push_str(&format!("standby   {}\n", names.join(", ")));
     }
     let table = |header: Vec<&str>, rows: Vec<Vec<String>>| {
         let mut t = Table::new();

@@ -28,18 +28,23 @@ use tracing_subscriber::{EnvFilter, Layer as _};
 /// The variables that turn export on (OpenTelemetry SDK environment variables).
 const ENDPOINT_VARS: [&str; 2] = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
 
+/// The log filter when `MUR_LOG` is unset: warnings, and the lines a coordinator writes
+/// when it stands by or starts leading ([`mur_coordinator::service::ROLE_LOG_TARGET`],
+/// issue #29 item 14).
+pub const DEFAULT_LOG_FILTER: &str = "warn,mur::role=info";
+
 /// The installed exporter; [`Telemetry::shutdown`] flushes it.
 pub struct Telemetry {
     export: Option<(SdkTracerProvider, tokio::runtime::Runtime)>,
 }
 
 /// Installs the global subscriber: the log lines on stderr (filter `MUR_LOG`, default
-/// `warn`), plus span export when an OTLP endpoint is configured, as `service` unless
+/// [`DEFAULT_LOG_FILTER`]: warnings, and a coordinator's role changes), plus span export when an OTLP endpoint is configured, as `service` unless
 /// `OTEL_SERVICE_NAME` says otherwise. An exporter that cannot be built is reported on
 /// stderr and left out: the command still runs.
 pub fn init(service: &str) -> Telemetry {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let log_filter = || EnvFilter::try_from_env("MUR_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let log_filter = || EnvFilter::try_from_env("MUR_LOG").unwrap_or_else(|_| EnvFilter::new(DEFAULT_LOG_FILTER));
     // Colours only on a terminal: a log file gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).with_filter(log_filter());

@@ -25,7 +25,7 @@
 
 use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
-use mur_proto::cluster::{self, LeaderLease};
+use mur_proto::cluster::{self, LeaderLease, StandbyStatus};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -188,6 +188,60 @@ impl Lease {
         if let Err(e) = self.kv.delete_expect_revision(cluster::LEADER_KEY, Some(held.revision())).await {
             tracing::debug!(instance = %self.instance, "giving up the lease: {e}");
         }
+    }
+
+    /// Says this coordinator stands by: writes its [`StandbyStatus`] under
+    /// `standby.<process>` ([`cluster::STANDBY_KEY_PREFIX`]). A standby writes it every
+    /// renewal interval; the bucket's max age (the lease's time to live) drops it once
+    /// it stops.
+    ///
+    /// # Errors
+    /// The bucket's error.
+    pub async fn stand_by(&self) -> Result<(), String> {
+        let value = StandbyStatus { instance: self.instance.clone(), at: now_ms() };
+        let value = serde_json::to_vec(&value).expect("standby JSON");
+        self.kv
+            .put(self.standby_key(), value.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("{}: {e}", cluster::LEADER_BUCKET))
+    }
+
+    /// Stops saying this coordinator stands by (it took the lease, or stops): purges its
+    /// key. Best effort: a key left behind ages out with the bucket's max age.
+    pub async fn stop_standing_by(&self) {
+        if let Err(e) = self.kv.purge(self.standby_key()).await {
+            tracing::debug!(instance = %self.instance, "{}: removing the standby key: {e}", cluster::LEADER_BUCKET);
+        }
+    }
+
+    fn standby_key(&self) -> String {
+        format!("{}{}", cluster::STANDBY_KEY_PREFIX, self.process)
+    }
+
+    /// The coordinators standing by, by instance name then time, without the process that
+    /// holds the lease (`leader`; its key may outlive its taking the lease by a moment).
+    ///
+    /// # Errors
+    /// The bucket's error.
+    pub async fn standbys(kv: &kv::Store, leader: Option<&LeaderLease>) -> Result<Vec<StandbyStatus>, String> {
+        use futures::TryStreamExt;
+        let keys: Vec<String> =
+            kv.keys().await.map_err(|e| e.to_string())?.try_collect().await.map_err(|e| e.to_string())?;
+        let mut standbys = Vec::new();
+        for key in keys {
+            let Some(process) = key.strip_prefix(cluster::STANDBY_KEY_PREFIX) else { continue };
+            if leader.and_then(|l| l.process.as_deref()) == Some(process) {
+                continue;
+            }
+            if let Some(v) = kv.get(&key).await.map_err(|e| e.to_string())?
+                && let Ok(standby) = serde_json::from_slice::<StandbyStatus>(&v)
+            {
+                standbys.push(standby);
+            }
+        }
+        standbys.sort_by(|a, b| (&a.instance, a.at).cmp(&(&b.instance, b.at)));
+        Ok(standbys)
     }
 
     /// Who holds the lease now, if anyone.

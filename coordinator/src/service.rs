@@ -17,7 +17,8 @@
 //! 3. The micro service `mur` ([`cluster::SERVICE_NAME`], discoverable with `$SRV.INFO`)
 //!    has one endpoint per subject of [`cluster::api`]; each request is handled in a task
 //!    of its own. Replies follow the scheme of [`mur_nats::api`] (success = the plain JSON
-//!    value; failure = micro service error headers + the [`ApiError`] JSON).
+//!    value; failure = micro service error headers + the [`ApiError`] JSON, sent as an
+//!    error so the service stats count it).
 //!
 //! Admission at submit (issue #9): `task.submit` first asks the actor to
 //! [`Scheduler::admit`] the task. When a slot is free and nothing would be released before
@@ -84,6 +85,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
+
+/// The tracing target of the lines a coordinator writes when it stands by or starts
+/// leading: `mur coordinator` shows them by default (issue #29 item 14).
+pub const ROLE_LOG_TARGET: &str = "mur::role";
 
 /// How long a worker may go without a heartbeat before its slots stop counting.
 pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -236,12 +241,17 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                 None => {
                     match lease.try_acquire().await {
                         Ok(Some(held)) => break Arc::new(held),
-                        Ok(None) if !standby_logged => {
-                            let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
-                            tracing::info!(instance = %instance, leader = ?holder, "standing by");
-                            standby_logged = true;
+                        Ok(None) => {
+                            if !standby_logged {
+                                let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
+                                let holder = holder.as_deref().unwrap_or("another coordinator");
+                                tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} standing by: {holder} leads");
+                                standby_logged = true;
+                            }
+                            if let Err(e) = lease.stand_by().await {
+                                tracing::warn!(instance = %instance, "saying this coordinator stands by: {e}");
+                            }
                         }
-                        Ok(None) => {}
                         Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
                     }
                     lease.renew_every()
@@ -261,7 +271,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
             }
         };
         standby_logged = false;
-        tracing::info!(instance = %instance, term = held.term, "leading");
+        lease.stop_standing_by().await;
+        tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} leading (term {})", held.term);
         let kept = lease.keep(&held);
         tokio::pin!(kept);
         // The restore (a replay of every record, seconds over a store of gigabytes) runs
@@ -355,6 +366,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     };
     tracing::info!(instance = %instance, "coordinator stopping");
     drop(requests);
+    lease.stop_standing_by().await;
     if let Err(e) = service.stop().await {
         tracing::warn!(instance = %instance, "stopping the service: {e}");
     }
@@ -779,8 +791,8 @@ impl Ctx {
             Ok(reply) => request.respond(Ok(reply)).await,
             Err(err) => {
                 tracing::debug!(instance = %self.instance, subject = kind.subject(), "refused: {err}");
-                let (headers, body) = api::error_reply(&err);
-                request.respond_with_headers(Ok(body), headers).await
+                let (error, headers) = api::service_error(&err);
+                request.respond_with_headers(Err(error), headers).await
             }
         };
         if let Err(e) = sent {
@@ -1093,11 +1105,14 @@ impl Ctx {
         let leader_kv =
             self.js.get_key_value(cluster::LEADER_BUCKET).await.map_err(|e| unavailable("mur_leader", e))?;
         let leader = Lease::holder(&leader_kv).await.map_err(|e| unavailable("mur_leader: read", e))?;
+        let standbys =
+            Lease::standbys(&leader_kv, leader.as_ref()).await.map_err(|e| unavailable("mur_leader: standbys", e))?;
         let fanout_kv =
             self.js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.map_err(|e| unavailable("mur_fanout", e))?;
         let fanout = mur_nats::fanout::status(&fanout_kv).await.map_err(|e| unavailable("mur_fanout: read", e))?;
         Ok(cluster::ClusterStatus {
             fanout,
+            standbys,
             ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms(), self.worker_timeout_ms)
         })
     }

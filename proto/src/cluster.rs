@@ -53,8 +53,21 @@ pub const KV_BUCKETS: [&str; 5] = [TASKS_BUCKET, WORKERS_BUCKET, SESSIONS_BUCKET
 /// The leading coordinator's lease (key [`LEADER_KEY`], value [`LeaderLease`]); the
 /// bucket's max age is the lease's time to live.
 pub const LEADER_BUCKET: &str = "mur_leader";
-/// The one key of [`LEADER_BUCKET`].
+/// The lease's key in [`LEADER_BUCKET`].
 pub const LEADER_KEY: &str = "leader";
+/// The prefix of the keys of [`LEADER_BUCKET`] under which each standby coordinator says
+/// it stands by (`standby.<process>`, value [`StandbyStatus`]), written every renewal
+/// interval: the bucket's max age drops the key of one that stopped (issue #29 item 14).
+pub const STANDBY_KEY_PREFIX: &str = "standby.";
+
+/// A coordinator standing by (not holding the lease), as `mur cluster status` lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StandbyStatus {
+    /// Its instance name.
+    pub instance: String,
+    /// When it last said it stands by, unix milliseconds.
+    pub at: u64,
+}
 
 /// The value of the leader's lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -395,6 +408,10 @@ pub struct ClusterStatus {
     pub at: u64,
     /// The leading coordinator, if any holds the lease.
     pub leader: Option<LeaderLease>,
+    /// The coordinators standing by, by instance name (issue #29 item 14); empty from a
+    /// coordinator that did not say.
+    #[serde(default)]
+    pub standbys: Vec<StandbyStatus>,
     /// Waiting tasks per capsule and lane, in lane order (`user`, `peer`, `bg`).
     pub lanes: Vec<LaneStatus>,
     /// Released or running tasks, oldest first.
@@ -543,7 +560,16 @@ impl ClusterStatus {
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        ClusterStatus { at: now, leader, lanes, in_flight, dead_letters, workers, fanout: Default::default() }
+        ClusterStatus {
+            at: now,
+            leader,
+            standbys: Vec::new(),
+            lanes,
+            in_flight,
+            dead_letters,
+            workers,
+            fanout: Default::default(),
+        }
     }
 }
 

@@ -196,6 +196,9 @@ pub enum Event {
         duration_ms: u64,
         /// `ok` or `error`.
         status: CallStatus,
+        /// The MCP server that served the call, for a tool of `mcp_servers:` (issue #35).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mcp_server: Option<String>,
     },
     /// A shell command, written right after its `tool_call` line.
     Shell {

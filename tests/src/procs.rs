@@ -85,16 +85,15 @@ impl Procs {
     }
 
     fn spawn(&self, name: &str, args: &[&str]) -> Proc {
+        let mut cmd = self.command();
+        cmd.env("MUR_LOG", "info");
+        self.spawn_command(name, cmd, args)
+    }
+
+    fn spawn_command(&self, name: &str, mut cmd: Command, args: &[&str]) -> Proc {
         let log = self.dir.path().join(format!("{name}.log"));
         let file = std::fs::File::create(&log).expect("log file");
-        let child = self
-            .command()
-            .args(args)
-            .env("MUR_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .expect("spawn mur");
+        let child = cmd.args(args).stdout(Stdio::null()).stderr(file).spawn().expect("spawn mur");
         Proc { name: name.to_string(), child, log }
     }
 
@@ -102,6 +101,15 @@ impl Procs {
     pub fn coordinator(&self, name: &str) -> Proc {
         let config = self.config.to_string_lossy().into_owned();
         self.spawn(name, &["coordinator", "--config", &config, "--id", name])
+    }
+
+    /// Starts `mur coordinator --config config.yaml --id NAME` with the log filter a user
+    /// gets (`MUR_LOG` unset), where [`Procs::coordinator`] logs everything at `info`.
+    pub fn coordinator_with_default_logs(&self, name: &str) -> Proc {
+        let config = self.config.to_string_lossy().into_owned();
+        let mut cmd = self.command();
+        cmd.env_remove("MUR_LOG");
+        self.spawn_command(name, cmd, &["coordinator", "--config", &config, "--id", name])
     }
 
     /// Starts `mur coordinator` as [`Procs::coordinator`] does, with its A2A endpoint on a

@@ -893,3 +893,41 @@ async fn capsule_push_checks_every_folder_before_it_sends_anything() {
     assert_eq!(run.last_json()["name"], "good");
     assert_eq!(listed().await.unwrap().as_array().unwrap().len(), 1);
 }
+
+/// Issue #29 item 14: a standby coordinator said nothing a user could see (its "standing
+/// by" line was at `info`, under the default `warn` filter), and `mur cluster status`
+/// named the leader only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_coordinator_says_it_stands_by_and_cluster_status_lists_it() {
+    let cluster = Procs::start("jetstream:\n  leader_lease_secs: 3\n").await;
+    let first = cluster.coordinator_with_default_logs("coordinator-1");
+    until("coordinator-1 says it leads", WAIT, || async {
+        first.log().contains("coordinator coordinator-1 leading (term ").then_some(())
+    })
+    .await;
+    let second = cluster.coordinator_with_default_logs("coordinator-2");
+    until("coordinator-2 says it stands by", WAIT, || async {
+        second.log().contains("coordinator coordinator-2 standing by: coordinator-1 leads").then_some(())
+    })
+    .await;
+    let status = until("cluster status lists the standby", WAIT, || async {
+        let run = cluster.mur_ok(&["cluster", "status", "--json"]).await;
+        let status: Value = serde_json::from_str(&run.stdout).expect("status JSON");
+        (status["standbys"].as_array().map(Vec::len) == Some(1)).then_some(status)
+    })
+    .await;
+    assert_eq!(status["leader"]["instance"], "coordinator-1");
+    assert_eq!(status["standbys"][0]["instance"], "coordinator-2", "{status}");
+    let human = cluster.mur_ok(&["cluster", "status"]).await.stdout;
+    assert!(human.starts_with("leader    coordinator-1 (term "), "{human}");
+    assert!(human.contains("\nstandby   coordinator-2\n"), "{human}");
+    // A standby that stops is no longer listed once its key ages out (the lease's 3 s).
+    drop(second);
+    until("the stopped standby is gone from the status", WAIT, || async {
+        let run = cluster.mur_ok(&["cluster", "status", "--json"]).await;
+        let status: Value = serde_json::from_str(&run.stdout).ok()?;
+        (status["standbys"].as_array().map(Vec::len) == Some(0)).then_some(())
+    })
+    .await;
+    drop(first);
+}

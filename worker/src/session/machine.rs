@@ -599,6 +599,7 @@ impl TaskMachine {
             output_bytes: outcome.text.len() as u64,
             duration_ms,
             status: if outcome.is_error { CallStatus::Error } else { CallStatus::Ok },
+            mcp_server: outcome.mcp_server.clone(),
         }];
         if let Some(work) = outcome.detached {
             // A demoted command: `shell_detached` replaces the `shell` line and counts as the

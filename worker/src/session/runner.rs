@@ -191,6 +191,17 @@ pub struct Totals {
     pub shell_calls: u32,
 }
 
+/// Why a session could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// An MCP server of the capsule's could not be started (issue #35).
+    #[error(transparent)]
+    Tools(#[from] crate::tools::mcp::StartError),
+    /// The trace could not be written.
+    #[error(transparent)]
+    Trace(#[from] trace::Error),
+}
+
 /// One launch of a capsule.
 pub struct Session {
     cfg: SessionConfig,
@@ -233,15 +244,18 @@ enum Fatal {
 }
 
 impl Session {
-    /// Starts a session: fires `on-stage` (its errors only logged: no trace exists yet),
-    /// writes `session_start`, fires `on-session-start`.
+    /// Starts a session: starts its tools' MCP servers, fires `on-stage` (its errors only
+    /// logged: no trace exists yet), writes `session_start`, fires `on-session-start`.
     ///
     /// # Errors
-    /// [`trace::Error`] when the trace cannot be written.
-    pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, trace::Error> {
+    /// [`StartError::Tools`] when an MCP server cannot be started (nothing else has run);
+    /// [`StartError::Trace`] when the trace cannot be written.
+    pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, StartError> {
         let m = cfg.manifest.clone();
+        // Its MCP servers are up before anything else runs (issue #35).
+        parts.tools.start(&cfg.call_context).await?;
         let fixed_tokens = parts.estimator.count_repeated(&cfg.system_prompt)
-            + parts.estimator.count_repeated(&tools_json(parts.tools.specs()));
+            + parts.estimator.count_repeated(&tools_json(&parts.tools.specs()));
         let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
         if let Some(warning) = fixed_part_warning(&m, fixed_tokens) {
             tracing::warn!("{warning}");
@@ -741,11 +755,14 @@ impl Session {
 
     async fn call_model(&self, machine: &mut TaskMachine) -> Result<Action, trace::Error> {
         let m = &self.cfg.manifest;
+        // Between turns: tool lists an MCP server said changed are listed again (issue #35).
+        self.parts.tools.refresh().await;
+        let tools = self.parts.tools.specs();
         let request = ModelRequest {
             model: &self.cfg.model,
             system: &self.cfg.system_prompt,
             messages: machine.messages(),
-            tools: self.parts.tools.specs(),
+            tools: &tools,
             max_tokens: m.inference.max_tokens,
             task_text: &machine.task().text,
             history_epoch: machine.history_epoch(),
@@ -1070,6 +1087,7 @@ impl Session {
         let drain = if self.task_stop.is_cancelled() { Duration::ZERO } else { DRAIN_DEADLINE };
         let faults = self.parts.hooks.drain(drain).await;
         self.flush_faults(faults)?;
+        self.parts.tools.shutdown().await;
         self.finish(Some(exit_status))
     }
 

@@ -42,7 +42,7 @@ fn calls(blocks: Vec<Block>, stop: StopReason) -> ModelResponse {
 }
 
 fn ok_tool(text: &str) -> ToolOutcome {
-    ToolOutcome { text: text.into(), is_error: false, shell: None, detached: None, sandbox: None }
+    ToolOutcome { text: text.into(), is_error: false, shell: None, detached: None, sandbox: None, mcp_server: None }
 }
 
 /// Runs the machine against `replies` (repeating the last one forever) and `tool`;
@@ -243,6 +243,7 @@ fn shell_results_write_a_shell_line_after_the_tool_call_line() {
             }),
             detached: None,
             sandbox: None,
+            mcp_server: None,
         },
     );
     assert_eq!(types(&events), ["inference", "tool_call", "shell", "inference"]);
@@ -270,6 +271,7 @@ fn a_detached_shell_result_writes_shell_detached_instead_of_shell_and_counts_one
                 output_path: "logs/wrk_1.log".into(),
             }),
             sandbox: None,
+            mcp_server: None,
         },
     );
     assert_eq!(types(&events), ["inference", "tool_call", "shell_detached", "inference"]);
