@@ -22,7 +22,7 @@
 //! its path under `/sys/fs/cgroup` and takes its inode number as the id the kernel
 //! compares.
 //!
-//! A fence is made once per session (a few ms: one `nft` run), not per command: joining it
+//! A fence is made once per session (one `nft` run, 10–100 ms), not per command: joining it
 //! costs a command one `write(2)`. Dropping it removes the group and the table once the
 //! group is empty; a group still busy (a detached command) keeps its table and is removed
 //! by a later sweep. Those of a worker that was killed are removed when the next one
