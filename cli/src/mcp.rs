@@ -37,6 +37,9 @@ use std::time::{Duration, Instant};
 /// How often a waiting call reports progress.
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
+/// How long `task_send` goes on sending a submission no coordinator answered.
+pub const SUBMIT_PATIENCE: Duration = Duration::from_secs(30);
+
 /// `mur mcp …`.
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
@@ -172,8 +175,10 @@ impl Cluster {
                 let capsule = text("capsule")?;
                 let mut request = SubmitRequest::new(capsule.clone(), text("text")?, Origin::User);
                 request.context_id = args.get("context_id").and_then(Value::as_str).map(str::to_string);
-                let body = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
-                let reply: SubmitReply = self.api(api::TASK_SUBMIT, body).await?;
+                // Sent again while no coordinator answers, as `mur task send` does; it runs once.
+                let reply: SubmitReply = mur_nats::api::submit(&self.client, &mut request, SUBMIT_PATIENCE, |_, _| {})
+                    .await
+                    .map_err(|e| e.to_string())?;
                 if args.get("wait").and_then(Value::as_bool).unwrap_or(false) {
                     let rec = self.wait_for(&reply.task_id).await?;
                     Ok(serde_json::to_value(rec).map_err(|e| e.to_string())?)

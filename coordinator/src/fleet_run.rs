@@ -584,9 +584,8 @@ impl Exec {
     }
 
     async fn finish(&mut self, stop: Stop) {
-        if self.canceled().await
-            && let Err(e) = self.fleets.defs().purge(fleet_store::cancel_key(&self.record.run_id)).await
-        {
+        let canceled = self.canceled().await;
+        if canceled && let Err(e) = self.fleets.defs().purge(fleet_store::cancel_key(&self.record.run_id)).await {
             tracing::warn!(run = %self.record.run_id, "removing the run's cancel mark: {e}");
         }
         // Tasks waited for since the last iteration (a router's plan that failed).
@@ -601,7 +600,7 @@ impl Exec {
         self.record.updated_at = now;
         let mut text =
             format!("run {} stopped: {}; spent {}", self.record.run_id, stop.label(), self.record.spend.summary());
-        let report = fleet_store::StopReport::new(
+        let mut report = fleet_store::StopReport::new(
             stop,
             &self.record.fleet,
             &self.record.run_id,
@@ -609,6 +608,11 @@ impl Exec {
             self.record.spend.usd,
             self.blocked_job.as_deref(),
         );
+        if canceled && stop == Stop::Stopped {
+            // Not the kill-switch: the fleet's trigger stopped it for a newer occurrence.
+            report.remedy =
+                Some("stopped for a newer occurrence of its trigger (loop.overlap: cancel_previous)".into());
+        }
         if let Some(remedy) = &report.remedy {
             text.push_str(&format!("; {remedy}"));
         }

@@ -9,7 +9,11 @@
 //! - sandboxed: `network: none` and `cpu_secs` — Landlock, seccomp, `no_new_privs`,
 //!   `RLIMIT_CPU`, applied between fork and exec;
 //! - with cgroups: also `memory_mb` and `pids` — a control group made, joined and removed
-//!   per command (skipped, and said so, where this host has no writable cgroup).
+//!   per command (skipped, and said so, where this host has no writable cgroup);
+//! - address rule: `network: ['127.0.0.1:9']` and `cpu_secs` — as sandboxed, with the TCP
+//!   port rule and the session's fence (nftables on a cgroup v2 group) that each command
+//!   joins (skipped, and said so, where no fence can be made). The fence itself is made once
+//!   per session, before the loop; its cost is printed apart.
 //!
 //! Printed: the median wall time per command of each variant, the median added cost per
 //! command against plain (target: at most 1 ms), and the ratio.
@@ -75,6 +79,17 @@ fn main() {
     ) {
         Ok(c) => variants.push(("with cgroups", CallContext { sandbox: Some(Arc::new(c)), ..plain.clone() })),
         Err(e) => println!("with cgroups: not measured: {e}"),
+    }
+    let made = Instant::now();
+    match Confinement::prepare(&sandbox("  network: ['127.0.0.1:9']\n  cpu_secs: 60\n"), &folders, kernel) {
+        Ok(c) => {
+            println!(
+                "address rule: the session's confinement with its fence made in {:.1} ms (once per session)",
+                made.elapsed().as_secs_f64() * 1e3
+            );
+            variants.push(("address rule", CallContext { sandbox: Some(Arc::new(c)), ..plain.clone() }));
+        }
+        Err(e) => println!("address rule: not measured, no fence on this host: {e}"),
     }
 
     let tools = Toolbox::from_manifest(&Manifest::from_yaml(MANIFEST, &|_| None).unwrap());

@@ -261,3 +261,49 @@ async fn a_trigger_pauses_after_failed_runs_in_a_row_and_start_resumes_it() {
     })
     .await;
 }
+
+/// Issue #36: `loop.overlap: cancel_previous` — an occurrence that finds the fleet's run
+/// going asks it to stop; the run ends `stopped` at its next iteration boundary (its job
+/// under way finishes), saying why, and the occurrence then starts a run of its own, which
+/// takes the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_previous_stops_the_run_going_at_its_next_iteration_and_starts_the_new_occurrence() {
+    let procs = Procs::start("jetstream:\n  ack_wait_secs: 3\nfleet:\n  autorun: true\n").await;
+    let _c = procs.coordinator("coordinator-1");
+    let _w = procs.worker("wkr-1", 4);
+    procs.wait_workers(1).await;
+    procs.push(Path::new(&example("examples/builder"))).await;
+    mur(&procs, &["fleet", "create", &fleet_file_with(&procs, "eager", "  overlap: cancel_previous\n")]).await;
+    mur(&procs, &["fleet", "stop", "eager"]).await;
+    let first = mur(&procs, &["fleet", "send", "eager", "sleep 3 && echo first"]).await.sent_job_id();
+    let second = mur(&procs, &["fleet", "send", "eager", "sleep 3 && echo second"]).await.sent_job_id();
+    mur(&procs, &["fleet", "start", "eager"]).await;
+    let (one, two) = until("both jobs done", WAIT, || async {
+        let (a, b) = (job_status(&procs, "eager", &first).await, job_status(&procs, "eager", &second).await);
+        (a["status"] == "done" && b["status"] == "done").then_some((a, b))
+    })
+    .await;
+    let run_of = |j: &Value| {
+        let id = j["run_id"].as_str().unwrap();
+        id[..id.rfind('-').unwrap()].to_string() // `<run id>-<iteration>`
+    };
+    assert_ne!(run_of(&one), run_of(&two), "the second job was taken by a run of its own");
+    let runs = runs_of(&procs, "eager").await;
+    let stopped = runs.iter().find(|r| r.run_id == run_of(&one)).expect("the first run's record");
+    assert_eq!((stopped.state.as_str(), stopped.stop.as_deref(), stopped.iterations), ("stopped", Some("stopped"), 1));
+    let lines = channel(&procs, "eager").await;
+    assert!(
+        lines.iter().any(|t| t.starts_with("trigger: occurrence ")
+            && t.contains(&format!("waits: run {} is asked to stop at its next iteration", run_of(&one)))),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|t| t.starts_with(&format!("run {} stopped: stopped;", run_of(&one)))
+            && t.ends_with("stopped for a newer occurrence of its trigger (loop.overlap: cancel_previous)")),
+        "{lines:#?}"
+    );
+    // The cancel mark is gone with the run.
+    let js = async_nats::jetstream::new(procs.client.clone());
+    let kv = js.get_key_value(fleet_store::FLEETS_BUCKET).await.unwrap();
+    assert!(kv.get(fleet_store::cancel_key(&run_of(&one))).await.unwrap().is_none());
+}

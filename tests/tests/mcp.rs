@@ -399,3 +399,24 @@ async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
     client.cancel().await.unwrap();
     sb.shutdown().await;
 }
+
+#[test]
+fn the_mcp_example_looks_a_term_up_in_its_shipped_server() {
+    let capsule = TestCapsule::example("mcp");
+    let run = Run::of(mur().arg("run").arg(capsule.dir()).args(["--json", "--task", "fleet"]));
+    let json = run.last_json();
+    assert_eq!(
+        (json["exit_status"].as_str(), json["result"].as_str()),
+        (Some("ok"), Some("fleet: A named group of capsules that work a queue of jobs together on the cluster.")),
+        "{run:?}"
+    );
+    let dir = PathBuf::from(json["session_dir"].as_str().unwrap());
+    let lines = trace_lines(&dir);
+    assert_eq!(lines[0]["tools_declared"], json!(["mcp__glossary__define", "mcp__glossary__terms"]));
+    let call = tool_calls(&lines)[0];
+    assert_eq!(
+        (call["tool_name"].as_str(), call["mcp_server"].as_str()),
+        (Some("mcp__glossary__define"), Some("glossary"))
+    );
+    assert_eq!(std::fs::read_to_string(dir.join("logs/mcp-glossary.log")).unwrap(), "glossary: ready\n");
+}

@@ -10,7 +10,7 @@ use mur_tests::mur::{Run, mur, trace_lines};
 use mur_tests::sandbox::Sandbox;
 use serde_json::Value;
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A scripted capsule that runs its task's text with `sh` and answers the tool's result,
@@ -202,7 +202,8 @@ fn in_private_network<T: Send>(f: impl FnOnce() -> T + Send) -> Option<T> {
             return None;
         }
         for args in [&["link", "set", "lo", "up"][..], &["addr", "add", "192.0.2.1/32", "dev", "lo"]] {
-            let out = std::process::Command::new("ip").args(args).output();
+            let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"].into_iter().find(|p| Path::new(p).exists());
+            let out = std::process::Command::new(ip.unwrap_or("ip")).args(args).output();
             if !out.as_ref().is_ok_and(|o| o.status.success()) {
                 println!("cannot set up the namespace's loopback (ip {args:?}: {out:?}): the non-loopback half is not run");
                 return None;

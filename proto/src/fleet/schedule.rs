@@ -185,15 +185,17 @@ pub fn next_occurrences(trigger: &Trigger, tz: Tz, unix_ms: u64, n: usize) -> Ve
 }
 
 /// An instant shown in zone `tz`: `2026-10-25 02:30 CEST (+02:00)`; UTC as
-/// `2026-10-25 00:30 UTC`.
+/// `2026-10-25 00:30 UTC`; with seconds when it is not on a minute (an interval's
+/// occurrence, `2026-10-25 00:30:07 UTC`).
 pub fn show_instant(tz: Tz, unix_ms: u64) -> String {
     let Some(t) = i64::try_from(unix_ms).ok().and_then(DateTime::<Utc>::from_timestamp_millis) else {
         return unix_ms.to_string();
     };
+    let time = if t.second() == 0 { "%H:%M" } else { "%H:%M:%S" };
     if tz == Tz::UTC {
-        return t.format("%Y-%m-%d %H:%M UTC").to_string();
+        return t.format(&format!("%Y-%m-%d {time} UTC")).to_string();
     }
-    t.with_timezone(&tz).format("%Y-%m-%d %H:%M %Z (%:z)").to_string()
+    t.with_timezone(&tz).format(&format!("%Y-%m-%d {time} %Z (%:z)")).to_string()
 }
 
 #[cfg(test)]
@@ -327,5 +329,6 @@ mod tests {
         assert_eq!(show_instant(berlin, at("2026-10-25T00:30:00Z")), "2026-10-25 02:30 CEST (+02:00)");
         assert_eq!(show_instant(berlin, at("2026-10-25T01:30:00Z")), "2026-10-25 02:30 CET (+01:00)");
         assert_eq!(show_instant(Tz::UTC, at("2026-10-25T01:30:00Z")), "2026-10-25 01:30 UTC");
+        assert_eq!(show_instant(Tz::UTC, at("2026-10-25T01:30:07.250Z")), "2026-10-25 01:30:07 UTC");
     }
 }
