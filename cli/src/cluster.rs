@@ -40,15 +40,19 @@ pub enum ClusterCommand {
     Status {
         #[command(flatten)]
         conn: Connection,
-        /// Print JSON.
+        /// Print JSON (every worker, silent ones included, each with `live`).
         #[arg(long)]
         json: bool,
+        /// List the silent workers too (no heartbeat within the worker timeout: stopped or
+        /// killed ones stay registered until their entry ages out); counted otherwise.
+        #[arg(long)]
+        all: bool,
     },
 }
 
 /// Runs a `mur cluster` command.
 pub fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
-    let ClusterCommand::Status { conn, json } = cmd;
+    let ClusterCommand::Status { conn, json, all } = cmd;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let status: mur_proto::cluster::ClusterStatus = rt.block_on(async {
         let client = conn.connect("mur cluster status").await?;
@@ -60,7 +64,7 @@ pub fn cluster(cmd: ClusterCommand) -> Result<ExitCode> {
         println!("{}", serde_json::to_string(&status)?);
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", render_status(&status));
+    print!("{}", render_status(&status, all));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -68,8 +72,9 @@ fn secs(ms: u64) -> String {
     format!("{:.1}s", ms as f64 / 1000.0)
 }
 
-/// The human form of `mur cluster status`.
-fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
+/// The human form of `mur cluster status`: silent workers are counted, and listed only
+/// with `all` (`--all`).
+fn render_status(s: &mur_proto::cluster::ClusterStatus, all: bool) -> String {
     use comfy_table::{Table, presets::NOTHING};
     let mut out = String::new();
     match &s.leader {
@@ -141,10 +146,11 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus) -> String {
         ));
     }
     out.push_str(&workers_line(&s.workers));
-    if !s.workers.is_empty() {
+    let listed: Vec<_> = s.workers.iter().filter(|w| all || w.live).collect();
+    if !listed.is_empty() {
         out.push_str(&table(
             vec!["WORKER", "SLOTS", "FREE", "HEARTBEAT"],
-            s.workers
+            listed
                 .iter()
                 .map(|w| {
                     vec![
@@ -167,7 +173,7 @@ fn workers_line(workers: &[mur_proto::cluster::WorkerStatus]) -> String {
     let live = workers.iter().filter(|w| w.live);
     let (count, free, slots) = live.fold((0, 0u32, 0u32), |(n, f, s), w| (n + 1, f + w.free, s + w.slots));
     let silent = workers.len() - count;
-    let silent = if silent > 0 { format!(", {silent} silent") } else { String::new() };
+    let silent = if silent > 0 { format!(", {silent} silent (--all lists them)") } else { String::new() };
     format!("\nworkers   {count} live ({free} of {slots} slots free){silent}\n")
 }
 
@@ -617,8 +623,28 @@ mod tests {
     #[test]
     fn silent_workers_are_counted_apart_and_their_slots_are_not_free() {
         let workers = [worker("a", 4, 2, true), worker("b", 4, 4, false), worker("c", 4, 4, false)];
-        assert_eq!(workers_line(&workers), "\nworkers   1 live (2 of 4 slots free), 2 silent\n");
+        assert_eq!(workers_line(&workers), "\nworkers   1 live (2 of 4 slots free), 2 silent (--all lists them)\n");
         assert_eq!(workers_line(&workers[..1]), "\nworkers   1 live (2 of 4 slots free)\n");
         assert_eq!(workers_line(&[]), "\nworkers   0 live (0 of 0 slots free)\n");
+    }
+
+    /// Issue #29 item 9: 33 killed workers stayed listed as silent for an hour.
+    #[test]
+    fn silent_workers_are_listed_only_with_all() {
+        let status = mur_proto::cluster::ClusterStatus {
+            workers: vec![worker("a", 4, 2, true), worker("b", 4, 4, false), worker("c", 4, 4, false)],
+            ..mur_proto::cluster::ClusterStatus::build(&[], &[], None, 0, 0)
+        };
+        let rows = |out: &str| -> Vec<String> {
+            let names = out.lines().filter_map(|l| l.split_whitespace().next());
+            names.filter(|w| ["a", "b", "c"].contains(w)).map(str::to_string).collect()
+        };
+        let short = render_status(&status, false);
+        assert!(short.contains("\nworkers   1 live (2 of 4 slots free), 2 silent (--all lists them)\n"), "{short}");
+        assert_eq!(rows(&short), ["a"], "{short}");
+        assert!(!short.contains("(silent)"), "{short}");
+        let long = render_status(&status, true);
+        assert_eq!(rows(&long), ["a", "b", "c"], "{long}");
+        assert_eq!(long.matches("1.0s ago (silent)").count(), 2, "{long}");
     }
 }

@@ -188,7 +188,9 @@ pub struct TaskRecord {
     /// written before it existed: such a delivery takes over as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch_seq: Option<u64>,
-    /// Dispatch attempts so far: 0 while waiting, 1 on the first dispatch, +1 per retry.
+    /// Attempts so far: 0 while waiting, 1 on the first dispatch, +1 per takeover (a
+    /// worker starting the task again after the session that had it `working` stopped
+    /// answering, issue #29 item 9).
     pub attempt: u32,
     /// When the coordinator accepted it.
     pub submitted_at: u64,

@@ -72,12 +72,15 @@ async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
     first.kill9();
     let before = cluster.record(&task_id).await.unwrap();
     assert_eq!((before.state, before.worker.as_deref()), (TaskState::Working, Some("wkr-first")));
+    assert_eq!(before.attempt, 1);
 
     let _second = cluster.worker("wkr-second", 1);
     let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
     assert_eq!(record.state, TaskState::Completed, "{record:?}");
     assert_eq!(record.result.as_deref(), Some("finished"));
     assert_eq!(record.worker.as_deref(), Some("wkr-second"));
+    // Issue #29 item 9: the takeover is the task's second attempt (it stayed 1).
+    assert_eq!(record.attempt, 2, "{record:?}");
 
     let trace = cluster.trace_of(&task_id).await;
     let takeovers = of_type(&trace, "task_takeover");

@@ -838,6 +838,12 @@ async fn run_dispatch_holding(
             if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                 return false;
             }
+            // A record another session had `working` is taken over: a new attempt (issue
+            // #29 item 9). The coordinator publishes dispatches again only of `submitted`
+            // records, so the number it put in the dispatch's message id is not reused.
+            if r.state == TaskState::Working && r.session_id.is_some() {
+                r.attempt += 1;
+            }
             r.state = TaskState::Working;
             r.worker = Some(worker_id.clone());
             r.session_id = Some(session_id.clone());
