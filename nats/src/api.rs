@@ -45,8 +45,8 @@ const SUBMIT_MAX_DELAY: Duration = Duration::from_secs(4);
 /// ([`crate::backoff`]), for up to `patience` (zero: sent once). The coordinator answers a
 /// submission it already stored with the stored task, so the task runs once however often
 /// it is sent. `request.task_id` is minted here when the caller left it empty. A
-/// coordinator older than the `task_id` field refuses it as unknown: sent again without
-/// it. Each send carries the W3C trace context of the current span
+/// coordinator older than the `task_id` field (its refusal carries no
+/// [`ApiError::api_version`]) refuses it as unknown: sent again without it. Each send carries the W3C trace context of the current span
 /// ([`crate::trace_context`]). `retrying` is told each error that will be retried and the
 /// wait before the next send (the CLI says it on stderr).
 ///
@@ -68,11 +68,7 @@ pub async fn submit(
         let body = serde_json::to_vec(&*request).expect("a submit request serializes");
         match call_with_headers(client, mur_proto::cluster::api::TASK_SUBMIT, headers, body).await {
             Ok(reply) => return Ok(reply),
-            Err(e)
-                if e.code == ErrorCode::InvalidRequest
-                    && request.task_id.is_some()
-                    && e.message.contains("task_id: unknown field") =>
-            {
+            Err(e) if e.code == ErrorCode::InvalidRequest && request.task_id.is_some() && e.api_version.is_none() => {
                 request.task_id = None;
             }
             Err(e) if e.code == ErrorCode::Unavailable => {
@@ -174,7 +170,8 @@ fn reply_error(reply: &Message) -> Option<ApiError> {
 /// the whole message).
 const MAX_HEADER_TEXT: usize = 512;
 
-/// The headers and body of a failure reply for `err` (the service side of the scheme).
+/// The headers and body of a failure reply for `err` (the service side of the scheme); the
+/// body carries this build's [`mur_proto::cluster::api::VERSION`].
 pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
     let mut headers = HeaderMap::new();
     // Header values cannot hold line breaks.
@@ -189,6 +186,7 @@ pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
     }
     headers.insert(NATS_SERVICE_ERROR, text.as_str());
     headers.insert(NATS_SERVICE_ERROR_CODE, err.code.status().to_string().as_str());
-    let body = serde_json::to_vec(err).expect("an ApiError serializes");
+    let versioned = ApiError { api_version: Some(mur_proto::cluster::api::VERSION), ..err.clone() };
+    let body = serde_json::to_vec(&versioned).expect("an ApiError serializes");
     (headers, Bytes::from(body))
 }

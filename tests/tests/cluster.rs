@@ -1704,3 +1704,71 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
     coordinator.stop().await?;
     Ok(())
 }
+
+/// Issue #30: a client tells an older coordinator from the API version its errors carry,
+/// not from their text. A refusal without `api_version` of a submission naming its task
+/// id (a coordinator older than the field) is sent again without the id; a refusal from a
+/// coordinator of this API is the answer, sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_older_than_the_api_version() -> Result<()>
+{
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let stand_in = server.connect().await;
+    let mut requests = stand_in.subscribe(cluster::api::TASK_SUBMIT).await?;
+    stand_in.flush().await?;
+    // The old coordinator's refusal: micro service error headers and an `ApiError` body
+    // with no version.
+    let old_refusal = |reply: async_nats::Subject| {
+        let stand_in = stand_in.clone();
+        async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Service-Error", "invalid_request: task_id: unknown field");
+            headers.insert("Nats-Service-Error-Code", "400");
+            let body = r#"{"code":"invalid_request","message":"task_id: unknown field"}"#;
+            stand_in.publish_with_headers(reply, headers, body.into()).await.unwrap();
+        }
+    };
+
+    let mut request = cluster::SubmitRequest::new("greeter", "hi", mur_proto::task::Origin::User);
+    let sending = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let reply = api::submit(&client, &mut request, Duration::ZERO, |_, _| {}).await;
+            (reply, request)
+        }
+    });
+    let first = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent");
+    let first_body: cluster::SubmitRequest = serde_json::from_slice(&first.payload)?;
+    assert!(first_body.task_id.is_some(), "the client names the task");
+    old_refusal(first.reply.expect("a request")).await;
+    let second = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent again");
+    let second_body: cluster::SubmitRequest = serde_json::from_slice(&second.payload)?;
+    assert_eq!(second_body.task_id, None);
+    let accepted = cluster::SubmitReply { task_id: "tsk_from_the_old_one".into(), state: TaskState::Submitted };
+    stand_in.publish(second.reply.expect("a request"), serde_json::to_vec(&accepted)?.into()).await?;
+    let (reply, request) = sending.await?;
+    assert_eq!(reply.expect("accepted").task_id, "tsk_from_the_old_one");
+    assert_eq!(request.task_id, None);
+
+    // A coordinator of this API refuses with its version: that is the answer.
+    let mut request = cluster::SubmitRequest::new("greeter", "", mur_proto::task::Origin::User);
+    let sending = tokio::spawn({
+        let client = client.clone();
+        async move { api::submit(&client, &mut request, Duration::ZERO, |_, _| {}).await }
+    });
+    let only = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent");
+    let (headers, body) = api::error_reply(&cluster::ApiError::invalid("text: must not be empty"));
+    stand_in.publish_with_headers(only.reply.expect("a request"), headers, body).await?;
+    let err = sending.await?.expect_err("refused");
+    assert_eq!(
+        (err.code, err.message.as_str(), err.api_version),
+        (cluster::ErrorCode::InvalidRequest, "text: must not be empty", Some(cluster::api::VERSION))
+    );
+    stand_in.flush().await?;
+    assert!(
+        tokio::time::timeout(QUIET, requests.next()).await.is_err(),
+        "a refusal of this API's coordinator is not sent again"
+    );
+    Ok(())
+}
