@@ -118,7 +118,16 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
-    /// Clear the kill-switch.
+    /// Fire one occurrence of the fleet's trigger now (a manual backfill of one): the
+    /// leading coordinator takes it within a second, with autorun off or the trigger
+    /// paused too; `loop.overlap` applies while a run is going. Prints what came of it.
+    Trigger {
+        /// The fleet.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Clear the kill-switch, and resume a trigger paused after failures.
     Start {
         /// The fleet.
         name: String,
@@ -153,7 +162,8 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
-    /// The fleet's latest run: its state, stop reason and liveness verdict.
+    /// The fleet's schedule (next occurrences, a pause) and its latest run: its state,
+    /// stop reason and liveness verdict.
     Status {
         /// The fleet.
         name: String,
@@ -204,6 +214,18 @@ pub struct SetLoopArgs {
     /// A spend ceiling in USD; 0 for none.
     #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = finite_usd)]
     budget_usd: Option<f64>,
+    /// The IANA zone a cron trigger is read in (Europe/Berlin); empty for UTC.
+    #[arg(long, value_name = "ZONE", allow_hyphen_values = true)]
+    timezone: Option<String>,
+    /// What an occurrence does while a run is going: skip, queue_one or cancel_previous.
+    #[arg(long, value_name = "POLICY", allow_hyphen_values = true)]
+    overlap: Option<String>,
+    /// How late a missed occurrence still runs (1h; one run for all missed); empty for 90s.
+    #[arg(long, value_name = "D", allow_hyphen_values = true)]
+    catchup: Option<String>,
+    /// Pause the trigger after N failed runs in a row (0: never).
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    pause_after_failures: Option<String>,
     #[command(flatten)]
     common: Common,
 }
@@ -266,6 +288,7 @@ fn print_show(info: &FleetInfo) {
         if s.done_when.is_empty() { "(router judges)" } else { &s.done_when }
     );
     println!("jobs      {} queued, {} running, {} blocked", s.queued, s.running, s.blocked);
+    print_schedule(info);
     if let Some(e) = &s.error {
         println!("error     {}", crate::text::printable(e).replace('\n', "; "));
     }
@@ -277,6 +300,87 @@ fn print_show(info: &FleetInfo) {
     if !info.yaml.ends_with('\n') {
         println!();
     }
+}
+
+/// The schedule lines of `mur fleet show`, `set-loop`, `start` and `status` (issue #36):
+/// the policies, a pause, an occurrence waiting, the next occurrences in the fleet's zone
+/// and in UTC.
+fn print_schedule(info: &FleetInfo) {
+    let Some(s) = &info.schedule else { return };
+    let pause = match s.pause_after_failures {
+        0 => "never pauses".to_string(),
+        n => format!("pauses after {n} failed runs in a row ({} so far)", s.failures),
+    };
+    println!(
+        "schedule  zone {}; overlap {}; catchup {}; {pause}; {} occurrence(s) skipped",
+        s.timezone, s.overlap, s.catchup, s.skipped
+    );
+    let utc = |t: u64| mur_proto::fleet::schedule::show_instant(mur_proto::fleet::schedule::Tz::UTC, t);
+    if let Some(at) = s.paused_at {
+        println!(
+            "paused    since {} after {} failed runs in a row: `mur fleet start {}` resumes it",
+            utc(at),
+            s.failures,
+            info.summary.name
+        );
+    }
+    if let Some(q) = s.queued {
+        println!("waiting   occurrence {} waits for the run going to end", utc(q));
+    }
+    for n in &s.next {
+        if n.local == n.utc {
+            println!("next      {}", n.utc);
+        } else {
+            println!("next      {} = {}", n.local, n.utc);
+        }
+    }
+}
+
+/// `mur fleet trigger NAME`: asks, waits (up to 15 s) for the leader to take the
+/// occurrence, and says what came of it.
+fn trigger(common: &Common, name: String) -> Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let client = common.conn.connect("mur fleet trigger").await?;
+        let body = serde_json::to_vec(&FleetRef { fleet: name.clone() })?;
+        let before: FleetInfo = call(&client, api::SHOW, body.clone()).await?;
+        let before_run = before.schedule.as_ref().and_then(|s| s.run.clone());
+        let asked: FleetInfo = call(&client, api::TRIGGER, body.clone()).await?;
+        let at = asked.schedule.as_ref().and_then(|s| s.manual);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
+        let mut info = asked;
+        while info.schedule.as_ref().is_some_and(|s| s.manual.is_some()) {
+            if tokio::time::Instant::now() >= deadline {
+                if common.json {
+                    print_json(&info)?;
+                } else {
+                    println!(
+                        "asked fleet {name} for one occurrence; no leading coordinator has taken it yet (it will \
+                         when one runs)"
+                    );
+                }
+                return Ok(ExitCode::FAILURE);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            info = call(&client, api::SHOW, body.clone()).await?;
+        }
+        if common.json {
+            print_json(&info)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        let s = info.schedule.clone().unwrap_or_default();
+        match (&s.run, s.queued) {
+            (Some(run), _) if Some(run) != before_run.as_ref() => println!("triggered fleet {name}: run {run}"),
+            (_, Some(q)) if Some(q) == at => {
+                println!(
+                    "triggered fleet {name}: the occurrence waits for the run going to end (loop.overlap {})",
+                    s.overlap
+                )
+            }
+            _ => println!("triggered fleet {name}: the occurrence started no run; see `mur fleet log {name}`"),
+        }
+        Ok(ExitCode::SUCCESS)
+    })
 }
 
 fn state_line(stop: &StopState) -> String {
@@ -398,6 +502,10 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 done_when: args.done_when,
                 deadline: args.deadline,
                 budget_usd: args.budget_usd,
+                timezone: args.timezone,
+                overlap: args.overlap,
+                catchup: args.catchup,
+                pause_after_failures: args.pause_after_failures,
             };
             let info: FleetInfo = request(&args.common, "mur fleet set-loop", api::SET_LOOP, &req)?;
             if args.common.json {
@@ -424,9 +532,11 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                 print_json(&info)?;
             } else {
                 println!("fleet {} {}", info.summary.name, state_line(&info.summary.stop));
+                print_schedule(&info);
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Trigger { name, common } => trigger(&common, name),
         Command::Run { name, job, looping, deadline, budget_usd, run_id, max_iterations, common } => {
             let request = fleet_store::RunRequest { fleet: name, job, looping, deadline, budget_usd, run_id };
             // The fleet-loops seed, §The bounds: "--max-iterations and loop.max_iterations are
@@ -534,6 +644,13 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
                     .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok())
             }
         };
+        if let RunPick::LatestOf(fleet) = &pick
+            && !common.json
+            && let Ok(info) =
+                call::<FleetInfo>(&client, api::SHOW, serde_json::to_vec(&FleetRef { fleet: fleet.clone() })?).await
+        {
+            print_schedule(&info);
+        }
         let id = match &pick {
             RunPick::Id(id) => Some(id.clone()),
             RunPick::LatestOf(fleet) => {

@@ -456,8 +456,15 @@ impl Exec {
                 }
             };
             let stopped = self.fleets.stop_state(&fleet).await;
-            let view =
-                View { now: now_ms(), stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: last_agent };
+            // Asked to stop by its fleet's trigger (`loop.overlap: cancel_previous`): it ends
+            // as the kill-switch ends it, at an iteration boundary.
+            let canceled = self.canceled().await;
+            let view = View {
+                now: now_ms(),
+                stopped: Ok(stopped.is_stopped() || canceled),
+                jobs: &jobs,
+                last_agent_event: last_agent,
+            };
             let mut next = run.next(&view);
             let mut claimed: Option<String> = None;
             if let Next::Plan { iteration_run_id, job, router, text, time_left, .. } = &next {
@@ -571,7 +578,17 @@ impl Exec {
         claimed.is_ok()
     }
 
+    /// Whether the fleet's trigger asked this run to stop (`cancel.<run id>`, issue #36).
+    async fn canceled(&self) -> bool {
+        matches!(self.fleets.defs().get(fleet_store::cancel_key(&self.record.run_id)).await, Ok(Some(_)))
+    }
+
     async fn finish(&mut self, stop: Stop) {
+        if self.canceled().await
+            && let Err(e) = self.fleets.defs().purge(fleet_store::cancel_key(&self.record.run_id)).await
+        {
+            tracing::warn!(run = %self.record.run_id, "removing the run's cancel mark: {e}");
+        }
         // Tasks waited for since the last iteration (a router's plan that failed).
         let rest = self.tally.take();
         if !rest.is_empty() {

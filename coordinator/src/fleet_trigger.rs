@@ -1,65 +1,106 @@
 //! Triggers firing unattended (issue #10 §Runs and loops, the fleet-loops seed, §Unattended
-//! runs, ref §5 "autorun"): every second the leader looks at each fleet's `loop.trigger` and
-//! starts a loop run (as `mur fleet run NAME --loop` would, with no flags) for each fleet
-//! that is due. All of these must hold (fail closed):
+//! runs, ref §5 "autorun"; issue #36): every second the leader looks at each fleet's
+//! `loop.trigger` and hands what it sees to the pure [`crate::fleet_schedule::step`], then
+//! carries out what it says — a loop run started as `mur fleet run NAME --loop` would with
+//! no flags, a run asked to stop (`cancel_previous`), a line on the fleet's channel.
+//! Scheduled occurrences count only when all of these hold (fail closed):
 //!
 //! - autorun is on: `MUR_FLEET_AUTORUN` is `1`, `true` or `yes` (any case) on the
 //!   coordinator, or the cluster config has `fleet.autorun: true` (default off);
 //! - the kill-switch is clear (a sentinel that cannot be read counts as set);
-//! - no run of the fleet is in progress (one run per fleet at a time: a trigger never
-//!   starts a loop beside another, ref §8 (f));
-//! - the trigger is due ([`due`]); the fleet's bounds resolve (else the run is refused and
-//!   the refusal logged).
+//! - the trigger is not paused after failures; the fleet's bounds resolve (else the start
+//!   is refused, and that counts as a failed run).
 //!
-//! The last firing is kept in `mur_fleets` key `lastrun.<fleet>` (unix ms), stamped before
-//! the launch, so a new leader goes on from it.
+//! An occurrence asked for by `mur fleet trigger` counts with autorun off and while paused.
+//! A run of the fleet in progress (one run per fleet at a time, ref §8 (f)) meets
+//! `loop.overlap`.
+//!
+//! The trigger's state is `mur_fleets` key `lastrun.<fleet>` ([`fleet_schedule::State`],
+//! JSON). Every change is a compare-and-set on the revision read, written before anything
+//! is carried out: an occurrence is claimed (with its run id) before its run starts, so of
+//! two coordinators that saw it due one claims it and the other does nothing, and a leader
+//! that dies between claim and start leaves a claim the next one starts under the same id.
 
 use crate::fleet_run::{self, Env, OverCache};
+use crate::fleet_schedule::{self, Action, Outcome, Seen, State};
 use crate::fleets::now_ms;
+use async_nats::jetstream::kv;
 use futures::StreamExt;
 use mur_proto::fleet::{self, Fleet, Trigger};
-use mur_proto::fleet_store::{self, RunRecord, RunRequest};
-use std::collections::BTreeSet;
+use mur_proto::fleet_store::{self, ChannelEvent, EventKind, RunRecord, RunRequest};
+use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::sync::watch;
 
 /// How often the leader looks at the triggers.
 const TICK: Duration = Duration::from_secs(1);
 
-/// A cron trigger's last run is never taken as older than this, so downtime does not
-/// replay missed boundaries (ref §5), ms.
-const CRON_CATCH_UP_MS: u64 = 90_000;
-
-/// What a trigger says at `now` given when it last fired (unix ms).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Due {
-    /// Start a run.
-    Fire,
-    /// A cron trigger seen for the first time: stamp now as its baseline, fire at the next
-    /// boundary (never on enable).
-    Baseline,
-    /// Nothing to do.
-    No,
+/// A trigger state as read, with the revision a write must match (`None`: no key yet).
+#[derive(Clone, Debug, Default)]
+pub struct Stored {
+    /// The key's revision (a delete marker's too), `None` when it never existed.
+    pub revision: Option<u64>,
+    /// The state (default when absent, deleted or unreadable).
+    pub state: State,
 }
 
-/// The due rules of ref §5: `interval:<d>` fires when it never ran or `d` has passed since
-/// it last did; `cron:` fires when a boundary passed since it last did (its last run
-/// clamped to 90 s ago); `manual` and a stored trigger that no longer parses never fire.
-pub fn due(trigger: &Trigger, last_run: Option<u64>, now: u64) -> Due {
-    match (trigger, last_run) {
-        (Trigger::Interval(d), None) if !d.duration.is_zero() => Due::Fire,
-        (Trigger::Interval(d), Some(last)) if !d.duration.is_zero() => {
-            if now.saturating_sub(last) >= d.duration.as_millis() as u64 { Due::Fire } else { Due::No }
-        }
-        (Trigger::Cron(_), None) => Due::Baseline,
-        (Trigger::Cron(cron), Some(last)) => {
-            let from = last.max(now.saturating_sub(CRON_CATCH_UP_MS));
-            match cron.next_after(from) {
-                Some(next) if next <= now => Due::Fire,
-                _ => Due::No,
-            }
-        }
-        _ => Due::No,
+/// Why a trigger state was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// Another writer changed it since it was read (another coordinator claimed the
+    /// occurrence, `mur fleet trigger` or `start` wrote meanwhile): nothing was written.
+    #[error("lastrun.{0} changed since it was read")]
+    Changed(String),
+    /// The bucket refused.
+    #[error("lastrun.{fleet}: {error}")]
+    Store {
+        /// The fleet.
+        fleet: String,
+        /// What the bucket said.
+        error: String,
+    },
+}
+
+/// Reads `fleet`'s trigger state.
+///
+/// # Errors
+/// The bucket cannot be read.
+pub async fn read_state(defs: &kv::Store, fleet: &str) -> Result<Stored, kv::EntryError> {
+    let Some(entry) = defs.entry(fleet_store::last_run_key(fleet)).await? else { return Ok(Stored::default()) };
+    let state = if entry.operation == kv::Operation::Put {
+        State::decode(&entry.value).unwrap_or_else(|e| {
+            tracing::warn!(fleet, "lastrun.{fleet} does not parse ({e}); starting from an empty state");
+            State::default()
+        })
+    } else {
+        State::default()
+    };
+    Ok(Stored { revision: Some(entry.revision), state })
+}
+
+/// Writes `state` for `fleet` if the key is still at `revision` (a compare-and-set; `None`
+/// creates it), and returns the new revision.
+///
+/// # Errors
+/// [`WriteError::Changed`] when another write came first; [`WriteError::Store`].
+pub async fn write_state(
+    defs: &kv::Store,
+    fleet: &str,
+    revision: Option<u64>,
+    state: &State,
+) -> Result<u64, WriteError> {
+    let key = fleet_store::last_run_key(fleet);
+    let value = state.encode().into();
+    let store = |e: String| WriteError::Store { fleet: fleet.to_string(), error: e };
+    match revision {
+        Some(rev) => defs.update(&key, value, rev).await.map_err(|e| match e.kind() {
+            kv::UpdateErrorKind::WrongLastRevision => WriteError::Changed(fleet.to_string()),
+            _ => store(e.to_string()),
+        }),
+        None => defs.create(&key, value).await.map_err(|e| match e.kind() {
+            kv::CreateErrorKind::AlreadyExists => WriteError::Changed(fleet.to_string()),
+            _ => store(e.to_string()),
+        }),
     }
 }
 
@@ -74,13 +115,13 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
             _ = stopped.changed() => return "the fleet trigger loop",
             () = tokio::time::sleep(TICK) => {}
         }
-        if enabled && let Err(e) = tick(&env, &mut over).await {
+        if let Err(e) = tick(&env, &mut over, enabled).await {
             tracing::warn!(instance = %env.instance, "fleet triggers: {e}");
         }
     }
 }
 
-async fn tick(env: &Env, over: &mut OverCache) -> Result<(), String> {
+async fn tick(env: &Env, over: &mut OverCache, autorun: bool) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
     let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
     let (mut fleets, mut runs) = (Vec::new(), Vec::new());
@@ -91,8 +132,8 @@ async fn tick(env: &Env, over: &mut OverCache) -> Result<(), String> {
             runs.push(key);
         }
     }
-    // Fleets with a run in progress (running, alive or not yet taken over).
-    let mut busy = BTreeSet::new();
+    // The run in progress of each fleet that has one (running, alive or not yet taken over).
+    let mut going = BTreeMap::new();
     for key in runs {
         if let Ok(Some(v)) = defs.get(&key).await
             && let Ok(r) = serde_json::from_slice::<RunRecord>(&v)
@@ -100,49 +141,98 @@ async fn tick(env: &Env, over: &mut OverCache) -> Result<(), String> {
             if r.is_over() {
                 over.insert(key);
             } else {
-                busy.insert(r.fleet);
+                going.insert(r.fleet, r.run_id);
             }
         }
     }
-    let now = now_ms();
     for name in fleets {
-        if busy.contains(&name) {
-            continue;
+        if let Err(e) = fleet_tick(env, &name, going.get(&name).map(String::as_str), autorun).await {
+            tracing::warn!(fleet = %name, "trigger: {e}");
         }
-        let Ok((_, text)) = env.fleets.definition(&name).await else { continue };
-        let Ok(f) = Fleet::load_stored(&text) else { continue };
-        if matches!(f.r#loop.trigger, Trigger::Manual | Trigger::Never(_)) {
-            continue;
+    }
+    Ok(())
+}
+
+/// One fleet's tick: read, step, claim (compare-and-set), carry out.
+async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -> Result<(), String> {
+    let defs = env.fleets.defs();
+    let Ok((_, text)) = env.fleets.definition(name).await else { return Ok(()) };
+    let Ok(f) = Fleet::load_stored(&text) else { return Ok(()) };
+    if env.fleets.stop_state(name).await.is_stopped() {
+        return Ok(());
+    }
+    let stored = read_state(defs, name).await.map_err(|e| e.to_string())?;
+    let state = &stored.state;
+    let manual_only = !autorun || matches!(f.r#loop.trigger, Trigger::Manual | Trigger::Never(_));
+    if manual_only && state.manual.is_none() && state.claim.is_none() && state.running.is_none() {
+        return Ok(());
+    }
+    // The trigger's run: the claimed one, else the one it saw start.
+    let ours = state.claim.as_ref().map(|c| c.run_id.as_str()).or(state.running.as_deref());
+    let record = match ours {
+        Some(id) => defs
+            .get(fleet_store::run_key(id))
+            .await
+            .map_err(|e| e.to_string())?
+            .and_then(|v| serde_json::from_slice::<RunRecord>(&v).ok()),
+        None => None,
+    };
+    let claim_started = state.claim.is_some() && record.is_some();
+    let ended = match (&record, state.claim.is_some()) {
+        (Some(r), _) if r.is_over() => Some(if r.state == "failed" { Outcome::Failed } else { Outcome::Ok }),
+        (Some(_), _) | (None, true) => None,
+        (None, false) => ours.map(|_| Outcome::Ok), // its record is gone
+    };
+    let fresh = fleet::loop_run_id(name, uuid::Uuid::now_v7());
+    let seen = Seen { now: now_ms(), autorun, going, ended, claim_started, fresh_run_id: &fresh };
+    let (next, actions) = fleet_schedule::step(state, &f.r#loop, &seen);
+    let mut revision = stored.revision;
+    if &next != state {
+        match write_state(defs, name, revision, &next).await {
+            Ok(rev) => revision = Some(rev),
+            // Someone else wrote first: carry nothing out; the next tick reads theirs.
+            Err(WriteError::Changed(_)) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
         }
-        if env.fleets.stop_state(&name).await.is_stopped() {
-            continue;
-        }
-        let key = fleet_store::last_run_key(&name);
-        let last = defs.get(&key).await.ok().flatten().and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u64>().ok());
-        match due(&f.r#loop.trigger, last, now) {
-            Due::No => {}
-            Due::Baseline => {
-                let _ = defs.put(&key, now.to_string().into()).await;
-            }
-            Due::Fire => {
-                // Stamped before the launch: a launch that fails is not retried every tick.
-                if let Err(e) = defs.put(&key, now.to_string().into()).await {
-                    tracing::warn!(fleet = %name, "stamping the trigger's run: {e}");
-                    continue;
+    }
+    let mut state = next;
+    for action in actions {
+        match action {
+            Action::Note(text) => note(env, name, text).await,
+            Action::Cancel { run_id } => {
+                if let Err(e) = defs.put(fleet_store::cancel_key(&run_id), now_ms().to_string().into()).await {
+                    tracing::warn!(fleet = %name, run = %run_id, "asking the run to stop: {e}");
                 }
+            }
+            Action::Start { occurrence, run_id } => {
                 let request = RunRequest {
-                    fleet: name.clone(),
+                    fleet: name.to_string(),
                     job: None,
                     looping: true,
                     deadline: None,
                     budget_usd: None,
-                    run_id: None,
+                    run_id: Some(run_id.clone()),
                 };
                 match fleet_run::launch(env, request).await {
-                    Ok(r) => {
-                        tracing::info!(fleet = %name, run = %r.run_id, "trigger {} fired", f.r#loop.trigger.as_text())
+                    Ok(r) => tracing::info!(
+                        fleet = %name, run = %r.run_id, occurrence,
+                        "trigger {} fired", f.r#loop.trigger.as_text()
+                    ),
+                    Err(e) => {
+                        tracing::warn!(fleet = %name, "trigger {}: run refused: {e}", f.r#loop.trigger.as_text());
+                        let (refused, notes) =
+                            fleet_schedule::start_refused(&state, &f.r#loop, now_ms(), &e.to_string());
+                        match write_state(defs, name, revision, &refused).await {
+                            Ok(rev) => revision = Some(rev),
+                            Err(e) => return Err(e.to_string()),
+                        }
+                        state = refused;
+                        for n in notes {
+                            if let Action::Note(text) = n {
+                                note(env, name, text).await;
+                            }
+                        }
                     }
-                    Err(e) => tracing::warn!(fleet = %name, "trigger {}: run refused: {e}", f.r#loop.trigger.as_text()),
                 }
             }
         }
@@ -150,32 +240,11 @@ async fn tick(env: &Env, over: &mut OverCache) -> Result<(), String> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_interval_fires_when_never_run_or_once_its_duration_has_passed() {
-        let t = Trigger::parse("interval:10s").unwrap();
-        assert_eq!(due(&t, None, 5_000), Due::Fire);
-        assert_eq!(due(&t, Some(5_000), 14_999), Due::No);
-        assert_eq!(due(&t, Some(5_000), 15_000), Due::Fire);
-        assert_eq!(due(&t, Some(20_000), 15_000), Due::No, "a last run in the future (clock skew)");
-        assert_eq!(due(&Trigger::Manual, None, 5_000), Due::No);
-        assert_eq!(due(&Trigger::Never("cron:0 9 31 2 *".into()), None, 5_000), Due::No);
-    }
-
-    #[test]
-    fn a_cron_first_stamps_a_baseline_then_fires_at_each_boundary_without_replaying_downtime() {
-        let t = Trigger::parse("cron:0 * * * *").unwrap();
-        let hour = 3_600_000;
-        let base = 1_000 * hour + 60_000; // 1 minute past an hour boundary
-        assert_eq!(due(&t, None, base), Due::Baseline);
-        assert_eq!(due(&t, Some(base), base + 30_000), Due::No);
-        assert_eq!(due(&t, Some(base), base + hour - 60_000), Due::Fire, "the next boundary");
-        // Down for a day: the missed boundaries are not replayed; the next one fires.
-        let later = base + 24 * hour + 10 * 60_000;
-        assert_eq!(due(&t, Some(base), later), Due::No);
-        assert_eq!(due(&t, Some(base), later + 50 * 60_000), Due::Fire);
+/// A trigger's line on the fleet's channel (a skipped occurrence, a pause …), logged too.
+async fn note(env: &Env, fleet: &str, text: String) {
+    tracing::info!(fleet, "trigger: {text}");
+    let event = ChannelEvent::system(EventKind::Note, format!("trigger: {text}"), now_ms());
+    if let Err(e) = env.fleets.publish(fleet, &event).await {
+        tracing::warn!(fleet, "channel event not written: {e}");
     }
 }

@@ -66,11 +66,13 @@ pub enum Op {
     Approve,
     /// `fleet.deny`.
     Deny,
+    /// `fleet.trigger`.
+    Trigger,
 }
 
 impl Op {
     /// Every endpoint.
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::Create,
         Op::Apply,
         Op::List,
@@ -85,6 +87,7 @@ impl Op {
         Op::Log,
         Op::Approve,
         Op::Deny,
+        Op::Trigger,
     ];
 
     /// Its subject.
@@ -104,6 +107,7 @@ impl Op {
             Op::Log => api::LOG,
             Op::Approve => api::APPROVE,
             Op::Deny => api::DENY,
+            Op::Trigger => api::TRIGGER,
         }
     }
 }
@@ -228,6 +232,7 @@ impl Fleets {
             Op::Log => self.log(request(body)?).await.and_then(|r| to_json(&r)),
             Op::Approve => self.answer(request(body)?, Decision::Approved).await.and_then(|r| to_json(&r)),
             Op::Deny => self.answer(request(body)?, Decision::Denied).await.and_then(|r| to_json(&r)),
+            Op::Trigger => self.trigger(request(body)?).await.and_then(|r| to_json(&r)),
         }
     }
 
@@ -507,7 +512,18 @@ impl Fleets {
         let stop = self.stop_state(fleet).await;
         let jobs: Vec<Job> = self.jobs_of(fleet).await?.into_iter().map(|(_, j)| j).collect();
         let (summary, notices) = summarize(fleet, &yaml, stop, &jobs);
-        Ok(FleetInfo { summary, notices, yaml, revision })
+        // For a trigger that fires, or one `mur fleet trigger` has used.
+        let schedule = match Fleet::load_stored(&yaml) {
+            Ok(f) => {
+                let stored = crate::fleet_trigger::read_state(&self.defs, fleet)
+                    .await
+                    .map_err(|e| unavailable("mur_fleets: read", e))?;
+                (f.r#loop.trigger != mur_proto::fleet::Trigger::Manual || stored.state != Default::default())
+                    .then(|| crate::fleet_schedule::info(&f.r#loop, &stored.state, now_ms()))
+            }
+            Err(_) => None,
+        };
+        Ok(FleetInfo { summary, notices, yaml, revision, schedule })
     }
 
     /// `fleet.rm`: the definition, the sentinel, the jobs and the channel go.
@@ -745,9 +761,16 @@ impl Fleets {
             done_when: req.done_when,
             deadline: req.deadline,
             budget_usd: req.budget_usd,
+            timezone: req.timezone,
+            overlap: req.overlap,
+            catchup: req.catchup,
+            pause_after_failures: req.pause_after_failures,
         };
         if edit == LoopEdit::default() {
-            return Err(ApiError::invalid("give at least one of --done-when, --trigger, --deadline, --budget-usd"));
+            return Err(ApiError::invalid(
+                "give at least one of --done-when, --trigger, --deadline, --budget-usd, --timezone, --overlap, \
+                 --catchup, --pause-after-failures",
+            ));
         }
         let key = fleet_store::def_key(&req.fleet);
         for _ in 0..CAS_ATTEMPTS {
@@ -780,9 +803,11 @@ impl Fleets {
         self.show(&req.fleet).await
     }
 
-    /// `fleet.start`: clears the sentinel.
+    /// `fleet.start`: clears the sentinel, and resumes a trigger paused after failures.
     async fn start(&self, req: FleetRef) -> Result<FleetInfo, ApiError> {
         self.definition(&req.fleet).await?;
+        self.edit_trigger(&req.fleet, |s| s.resume().then(|| "resumed: `mur fleet start` cleared the pause".into()))
+            .await?;
         let key = fleet_store::stopped_key(&req.fleet);
         let present = self.defs.get(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?.is_some();
         if present {
@@ -792,6 +817,54 @@ impl Fleets {
                 .await;
         }
         self.show(&req.fleet).await
+    }
+
+    /// `fleet.trigger`: asks the leader's trigger for one occurrence now (issue #36). A
+    /// stopped fleet is refused (`conflict`); one asked already and not yet taken is kept.
+    async fn trigger(&self, req: FleetRef) -> Result<FleetInfo, ApiError> {
+        self.definition(&req.fleet).await?;
+        if self.stop_state(&req.fleet).await.is_stopped() {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("fleet '{0}' is stopped (`mur fleet start {0}` clears it)", req.fleet),
+            ));
+        }
+        let now = now_ms();
+        self.edit_trigger(&req.fleet, |s| {
+            s.manual.is_none().then(|| {
+                s.manual = Some(now);
+                format!(
+                    "occurrence asked for by `mur fleet trigger` at {}",
+                    mur_proto::fleet::schedule::show_instant(mur_proto::fleet::schedule::Tz::UTC, now)
+                )
+            })
+        })
+        .await?;
+        self.show(&req.fleet).await
+    }
+
+    /// Changes `fleet`'s trigger state with a compare-and-set (retried when another write
+    /// came first); `change` returns the channel line to write when it changed anything.
+    async fn edit_trigger(
+        &self,
+        fleet: &str,
+        change: impl Fn(&mut crate::fleet_schedule::State) -> Option<String>,
+    ) -> Result<(), ApiError> {
+        use crate::fleet_trigger::{WriteError, read_state, write_state};
+        for _ in 0..CAS_ATTEMPTS {
+            let stored = read_state(&self.defs, fleet).await.map_err(|e| unavailable("mur_fleets: read", e))?;
+            let mut state = stored.state;
+            let Some(line) = change(&mut state) else { return Ok(()) };
+            match write_state(&self.defs, fleet, stored.revision, &state).await {
+                Ok(_) => {
+                    self.note(fleet, EventKind::StateChange, format!("trigger: {line}"), None).await;
+                    return Ok(());
+                }
+                Err(WriteError::Changed(_)) => continue,
+                Err(e) => return Err(unavailable("mur_fleets: update", e)),
+            }
+        }
+        Err(ApiError::new(ErrorCode::Unavailable, format!("fleet {fleet}: its trigger changed too often, retry")))
     }
 
     /// `fleet.log`.

@@ -9,6 +9,7 @@ pub mod fleet_cost;
 pub mod fleet_loop;
 pub mod fleet_plan;
 pub mod fleet_run;
+pub mod fleet_schedule;
 pub mod fleet_trigger;
 pub mod fleets;
 pub mod http;

@@ -26,8 +26,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
+pub mod schedule;
 #[cfg(test)]
 mod tests;
+
+pub use schedule::Overlap;
 
 /// Built-in loop deadline (the fleet-loops seed, §The bounds: "built-in 1h").
 pub const BUILTIN_DEADLINE: &str = "1h";
@@ -119,6 +122,22 @@ pub struct Loop {
     pub budget_usd: f64,
     /// Ignored since iteration caps went away; a non-zero value only adds a notice.
     pub max_iterations: u64,
+    /// The zone a cron trigger's fields are read in (issue #36). Default UTC.
+    pub timezone: chrono_tz::Tz,
+    /// What an occurrence does when a run of the fleet is still going. Default skip.
+    pub overlap: Overlap,
+    /// How long after its time a missed occurrence still runs (at most one run for all
+    /// those missed); `None`: [`schedule::DEFAULT_CATCHUP`].
+    pub catchup: Option<DurationText>,
+    /// The trigger pauses itself after this many failed runs in a row; 0: never.
+    pub pause_after_failures: u32,
+}
+
+impl Loop {
+    /// The catch-up window in force.
+    pub fn catchup_window(&self) -> Duration {
+        self.catchup.as_ref().map_or(schedule::DEFAULT_CATCHUP, |c| c.duration)
+    }
 }
 
 impl Default for Loop {
@@ -129,6 +148,10 @@ impl Default for Loop {
             deadline: None,
             budget_usd: 0.0,
             max_iterations: 0,
+            timezone: chrono_tz::Tz::UTC,
+            overlap: Overlap::Skip,
+            catchup: None,
+            pause_after_failures: 0,
         }
     }
 }
@@ -756,7 +779,17 @@ fn ordinal(n: usize) -> String {
 
 const TOP_KEYS: &[&str] =
     &["name", "goal", "members", "router", "loop", "limits", "fanout", "hitl", "procedure", "parallel", "needs"];
-const LOOP_KEYS: &[&str] = &["trigger", "done_when", "deadline", "budget_usd", "max_iterations"];
+const LOOP_KEYS: &[&str] = &[
+    "trigger",
+    "done_when",
+    "deadline",
+    "budget_usd",
+    "max_iterations",
+    "timezone",
+    "overlap",
+    "catchup",
+    "pause_after_failures",
+];
 const LIMITS_KEYS: &[&str] = &["deadline", "stuck", "cost_usd"];
 const HITL_KEYS: &[&str] = &["mode", "auto_approve_tiers"];
 const STEP_KEYS: &[&str] = &["id", "member", "task", "depends_on", "on_failure", "max_retries", "tier"];
@@ -789,6 +822,10 @@ struct RawLoop {
     deadline: Option<Text>,
     budget_usd: Option<Real>,
     max_iterations: Option<Int>,
+    timezone: Option<String>,
+    overlap: Option<String>,
+    catchup: Option<Text>,
+    pause_after_failures: Option<Int>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1288,6 +1325,36 @@ fn validate_loop(l: RawLoop, r: &mut Rules) -> Loop {
             Err(rule) => r.fail("loop.max_iterations", rule),
         }
     }
+    if let Some(z) = l.timezone {
+        match schedule::parse_timezone(&z) {
+            Ok(tz) => out.timezone = tz,
+            Err(rule) => {
+                // Fail closed: a cron read in the wrong zone would fire at the wrong hour.
+                r.soft("loop.timezone", rule, "the trigger never fires");
+                if !matches!(out.trigger, Trigger::Manual | Trigger::Never(_)) {
+                    out.trigger = Trigger::Never(out.trigger.as_text());
+                }
+            }
+        }
+    }
+    if let Some(o) = l.overlap {
+        match Overlap::parse(&o) {
+            Ok(o) => out.overlap = o,
+            Err(rule) => r.soft("loop.overlap", rule, "skip"),
+        }
+    }
+    if let Some(c) = l.catchup.map(Text::into_string) {
+        match schedule::parse_catchup(&c) {
+            Ok(c) => out.catchup = c,
+            Err(rule) => r.soft("loop.catchup", rule, "the built-in 90s"),
+        }
+    }
+    if let Some(n) = l.pause_after_failures {
+        match n.within(0, 1000) {
+            Ok(n) => out.pause_after_failures = n,
+            Err(rule) => r.soft("loop.pause_after_failures", rule, "never pauses"),
+        }
+    }
     out
 }
 
@@ -1415,6 +1482,14 @@ pub struct LoopEdit {
     pub deadline: Option<String>,
     /// `--budget-usd` (0: no ceiling).
     pub budget_usd: Option<f64>,
+    /// `--timezone` (empty: UTC).
+    pub timezone: Option<String>,
+    /// `--overlap`.
+    pub overlap: Option<String>,
+    /// `--catchup` (empty clears it: the built-in 90s).
+    pub catchup: Option<String>,
+    /// `--pause-after-failures` (0: never).
+    pub pause_after_failures: Option<String>,
 }
 
 /// Applies `edit` to a stored `fleet.yaml` and returns the new text. Each given value is
@@ -1456,6 +1531,30 @@ pub fn apply_loop_edit(stored: &str, edit: &LoopEdit) -> Result<String, Error> {
             set.push(("budget_usd", Value::from(b)));
         } else {
             errors.push(format!("--budget-usd: must be a non-negative number (0 for no ceiling), got {b}"));
+        }
+    }
+    if let Some(z) = &edit.timezone {
+        match schedule::parse_timezone(z) {
+            Ok(tz) => set.push(("timezone", Value::String(tz.name().to_string()))),
+            Err(rule) => errors.push(format!("--timezone: {rule}")),
+        }
+    }
+    if let Some(o) = &edit.overlap {
+        match Overlap::parse(o) {
+            Ok(o) => set.push(("overlap", Value::String(o.as_text().to_string()))),
+            Err(rule) => errors.push(format!("--overlap: {rule}")),
+        }
+    }
+    if let Some(c) = &edit.catchup {
+        match schedule::parse_catchup(c) {
+            Ok(c) => set.push(("catchup", Value::String(c.map(|c| c.text).unwrap_or_default()))),
+            Err(rule) => errors.push(format!("--catchup: {rule}")),
+        }
+    }
+    if let Some(n) = &edit.pause_after_failures {
+        match schedule::parse_pause_after_failures(n) {
+            Ok(n) => set.push(("pause_after_failures", Value::from(n))),
+            Err(rule) => errors.push(format!("--pause-after-failures: {rule}")),
         }
     }
     if !errors.is_empty() {

@@ -10,7 +10,8 @@
 //! |---|---|
 //! | `fleet.yaml` | `mur_fleets` key `def.<fleet>`: the YAML text as stored |
 //! | `.stopped` | `mur_fleets` key `stopped.<fleet>`: a [`Sentinel`] (JSON) |
-//! | `.last_run` | `mur_fleets` key `lastrun.<fleet>`: unix ms ([`last_run_key`]) |
+//! | `.last_run` | `mur_fleets` key `lastrun.<fleet>`: the trigger's state, JSON (issue #36; a bare unix ms before it) ([`last_run_key`]) |
+//! | (none) | `mur_fleets` key `cancel.<run id>`: a run asked to stop at its next iteration ([`cancel_key`]) |
 //! | `jobs/<uuid>.yaml` | `mur_jobs` key `<fleet>.<uuid>`: a [`crate::fleet::Job`] (JSON); every change a compare-and-set |
 //! | the fleet's channel | stream `MUR_FLEET`, subject `mur.fleet.<fleet>.channel`: [`ChannelEvent`]s |
 //! | (none) | `mur_fleets` key `removing.<fleet>`: a [`Removing`] (JSON) while `mur fleet rm` runs |
@@ -144,6 +145,9 @@ pub mod api {
     /// [`super::AnswerRequest`] → the [`crate::fleet::Job`]: denies them; the next run
     /// fails them (their `on_failure` applies).
     pub const DENY: &str = "mur.api.fleet.deny";
+    /// [`super::FleetRef`] → [`super::FleetInfo`]: asks the leading coordinator's trigger
+    /// for one occurrence now (`mur fleet trigger`, issue #36).
+    pub const TRIGGER: &str = "mur.api.fleet.trigger";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -462,6 +466,50 @@ pub struct FleetInfo {
     pub yaml: String,
     /// The definition's revision in [`FLEETS_BUCKET`].
     pub revision: u64,
+    /// The trigger's schedule and state, for a fleet whose trigger is not `manual`
+    /// (issue #36).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleInfo>,
+}
+
+/// A fleet's schedule as `mur fleet show`, `set-loop` and `status` print it (issue #36).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleInfo {
+    /// `loop.timezone` (IANA name).
+    pub timezone: String,
+    /// `loop.overlap`.
+    pub overlap: String,
+    /// The catch-up window in force (`90s` when `loop.catchup` is absent).
+    pub catchup: String,
+    /// `loop.pause_after_failures` (0: never).
+    pub pause_after_failures: u32,
+    /// The next occurrences of a cron (none for an interval), from when this was read.
+    pub next: Vec<NextFire>,
+    /// Failed runs in a row.
+    pub failures: u32,
+    /// When the trigger paused itself, unix ms.
+    pub paused_at: Option<u64>,
+    /// Occurrences skipped so far.
+    pub skipped: u64,
+    /// An occurrence waiting for the run going to end, unix ms.
+    pub queued: Option<u64>,
+    /// The newest occurrence handled, unix ms.
+    pub last: Option<u64>,
+    /// The run the trigger started (claimed or going), until it is seen over.
+    pub run: Option<String>,
+    /// A `mur fleet trigger` not yet taken by the leader, unix ms.
+    pub manual: Option<u64>,
+}
+
+/// One upcoming occurrence.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextFire {
+    /// Unix ms.
+    pub at: u64,
+    /// In the fleet's zone: `2026-10-25 02:30 CEST (+02:00)`.
+    pub local: String,
+    /// In UTC: `2026-10-25 00:30 UTC`.
+    pub utc: String,
 }
 
 impl FleetSummary {
@@ -551,6 +599,18 @@ pub struct SetLoopRequest {
     /// `--budget-usd` (any number: the validator judges it).
     #[serde(default)]
     pub budget_usd: Option<f64>,
+    /// `--timezone` (issue #36).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// `--overlap`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<String>,
+    /// `--catchup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catchup: Option<String>,
+    /// `--pause-after-failures` (as typed: the validator judges it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_after_failures: Option<String>,
 }
 
 /// `fleet.stop`.
@@ -736,10 +796,16 @@ pub fn beat_key(run_id: &str) -> String {
     format!("beat.{run_id}")
 }
 
-/// The [`FLEETS_BUCKET`] key of when a fleet's trigger last started a run:
-/// `lastrun.<fleet>` = unix ms (issue #10 §Unattended runs; the seed's `.last_run`).
+/// The [`FLEETS_BUCKET`] key of a fleet's trigger state: `lastrun.<fleet>` (issue #10
+/// §Unattended runs; the seed's `.last_run`): JSON since issue #36, unix ms before.
 pub fn last_run_key(fleet: &str) -> String {
     format!("lastrun.{fleet}")
+}
+
+/// The [`FLEETS_BUCKET`] key that asks run `run_id` to stop at its next iteration
+/// (`loop.overlap: cancel_previous`, issue #36): `cancel.<run id>`; the run removes it.
+pub fn cancel_key(run_id: &str) -> String {
+    format!("cancel.{run_id}")
 }
 
 /// How often a running run's heartbeat is written, ms.

@@ -83,6 +83,43 @@ impl DriverKind {
     }
 }
 
+/// `inference.max_tokens_param`: the request key the `openai` driver puts the output cap
+/// under (issue #28 item 5). OpenAI's own API marks `max_tokens` deprecated and refuses it
+/// for o-series models, wanting `max_completion_tokens`; many compatible servers know only
+/// `max_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaxTokensParam {
+    /// `max_tokens`.
+    MaxTokens,
+    /// `max_completion_tokens`.
+    MaxCompletionTokens,
+}
+
+impl MaxTokensParam {
+    /// The key's spelling, in the manifest and on the wire.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            MaxTokensParam::MaxTokens => "max_tokens",
+            MaxTokensParam::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+
+    /// The default for an endpoint: `max_completion_tokens` for OpenAI's own API (host
+    /// `api.openai.com`), `max_tokens` for any other server.
+    pub fn for_endpoint(endpoint: &str) -> MaxTokensParam {
+        let rest = endpoint.split_once("://").map_or(endpoint, |(_, rest)| rest);
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+        let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+        let host = host.split(':').next().unwrap_or_default().trim_end_matches('.');
+        if host.eq_ignore_ascii_case("api.openai.com") {
+            MaxTokensParam::MaxCompletionTokens
+        } else {
+            MaxTokensParam::MaxTokens
+        }
+    }
+}
+
 /// Where the system prompt comes from (`inference.system_prompt` or `system_prompt_file`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SystemPrompt {
@@ -111,8 +148,12 @@ pub struct Inference {
     pub stream: bool,
     /// Model calls per task (the session-loop seed, §Turn limit). Default 10, at least 1.
     pub max_turns: u32,
-    /// Per-turn output cap sent as the payload's `max_tokens`. Default 8192, at least 1.
+    /// Per-turn output cap sent as the payload's `max_tokens` (or `max_completion_tokens`,
+    /// see [`Inference::max_tokens_param`]). Default 8192, at least 1.
     pub max_tokens: u32,
+    /// `openai` driver: the key the output cap is sent under; `None` (the default) picks
+    /// by endpoint ([`MaxTokensParam::for_endpoint`]). Allowed only with `driver: openai`.
+    pub max_tokens_param: Option<MaxTokensParam>,
     /// The system prompt's source.
     pub system_prompt: SystemPrompt,
     /// Compaction settings (the context seed).
@@ -121,8 +162,13 @@ pub struct Inference {
     pub script: Option<String>,
     /// Process transport: the program and its arguments.
     pub command: Option<Vec<String>>,
-    /// Per-call timeout in seconds. Default 300.
+    /// Time allowed for one attempt of a model call, seconds: request, headers and the
+    /// whole body, streamed or not (issue #28 item 6). Default 300.
     pub timeout_secs: u64,
+    /// HTTP drivers: the longest silence allowed between two pieces of a streamed reply,
+    /// seconds; passing it fails the attempt, which is retried. Default `timeout_secs`;
+    /// from 1 to `timeout_secs`.
+    pub idle_timeout_secs: u64,
     /// Retries after a failed attempt (429, 5xx, connection errors). Default 3.
     pub max_retries: u32,
     /// Session spend ceiling in tokens (the context seed, spend ceilings). Default none.
@@ -411,12 +457,14 @@ struct RawInference {
     stream: Option<bool>,
     max_turns: Option<Int>,
     max_tokens: Option<Int>,
+    max_tokens_param: Option<MaxTokensParam>,
     system_prompt: Option<String>,
     system_prompt_file: Option<String>,
     compaction: Option<RawCompaction>,
     script: Option<String>,
     command: Option<Argv>,
     timeout_secs: Option<Int>,
+    idle_timeout_secs: Option<Int>,
     max_retries: Option<Int>,
     max_session_tokens: Option<Int>,
 }
@@ -805,6 +853,8 @@ fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: 
             ("api_key", i.api_key.is_some()),
             ("driver", i.driver.is_some()),
             ("max_tokens", i.max_tokens.is_some()),
+            ("max_tokens_param", i.max_tokens_param.is_some()),
+            ("idle_timeout_secs", i.idle_timeout_secs.is_some()),
         ] {
             if present {
                 r.fail(
@@ -838,6 +888,9 @@ fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: 
         }
         if i.script.is_some() && i.driver != Some(DriverKind::Scripted) {
             r.fail("inference.script", "allowed only when driver is scripted");
+        }
+        if i.max_tokens_param.is_some() && i.driver != Some(DriverKind::Openai) {
+            r.fail("inference.max_tokens_param", "allowed only when driver is openai");
         }
     }
     if let Some(ep) = &i.endpoint
@@ -883,6 +936,20 @@ fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: 
         system_prompt: rc.system_prompt,
         dump_summaries: rc.dump_summaries.unwrap_or(false),
     };
+    let timeout_secs = r.int("inference.timeout_secs", i.timeout_secs, 1, 300) as u64;
+    let idle_timeout_secs = match i.idle_timeout_secs {
+        None => timeout_secs,
+        Some(v) => {
+            let idle = r.int("inference.idle_timeout_secs", Some(v), 1, 1) as u64;
+            if idle > timeout_secs {
+                r.fail(
+                    "inference.idle_timeout_secs",
+                    format_args!("must be at most inference.timeout_secs ({timeout_secs}), got {idle}"),
+                );
+            }
+            idle
+        }
+    };
     Inference {
         transport,
         driver: if process { None } else { i.driver },
@@ -896,7 +963,9 @@ fn validate_inference(i: RawInference, env: &dyn Fn(&str) -> Option<String>, r: 
         compaction,
         script: i.script,
         command,
-        timeout_secs: r.int("inference.timeout_secs", i.timeout_secs, 1, 300) as u64,
+        timeout_secs,
+        idle_timeout_secs,
+        max_tokens_param: if process { None } else { i.max_tokens_param },
         max_retries: r.count("inference.max_retries", i.max_retries, 0, 3),
         max_session_tokens: i.max_session_tokens.map(|v| r.int("inference.max_session_tokens", Some(v), 1, 1) as u64),
     }

@@ -250,7 +250,7 @@ pub enum Event {
         /// Writable paths (the folder commands run in, the session folder and
         /// `sandbox.write`), absolute.
         write: Vec<String>,
-        /// `none` or the `[*:PORT, …]` list.
+        /// `sandbox.network`: `none`, `loopback` or the `[host:port, …]` list.
         network: String,
         /// `sandbox.memory_mb`, MiB, for all the command's processes together.
         memory_mb: Option<u64>,
@@ -261,7 +261,7 @@ pub enum Event {
         /// The kernel's Landlock ABI.
         landlock_abi: u32,
         /// The mechanisms in force (`landlock`, `landlock-scope`, `seccomp`,
-        /// `no_new_privs`, `rlimit-cpu`, `cgroup v1` or `cgroup v2`).
+        /// `no_new_privs`, `rlimit-cpu`, `cgroup v1` or `cgroup v2`, `nftables`).
         enforced_by: Vec<String>,
     },
     /// A detached command ended and its completion task was enqueued

@@ -37,7 +37,7 @@ use mur_proto::message::Message;
 use mur_proto::task::{ExitStatus, Origin};
 use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
 use mur_worker::driver::http::Attempt;
-use mur_worker::driver::openai::{self, OpenAi};
+use mur_worker::driver::openai::{self, MaxTokensParam, OpenAi};
 use mur_worker::driver::scripted::{Reply, Script, Scripted, ScriptedCall};
 use mur_worker::driver::{Driver, Error, ModelRequest, ModelResponse, ToolSpec};
 use mur_worker::hooks::NoHooks;
@@ -580,6 +580,7 @@ fn main() {
                 api_key: Some("sk-bench".into()),
                 stream: false,
                 policy: Default::default(),
+                max_tokens_param: MaxTokensParam::MaxTokens,
             }));
             let estimator = tokens::for_model("openai", Some("gpt-4o"));
             let t = Instant::now();
@@ -597,10 +598,12 @@ fn main() {
     let reps = if smoke { 20 } else { 200 };
     let long = conversation(openai_turns - 1);
     let (r1, rn) = (request(&tools.0, &long[..1], 0), request(&tools.0, &long, 0));
-    let body_len = serde_json::to_vec(&openai::request_body(&rn, false)).unwrap().len();
+    let body_len = serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap().len();
     println!("  turn {openai_turns}: {} messages, {body_len} bytes", long.len());
-    let tree1 = time(reps, || serde_json::to_vec(&openai::request_body(&r1, false)).unwrap());
-    let treen = time(reps, || serde_json::to_vec(&openai::request_body(&rn, false)).unwrap());
+    let tree1 =
+        time(reps, || serde_json::to_vec(&openai::request_body(&r1, false, MaxTokensParam::MaxTokens)).unwrap());
+    let treen =
+        time(reps, || serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap());
     println!(
         "  request_body + to_vec (before)  turn 1 {}  turn {openai_turns} {}  ratio {:.1}",
         us(tree1),
@@ -615,7 +618,7 @@ fn main() {
         us(vecn),
         ratio(vecn, vec1)
     );
-    let body = serde_json::to_vec(&openai::request_body(&rn, false)).unwrap();
+    let body = serde_json::to_vec(&openai::request_body(&rn, false, MaxTokensParam::MaxTokens)).unwrap();
     let parse = time(reps, || serde_json::from_slice::<Value>(&body).unwrap());
     println!("  parsing it back to a Value (what the fake server does per request, in model time): {}", us(parse));
     let copyn = time(reps, || long_body_copy(body_len));
@@ -629,14 +632,14 @@ fn main() {
         for (k, r) in reference.iter_mut().enumerate() {
             let req = request(&tools.0, &long[..1 + 2 * k], 0);
             let t = Instant::now();
-            black_box(serde_json::to_vec(&openai::request_body(&req, false)).unwrap());
+            black_box(serde_json::to_vec(&openai::request_body(&req, false, MaxTokensParam::MaxTokens)).unwrap());
             *r += t.elapsed();
         }
         let mut encoder = openai::RequestEncoder::new();
         for (k, c) in cached.iter_mut().enumerate() {
             let req = request(&tools.0, &long[..1 + 2 * k], 1000 + round);
             let t = Instant::now();
-            black_box(encoder.encode(&req, false));
+            black_box(encoder.encode(&req, false, MaxTokensParam::MaxTokens));
             *c += t.elapsed();
         }
     }

@@ -12,10 +12,10 @@
 //! ```no_run
 //! # async fn demo() {
 //! use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
-//! use mur_worker::driver::openai::{Config, OpenAi};
+//! use mur_worker::driver::openai::{Config, MaxTokensParam, OpenAi};
 //!
 //! let fake = FakeOpenAi::start(vec![FakeReply::text("hi")]);
-//! let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false, policy: Default::default() });
+//! let driver = OpenAi::new(Config { endpoint: fake.url(), api_key: None, stream: false, policy: Default::default(), max_tokens_param: MaxTokensParam::MaxTokens });
 //! // … drive it, then check what it sent:
 //! let sent = fake.requests();
 //! # }
@@ -46,6 +46,22 @@ pub enum FakeReply {
     Stream(Vec<Value>),
     /// An HTTP error status with this body.
     Status(u16, String),
+    /// `200 text/event-stream` whose body is these frames, written as given (a malformed
+    /// chunk, a huge line, a stream without `[DONE]`…), then the body ends.
+    Raw(Vec<Vec<u8>>),
+    /// As [`FakeReply::Raw`], then the server goes silent with the connection open (a
+    /// stalled stream) until the client gives up.
+    Stall(Vec<Vec<u8>>),
+    /// As [`FakeReply::Raw`], then the connection is cut mid-body (a dropped connection).
+    Drop(Vec<Vec<u8>>),
+    /// `200 text/event-stream` that sends this frame (say, an SSE comment) every interval,
+    /// forever: never idle, never done.
+    Trickle(Vec<u8>, Duration),
+}
+
+/// The `data: <json>\n\n` frame of one chunk object.
+pub fn sse_frame(chunk: &Value) -> Vec<u8> {
+    format!("data: {chunk}\n\n").into_bytes()
 }
 
 impl FakeReply {
@@ -244,6 +260,10 @@ async fn answer(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Response 
     match reply {
         Some(FakeReply::Json(value)) => axum::Json(value).into_response(),
         Some(FakeReply::Stream(chunks)) => stream_response(&chunks),
+        Some(FakeReply::Raw(frames)) => raw_response(frames, End::Close),
+        Some(FakeReply::Stall(frames)) => raw_response(frames, End::Stall),
+        Some(FakeReply::Drop(frames)) => raw_response(frames, End::Cut),
+        Some(FakeReply::Trickle(frame, every)) => trickle_response(frame, every),
         Some(FakeReply::Status(status, body)) => {
             (StatusCode::from_u16(status).expect("fake openai: a valid HTTP status"), body).into_response()
         }
@@ -272,6 +292,51 @@ fn stream_response(chunks: &[Value]) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .expect("fake openai: a valid streaming response")
+}
+
+/// How a raw body ends.
+#[derive(Clone, Copy)]
+pub(crate) enum End {
+    /// The body ends normally.
+    Close,
+    /// Nothing more is sent; the connection stays open.
+    Stall,
+    /// The connection is cut (the body stream fails, so the server aborts it).
+    Cut,
+}
+
+/// `200 text/event-stream` with `frames` as the body, ended as `end` says.
+pub(crate) fn raw_response(frames: Vec<Vec<u8>>, end: End) -> Response {
+    let frames = futures::stream::iter(frames.into_iter().map(Ok::<_, std::io::Error>));
+    let tail = futures::stream::once(async move {
+        match end {
+            End::Close => Ok(Vec::new()),
+            End::Stall => std::future::pending().await,
+            End::Cut => {
+                // As a server that dies mid-reply: the frames are on the wire first.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "fake: connection cut"))
+            }
+        }
+    });
+    use futures::StreamExt;
+    let body = frames.chain(tail).filter(|piece| std::future::ready(!matches!(piece, Ok(p) if p.is_empty())));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("fake: a valid streaming response")
+}
+
+fn trickle_response(frame: Vec<u8>, every: Duration) -> Response {
+    let body = futures::stream::unfold(frame, move |frame| async move {
+        tokio::time::sleep(every).await;
+        Some((Ok::<_, Infallible>(frame.clone()), frame))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .body(Body::from_stream(body))
+        .expect("fake: a valid streaming response")
 }
 
 async fn not_found(uri: Uri) -> Response {

@@ -3,6 +3,7 @@
 //! speak the real wire formats over real sockets, and real `nats-server` processes.
 
 pub mod capsule;
+pub mod fake_anthropic;
 pub mod fake_openai;
 pub mod fake_otlp;
 pub mod mur;

@@ -217,7 +217,30 @@ async fn set_loop_refuses_every_value_that_used_to_mean_something_else() -> Resu
     );
     assert_eq!(
         refused(&sb, &["set-loop", "pair"]),
-        "mur: invalid_request: give at least one of --done-when, --trigger, --deadline, --budget-usd\n"
+        "mur: invalid_request: give at least one of --done-when, --trigger, --deadline, --budget-usd, --timezone, \
+         --overlap, --catchup, --pause-after-failures\n"
+    );
+    // The schedule's keys (issue #36), each refused naming its flag, all at once.
+    assert_eq!(
+        refused(
+            &sb,
+            &[
+                "set-loop",
+                "pair",
+                "--timezone",
+                "Berlin",
+                "--overlap",
+                "queue",
+                "--catchup",
+                "0",
+                "--pause-after-failures",
+                "-1"
+            ]
+        ),
+        "mur: invalid_request: --timezone: must be an IANA time zone name (UTC, Europe/Berlin, America/New_York), \
+         got \"Berlin\"\n--overlap: must be skip, queue_one or cancel_previous, got \"queue\"\n--catchup: must be \
+         longer than zero (leave it out for the built-in 90s), got \"0\"\n--pause-after-failures: must be a whole \
+         number of failed runs in a row from 0 (never pause) to 1000, got \"-1\"\n"
     );
     let after = kv.entry("def.pair").await?.unwrap();
     assert_eq!((after.revision, &after.value), (before.revision, &before.value));
@@ -988,5 +1011,97 @@ async fn a_job_text_of_a_dash_is_read_from_stdin() -> Result<()> {
     assert!(out.status.success(), "{out:?}");
     let job: Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(job["text"], "Line one.\nLine two.\n");
+    Ok(())
+}
+
+/// Issue #36: `set-loop` takes the schedule's keys and prints the next three occurrences in
+/// the fleet's zone and in UTC (and `--json` gives them as instants); `show` and `status`
+/// print them too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_loop_prints_the_next_three_occurrences_in_the_fleets_zone_and_in_utc() -> Result<()> {
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", PAIR).to_str().unwrap()]);
+    let args = [
+        "set-loop",
+        "pair",
+        "--trigger",
+        "cron:30 2 * * *",
+        "--timezone",
+        "Europe/Berlin",
+        "--overlap",
+        "queue_one",
+        "--catchup",
+        "1h",
+        "--pause-after-failures",
+        "3",
+    ];
+    let shown = ok(&sb, &args);
+    assert!(
+        shown.stdout.contains(
+            "schedule  zone Europe/Berlin; overlap queue_one; catchup 1h; pauses after 3 failed runs in a row (0 so \
+             far); 0 occurrence(s) skipped\n"
+        ),
+        "{shown:?}"
+    );
+    let next: Vec<&str> = shown.stdout.lines().filter(|l| l.starts_with("next ")).collect();
+    assert_eq!(next.len(), 3, "{shown:?}");
+    for line in &next {
+        // 02:30 in Berlin is 00:30 UTC in summer time, 01:30 in winter time.
+        let ok = (line.contains(" 02:30 CEST (+02:00) = ") && line.ends_with(" 00:30 UTC"))
+            || (line.contains(" 02:30 CET (+01:00) = ") && line.ends_with(" 01:30 UTC"));
+        assert!(ok, "{line}");
+    }
+    let json: Value = serde_json::from_str(&ok(&sb, &["show", "pair", "--json"]).stdout)?;
+    let fires = json["schedule"]["next"].as_array().unwrap();
+    assert_eq!(fires.len(), 3);
+    let ats: Vec<u64> = fires.iter().map(|f| f["at"].as_u64().unwrap()).collect();
+    assert!(ats.windows(2).all(|w| w[1] - w[0] >= 23 * 3_600_000 && w[1] - w[0] <= 25 * 3_600_000), "{ats:?}");
+    assert_eq!(json["schedule"]["timezone"], "Europe/Berlin");
+    assert_eq!(json["schedule"]["catchup"], "1h");
+    let status = fleet(&sb, &["status", "pair"]);
+    assert_eq!(status.code, 2, "{status:?}");
+    assert_eq!(status.stdout.lines().filter(|l| l.starts_with("next ")).count(), 3, "{status:?}");
+    sb.shutdown().await;
+    Ok(())
+}
+
+/// Issue #36, exactly once across coordinators: two coordinators that read a fleet's
+/// trigger state at the same revision and both claim the occurrence it makes due — each
+/// over its own connection — are told apart by the compare-and-set: one claim is stored,
+/// the other is refused as changed and stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_coordinators_claiming_the_same_occurrence_one_wins() -> Result<()> {
+    use mur_coordinator::fleet_schedule::{self, Action, Seen};
+    use mur_coordinator::fleet_trigger::{WriteError, read_state, write_state};
+    let sb = Sandbox::start(0, 1).await;
+    let dir = tempfile::tempdir()?;
+    let text = format!("{PAIR}loop:\n  trigger: interval:1h\n");
+    ok(&sb, &["create", write(dir.path(), "pair.yaml", &text).to_str().unwrap()]);
+    let lp = mur_proto::Fleet::parse(&text)?.r#loop;
+    let mut claims = Vec::new();
+    for name in ["coordinator-a", "coordinator-b"] {
+        let js = async_nats::jetstream::new(sb.nats.connect().await);
+        let kv = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
+        let stored = read_state(&kv, "pair").await?;
+        let id = format!("fleet-pair-{name}");
+        let seen =
+            Seen { now: 1_000, autorun: true, going: None, ended: None, claim_started: false, fresh_run_id: &id };
+        let (state, actions) = fleet_schedule::step(&stored.state, &lp, &seen);
+        assert_eq!(actions, [Action::Start { occurrence: 1_000, run_id: id.clone() }]);
+        claims.push((kv, stored.revision, state));
+    }
+    let (a, b) = (&claims[0], &claims[1]);
+    let (ra, rb) = tokio::join!(write_state(&a.0, "pair", a.1, &a.2), write_state(&b.0, "pair", b.1, &b.2));
+    let (won, lost) = match (ra, rb) {
+        (Ok(_), Err(e)) => (&a.2, e),
+        (Err(e), Ok(_)) => (&b.2, e),
+        other => panic!("exactly one claim must win: {other:?}"),
+    };
+    assert!(matches!(lost, WriteError::Changed(ref f) if f == "pair"), "{lost:?}");
+    let stored = read_state(&claims[0].0, "pair").await?;
+    assert_eq!(&stored.state, won);
+    assert_eq!(stored.state.claim.as_ref().map(|c| c.occurrence), Some(1_000));
+    sb.shutdown().await;
     Ok(())
 }

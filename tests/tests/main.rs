@@ -7,6 +7,9 @@ mod run;
 
 /// `mur run` against fake providers: retries in the trace, provider errors in the result.
 mod drivers;
+/// Model calls against what third-party servers send: tool-call shapes, broken, stalled
+/// and oversized streams, error bodies, the output cap's key (issue #28).
+mod model_calls;
 
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;

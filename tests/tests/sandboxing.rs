@@ -176,24 +176,121 @@ fn a_port_list_allows_that_port_only() {
     assert_eq!(sandbox_lines(&s.lines)[0]["network"], format!("[*:{a}]"));
 }
 
+/// A `bash` command connecting to `host`:`port` and printing `connected <host>:<port>`.
+fn connect_to(host: &str, port: u16) -> String {
+    format!("bash -c 'exec 3<>/dev/tcp/{host}/{port} && echo connected {host}:{port}'")
+}
+
+/// Whether this host can enforce address rules (nftables on a cgroup v2 group); prints
+/// why not when it cannot, for the tests that then prove the fail-closed path.
+fn fences() -> Result<(), String> {
+    mur_worker::sandbox::netfilter::available().inspect_err(|why| {
+        println!("this host cannot enforce address rules ({why}): proving the fail-closed path instead");
+    })
+}
+
+/// Runs `f` on a thread in a network namespace of its own (root only) whose loopback
+/// device also holds 192.0.2.1 — a non-loopback address of "this host" that no packet can
+/// leave the namespace for; the processes the thread starts are in it too. `None`
+/// (printed) where no namespace can be made.
+fn in_private_network<T: Send>(f: impl FnOnce() -> T + Send) -> Option<T> {
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+        // SAFETY: unshare on this thread only (CLONE_NEWNET affects the calling thread).
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            println!("no network namespace ({}): the non-loopback half is not run", std::io::Error::last_os_error());
+            return None;
+        }
+        for args in [&["link", "set", "lo", "up"][..], &["addr", "add", "192.0.2.1/32", "dev", "lo"]] {
+            let out = std::process::Command::new("ip").args(args).output();
+            if !out.as_ref().is_ok_and(|o| o.status.success()) {
+                println!("cannot set up the namespace's loopback (ip {args:?}: {out:?}): the non-loopback half is not run");
+                return None;
+            }
+        }
+        Some(f())
+    }).join().unwrap()
+    })
+}
+
 #[test]
-fn loopback_and_host_rules_fail_closed_before_any_command_runs() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
+fn loopback_reaches_a_loopback_listener_and_not_a_non_loopback_address_of_this_host() {
     let capsule = boxed("looped", "  network: loopback\n", "", &[]);
-    let err = refused(&capsule, &connect(port));
+    if let Err(why) = fences() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let err = refused(&capsule, &connect(listener.local_addr().unwrap().port()));
+        assert!(err.contains("sandbox.network: loopback cannot be enforced on this machine"), "{err}");
+        assert!(err.contains(&why), "{err}");
+        return;
+    }
+    let ran = in_private_network(|| {
+        let listener = TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // Unsandboxed, both addresses take the connection.
+        for host in ["127.0.0.1", "192.0.2.1"] {
+            std::net::TcpStream::connect((host, port)).unwrap_or_else(|e| panic!("{host}:{port} unsandboxed: {e}"));
+        }
+        let s = run(&capsule, &format!("{}; {}", connect_to("192.0.2.1", port), connect_to("127.0.0.1", port)));
+        assert_eq!(stdout(&s.result), format!("connected 127.0.0.1:{port}\n"), "{}", s.result);
+        assert!(s.result.contains("192.0.2.1/") && s.result.contains("No route to host"), "{}", s.result);
+        let line = sandbox_lines(&s.lines)[0].clone();
+        assert_eq!(line["network"], "loopback");
+        assert!(line["enforced_by"].as_array().unwrap().contains(&Value::from("nftables")), "{line}");
+    });
+    if ran.is_none() {
+        // Without a namespace: the loopback half on the host's own loopback.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let s = run(&capsule, &connect(port));
+        assert_eq!(stdout(&s.result), format!("connected {port}\n"), "{}", s.result);
+    }
+}
+
+#[test]
+fn an_address_entry_allows_that_address_and_port_only() {
+    let capsule_of = |port: u16| boxed("hosted", &format!("  network: ['127.0.0.1:{port}']\n"), "", &[]);
+    let (allowed, other) = (TcpListener::bind("0.0.0.0:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
+    let (a, b) = (allowed.local_addr().unwrap().port(), other.local_addr().unwrap().port());
+    let capsule = capsule_of(a);
+    if let Err(why) = fences() {
+        let err = refused(&capsule, &connect(a));
+        assert!(err.contains("sandbox.network cannot be enforced on this machine"), "{err}");
+        assert!(err.contains(&why), "{err}");
+        return;
+    }
+    // Another port on the same address (Landlock refuses it), the same port on another
+    // loopback address (the fence refuses it), then the entry itself.
+    let command =
+        format!("{}; {}; {}", connect_to("127.0.0.1", b), connect_to("127.0.0.2", a), connect_to("127.0.0.1", a));
+    let s = run(&capsule, &command);
+    assert_eq!(stdout(&s.result), format!("connected 127.0.0.1:{a}\n"), "{}", s.result);
+    assert!(s.result.contains(&format!("127.0.0.1/{b}: Permission denied")), "{}", s.result);
+    assert!(s.result.contains(&format!("127.0.0.2/{a}: No route to host")), "{}", s.result);
+    std::net::TcpStream::connect(("127.0.0.2", a)).expect("unsandboxed, 127.0.0.2 takes the connection");
+    let line = sandbox_lines(&s.lines)[0];
+    assert_eq!(line["network"], format!("[127.0.0.1:{a}]"));
+}
+
+#[test]
+fn an_address_rule_fails_closed_naming_it_when_nft_is_missing() {
+    let capsule = boxed("unfenced", "  network: loopback\n", "", &[]);
+    let marker = capsule.dir().join("ran");
+    let task = format!("touch {}", marker.display());
+    let run = Run::of(
+        mur().arg("run").arg(capsule.dir()).args(["--task", &task, "--json"]).env("MUR_NFT", "/nonexistent/nft"),
+    );
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(!marker.exists(), "no command may run: {run:?}");
     assert!(
-        err.contains("sandbox.network: loopback cannot be enforced on this machine: Landlock restricts TCP by port, not by address"),
-        "{err}"
+        run.stderr.contains(
+            "sandbox.network: loopback cannot be enforced on this machine: $MUR_NFT names /nonexistent/nft, which is \
+             not a file"
+        ),
+        "{run:?}"
     );
-    let capsule = boxed("hosted", &format!("  network: ['127.0.0.1:{port}']\n"), "", &[]);
-    let err = refused(&capsule, &connect(port));
-    assert!(err.contains(&format!("sandbox.network[0] (127.0.0.1:{port}) cannot be enforced")), "{err}");
-    println!(
-        "fail-closed path: Landlock (the kernel's only per-process network rule) sees ports, not addresses, so \
-         `network: loopback` and `[127.0.0.1:{port}]` are refused before any command runs; `[*:{port}]` is the \
-         enforceable form"
-    );
+    let capsule = boxed("named", "  network: ['localhost:80']\n", "", &[]);
+    let err = refused(&capsule, "true");
+    assert!(err.contains("sandbox.network[0] (localhost:80) cannot be enforced on this machine: the kernel's rules match addresses, not names"), "{err}");
 }
 
 #[test]

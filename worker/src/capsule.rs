@@ -121,6 +121,9 @@ impl Capsule {
                 api_key: inf.api_key.clone(),
                 stream: inf.stream,
                 policy: self.http_policy(),
+                max_tokens_param: inf.max_tokens_param.unwrap_or_else(|| {
+                    driver::openai::MaxTokensParam::for_endpoint(inf.endpoint.as_deref().unwrap_or_default())
+                }),
             }))),
             Some(DriverKind::Anthropic) => Ok(Arc::new(driver::anthropic::Anthropic::new(driver::anthropic::Config {
                 endpoint: inf.endpoint.clone().unwrap_or_default(),
@@ -133,13 +136,14 @@ impl Capsule {
         }
     }
 
-    /// Retries and timeout of the HTTP drivers: `inference.max_retries` and
-    /// `inference.timeout_secs` (issue #3).
+    /// Retries and timeouts of the HTTP drivers: `inference.max_retries`,
+    /// `inference.timeout_secs` (issue #3) and `inference.idle_timeout_secs` (issue #28).
     pub fn http_policy(&self) -> driver::http::Policy {
         let inf = &self.manifest.inference;
         driver::http::Policy {
             max_retries: inf.max_retries,
             timeout: std::time::Duration::from_secs(inf.timeout_secs),
+            idle_timeout: std::time::Duration::from_secs(inf.idle_timeout_secs),
             ..Default::default()
         }
     }

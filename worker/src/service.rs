@@ -265,6 +265,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     std::fs::create_dir_all(&config.workdir).map_err(|source| Error::Io { path: config.workdir.clone(), source })?;
     config.workdir =
         std::path::absolute(&config.workdir).map_err(|source| Error::Io { path: config.workdir.clone(), source })?;
+    // The sandbox fences (address rules) a killed worker left behind.
+    tokio::task::spawn_blocking(crate::sandbox::netfilter::sweep);
 
     // The coordinator creates the streams and buckets: until it has, wait for them (a
     // worker may start first, as docker-compose starts services in any order).

@@ -118,6 +118,7 @@ fn policy() -> Policy {
     Policy {
         max_retries: 3,
         timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(5),
         base_delay: Duration::from_millis(10),
         max_delay: Duration::from_millis(50),
     }
@@ -378,16 +379,40 @@ async fn streaming_is_retried_before_the_body_starts() {
 }
 
 #[tokio::test]
-async fn streaming_error_event_stops_with_its_message() {
+async fn streaming_overloaded_error_event_retries_the_whole_call() {
     let mut events = streamed_reply();
     events.truncate(4);
     events.push(("error", error_body("overloaded_error", "Overloaded mid-stream")));
-    let fake = Fake::start(vec![Reply::Sse(events)]).await;
+    let fake = Fake::start(vec![Reply::Sse(events), Reply::Sse(streamed_reply())]).await;
     let d = driver(fake.endpoint(), true, policy());
     let messages = [Message::user("list")];
-    let r = d.call(&request(&messages, &[])).await.unwrap();
-    assert_eq!(r.stop, StopReason::Error("overloaded_error: Overloaded mid-stream".into()));
-    assert_eq!(r.content, vec![Block::Text { text: "I'll ".into() }]);
+    let ex = d.exchange(&request(&messages, &[])).await.unwrap();
+    assert_eq!(ex.value.stop, StopReason::ToolCall);
+    let log: Vec<_> = ex.attempts.iter().map(|a| (a.number, a.status, a.error.clone())).collect();
+    assert_eq!(
+        log,
+        [
+            (1, Some(200), Some("the provider reported an error: overloaded_error: Overloaded mid-stream".into())),
+            (2, Some(200), None),
+        ]
+    );
+    // The same request both times: nothing of the failed stream was kept.
+    let seen = fake.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].body, seen[1].body);
+}
+
+#[tokio::test]
+async fn streaming_error_event_of_a_final_kind_is_not_retried() {
+    let mut events = streamed_reply();
+    events.truncate(4);
+    events.push(("error", error_body("invalid_request_error", "prompt is too long")));
+    let fake = Fake::start(vec![Reply::Sse(events), Reply::Sse(streamed_reply())]).await;
+    let d = driver(fake.endpoint(), true, policy());
+    let messages = [Message::user("list")];
+    let failure = d.exchange(&request(&messages, &[])).await.unwrap_err();
+    assert_eq!(failure.error.to_string(), "the provider reported an error: invalid_request_error: prompt is too long");
+    assert_eq!(failure.attempts.len(), 1);
 }
 
 #[tokio::test]
@@ -522,7 +547,7 @@ async fn bad_request_is_not_retried() {
     let failure = d.exchange(&request(&messages, &[])).await.unwrap_err();
     assert_eq!(failure.attempts.len(), 1);
     match &failure.error {
-        Error::Status { status, body } => {
+        Error::Status { status, body, .. } => {
             assert_eq!(*status, 400);
             assert_eq!(body, "invalid_request_error: max_tokens: must be at most 8192");
         }

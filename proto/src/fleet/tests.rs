@@ -682,6 +682,10 @@ fn loop_edit_refuses_values_that_would_be_reinterpreted() {
         done_when: Some("DONE".into()),
         deadline: Some("2026-12-31".into()),
         budget_usd: Some(-1.0),
+        timezone: Some("CEST".into()),
+        overlap: Some("queue".into()),
+        catchup: Some("0".into()),
+        pause_after_failures: Some("many".into()),
     };
     let Err(Error::Invalid(lines)) = apply_loop_edit(MINIMAL, &edit) else { panic!("refused") };
     assert_eq!(
@@ -693,6 +697,11 @@ fn loop_edit_refuses_values_that_would_be_reinterpreted() {
             "--deadline: must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, got \
              \"2026-12-31\"",
             "--budget-usd: must be a non-negative number (0 for no ceiling), got -1",
+            "--timezone: must be an IANA time zone name (UTC, Europe/Berlin, America/New_York), got \"CEST\"",
+            "--overlap: must be skip, queue_one or cancel_previous, got \"queue\"",
+            "--catchup: must be longer than zero (leave it out for the built-in 90s), got \"0\"",
+            "--pause-after-failures: must be a whole number of failed runs in a row from 0 (never pause) to 1000, \
+             got \"many\"",
         ]
     );
     let ok = LoopEdit {
@@ -700,10 +709,71 @@ fn loop_edit_refuses_values_that_would_be_reinterpreted() {
         done_when: Some(String::new()),
         deadline: Some(String::new()),
         budget_usd: Some(0.0),
+        timezone: Some(" Europe/Berlin ".into()),
+        overlap: Some("queue_one".into()),
+        catchup: Some("1h".into()),
+        pause_after_failures: Some("3".into()),
     };
-    let f = Fleet::parse(&apply_loop_edit(MINIMAL, &ok).unwrap()).unwrap();
+    let edited = apply_loop_edit(MINIMAL, &ok).unwrap();
+    let f = Fleet::parse(&edited).unwrap();
     assert!(matches!(f.r#loop.trigger, Trigger::Interval(_)));
-    assert_eq!((f.r#loop.done_when, f.r#loop.deadline, f.r#loop.budget_usd), (DoneWhen::Router, None, 0.0));
+    assert_eq!((&f.r#loop.done_when, &f.r#loop.deadline, f.r#loop.budget_usd), (&DoneWhen::Router, &None, 0.0));
+    assert_eq!(f.r#loop.timezone, chrono_tz::Europe::Berlin);
+    assert_eq!(f.r#loop.overlap, Overlap::QueueOne);
+    assert_eq!(f.r#loop.catchup_window(), Duration::from_secs(3600));
+    assert_eq!(f.r#loop.pause_after_failures, 3);
+    // Empty --catchup and --timezone go back to the built-ins; 0 never pauses.
+    let back = LoopEdit {
+        timezone: Some(String::new()),
+        catchup: Some(String::new()),
+        pause_after_failures: Some("0".into()),
+        ..LoopEdit::default()
+    };
+    let f = Fleet::parse(&apply_loop_edit(&edited, &back).unwrap()).unwrap();
+    assert_eq!(f.r#loop.timezone, chrono_tz::Tz::UTC);
+    assert_eq!((f.r#loop.catchup_window(), f.r#loop.pause_after_failures), (Duration::from_secs(90), 0));
+}
+
+#[test]
+fn the_schedule_keys_load_and_each_bad_value_is_refused_naming_its_field() {
+    let good = format!(
+        "{MINIMAL}loop:\n  trigger: cron:30 2 * * *\n  timezone: America/New_York\n  overlap: cancel_previous\n  \
+         catchup: 1h\n  pause_after_failures: 2\n"
+    );
+    let f = Fleet::parse(&good).unwrap();
+    assert_eq!(f.r#loop.timezone, chrono_tz::America::New_York);
+    assert_eq!(f.r#loop.overlap, Overlap::CancelPrevious);
+    assert_eq!(f.r#loop.catchup.as_ref().map(|c| c.text.as_str()), Some("1h"));
+    assert_eq!(f.r#loop.pause_after_failures, 2);
+    let defaults = Fleet::parse(&format!("{MINIMAL}loop:\n  trigger: cron:0 9 * * *\n")).unwrap();
+    assert_eq!(
+        (
+            defaults.r#loop.timezone,
+            defaults.r#loop.overlap,
+            defaults.r#loop.catchup_window(),
+            defaults.r#loop.pause_after_failures
+        ),
+        (chrono_tz::Tz::UTC, Overlap::Skip, Duration::from_secs(90), 0)
+    );
+    let bad = format!(
+        "{MINIMAL}loop:\n  trigger: cron:30 2 * * *\n  timezone: Mars/Olympus\n  overlap: both\n  \
+         catchup: 2026-12-31\n  pause_after_failures: -2\n"
+    );
+    let Err(Error::Invalid(lines)) = Fleet::parse(&bad) else { panic!("refused") };
+    assert_eq!(
+        lines,
+        [
+            "loop.timezone: must be an IANA time zone name (UTC, Europe/Berlin, America/New_York), got \"Mars/Olympus\"",
+            "loop.overlap: must be skip, queue_one or cancel_previous, got \"both\"",
+            "loop.catchup: must be a duration relative to the loop's start (30m, 2h, 1h30m), not a calendar date, got \
+             \"2026-12-31\"",
+            "loop.pause_after_failures: must be at least 0, got -2",
+        ]
+    );
+    // Stored: it loads, and a cron whose zone is unknown never fires (fail closed).
+    let f = Fleet::load_stored(&bad).unwrap();
+    assert_eq!(f.r#loop.trigger, Trigger::Never("cron:30 2 * * *".into()));
+    assert_eq!(f.r#loop.overlap, Overlap::Skip);
 }
 
 #[test]
@@ -1212,7 +1282,7 @@ fn every_unknown_key_is_reported_at_once() {
             "unknown field `colour`, expected one of `name`, `goal`, `members`, `router`, `loop`, `limits`, \
              `fanout`, `hitl`, `procedure`, `parallel`, `needs`",
             "loop: unknown field `max_iteration`, expected one of `trigger`, `done_when`, `deadline`, `budget_usd`, \
-             `max_iterations`",
+             `max_iterations`, `timezone`, `overlap`, `catchup`, `pause_after_failures`",
             "limits: unknown field `max_iterations`, expected one of `deadline`, `stuck`, `cost_usd`",
             "limits: unknown field `timeout`, expected one of `deadline`, `stuck`, `cost_usd`",
             "procedure[0]: unknown field `after`, expected one of `id`, `member`, `task`, `depends_on`, \

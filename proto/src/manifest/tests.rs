@@ -563,3 +563,60 @@ fn sandbox_rules_name_the_field() {
         ["sandbox.network: must be none, loopback or a list of host:port, got \"everything\""]
     );
 }
+
+#[test]
+fn idle_timeout_defaults_to_the_call_timeout_and_may_not_exceed_it() {
+    let openai = "  driver: openai\n  endpoint: http://127.0.0.1:1/v1\n  model: m\n";
+    let m = load(&with_inference(&format!("{openai}  timeout_secs: 8\n"))).unwrap();
+    assert_eq!((m.inference.timeout_secs, m.inference.idle_timeout_secs), (8, 8));
+    let m = load(&with_inference(&format!("{openai}  timeout_secs: 8\n  idle_timeout_secs: 3\n"))).unwrap();
+    assert_eq!(m.inference.idle_timeout_secs, 3);
+    assert_eq!(
+        rules(&with_inference(&format!("{openai}  timeout_secs: 8\n  idle_timeout_secs: 9\n"))),
+        ["inference.idle_timeout_secs: must be at most inference.timeout_secs (8), got 9"]
+    );
+    assert_eq!(
+        rules(&with_inference(&format!("{openai}  idle_timeout_secs: 0\n"))),
+        ["inference.idle_timeout_secs: must be at least 1, got 0"]
+    );
+    assert_eq!(
+        rules(&with_inference("  transport: process\n  command: [./a.sh]\n  idle_timeout_secs: 5\n")),
+        ["inference.idle_timeout_secs: not allowed when transport is process (the program owns its own model calls)"]
+    );
+}
+
+#[test]
+fn max_tokens_param_is_openai_only_and_names_its_values() {
+    let openai = "  driver: openai\n  endpoint: http://127.0.0.1:1/v1\n  model: m\n";
+    let m = load(&with_inference(openai)).unwrap();
+    assert_eq!(m.inference.max_tokens_param, None);
+    let m = load(&with_inference(&format!("{openai}  max_tokens_param: max_completion_tokens\n"))).unwrap();
+    assert_eq!(m.inference.max_tokens_param, Some(MaxTokensParam::MaxCompletionTokens));
+    let m = load(&with_inference(&format!("{openai}  max_tokens_param: max_tokens\n"))).unwrap();
+    assert_eq!(m.inference.max_tokens_param, Some(MaxTokensParam::MaxTokens));
+    let anthropic = "  driver: anthropic\n  endpoint: https://api.anthropic.com\n  model: m\n";
+    assert_eq!(
+        rules(&with_inference(&format!("{anthropic}  max_tokens_param: max_tokens\n"))),
+        ["inference.max_tokens_param: allowed only when driver is openai"]
+    );
+    let err = load(&with_inference(&format!("{openai}  max_tokens_param: max_output_tokens\n"))).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("inference.max_tokens_param"), "{text}");
+    assert!(text.contains("max_completion_tokens"), "{text}");
+}
+
+#[test]
+fn the_output_cap_key_defaults_by_endpoint_host() {
+    use MaxTokensParam::{MaxCompletionTokens, MaxTokens};
+    for (endpoint, want) in [
+        ("https://api.openai.com/v1", MaxCompletionTokens),
+        ("https://API.openai.com:443/v1/", MaxCompletionTokens),
+        ("https://user@api.openai.com./v1", MaxCompletionTokens),
+        ("https://api.openai.com.evil.example/v1", MaxTokens),
+        ("https://example.com/api.openai.com/v1", MaxTokens),
+        ("http://127.0.0.1:8080/v1", MaxTokens),
+        ("https://my-resource.openai.azure.com/openai/v1", MaxTokens),
+    ] {
+        assert_eq!(MaxTokensParam::for_endpoint(endpoint), want, "{endpoint}");
+    }
+}

@@ -16,11 +16,9 @@
 //! types (thinking, server tools) are skipped; `stop_reason` by [`stop_reason`]; usage by
 //! [`WireUsage`]. A streamed reply is assembled by the IO-free [`StreamAssembler`].
 
-use super::http::{self, Attempt, Exchange, Failure};
-use super::{Driver, Error, ModelRequest, ModelResponse, StopReason};
+use super::http::{self, Attempt, Exchange, Failed, Failure};
+use super::{Driver, Error, ModelRequest, ModelResponse, ProviderError, StopReason, sse};
 use async_trait::async_trait;
-use eventsource_stream::Eventsource;
-use futures::StreamExt;
 use mur_proto::message::{Block, Message, Role, join_text};
 use mur_proto::trace::ProviderUsage;
 use serde::Deserialize;
@@ -41,8 +39,8 @@ pub struct Config {
     pub model: Option<String>,
     /// Use SSE streaming (`"stream": true`).
     pub stream: bool,
-    /// Retries and per-attempt timeout. When streaming, [`http::Policy::timeout`] also
-    /// bounds the silence between two events of the body.
+    /// Retries, per-attempt timeout, and (streaming) the idle-read timeout
+    /// [`http::Policy::idle_timeout`].
     pub policy: http::Policy,
 }
 
@@ -77,43 +75,53 @@ impl Anthropic {
     ///
     /// # Errors
     /// A [`Failure`]: the last attempt's [`Error`] and the attempts. An error status carries
-    /// the provider's `error.type: error.message` as its body when the body is Anthropic's
-    /// error object, else the raw body. A stream that breaks after it started is not retried.
+    /// the provider's error parsed ([`ProviderError`]). A streamed reply is read inside its
+    /// attempt, so a stream that breaks, stalls, ends before `message_stop`, carries a
+    /// malformed event or a transient `error` event (`overloaded_error`) is retried
+    /// ([`http::retryable`]).
     pub async fn exchange(&self, request: &ModelRequest<'_>) -> Result<Exchange<ModelResponse>, Failure> {
         let model =
             if request.model.is_empty() { self.config.model.as_deref().unwrap_or_default() } else { request.model };
-        let body = request_body(model, request, self.config.stream);
+        let stream = self.config.stream;
+        let body = bytes::Bytes::from(request_body(model, request, stream).to_string());
         let url = messages_url(&self.config.endpoint);
         let mut headers = vec![("anthropic-version", API_VERSION.to_string())];
         if let Some(key) = &self.config.api_key {
             headers.push(("x-api-key", key.clone()));
         }
         let policy = &self.config.policy;
-        let result = if self.config.stream {
-            match http::post_stream(&self.client, &url, &headers, &body, policy).await {
-                Ok(ex) => match read_stream(ex.value, policy).await {
-                    Ok(value) => Ok(Exchange { value, attempts: ex.attempts }),
-                    Err(error) => Err(Failure { error, attempts: ex.attempts }),
-                },
-                Err(failure) => Err(failure),
-            }
-        } else {
-            http::post_json(&self.client, &url, &headers, &body, policy).await.and_then(|ex| {
-                match parse_response(&ex.value) {
-                    Ok(value) => Ok(Exchange { value, attempts: ex.attempts }),
-                    Err(error) => Err(Failure { error, attempts: ex.attempts }),
-                }
-            })
-        };
-        result.map_err(|mut failure| {
-            if let Error::Status { body, .. } = &mut failure.error
-                && let Some(message) = error_message(body)
-            {
-                *body = message;
-            }
-            failure
-        })
+        let idle = policy.idle_timeout;
+        http::post_read(&self.client, &url, &headers, body, policy, |resp| read_reply(resp, stream, idle)).await
     }
+}
+
+/// Reads one 2xx reply inside its attempt: a JSON message, or (streaming) an event stream.
+async fn read_reply(
+    response: reqwest::Response,
+    stream: bool,
+    idle: std::time::Duration,
+) -> Result<ModelResponse, Failed> {
+    let status = response.status().as_u16();
+    let fail = |e: Error, streamed: bool| {
+        let retry = http::retryable(&e, streamed);
+        Failed::after(status, e, retry)
+    };
+    if stream {
+        return read_stream(response.bytes_stream(), sse::Limits::default(), idle).await.map_err(|e| fail(e, true));
+    }
+    let bytes = response
+        .bytes()
+        .await
+        .map_err(|e| Failed::after(status, Error::Transport(format!("reading the reply: {e}")), true))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        let text = String::from_utf8_lossy(&bytes);
+        Failed::after(
+            status,
+            Error::Protocol(format!("the reply is not JSON ({e}): {}", http::truncate(&text, 2048))),
+            false,
+        )
+    })?;
+    parse_response(&value).map_err(|e| fail(e, false))
 }
 
 #[async_trait]
@@ -335,22 +343,6 @@ pub fn parse_response(body: &Value) -> Result<ModelResponse, Error> {
     Ok(ModelResponse { content, stop, usage: wire.usage.unwrap_or_default().provider() })
 }
 
-/// `"<error.type>: <error.message>"` from Anthropic's error object
-/// `{"type":"error","error":{"type":…,"message":…}}`; `None` for any other text.
-pub fn error_message(body: &str) -> Option<String> {
-    let value: Value = serde_json::from_str(body).ok()?;
-    wire_error(&value)
-}
-
-fn wire_error(value: &Value) -> Option<String> {
-    let error = value.get("error")?;
-    let message = error.get("message")?.as_str()?;
-    Some(match error.get("type").and_then(Value::as_str) {
-        Some(kind) => format!("{kind}: {message}"),
-        None => message.to_string(),
-    })
-}
-
 /// A content block being streamed.
 #[derive(Debug)]
 enum Partial {
@@ -373,14 +365,14 @@ enum Partial {
 /// gives the response. Blocks are kept by their `index`; `text_delta` text and
 /// `input_json_delta` fragments are appended to their block, and a tool's input is parsed
 /// when the reply is finished (input that is not valid JSON is kept as a JSON string).
-/// An `error` event ends the reply with [`StopReason::Error`] carrying its message. `ping`
-/// and unknown events are ignored (the API may add event types).
+/// An `error` event ends the reply, and [`finish`](Self::finish) fails with its
+/// [`ProviderError`]. `ping` and unknown events are ignored (the API may add event types).
 #[derive(Debug, Default)]
 pub struct StreamAssembler {
     blocks: BTreeMap<u64, Partial>,
     stop: Option<String>,
     usage: WireUsage,
-    error: Option<String>,
+    error: Option<ProviderError>,
     stopped: bool,
 }
 
@@ -460,7 +452,10 @@ impl StreamAssembler {
             }
             "message_stop" => self.stopped = true,
             "error" => {
-                self.error = Some(wire_error(&value).unwrap_or_else(|| format!("stream error: {data}")));
+                self.error = Some(ProviderError::from_value(&value).unwrap_or_else(|| ProviderError {
+                    message: format!("stream error: {data}"),
+                    ..ProviderError::default()
+                }));
             }
             // content_block_stop, ping, and event types added later.
             _ => {}
@@ -471,11 +466,11 @@ impl StreamAssembler {
     /// The assembled response.
     ///
     /// # Errors
-    /// [`Error::Protocol`] when the stream ended before `message_stop` (and without an
-    /// `error` event) or without a `stop_reason`.
+    /// [`Error::Provider`] after an `error` event; [`Error::Protocol`] when the stream
+    /// ended before `message_stop` or without a `stop_reason`.
     pub fn finish(self) -> Result<ModelResponse, Error> {
         let stop = match (self.error, self.stop) {
-            (Some(message), _) => StopReason::Error(message),
+            (Some(error), _) => return Err(Error::Provider(Box::new(error))),
             (None, _) if !self.stopped => {
                 return Err(Error::Protocol("stream ended before message_stop".into()));
             }
@@ -508,21 +503,27 @@ fn index(value: &Value) -> Option<u64> {
     value.get("index").and_then(Value::as_u64)
 }
 
-/// Reads a streamed reply to its end. [`http::Policy::timeout`] bounds each wait for the
-/// next event.
-async fn read_stream(resp: reqwest::Response, policy: &http::Policy) -> Result<ModelResponse, Error> {
-    let mut events = resp.bytes_stream().eventsource();
+/// Reads a streamed reply to its end (`message_stop` or an `error` event), through the
+/// [`sse`] decoder under `limits`; each wait for the body is bounded by `idle`.
+///
+/// # Errors
+/// As [`sse::read`] and [`StreamAssembler::feed`] / [`StreamAssembler::finish`].
+pub async fn read_stream<S, B, E>(
+    bytes: S,
+    limits: sse::Limits,
+    idle: std::time::Duration,
+) -> Result<ModelResponse, Error>
+where
+    S: futures::Stream<Item = Result<B, E>>,
+    B: AsRef<[u8]>,
+    E: std::fmt::Display,
+{
     let mut assembler = StreamAssembler::new();
-    while !assembler.is_done() {
-        let next = tokio::time::timeout(policy.timeout, events.next())
-            .await
-            .map_err(|_| Error::Timeout(policy.timeout.as_secs_f64().ceil() as u64))?;
-        match next {
-            Some(Ok(event)) => assembler.feed(&event.event, &event.data)?,
-            Some(Err(e)) => return Err(Error::Transport(format!("reading the stream: {e}"))),
-            None => break,
-        }
-    }
+    sse::read(bytes, limits, idle, |event| {
+        assembler.feed(&event.event, &event.data)?;
+        Ok(if assembler.is_done() { sse::Flow::Stop } else { sse::Flow::Continue })
+    })
+    .await?;
     assembler.finish()
 }
 
@@ -683,11 +684,11 @@ mod tests {
 
     #[test]
     fn error_bodies_give_type_and_message() {
-        assert_eq!(
-            error_message(r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#).as_deref(),
-            Some("overloaded_error: Overloaded")
-        );
-        assert_eq!(error_message("<html>bad gateway</html>"), None);
+        let body = r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        let error = ProviderError::from_body(body).unwrap();
+        assert_eq!(error.to_string(), "overloaded_error: Overloaded");
+        assert!(error.is_transient());
+        assert_eq!(ProviderError::from_body("<html>bad gateway</html>"), None);
     }
 
     /// An SSE stream with a text block and a tool_use block whose input arrives in pieces,
@@ -769,16 +770,8 @@ mod tests {
     /// Runs `chunks` through the SSE parser and the assembler.
     fn assemble(chunks: Vec<Vec<u8>>) -> ModelResponse {
         let stream = futures::stream::iter(chunks.into_iter().map(Ok::<_, std::convert::Infallible>));
-        futures::executor::block_on(async {
-            let mut events = stream.eventsource();
-            let mut assembler = StreamAssembler::new();
-            while let Some(event) = events.next().await {
-                let event = event.unwrap();
-                assembler.feed(&event.event, &event.data).unwrap();
-            }
-            assert!(assembler.is_done());
-            assembler.finish().unwrap()
-        })
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        runtime.block_on(read_stream(stream, sse::Limits::default(), std::time::Duration::from_secs(5))).unwrap()
     }
 
     #[test]
@@ -799,7 +792,7 @@ mod tests {
     }
 
     #[test]
-    fn stream_error_event_ends_the_reply_with_its_message() {
+    fn stream_error_event_fails_the_reply_with_the_parsed_error() {
         let mut a = StreamAssembler::new();
         a.feed(
             "content_block_start",
@@ -808,9 +801,11 @@ mod tests {
         .unwrap();
         a.feed("error", r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#).unwrap();
         assert!(a.is_done());
-        let r = a.finish().unwrap();
-        assert_eq!(r.stop, StopReason::Error("overloaded_error: Overloaded".into()));
-        assert_eq!(r.content, vec![Block::Text { text: "par".into() }]);
+        let err = a.finish().unwrap_err();
+        assert!(
+            matches!(&err, Error::Provider(e) if e.kind.as_deref() == Some("overloaded_error") && e.message == "Overloaded"),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -2,23 +2,31 @@
 //! with every attempt logged.
 //!
 //! - Retried: HTTP 429 and 5xx, connection failures (refused, reset or closed before a
-//!   response, a failed body read of a non-streamed response) and per-attempt timeouts.
-//!   Not retried: other 4xx, and requests that cannot be built.
+//!   response, a failed body read), per-attempt timeouts, and whatever a driver's body
+//!   reader marks retryable ([`Failed::retry`]): for a streamed reply, a stream that
+//!   breaks, stalls ([`Policy::idle_timeout`]), ends early or carries a malformed chunk
+//!   or a transient in-stream error (issue #28 item 2). Nothing of a failed attempt is
+//!   kept, so the whole call is sent again. Not retried: other 4xx, requests that cannot
+//!   be built, a body past the SSE decoder's limits, and a non-streamed body that is not
+//!   JSON.
 //! - The wait before a retry is the server's `Retry-After` (or `retry-after-ms`) when it
 //!   sends one, else exponential backoff with full jitter (see [`backoff`]).
 //! - Every attempt is recorded as an [`Attempt`]; the caller gets the log with the value
 //!   ([`Exchange`]) or with the last error ([`Failure`]).
-//! - [`post_json`] reads and parses the whole body inside the attempt; [`post_stream`] hands
-//!   back the response as soon as a 2xx status and headers are in, so a streamed reply is
-//!   only retried before the caller has read any of its body. [`post_json_bytes`] and
-//!   [`post_stream_bytes`] take a body already serialised; every form serialises at most
-//!   once, whatever the number of attempts.
+//! - [`Policy::timeout`] bounds a whole attempt: request, status, headers and the body
+//!   read, streamed or not.
+//! - An error status's body is parsed as a provider error object ([`ProviderError`]), the
+//!   same way for both providers.
+//! - [`post_json`] reads and parses the whole body inside the attempt; [`post_read`] reads
+//!   a 2xx body with the caller's reader, inside the attempt too. [`post_json_bytes`] takes
+//!   a body already serialised; every form serialises at most once, whatever the number of
+//!   attempts.
 //!
 //! The pure parts ([`backoff`], [`next_delay`], [`parse_retry_after`], [`retry_after`],
 //! [`retryable_status`]) take their clock and randomness as arguments and are unit-tested
 //! without IO.
 
-use super::Error;
+use super::{Error, ProviderError};
 use bytes::Bytes;
 use reqwest::header::HeaderMap;
 use serde_json::Value;
@@ -45,9 +53,13 @@ pub struct Policy {
     /// Retries after the first attempt; at most `1 + max_retries` attempts are made.
     /// Default 3.
     pub max_retries: u32,
-    /// Time allowed for one attempt: sending the request and receiving the status and
-    /// headers, plus reading the body for [`post_json`] and error responses. Default 300 s.
+    /// Time allowed for one attempt: sending the request, receiving the status and
+    /// headers, and reading the whole body, streamed or not (`inference.timeout_secs`).
+    /// Default 300 s.
     pub timeout: Duration,
+    /// Longest silence allowed between two pieces of a streamed body
+    /// (`inference.idle_timeout_secs`). Default 300 s.
+    pub idle_timeout: Duration,
     /// Backoff ceiling before the first retry; it doubles with each further retry.
     /// Default 500 ms.
     pub base_delay: Duration,
@@ -61,6 +73,7 @@ impl Default for Policy {
         Policy {
             max_retries: 3,
             timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(300),
             base_delay: Duration::from_millis(500),
             max_delay: Duration::from_secs(30),
         }
@@ -104,6 +117,19 @@ pub struct Failure {
 impl From<Failure> for Error {
     fn from(failure: Failure) -> Self {
         failure.error
+    }
+}
+
+/// Whether a failed read of a 2xx reply is worth sending the call again: a broken,
+/// stalled or timed-out body, a provider error its type marks transient
+/// ([`ProviderError::is_transient`]), and, for a stream, a malformed or truncated one
+/// (`streamed`). A reply past the SSE limits is not retried (it would be sent again).
+pub fn retryable(error: &Error, streamed: bool) -> bool {
+    match error {
+        Error::Transport(_) | Error::Timeout(_) | Error::Idle(_) => true,
+        Error::Provider(e) => e.is_transient(),
+        Error::Protocol(_) => streamed,
+        Error::Status { .. } | Error::Limit(_) | Error::Process(_) | Error::Script(_) => false,
     }
 }
 
@@ -195,37 +221,27 @@ pub async fn post_json_bytes(
     exchange(client, url, headers, &body, policy, read_json).await
 }
 
-/// POSTs `body` as JSON and returns the 2xx response unread, for the caller to stream.
-/// Attempts are retried under `policy` until a 2xx status and its headers arrive; once the
-/// response is returned nothing is retried, and [`Policy::timeout`] no longer applies (the
-/// caller bounds the body read itself).
+/// POSTs `body` (JSON text) and reads a 2xx response with `read`, inside the attempt:
+/// [`Policy::timeout`] covers the read, and a read that fails with a retryable [`Failed`]
+/// sends the whole request again, as a failed status would.
 ///
 /// Cancel-safe, as [`post_json`].
 ///
 /// # Errors
-/// As [`post_json`], except that no 2xx body is read here.
-pub async fn post_stream(
-    client: &reqwest::Client,
-    url: &str,
-    headers: &[(&str, String)],
-    body: &Value,
-    policy: &Policy,
-) -> Result<Exchange<reqwest::Response>, Failure> {
-    post_stream_bytes(client, url, headers, json_bytes(body), policy).await
-}
-
-/// As [`post_stream`], with the body already serialised, as [`post_json_bytes`].
-///
-/// # Errors
-/// As [`post_stream`].
-pub async fn post_stream_bytes(
+/// As [`post_json`], with `read`'s errors in place of the JSON parse.
+pub async fn post_read<T, R, F>(
     client: &reqwest::Client,
     url: &str,
     headers: &[(&str, String)],
     body: Bytes,
     policy: &Policy,
-) -> Result<Exchange<reqwest::Response>, Failure> {
-    exchange(client, url, headers, &body, policy, |resp| async { Ok(resp) }).await
+    read: R,
+) -> Result<Exchange<T>, Failure>
+where
+    R: Fn(reqwest::Response) -> F,
+    F: Future<Output = Result<T, Failed>>,
+{
+    exchange(client, url, headers, &body, policy, read).await
 }
 
 /// The JSON text of `value` (serialised once, however many attempts send it).
@@ -233,15 +249,25 @@ fn json_bytes(value: &Value) -> Bytes {
     Bytes::from(value.to_string())
 }
 
-/// A failed attempt, classified.
-struct Failed {
-    error: Error,
-    status: Option<u16>,
-    retry: bool,
-    retry_after: Option<Duration>,
+/// A failed attempt, classified: what [`post_read`]'s reader returns.
+#[derive(Debug)]
+pub struct Failed {
+    /// Why the attempt failed.
+    pub error: Error,
+    /// The HTTP status, when a response came.
+    pub status: Option<u16>,
+    /// Whether the call may be sent again.
+    pub retry: bool,
+    /// The wait the server asked for, if it did.
+    pub retry_after: Option<Duration>,
 }
 
 impl Failed {
+    /// A failure of the attempt after a 2xx `status`: retried when `retry`.
+    pub fn after(status: u16, error: Error, retry: bool) -> Self {
+        Failed { error, status: Some(status), retry, retry_after: None }
+    }
+
     fn transport(error: &reqwest::Error, status: Option<u16>) -> Self {
         Failed {
             error: Error::Transport(describe(error)),
@@ -281,7 +307,7 @@ where
         .await
         .unwrap_or_else(|_| {
             Err(Failed {
-                error: Error::Timeout(ceil_secs(policy.timeout)),
+                error: Error::Timeout(super::sse::ceil_secs(policy.timeout)),
                 status: None,
                 retry: true,
                 retry_after: None,
@@ -340,8 +366,13 @@ async fn send(
     let retry_after = retry_after(resp.headers(), SystemTime::now());
     // The status is the news; a body that cannot be read only loses the details.
     let text = resp.text().await.unwrap_or_default();
+    let provider = ProviderError::from_body(&text).map(Box::new);
+    let body = match &provider {
+        Some(error) => truncate(&error.to_string(), ERROR_BODY_LIMIT),
+        None => truncate(&text, ERROR_BODY_LIMIT),
+    };
     Err(Failed {
-        error: Error::Status { status, body: truncate(&text, ERROR_BODY_LIMIT) },
+        error: Error::Status { status, body, provider },
         status: Some(status),
         retry: retryable_status(status),
         retry_after,
@@ -380,7 +411,7 @@ fn describe(error: &dyn std::error::Error) -> String {
 }
 
 /// The first `limit` bytes of `text`, cut at a character boundary.
-fn truncate(text: &str, limit: usize) -> String {
+pub(crate) fn truncate(text: &str, limit: usize) -> String {
     if text.len() <= limit {
         return text.to_string();
     }
@@ -389,11 +420,6 @@ fn truncate(text: &str, limit: usize) -> String {
         end -= 1;
     }
     text[..end].to_string()
-}
-
-/// Whole seconds, rounded up so a sub-second timeout does not read "0 s".
-fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -418,6 +444,7 @@ mod tests {
         let p = Policy::default();
         assert_eq!(p.max_retries, 3);
         assert_eq!(p.timeout, Duration::from_secs(300));
+        assert_eq!(p.idle_timeout, Duration::from_secs(300));
         assert_eq!(p.base_delay, Duration::from_millis(500));
         assert_eq!(p.max_delay, Duration::from_secs(30));
     }
@@ -509,6 +536,7 @@ mod tests {
 
     #[test]
     fn timeouts_round_up_to_whole_seconds() {
+        use crate::driver::sse::ceil_secs;
         assert_eq!(ceil_secs(Duration::from_millis(200)), 1);
         assert_eq!(ceil_secs(Duration::from_secs(300)), 300);
         assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);

@@ -10,6 +10,8 @@ pub mod http;
 pub mod openai;
 pub mod process;
 pub mod scripted;
+pub mod sse;
+pub mod tool_calls;
 
 use async_trait::async_trait;
 use mur_proto::message::{Block, Message};
@@ -46,7 +48,8 @@ pub struct ModelRequest<'a> {
     pub history_epoch: u64,
     /// Tools the model may call.
     pub tools: &'a [ToolSpec],
-    /// Output cap for this call (`inference.max_tokens`).
+    /// Output cap for this call (`inference.max_tokens`); the `openai` driver sends it as
+    /// `max_tokens` or `max_completion_tokens` (`inference.max_tokens_param`).
     pub max_tokens: u32,
     /// The task's text (the scripted driver substitutes it for `{{task}}`).
     pub task_text: &'a str,
@@ -86,24 +89,109 @@ pub enum Error {
     Status {
         /// HTTP status code.
         status: u16,
-        /// Response body (truncated to 2 KiB).
+        /// The provider's error as [`ProviderError`]'s text when the body is a provider
+        /// error object, else the raw body (truncated to 2 KiB).
         body: String,
+        /// The parsed error object, when the body is one.
+        provider: Option<Box<ProviderError>>,
     },
+    /// The provider reported an error inside a 200 reply or a stream (an OpenAI
+    /// `{"error": …}` chunk, an Anthropic `error` event).
+    #[error("the provider reported an error: {0}")]
+    Provider(Box<ProviderError>),
     /// The connection failed or broke.
     #[error("connection to the provider failed: {0}")]
     Transport(String),
-    /// No answer within `inference.timeout_secs`.
+    /// No complete answer within `inference.timeout_secs` (the whole attempt: request,
+    /// headers and body).
     #[error("model call timed out after {0} s")]
     Timeout(u64),
+    /// A streamed reply went silent for `inference.idle_timeout_secs`.
+    #[error("the provider sent nothing for {0} s (inference.idle_timeout_secs)")]
+    Idle(u64),
     /// The provider's answer did not follow its wire format.
     #[error("malformed provider response: {0}")]
     Protocol(String),
+    /// A streamed reply broke one of the SSE decoder's size limits ([`sse::Limits`]).
+    #[error("the provider's stream broke a limit: {0}")]
+    Limit(String),
     /// The process transport's program failed.
     #[error("{0}")]
     Process(String),
     /// The scripted driver could not answer.
     #[error("scripted driver: {0}")]
     Script(String),
+}
+
+/// A provider's error object, parsed the same way for both providers:
+/// OpenAI's `{"error": {"message", "type", "code", "param"}}` and Anthropic's
+/// `{"type": "error", "error": {"type", "message"}}` (the API references' error sections).
+/// Shown as `<type>: <message> (code <code>)`, leaving out what is absent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProviderError {
+    /// `error.type` (`invalid_request_error`, `overloaded_error`, `server_error`…).
+    pub kind: Option<String>,
+    /// `error.message`; the whole `error` value as JSON text when it has no message.
+    pub message: String,
+    /// `error.code` (OpenAI; a string or a number), e.g. `rate_limit_exceeded`.
+    pub code: Option<String>,
+}
+
+impl ProviderError {
+    /// The error of a JSON value holding an `error` member (an object, or a bare string);
+    /// `None` when there is none or it is `null`.
+    pub fn from_value(value: &serde_json::Value) -> Option<ProviderError> {
+        use serde_json::Value;
+        let error = value.get("error").filter(|e| !e.is_null())?;
+        if let Some(text) = error.as_str() {
+            return Some(ProviderError { message: text.to_string(), ..Default::default() });
+        }
+        let text = |key: &str| match error.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(Value::Number(n)) => Some(n.to_string()),
+            _ => None,
+        };
+        Some(ProviderError {
+            kind: text("type"),
+            message: text("message").unwrap_or_else(|| error.to_string()),
+            code: text("code"),
+        })
+    }
+
+    /// The error of a response body, when it is JSON holding an `error` member.
+    pub fn from_body(body: &str) -> Option<ProviderError> {
+        ProviderError::from_value(&serde_json::from_str(body).ok()?)
+    }
+
+    /// Whether the error says the provider is briefly unable to answer, so the same call
+    /// may succeed later: type or code `overloaded_error`, `api_error`, `server_error`,
+    /// `rate_limit_error`, `rate_limit_exceeded`, `service_unavailable` (Anthropic's and
+    /// OpenAI's documented transient errors). Others (invalid request, authentication…)
+    /// are final.
+    pub fn is_transient(&self) -> bool {
+        const TRANSIENT: &[&str] = &[
+            "overloaded_error",
+            "api_error",
+            "server_error",
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            "service_unavailable",
+        ];
+        [&self.kind, &self.code].into_iter().flatten().any(|k| TRANSIENT.contains(&k.as_str()))
+    }
+}
+
+impl std::fmt::Display for ProviderError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(kind) = &self.kind {
+            write!(f, "{kind}: ")?;
+        }
+        f.write_str(&self.message)?;
+        if let Some(code) = self.code.as_ref().filter(|c| Some(*c) != self.kind.as_ref()) {
+            write!(f, " (code {code})")?;
+        }
+        Ok(())
+    }
 }
 
 /// A model driver. Implementations hold their configuration and HTTP client.

@@ -2,29 +2,34 @@
 //! reply or as a stream of server-sent events.
 //!
 //! The wire format is OpenAI's Chat Completions API: `POST {endpoint}/chat/completions`
-//! with `model`, `max_tokens`, `messages`, `tools` (and `stream`, `stream_options` when
-//! streaming); the reply is a `chat.completion` object, or `chat.completion.chunk` objects
-//! sent as `data:` events and closed by `data: [DONE]`.
+//! with `model`, `max_tokens` or `max_completion_tokens` ([`MaxTokensParam`]), `messages`,
+//! `tools` (and `stream`, `stream_options` when streaming); the reply is a
+//! `chat.completion` object, or `chat.completion.chunk` objects sent as `data:` events and
+//! closed by `data: [DONE]`.
 //!
 //! Everything but the HTTP exchange is pure and tested without IO: [`request_body`] builds
 //! the body as a JSON value (the reference shape), [`RequestEncoder`] writes the same JSON
 //! as text from per-message pieces kept across calls (what the driver sends, so a turn
 //! serialises only the messages added since the last one), [`parse_completion`] reads a
-//! JSON reply, [`StreamAssembler`] puts streamed chunks back together, and [`read_stream`]
-//! runs the SSE parser over any byte stream into the assembler.
+//! JSON reply, [`StreamAssembler`] puts streamed chunks back together (tool calls by the
+//! [`tool_calls::Assembler`] both paths share), and [`read_stream`] runs the SSE decoder
+//! ([`sse`]) over any byte stream into the assembler.
+//!
+//! The whole call, streamed body included, is one attempt of [`http::post_read`]: a stream
+//! that breaks, stalls, ends early or carries a malformed chunk is retried ([`http::retryable`]).
 
-use super::http::{self, Attempt, Exchange, Failure};
-use super::{Driver, Error, ModelRequest, ModelResponse, StopReason, ToolSpec};
+use super::http::{self, Attempt, Exchange, Failed, Failure};
+use super::{Driver, Error, ModelRequest, ModelResponse, ProviderError, StopReason, ToolSpec, sse, tool_calls};
 use async_trait::async_trait;
 use bytes::Bytes;
-use eventsource_stream::{EventStreamError, Eventsource};
-use futures::{Stream, StreamExt};
+use futures::Stream;
+pub use mur_proto::manifest::MaxTokensParam;
 use mur_proto::message::{Block, Message, Role};
 use mur_proto::trace::ProviderUsage;
 use serde_json::{Map, Value, json};
-use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// Settings of the `openai` driver, from the manifest's `inference:` block.
 #[derive(Clone, Debug)]
@@ -35,8 +40,12 @@ pub struct Config {
     pub api_key: Option<String>,
     /// Use SSE streaming.
     pub stream: bool,
-    /// Retries and per-attempt timeout (`inference.max_retries`, `inference.timeout_secs`).
+    /// Retries, per-attempt timeout and idle-read timeout (`inference.max_retries`,
+    /// `inference.timeout_secs`, `inference.idle_timeout_secs`).
     pub policy: http::Policy,
+    /// The key of the output cap (`inference.max_tokens_param`, else
+    /// [`MaxTokensParam::for_endpoint`]).
+    pub max_tokens_param: MaxTokensParam,
 }
 
 /// The driver. It keeps the wire JSON of the conversation it last sent
@@ -62,7 +71,7 @@ impl OpenAi {
             *encoder = RequestEncoder::default();
             encoder
         });
-        Bytes::from(encoder.encode(request, self.config.stream))
+        Bytes::from(encoder.encode(request, self.config.stream, self.config.max_tokens_param))
     }
 }
 
@@ -105,35 +114,39 @@ impl OpenAi {
         if let Some(key) = self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
             headers.push(("authorization", format!("Bearer {key}")));
         }
+        if stream {
+            headers.push(("accept", "text/event-stream".to_string()));
+        }
         let url = chat_completions_url(&self.config.endpoint);
         let policy = &self.config.policy;
-        if !stream {
-            let ex = http::post_json_bytes(&self.client, &url, &headers, body, policy).await?;
-            return match parse_completion(&ex.value) {
-                Ok(value) => Ok(Exchange { value, attempts: ex.attempts }),
-                Err(error) => Err(Failure { error, attempts: ex.attempts }),
-            };
-        }
-        headers.push(("accept", "text/event-stream".to_string()));
-        let ex = http::post_stream_bytes(&self.client, &url, &headers, body, policy).await?;
-        let attempts = ex.attempts;
-        let response = ex.value;
-        // A server that ignores `stream: true` (or reports an error) answers plain JSON.
-        let result = if is_json(&response) {
-            match response.bytes().await {
-                Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
-                    .map_err(|e| Error::Protocol(format!("the completion is not JSON ({e})")))
-                    .and_then(|v| parse_completion(&v)),
-                Err(e) => Err(Error::Transport(e.to_string())),
-            }
-        } else {
-            read_stream(response.bytes_stream()).await
-        };
-        match result {
-            Ok(value) => Ok(Exchange { value, attempts }),
-            Err(error) => Err(Failure { error, attempts }),
-        }
+        let idle = policy.idle_timeout;
+        http::post_read(&self.client, &url, &headers, body, policy, |resp| read_reply(resp, stream, idle)).await
     }
+}
+
+/// Reads one 2xx reply inside its attempt: a JSON completion, or (streaming) an event
+/// stream; a server that ignores `stream: true` answers JSON, which is read as such.
+async fn read_reply(response: reqwest::Response, stream: bool, idle: Duration) -> Result<ModelResponse, Failed> {
+    let status = response.status().as_u16();
+    if stream && !is_json(&response) {
+        return read_stream(response.bytes_stream(), sse::Limits::default(), idle).await.map_err(|e| {
+            let retry = http::retryable(&e, true);
+            Failed::after(status, e, retry)
+        });
+    }
+    let bytes = response
+        .bytes()
+        .await
+        .map_err(|e| Failed::after(status, Error::Transport(format!("reading the reply: {e}")), true))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        let text = String::from_utf8_lossy(&bytes);
+        let error = Error::Protocol(format!("the completion is not JSON ({e}): {}", http::truncate(&text, 2048)));
+        Failed::after(status, error, false)
+    })?;
+    parse_completion(&value).map_err(|e| {
+        let retry = http::retryable(&e, false);
+        Failed::after(status, e, retry)
+    })
 }
 
 /// `{endpoint}/chat/completions`, with at most one slash between the two.
@@ -150,13 +163,13 @@ fn is_json(response: &reqwest::Response) -> bool {
 }
 
 /// The request body for `request`; `stream` adds `stream: true` and asks for the usage
-/// chunk (`stream_options.include_usage`).
+/// chunk (`stream_options.include_usage`); the output cap goes under `cap`'s key.
 ///
 /// Messages: the system prompt first (when non-empty); user and tool messages carry their
 /// text blocks joined with `\n`; an assistant message carries its joined text (`null` when
 /// it has none but has tool calls, so the call is always replayed) and its tool calls with
 /// `arguments` as the JSON text of the call's input.
-pub fn request_body(request: &ModelRequest<'_>, stream: bool) -> Value {
+pub fn request_body(request: &ModelRequest<'_>, stream: bool, cap: MaxTokensParam) -> Value {
     let mut messages = Vec::with_capacity(request.messages.len() + 1);
     if !request.system.is_empty() {
         messages.push(json!({"role": "system", "content": request.system}));
@@ -164,7 +177,7 @@ pub fn request_body(request: &ModelRequest<'_>, stream: bool) -> Value {
     messages.extend(request.messages.iter().map(wire_message));
     let mut body = Map::new();
     body.insert("model".into(), json!(request.model));
-    body.insert("max_tokens".into(), json!(request.max_tokens));
+    body.insert(cap.as_str().into(), json!(request.max_tokens));
     body.insert("messages".into(), Value::Array(messages));
     if !request.tools.is_empty() {
         body.insert("tools".into(), request.tools.iter().map(wire_tool).collect::<Value>());
@@ -223,8 +236,8 @@ impl RequestEncoder {
         Self::default()
     }
 
-    /// The body of `request` as JSON text; `stream` as for [`request_body`].
-    pub fn encode(&mut self, request: &ModelRequest<'_>, stream: bool) -> Vec<u8> {
+    /// The body of `request` as JSON text; `stream` and `cap` as for [`request_body`].
+    pub fn encode(&mut self, request: &ModelRequest<'_>, stream: bool, cap: MaxTokensParam) -> Vec<u8> {
         self.update_messages(request.messages, request.history_epoch);
         self.update_system(request.system);
         self.update_tools(request.tools, request.history_epoch);
@@ -234,7 +247,9 @@ impl RequestEncoder {
         let mut body = Vec::with_capacity(self.messages.len() + system.len() + tools.len() + request.model.len() + 128);
         body.extend_from_slice(b"{\"model\":");
         write_json(&mut body, &request.model);
-        body.extend_from_slice(b",\"max_tokens\":");
+        body.extend_from_slice(b",\"");
+        body.extend_from_slice(cap.as_str().as_bytes());
+        body.extend_from_slice(b"\":");
         write_json(&mut body, &request.max_tokens);
         body.extend_from_slice(b",\"messages\":[");
         body.extend_from_slice(system);
@@ -373,17 +388,14 @@ pub fn parse_completion(body: &Value) -> Result<ModelResponse, Error> {
     if let Some(text) = message.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
         content.push(Block::Text { text: text.to_string() });
     }
-    let calls = message.get("tool_calls").and_then(Value::as_array);
-    for (position, call) in calls.into_iter().flatten().enumerate() {
-        let function = call.get("function");
-        content.push(tool_call_block(
-            position,
-            str_field(call, "id"),
-            function.and_then(|f| str_field(f, "name")).unwrap_or_default(),
-            function.and_then(|f| f.get("arguments")),
-        ));
+    // Each entry is one call, whatever index it claims (the shared assembler mints ids).
+    let mut calls = tool_calls::Assembler::new();
+    for call in message.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+        calls.feed(call);
+        calls.close();
     }
-    let has_calls = content.iter().any(|b| matches!(b, Block::ToolCall { .. }));
+    let has_calls = !calls.is_empty();
+    content.extend(calls.finish());
     Ok(ModelResponse {
         stop: stop_reason(choice.get("finish_reason").and_then(Value::as_str), has_calls),
         content,
@@ -421,64 +433,26 @@ pub fn provider_usage(usage: Option<&Value>) -> ProviderUsage {
     }
 }
 
-/// Builds the tool-call block of the call at `position`. The id defaults to
-/// `call_<position>` for servers that send none; `arguments` is normally a JSON string:
-/// empty means `{}`, and text that is not JSON is passed as `{"_raw": "<text>"}` so the
-/// tool refuses it and the model sees why. A non-string value is taken as the input itself.
-fn tool_call_block(position: usize, id: Option<&str>, name: &str, arguments: Option<&Value>) -> Block {
-    let input = match arguments {
-        None | Some(Value::Null) => Value::Object(Map::new()),
-        Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Map::new()),
-        Some(Value::String(text)) => serde_json::from_str(text).unwrap_or_else(|_| json!({"_raw": text})),
-        Some(other) => other.clone(),
-    };
-    Block::ToolCall {
-        id: id.filter(|i| !i.is_empty()).map_or_else(|| format!("call_{position}"), str::to_string),
-        name: name.to_string(),
-        input,
-    }
-}
-
-fn str_field<'v>(value: &'v Value, key: &str) -> Option<&'v str> {
-    value.get(key).and_then(Value::as_str)
-}
-
-/// An in-band `{"error": {"message": …}}` object (a 200 reply or a streamed chunk) as
-/// [`Error::Protocol`].
+/// An in-band `{"error": {…}}` object (a 200 reply or a streamed chunk) as
+/// [`Error::Provider`].
 fn in_band_error(value: &Value) -> Result<(), Error> {
-    match value.get("error") {
-        None | Some(Value::Null) => Ok(()),
-        Some(error) => {
-            let message = error
-                .get("message")
-                .and_then(Value::as_str)
-                .or_else(|| error.as_str())
-                .map_or_else(|| error.to_string(), str::to_string);
-            Err(Error::Protocol(format!("the provider reported an error: {message}")))
-        }
+    match ProviderError::from_value(value) {
+        None => Ok(()),
+        Some(error) => Err(Error::Provider(Box::new(error))),
     }
-}
-
-/// One tool call as it arrives in pieces.
-#[derive(Clone, Debug, Default)]
-struct PartialCall {
-    id: String,
-    name: String,
-    arguments: String,
 }
 
 /// Puts a streamed completion back together from its `chat.completion.chunk` objects
 /// (pure: feed it parsed chunks, then [`finish`](Self::finish)).
 ///
-/// Text is `delta.content` concatenated; tool calls are keyed by their `index` (several
-/// indices: parallel calls), `id` and `function.name` are taken when present (normally in
-/// the first piece) and `function.arguments` fragments are concatenated, as the official
-/// SDKs accumulate them. `finish_reason` comes from the chunk that carries it, usage from
+/// Text is `delta.content` concatenated; tool calls are put together by the
+/// [`tool_calls::Assembler`] (keyed by `index`, split where a server streams several calls
+/// on one index, ids minted where none was given). `finish_reason` comes from the chunk that carries it, usage from
 /// the final usage chunk (whose `choices` may be empty). Only choice 0 is read.
 #[derive(Clone, Debug, Default)]
 pub struct StreamAssembler {
     text: String,
-    calls: BTreeMap<u64, PartialCall>,
+    calls: tool_calls::Assembler,
     finish_reason: Option<String>,
     usage: ProviderUsage,
     done: bool,
@@ -508,7 +482,7 @@ impl StreamAssembler {
     /// Takes one parsed chunk object.
     ///
     /// # Errors
-    /// [`Error::Protocol`] for an in-band `{"error": …}` chunk.
+    /// [`Error::Provider`] for an in-band `{"error": …}` chunk.
     pub fn feed(&mut self, chunk: &Value) -> Result<(), Error> {
         in_band_error(chunk)?;
         if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
@@ -525,7 +499,7 @@ impl StreamAssembler {
                 }
                 let pieces = delta.get("tool_calls").and_then(Value::as_array);
                 for piece in pieces.into_iter().flatten() {
-                    self.feed_call_piece(piece);
+                    self.calls.feed(piece);
                 }
             }
             if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
@@ -533,34 +507,6 @@ impl StreamAssembler {
             }
         }
         Ok(())
-    }
-
-    fn feed_call_piece(&mut self, piece: &Value) {
-        let id = str_field(piece, "id").filter(|i| !i.is_empty());
-        let index = piece.get("index").and_then(Value::as_u64).unwrap_or_else(|| {
-            // No index (some compatible servers): a new id starts a new call, anything
-            // else continues the last one.
-            let last = self.calls.iter().next_back();
-            match (last, id) {
-                (Some((&i, call)), Some(id)) if call.id == id => i,
-                (Some((&i, _)), None) => i,
-                (Some((&i, _)), Some(_)) => i + 1,
-                (None, _) => 0,
-            }
-        });
-        let call = self.calls.entry(index).or_default();
-        if let Some(id) = id {
-            call.id = id.to_string();
-        }
-        let function = piece.get("function");
-        if let Some(name) = function.and_then(|f| str_field(f, "name")).filter(|n| !n.is_empty()) {
-            call.name = name.to_string();
-        }
-        match function.and_then(|f| f.get("arguments")) {
-            None | Some(Value::Null) => {}
-            Some(Value::String(fragment)) => call.arguments.push_str(fragment),
-            Some(other) => call.arguments.push_str(&other.to_string()),
-        }
     }
 
     /// Whether `data: [DONE]` was seen (nothing more is to be read).
@@ -579,81 +525,45 @@ impl StreamAssembler {
             return Err(Error::Protocol("the stream ended before data: [DONE] and without a finish_reason".into()));
         }
         let has_calls = !self.calls.is_empty();
-        let mut content = Vec::with_capacity(self.calls.len() + 1);
+        let mut content = Vec::new();
         if !self.text.is_empty() {
             content.push(Block::Text { text: self.text });
         }
-        for (position, call) in self.calls.into_values().enumerate() {
-            content.push(tool_call_block(position, Some(&call.id), &call.name, Some(&Value::String(call.arguments))));
-        }
+        content.extend(self.calls.finish());
         Ok(ModelResponse { stop: stop_reason(self.finish_reason.as_deref(), has_calls), content, usage: self.usage })
     }
 }
 
 /// Reads an SSE byte stream (the body of a streamed completion) to the end or to
-/// `data: [DONE]`, and assembles the reply. Bytes are decoded to text by the SSE parser,
-/// which keeps a multi-byte character split across network chunks until it is whole.
+/// `data: [DONE]`, and assembles the reply. The [`sse`] decoder frames events under
+/// `limits`; each wait for the body is bounded by `idle`.
 ///
 /// # Errors
-/// [`Error::Transport`] when the byte stream fails, [`Error::Protocol`] for a malformed
-/// event stream or chunk, an in-band error, or a stream cut short (see
-/// [`StreamAssembler::finish`]).
-pub async fn read_stream<S, B, E>(bytes: S) -> Result<ModelResponse, Error>
+/// [`Error::Transport`] when the byte stream fails, [`Error::Idle`] when it goes silent,
+/// [`Error::Limit`] past a limit, [`Error::Protocol`] for a malformed chunk (never
+/// skipped) or a stream cut short (see [`StreamAssembler::finish`]), [`Error::Provider`]
+/// for an in-band error.
+pub async fn read_stream<S, B, E>(bytes: S, limits: sse::Limits, idle: Duration) -> Result<ModelResponse, Error>
 where
     S: Stream<Item = Result<B, E>>,
     B: AsRef<[u8]>,
     E: Display,
 {
-    let events = without_bom(bytes).eventsource();
-    let mut events = std::pin::pin!(events);
     let mut assembler = StreamAssembler::new();
-    while let Some(event) = events.next().await {
-        let event = event.map_err(|e| match e {
-            EventStreamError::Transport(e) => Error::Transport(e.to_string()),
-            other => Error::Protocol(format!("malformed event stream ({other})")),
-        })?;
+    sse::read(bytes, limits, idle, |event| {
         assembler.feed_data(&event.data)?;
-        if assembler.is_done() {
-            break;
-        }
-    }
-    assembler.finish()
-}
-
-/// The UTF-8 byte-order mark.
-const BOM: &[u8] = b"\xEF\xBB\xBF";
-
-/// `bytes` without a leading byte-order mark, which SSE allows but eventsource-stream 0.2.3
-/// cannot take: it slices the mark off as if it were one byte and panics. The head of the
-/// stream is held back until it is known not to be (part of) a mark.
-fn without_bom<S, B, E>(bytes: S) -> impl Stream<Item = Result<Vec<u8>, E>>
-where
-    S: Stream<Item = Result<B, E>>,
-    B: AsRef<[u8]>,
-{
-    let mut head = Some(Vec::new());
-    bytes.map(move |piece| {
-        piece.map(|piece| {
-            let Some(held) = head.as_mut() else {
-                return piece.as_ref().to_vec();
-            };
-            held.extend_from_slice(piece.as_ref());
-            if held.len() < BOM.len() && BOM.starts_with(held) {
-                return Vec::new();
-            }
-            let mut held = head.take().unwrap_or_default();
-            if held.starts_with(BOM) {
-                held.drain(..BOM.len());
-            }
-            held
-        })
+        Ok(if assembler.is_done() { sse::Flow::Stop } else { sse::Flow::Continue })
     })
+    .await?;
+    assembler.finish()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::convert::Infallible;
+
+    const MT: MaxTokensParam = MaxTokensParam::MaxTokens;
 
     fn request<'a>(system: &'a str, messages: &'a [Message], tools: &'a [ToolSpec]) -> ModelRequest<'a> {
         ModelRequest { model: "gpt-test", system, messages, tools, max_tokens: 256, task_text: "", history_epoch: 0 }
@@ -687,7 +597,7 @@ mod tests {
             description: "runs a command".into(),
             parameters: json!({"type": "object"}),
         }];
-        let body = request_body(&request("be brief", &messages, &tools), false);
+        let body = request_body(&request("be brief", &messages, &tools), false, MT);
         assert_eq!(
             body,
             json!({
@@ -718,7 +628,7 @@ mod tests {
             Message::tool_result("call_a", "", true),
             Message::tool_result("call_b", "x", false),
         ];
-        let body = request_body(&request("", &messages, &[]), false);
+        let body = request_body(&request("", &messages, &[]), false, MT);
         let wire = body["messages"].as_array().unwrap();
         assert_eq!(wire.len(), 4, "no system message when the prompt is empty");
         assert_eq!(wire[1]["content"], Value::Null);
@@ -731,17 +641,17 @@ mod tests {
     #[test]
     fn streaming_asks_for_usage_and_no_tools_key_without_tools() {
         let messages = vec![Message::user("hi")];
-        let body = request_body(&request("", &messages, &[]), true);
+        let body = request_body(&request("", &messages, &[]), true, MT);
         assert_eq!(body["stream"], true);
         assert_eq!(body["stream_options"], json!({"include_usage": true}));
         assert!(body.get("tools").is_none());
-        let plain = request_body(&request("", &messages, &[]), false);
+        let plain = request_body(&request("", &messages, &[]), false, MT);
         assert!(plain.get("stream").is_none());
         assert!(plain.get("stream_options").is_none());
     }
 
     fn encoded(encoder: &mut RequestEncoder, request: &ModelRequest<'_>, stream: bool) -> Value {
-        serde_json::from_slice(&encoder.encode(request, stream)).expect("the encoder writes JSON")
+        serde_json::from_slice(&encoder.encode(request, stream, MT)).expect("the encoder writes JSON")
     }
 
     fn with_epoch<'a>(request: ModelRequest<'a>, history_epoch: u64) -> ModelRequest<'a> {
@@ -785,13 +695,13 @@ mod tests {
         for i in 0..12 {
             let stream = i % 2 == 1;
             let req = with_epoch(request("be brief", &messages, &tools), 7);
-            assert_eq!(encoded(&mut encoder, &req, stream), request_body(&req, stream), "turn {i}");
+            assert_eq!(encoded(&mut encoder, &req, stream), request_body(&req, stream, MT), "turn {i}");
             assert_eq!(encoder.ends.len(), messages.len(), "every message cached");
             messages.extend(turn_messages(i));
         }
         // No system prompt, no tools.
         let req = with_epoch(request("", &messages, &[]), 7);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
     }
 
     #[test]
@@ -801,25 +711,25 @@ mod tests {
         let mut first = vec![Message::user("first task")];
         (0..4).for_each(|i| first.extend(turn_messages(i)));
         let req = with_epoch(request("sys", &first, &tools), 3);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
 
         // A replaced history (a summary, then the same tail): new epoch, shorter, different.
         let mut replaced = vec![Message::user("summary of the first turns")];
         replaced.extend(first[first.len() - 2..].iter().cloned());
         let req = with_epoch(request("sys", &replaced, &tools), 4);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
 
         // A different conversation of the same length under yet another epoch.
         let mut other: Vec<Message> = vec![Message::user("second task")];
         (5..9).for_each(|i| other.extend(turn_messages(i)));
         other.truncate(first.len());
         let req = with_epoch(request("sys", &other, &tools), 5);
-        assert_eq!(encoded(&mut encoder, &req, true), request_body(&req, true));
+        assert_eq!(encoded(&mut encoder, &req, true), request_body(&req, true, MT));
 
         // Epoch 0 (unknown): consecutive, unrelated conversations are each encoded whole.
         for conversation in [&first, &other, &replaced] {
             let req = request("sys", conversation, &tools);
-            assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+            assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
         }
     }
 
@@ -828,7 +738,7 @@ mod tests {
         let tools = tools();
         let mut encoder = RequestEncoder::new();
         let cached = vec![Message::user("cached"), Message::user("also cached")];
-        encoder.encode(&with_epoch(request("", &cached, &tools), 9), false);
+        encoder.encode(&with_epoch(request("", &cached, &tools), 9), false, MT);
         // Same epoch: the first two messages are taken from the cache without being looked
         // at (which is why the loop must change the epoch when it rewrites history).
         let rewritten = vec![Message::user("rewritten"), Message::user("also rewritten"), Message::user("new")];
@@ -837,7 +747,7 @@ mod tests {
         assert_eq!(contents, [&json!("cached"), &json!("also cached"), &json!("new")]);
         // A new epoch: nothing is reused.
         let req = with_epoch(request("", &rewritten, &tools), 10);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
     }
 
     #[test]
@@ -846,17 +756,17 @@ mod tests {
         let mut encoder = RequestEncoder::new();
         let messages = vec![Message::user("hi")];
         let req = with_epoch(request("one", &messages, &tools), 2);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
         let req = with_epoch(request("two", &messages, &tools), 2);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
         let changed = {
             tools[0].description = "runs a command, changed".into();
             tools.clone()
         };
         let req = with_epoch(request("two", &messages, &changed), 2);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
         let req = with_epoch(request("", &messages, &[]), 2);
-        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false));
+        assert_eq!(encoded(&mut encoder, &req, false), request_body(&req, false, MT));
     }
 
     #[test]
@@ -929,13 +839,13 @@ mod tests {
     }
 
     #[test]
-    fn in_band_error_is_a_protocol_error_with_its_message() {
-        let body = json!({"error": {"message": "model overloaded", "type": "server_error"}});
+    fn in_band_error_is_a_provider_error_with_type_message_and_code() {
+        let body = json!({"error": {"message": "model overloaded", "type": "server_error", "code": 503}});
         let err = parse_completion(&body).unwrap_err();
-        assert!(matches!(&err, Error::Protocol(m) if m.contains("model overloaded")), "{err}");
+        assert_eq!(err.to_string(), "the provider reported an error: server_error: model overloaded (code 503)");
         let mut asm = StreamAssembler::new();
         let err = asm.feed_data(r#"{"error":{"message":"boom"}}"#).unwrap_err();
-        assert!(matches!(&err, Error::Protocol(m) if m.contains("boom")), "{err}");
+        assert_eq!(err.to_string(), "the provider reported an error: boom");
         assert!(matches!(parse_completion(&json!({"choices": []})), Err(Error::Protocol(_))));
     }
 
@@ -1039,7 +949,7 @@ mod tests {
 
     async fn read_pieces(pieces: Vec<Vec<u8>>) -> ModelResponse {
         let bytes = futures::stream::iter(pieces.into_iter().map(Ok::<_, Infallible>));
-        read_stream(bytes).await.unwrap()
+        read_stream(bytes, sse::Limits::default(), Duration::from_secs(5)).await.unwrap()
     }
 
     #[tokio::test]
@@ -1074,7 +984,7 @@ mod tests {
 
     #[tokio::test]
     async fn sse_leading_byte_order_mark_is_skipped_even_when_split() {
-        let mut body = BOM.to_vec();
+        let mut body = b"\xEF\xBB\xBF".to_vec();
         body.extend_from_slice(&sse_body());
         let want = read_pieces(vec![sse_body()]).await;
         for i in 0..=4 {

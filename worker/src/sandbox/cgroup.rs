@@ -302,7 +302,7 @@ fn find(controller: &str, mountinfo: &str, own: &str) -> Option<(PathBuf, String
 
 /// The worker's group path in the hierarchy whose controller list matches, from
 /// `/proc/self/cgroup` lines `<id>:<controllers>:<path>`.
-fn own_path(own: &str, matches: impl Fn(&str) -> bool) -> Option<String> {
+pub(super) fn own_path(own: &str, matches: impl Fn(&str) -> bool) -> Option<String> {
     own.lines().find_map(|line| {
         let mut parts = line.splitn(3, ':');
         let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
@@ -311,7 +311,7 @@ fn own_path(own: &str, matches: impl Fn(&str) -> bool) -> Option<String> {
 }
 
 /// Mount points in `mountinfo` escape spaces and the like as `\040`.
-fn unescape(s: &str) -> String {
+pub(super) fn unescape(s: &str) -> String {
     s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 }
 

@@ -6,7 +6,8 @@
 //! (built by the `landlock` crate, kept as a descriptor) and the seccomp programs (compiled
 //! by `seccompiler`). What the kernel cannot enforce fails the preparation, naming the rule
 //! — never a silent run without it. Each command then gets, between fork and exec
-//! ([`Confinement::confine`]): its control groups for `memory_mb` and `pids` ([`cgroup`]),
+//! ([`Confinement::confine`]): its control groups for `memory_mb` and `pids` ([`cgroup`])
+//! and the session's fence for address rules ([`netfilter`]),
 //! `RLIMIT_CPU` for `cpu_secs`, `no_new_privs`, the Landlock domain and the seccomp filters.
 //! Only system calls run there (a `write(2)` per group, `setrlimit`, `prctl`,
 //! `landlock_restrict_self`, `seccomp`): nothing allocates or locks, so it is safe in the
@@ -18,16 +19,19 @@
 //! - read and write: the folder commands run in, the session folder, and `sandbox.write`;
 //!   `/dev/null`, `/dev/zero` and `/dev/full`;
 //! - network ([`mur_proto::manifest::Network`]): `none` leaves no socket but `AF_UNIX`
-//!   (seccomp) and no TCP bind or connect (Landlock); a list of `*:PORT` leaves TCP
-//!   connections to those ports only (Landlock ABI 4) and no UDP or raw sockets (seccomp).
-//!   Landlock restricts TCP by port, not by address: `loopback` and entries naming a host
-//!   cannot be enforced by it and fail closed.
+//!   (seccomp) and no TCP bind or connect (Landlock); a list leaves TCP connections to its
+//!   ports only (Landlock ABI 4) and no UDP or raw sockets (seccomp). Landlock restricts TCP
+//!   by port, not by address, so `loopback` and entries naming an address (`127.0.0.1:8080`)
+//!   are enforced by a fence ([`netfilter`]: nftables on the sockets of a cgroup v2 group
+//!   the commands join); `loopback` leaves TCP and UDP sockets (seccomp) whose packets the
+//!   fence lets reach loopback addresses only. Entries naming a host by name fail closed.
 //!
 //! Also, best effort (reported in the `sandbox` trace line, not asked by the manifest):
 //! Landlock's scoping (ABI 6) keeps a command from signalling processes outside its domain
 //! (the worker, other commands) and from reaching abstract Unix sockets made outside it.
 
 pub mod cgroup;
+pub mod netfilter;
 mod seccomp;
 
 use cgroup::Controller;
@@ -35,9 +39,11 @@ use landlock::{
     ABI, Access, AccessFs, AccessNet, CompatLevel, Compatible, NetPort, PathBeneath, PathFd, Ruleset, RulesetAttr,
     RulesetCreatedAttr, Scope,
 };
-use mur_proto::manifest::{Network, Sandbox};
+use mur_proto::manifest::{Endpoint, Network, Sandbox};
+use netfilter::{Allowed, Fence};
 use seccompiler::BpfProgram;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -189,7 +195,7 @@ pub struct Applied {
     pub read: Vec<String>,
     /// Writable paths: the workdir, the session folder and `sandbox.write`, resolved.
     pub write: Vec<String>,
-    /// `none` or the `*:PORT` list.
+    /// `sandbox.network` as written: `none`, `loopback` or the `[host:port, …]` list.
     pub network: String,
     /// `sandbox.memory_mb`.
     pub memory_mb: Option<u64>,
@@ -200,13 +206,19 @@ pub struct Applied {
     /// The kernel's Landlock ABI.
     pub landlock_abi: u32,
     /// The mechanisms in force: `landlock`, `landlock-scope` (ABI 6),
-    /// `seccomp`, `no_new_privs`, `rlimit-cpu`, `cgroup v1`/`cgroup v2`.
+    /// `seccomp`, `no_new_privs`, `rlimit-cpu`, `cgroup v1`/`cgroup v2`, `nftables`.
     pub enforced_by: Vec<String>,
 }
 
 /// A session's sandbox, ready to confine its commands.
 #[derive(Debug)]
 pub struct Confinement {
+    /// The block it was prepared from, with the folders and kernel ([`Confinement::reaching`]).
+    sandbox: Sandbox,
+    folders: Folders,
+    kernel: Kernel,
+    /// The address rules' fence, when `network` has some.
+    fence: Option<Fence>,
     ruleset: OwnedFd,
     filters: Arc<Vec<BpfProgram>>,
     memory_mb: Option<u64>,
@@ -253,37 +265,12 @@ pub fn check(
     if !kernel.seccomp {
         return Err(fail("sandbox (its system call filter)", "the kernel takes no seccomp filters".into()));
     }
-    match &sandbox.network {
-        Network::None => {}
-        Network::Loopback => {
-            return Err(fail(
-                "sandbox.network: loopback",
-                "Landlock restricts TCP by port, not by address, so a loopback-only rule cannot be enforced; \
-                 list the ports instead (*:PORT) or use none"
-                    .into(),
-            ));
-        }
-        Network::Allow(list) => {
-            if let Some((i, e)) = list.iter().enumerate().find(|(_, e)| !e.any_host()) {
-                return Err(fail(
-                    &format!("sandbox.network[{i}] ({e})"),
-                    format!(
-                        "Landlock restricts TCP by port, not by address, so a rule for one host cannot be enforced; \
-                         write *:{} to allow the port on every host",
-                        e.port
-                    ),
-                ));
-            }
-            if kernel.landlock_abi < NET_ABI {
-                return Err(fail(
-                    "sandbox.network",
-                    format!(
-                        "TCP port rules need Landlock ABI {NET_ABI} (Linux 6.7), the kernel offers {}",
-                        abi_text(kernel)
-                    ),
-                ));
-            }
-        }
+    let fence = fence_of(&sandbox.network)?;
+    if matches!(sandbox.network, Network::Allow(_)) && kernel.landlock_abi < NET_ABI {
+        return Err(fail(
+            "sandbox.network",
+            format!("TCP port rules need Landlock ABI {NET_ABI} (Linux 6.7), the kernel offers {}", abi_text(kernel)),
+        ));
     }
     let mut by = vec!["landlock".to_string(), "seccomp".to_string(), "no_new_privs".to_string()];
     if kernel.landlock_abi >= 6 {
@@ -298,12 +285,63 @@ pub fn check(
     ] {
         if asked {
             let how = cgroups(controller).map_err(|why| fail(rule, why))?;
+            if let Some((net_rule, _)) = &fence
+                && how == "cgroup v2"
+            {
+                // A process is in one cgroup v2 group: the command's own (for the limit) or
+                // the session's fence (for the address rule), not both.
+                return Err(fail(
+                    net_rule,
+                    format!(
+                        "its address rule needs the session's cgroup v2 group and {rule} a group per command in the \
+                         same hierarchy; run the worker where the pids and memory controllers are in a v1 hierarchy, \
+                         or list ports (*:PORT) instead"
+                    ),
+                ));
+            }
             if !by.iter().any(|b| b == how) {
                 by.push(how.to_string());
             }
         }
     }
+    if fence.is_some() {
+        by.push("nftables".into());
+    }
     Ok(by)
+}
+
+/// The fence ([`netfilter`]) `network` needs — the rule it enforces (for errors) and what
+/// it lets through — or `None` when Landlock and seccomp enforce it alone (`none`, a list
+/// of `*:PORT` only).
+///
+/// # Errors
+/// [`Error::Unenforceable`] for an entry naming a host by name: the kernel matches
+/// addresses, and a sandboxed command has no DNS (no UDP) to find them.
+pub fn fence_of(network: &Network) -> Result<Option<(String, Allowed)>, Error> {
+    match network {
+        Network::None => Ok(None),
+        Network::Loopback => Ok(Some(("sandbox.network: loopback".into(), Allowed::Loopback))),
+        Network::Allow(list) => {
+            let mut allowed = Vec::with_capacity(list.len());
+            for (i, e) in list.iter().enumerate() {
+                if e.any_host() {
+                    allowed.push((None, e.port));
+                    continue;
+                }
+                let addr = e.host.parse::<IpAddr>().map_err(|_| Error::Unenforceable {
+                    rule: format!("sandbox.network[{i}] ({e})"),
+                    why: "the kernel's rules match addresses, not names, and a sandboxed command gets no DNS; write \
+                          the host's address (or *:PORT for the port on every host)"
+                        .into(),
+                })?;
+                allowed.push((Some(addr), e.port));
+            }
+            if allowed.iter().all(|(host, _)| host.is_none()) {
+                return Ok(None);
+            }
+            Ok(Some(("sandbox.network".into(), Allowed::Tcp(allowed))))
+        }
+    }
 }
 
 fn abi_text(kernel: Kernel) -> String {
@@ -394,7 +432,15 @@ impl Confinement {
         let ruleset: Option<OwnedFd> = created.into();
         let ruleset = ruleset.ok_or_else(|| Error::Setup("Landlock made no ruleset".into()))?;
         let filters = seccomp::filters(&sandbox.network).map_err(|e| setup(&e))?;
+        let fence = match fence_of(&sandbox.network)? {
+            Some((rule, allowed)) => Some(Fence::make(&allowed).map_err(|why| Error::Unenforceable { rule, why })?),
+            None => None,
+        };
         Ok(Confinement {
+            sandbox: sandbox.clone(),
+            folders: folders.clone(),
+            kernel,
+            fence,
             ruleset,
             filters: Arc::new(filters),
             memory_mb: sandbox.memory_mb,
@@ -409,6 +455,31 @@ impl Confinement {
         &self.applied
     }
 
+    /// The confinement of the session's hook programs, which must reach the hooks'
+    /// inference endpoint at `gate` (on a loopback address, see `hooks::gate`): the same
+    /// rules with TCP to `gate` allowed too — `none` becomes `[gate]`, a list gets `gate`
+    /// added — or `None` when the session's rules reach it already (`loopback`, or the
+    /// entry is listed).
+    ///
+    /// # Errors
+    /// Those of [`Confinement::prepare`]: allowing one address needs the fence
+    /// ([`netfilter`]), so a host where it cannot be made names `sandbox.network`.
+    pub fn reaching(&self, gate: SocketAddr) -> Result<Option<Confinement>, Error> {
+        let entry = Endpoint { host: gate.ip().to_string(), port: gate.port() };
+        let list = match &self.sandbox.network {
+            Network::Loopback if gate.ip().is_loopback() => return Ok(None),
+            Network::Allow(list)
+                if list.iter().any(|e| e.port == gate.port() && (e.any_host() || e.host == entry.host)) =>
+            {
+                return Ok(None);
+            }
+            Network::Allow(list) => list.iter().cloned().chain([entry]).collect(),
+            Network::None | Network::Loopback => vec![entry],
+        };
+        let sandbox = Sandbox { network: Network::Allow(list), ..self.sandbox.clone() };
+        Confinement::prepare(&sandbox, &self.folders, self.kernel).map(Some)
+    }
+
     /// Makes `cmd` start confined: its control groups are made now (returned: keep them
     /// until the command's processes are gone), the rest is applied by the child between
     /// fork and exec. `cmd` must be spawned once.
@@ -421,7 +492,8 @@ impl Confinement {
         } else {
             None
         };
-        let procs: Vec<RawFd> = group.as_ref().map(cgroup::CommandGroup::procs_fds).unwrap_or_default();
+        let mut procs: Vec<RawFd> = group.as_ref().map(cgroup::CommandGroup::procs_fds).unwrap_or_default();
+        procs.extend(self.fence.as_ref().map(Fence::procs_fd));
         let ruleset = self.ruleset.as_raw_fd();
         let filters = self.filters.clone();
         let cpu = self.cpu_secs;

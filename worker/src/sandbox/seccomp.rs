@@ -6,7 +6,8 @@
 //! other processes, mounting, entering or making namespaces, kernel modules and keyrings,
 //! BPF and perf, handle-based opens that skip path checks, the clock, the host name, swap,
 //! reboot and kexec; under a restricted `network`, sockets of other families or types than
-//! the rule allows and TCP Fast Open (which connects without `connect(2)`). A second one
+//! the rule allows (`none`: `AF_UNIX` only; `loopback`: also TCP and UDP; a list: also TCP)
+//! and, under a list, TCP Fast Open (which connects without `connect(2)`). A second one
 //! makes `clone3` fail with `ENOSYS`, as container runtimes do, so that C libraries fall back
 //! to `clone`, whose namespace flags the first filter can see (`clone3` passes them in
 //! memory a filter cannot read).
@@ -80,7 +81,8 @@ const NAMESPACE_FLAGS: [libc::c_int; 7] = [
     libc::CLONE_NEWNET,
 ];
 
-/// Socket types an inet socket may not have under a port list (all but `SOCK_STREAM`).
+/// Socket types an inet socket may not have under a port list (all but `SOCK_STREAM`;
+/// under `loopback`, all but `SOCK_STREAM` and `SOCK_DGRAM`).
 const NON_STREAM_TYPES: [libc::c_int; 6] = [
     libc::SOCK_DGRAM,
     libc::SOCK_RAW,
@@ -109,8 +111,24 @@ pub fn filters(network: &Network) -> Result<Vec<BpfProgram>, CompileError> {
     );
     match network {
         // Sockets of no family but AF_UNIX (pairs and pathname sockets).
-        Network::None | Network::Loopback => {
+        Network::None => {
             rules.insert(libc::SYS_socket, vec![rule(vec![cond(0, Op::Ne, libc::AF_UNIX as u64)])]);
+        }
+        // TCP and UDP over IPv4/IPv6 (and AF_UNIX); the fence (nftables) then lets their
+        // packets reach loopback addresses only. No raw or packet sockets, which could
+        // forge what the fence matches or bypass netfilter.
+        Network::Loopback => {
+            let mut socket = vec![rule(vec![
+                cond(0, Op::Ne, libc::AF_UNIX as u64),
+                cond(0, Op::Ne, libc::AF_INET as u64),
+                cond(0, Op::Ne, libc::AF_INET6 as u64),
+            ])];
+            for family in [libc::AF_INET, libc::AF_INET6] {
+                for ty in NON_STREAM_TYPES.iter().filter(|&&t| t != libc::SOCK_DGRAM) {
+                    socket.push(rule(vec![cond(0, Op::Eq, family as u64), of_type(*ty)]));
+                }
+            }
+            rules.insert(libc::SYS_socket, socket);
         }
         // TCP over IPv4/IPv6 (and AF_UNIX); Landlock then allows only the listed ports.
         Network::Allow(_) => {
@@ -121,9 +139,7 @@ pub fn filters(network: &Network) -> Result<Vec<BpfProgram>, CompileError> {
             ])];
             for family in [libc::AF_INET, libc::AF_INET6] {
                 for ty in NON_STREAM_TYPES {
-                    // The type's low bits (SOCK_NONBLOCK and SOCK_CLOEXEC sit above them).
-                    let of_type = Cond::new(1, Len::Dword, Op::MaskedEq(0xf), ty as u64).expect("argument 1");
-                    socket.push(rule(vec![cond(0, Op::Eq, family as u64), of_type]));
+                    socket.push(rule(vec![cond(0, Op::Eq, family as u64), of_type(ty)]));
                 }
                 // SOCK_STREAM with a protocol other than TCP (MPTCP, SCTP).
                 socket.push(rule(vec![
@@ -153,6 +169,12 @@ pub fn filters(network: &Network) -> Result<Vec<BpfProgram>, CompileError> {
 
 fn rule(conditions: Vec<Cond>) -> SeccompRule {
     SeccompRule::new(conditions).expect("a rule has conditions")
+}
+
+/// `socket(2)`'s type argument is `ty`: its low bits (`SOCK_NONBLOCK` and `SOCK_CLOEXEC`
+/// sit above them).
+fn of_type(ty: libc::c_int) -> Cond {
+    Cond::new(1, Len::Dword, Op::MaskedEq(0xf), ty as u64).expect("argument 1")
 }
 
 /// Argument `arg` (a 32-bit int) compared with `value`.

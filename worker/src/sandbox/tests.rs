@@ -50,16 +50,39 @@ fn port_rules_need_landlock_abi_4_and_a_kernel_without_seccomp_fails_closed() {
 }
 
 #[test]
-fn loopback_and_rules_naming_a_host_fail_closed_since_landlock_sees_only_ports() {
-    let e = unenforceable(check(&sandbox(Network::Loopback), FULL, no_cgroups));
+fn loopback_and_address_entries_are_fenced_and_host_names_fail_closed() {
+    let by = check(&sandbox(Network::Loopback), FULL, no_cgroups).unwrap();
+    assert_eq!(by, ["landlock", "seccomp", "no_new_privs", "landlock-scope", "nftables"]);
+    let list = vec![Endpoint::parse("*:443").unwrap(), Endpoint::parse("127.0.0.1:8080").unwrap()];
+    let by = check(&sandbox(Network::Allow(list)), FULL, no_cgroups).unwrap();
+    assert_eq!(by.last().map(String::as_str), Some("nftables"));
+    // Ports alone need no fence: Landlock enforces them.
+    let by = check(&sandbox(Network::Allow(vec![Endpoint::parse("*:443").unwrap()])), FULL, no_cgroups).unwrap();
+    assert!(!by.contains(&"nftables".to_string()), "{by:?}");
+    let list = vec![Endpoint::parse("[::1]:80").unwrap(), Endpoint::parse("api.example.com:443").unwrap()];
+    let e = unenforceable(check(&sandbox(Network::Allow(list)), FULL, no_cgroups));
+    assert_eq!(
+        e,
+        "sandbox.network[1] (api.example.com:443) cannot be enforced on this machine: the kernel's rules match \
+         addresses, not names, and a sandboxed command gets no DNS; write the host's address (or *:PORT for the port \
+         on every host)"
+    );
+}
+
+#[test]
+fn an_address_rule_with_limits_in_cgroup_v2_fails_closed_naming_the_network_rule() {
+    let mut s = sandbox(Network::Loopback);
+    s.pids = Some(16);
+    let e = unenforceable(check(&s, FULL, |_| Ok("cgroup v2")));
     assert!(
-        e.starts_with("sandbox.network: loopback cannot be enforced on this machine: Landlock restricts TCP by port"),
+        e.starts_with(
+            "sandbox.network: loopback cannot be enforced on this machine: its address rule needs the session's cgroup \
+             v2 group and sandbox.pids a group per command in the same hierarchy"
+        ),
         "{e}"
     );
-    let list = vec![Endpoint::parse("*:443").unwrap(), Endpoint::parse("127.0.0.1:8080").unwrap()];
-    let e = unenforceable(check(&sandbox(Network::Allow(list)), FULL, no_cgroups));
-    assert!(e.starts_with("sandbox.network[1] (127.0.0.1:8080) cannot be enforced on this machine"), "{e}");
-    assert!(e.ends_with("write *:8080 to allow the port on every host"), "{e}");
+    let by = check(&s, FULL, |_| Ok("cgroup v1")).unwrap();
+    assert_eq!(by, ["landlock", "seccomp", "no_new_privs", "landlock-scope", "cgroup v1", "nftables"]);
 }
 
 #[test]
