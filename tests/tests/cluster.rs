@@ -13,6 +13,7 @@ use futures::{StreamExt, TryStreamExt};
 use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
 use mur_coordinator::service;
 use mur_nats::api;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, TaskRecord};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
@@ -384,10 +385,6 @@ mod worker_service {
 
     const DEADLINE: Duration = Duration::from_secs(30);
 
-    fn now_ms() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
-    }
-
     /// A scripted capsule answering `text` after `delay_ms`.
     fn scripted(text: &str, delay_ms: u64) -> TestCapsule {
         TestCapsule::new(
@@ -422,7 +419,7 @@ mod worker_service {
         async fn submit(&self, capsule: &str, digest: &str, text: &str) -> Result<String> {
             let task_id = Id::generate(IdKind::Task);
             let request = SubmitRequest::new(capsule, text, Origin::User);
-            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
+            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), SystemClock.now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
             record.attempt += 1;
             self.res.tasks.update(&task_id, serde_json::to_vec(&record)?.into(), revision).await?;
@@ -739,7 +736,7 @@ impl SimWorker {
     }
 
     async fn register(&self, slots: u32) -> Result<()> {
-        self.register_at(slots, now_ms()).await
+        self.register_at(slots, SystemClock.now_ms()).await
     }
 
     async fn register_at(&self, slots: u32, now: u64) -> Result<()> {
@@ -791,7 +788,7 @@ impl SimWorker {
                 r.state = TaskState::Working;
                 r.worker = Some(worker.clone());
                 r.session_id = Some(Id::generate(IdKind::Session));
-                r.started_at = Some(now_ms());
+                r.started_at = Some(SystemClock.now_ms());
             })
             .await?;
         assert_eq!(record.attempt, dispatch.attempt, "the record carries the dispatch's attempt");
@@ -803,14 +800,10 @@ impl SimWorker {
             r.state = TaskState::Completed;
             r.exit_status = Some(ExitStatus::Ok);
             r.result = Some("done".into());
-            r.ended_at = Some(now_ms());
+            r.ended_at = Some(SystemClock.now_ms());
         })
         .await
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 const QUEUE_MANIFEST: &str = "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n\
@@ -1083,7 +1076,7 @@ async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_i
         foreign.clone(),
         cluster::SubmitRequest::new("greeter", "from the old leader", mur_proto::task::Origin::User),
         digest,
-        now_ms(),
+        SystemClock.now_ms(),
     );
     record.attempt = 1;
     worker.res.tasks.create(foreign.as_str(), serde_json::to_vec(&record)?.into()).await?;
@@ -1112,7 +1105,7 @@ async fn a_worker_with_a_stale_heartbeat_gets_no_dispatch_until_it_beats_again()
     let worker = SimWorker::new(&server, "w1").await?;
 
     // A heartbeat older than the worker timeout (10 s) does not count.
-    worker.register_at(1, now_ms() - 60_000).await?;
+    worker.register_at(1, SystemClock.now_ms() - 60_000).await?;
     let first = submit(&client, "greeter", "first", "user").await?;
     assert!(worker.next_dispatch(QUIET).await?.is_none(), "a stale worker gets nothing");
 
@@ -1629,7 +1622,8 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
     let server = NatsServer::start();
     push_capsules(&server).await?;
     let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
-    let client = server.connect().await;
+    // Connected before it returns, so its subscription is in place before the first send.
+    let client = async_nats::connect(server.url()).await?;
     // Stands in for a coordinator whose JetStream fails: it answers the first send
     // `unavailable`, then goes away.
     let mut stand_in = client.subscribe(cluster::api::TASK_SUBMIT).await?;
@@ -1713,6 +1707,7 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
 async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_older_than_the_api_version() -> Result<()>
 {
     let server = NatsServer::start();
+    // A send that meets no subscriber yet ("no responders") is sent again: the patience.
     let client = server.connect().await;
     let stand_in = server.connect().await;
     let mut requests = stand_in.subscribe(cluster::api::TASK_SUBMIT).await?;
@@ -1734,7 +1729,7 @@ async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_ol
     let sending = tokio::spawn({
         let client = client.clone();
         async move {
-            let reply = api::submit(&client, &mut request, Duration::ZERO, |_, _| {}).await;
+            let reply = api::submit(&client, &mut request, WAIT, |_, _| {}).await;
             (reply, request)
         }
     });
@@ -1755,7 +1750,7 @@ async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_ol
     let mut request = cluster::SubmitRequest::new("greeter", "", mur_proto::task::Origin::User);
     let sending = tokio::spawn({
         let client = client.clone();
-        async move { api::submit(&client, &mut request, Duration::ZERO, |_, _| {}).await }
+        async move { api::submit(&client, &mut request, WAIT, |_, _| {}).await }
     });
     let only = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent");
     let (headers, body) = api::error_reply(&cluster::ApiError::invalid("text: must not be empty"));
