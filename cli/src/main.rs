@@ -5,6 +5,7 @@ mod capsule;
 mod cluster;
 mod fleet;
 mod follow;
+mod mcp;
 mod nats;
 mod run;
 mod task;
@@ -58,6 +59,9 @@ enum Command {
     /// Read a session's trace.jsonl.
     #[command(subcommand)]
     Trace(trace::Command),
+    /// Serve the cluster to MCP clients: `mur mcp serve` (stdio).
+    #[command(subcommand)]
+    Mcp(mcp::Command),
 }
 
 /// Lets SIGPIPE end the process, as it ends `ls` or `cat`: `mur task ls | head -1` stops
@@ -116,6 +120,7 @@ fn main() -> ExitCode {
         Command::Job(cmd) => fleet::job(cmd),
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
+        Command::Mcp(cmd) => mcp::run(cmd),
     };
     telemetry.shutdown();
     match result {

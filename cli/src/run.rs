@@ -189,7 +189,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let sandbox = mur_worker::sandbox::for_session(&capsule.manifest, &folders, false)?;
     let model_label = capsule.model_label();
-    std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, tools.specs()))?;
+    std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, &tools.specs()))?;
     let launch = resolve_task(&args, &capsule_dir, &layout.workdir)?;
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

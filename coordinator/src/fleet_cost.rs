@@ -126,11 +126,7 @@ pub fn account(record: &mut RunRecord, prices: &Prices, job: Option<&str>, usage
             record.jobs.entry(j.to_string()).or_default().add(usage, usd);
         }
     }
-    record.spend.usd += iteration.usd;
-    record.spend.input_tokens += iteration.input_tokens;
-    record.spend.output_tokens += iteration.output_tokens;
-    record.spend.cached_tokens += iteration.cached_tokens;
-    record.spend.estimated |= iteration.estimated;
+    record.spend.add_spend(&iteration);
     iteration
 }
 

@@ -17,7 +17,8 @@
 //! 3. The micro service `mur` ([`cluster::SERVICE_NAME`], discoverable with `$SRV.INFO`)
 //!    has one endpoint per subject of [`cluster::api`]; each request is handled in a task
 //!    of its own. Replies follow the scheme of [`mur_nats::api`] (success = the plain JSON
-//!    value; failure = micro service error headers + the [`ApiError`] JSON).
+//!    value; failure = micro service error headers + the [`ApiError`] JSON, sent as an
+//!    error so the service stats count it).
 //!
 //! Admission at submit (issue #9): `task.submit` first asks the actor to
 //! [`Scheduler::admit`] the task. When a slot is free and nothing would be released before
@@ -777,8 +778,8 @@ impl Ctx {
             Ok(reply) => request.respond(Ok(reply)).await,
             Err(err) => {
                 tracing::debug!(instance = %self.instance, subject = kind.subject(), "refused: {err}");
-                let (headers, body) = api::error_reply(&err);
-                request.respond_with_headers(Ok(body), headers).await
+                let (error, headers) = api::service_error(&err);
+                request.respond_with_headers(Err(error), headers).await
             }
         };
         if let Err(e) = sent {

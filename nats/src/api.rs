@@ -10,12 +10,16 @@
 //! - **failure**: the NATS micro service error headers are set —
 //!   `Nats-Service-Error: <code>: <message>` and `Nats-Service-Error-Code: <status>` (the
 //!   [`ErrorCode::status`], 400/404/409/500/503) — so generic micro service tooling sees an
-//!   error, and the body is the [`ApiError`] as JSON (`{"code": …, "message": …}`), so
-//!   murmur's clients get the closed error code and the full message.
+//!   error, and the [`ApiError`] as JSON (`{"code": …, "message": …}`) is in the
+//!   [`MUR_API_ERROR`] header, so murmur's clients get the closed error code and the full
+//!   message. The coordinator's service sends it with async-nats `respond(Err(..))`, so the
+//!   service's stats (`$SRV.STATS`, `nats micro stats`) count the refusal as an error
+//!   (issue #29 item 10); that form's body is empty ([`service_error`]).
 //!
-//! A reply with error headers and a body that is not an [`ApiError`] (another micro service
-//! implementation, or the async-nats `respond(Err(..))` form with an empty body) is read
-//! from the headers alone, its code mapped back from the status.
+//! A reply with error headers whose body is an [`ApiError`] (coordinators before issue #29,
+//! and [`error_reply`]'s plain replies) is read from the body; one with neither that body
+//! nor the [`MUR_API_ERROR`] header (another micro service implementation) is read from
+//! the headers alone, its code mapped back from the status.
 //!
 //! [`SubmitReply`]: mur_proto::cluster::SubmitReply
 //! [`TaskRecord`]: mur_proto::cluster::TaskRecord
@@ -156,6 +160,9 @@ fn reply_error(reply: &Message) -> Option<ApiError> {
     if let Ok(err) = serde_json::from_slice::<ApiError>(&reply.payload) {
         return Some(err);
     }
+    if let Some(err) = headers.get(MUR_API_ERROR).and_then(|v| serde_json::from_str::<ApiError>(v.as_str()).ok()) {
+        return Some(err);
+    }
     let code = match status.map(|s| s.as_str().trim()) {
         Some("400") => ErrorCode::InvalidRequest,
         Some("404") => ErrorCode::NotFound,
@@ -170,10 +177,13 @@ fn reply_error(reply: &Message) -> Option<ApiError> {
 /// the whole message).
 const MAX_HEADER_TEXT: usize = 512;
 
-/// The headers and body of a failure reply for `err` (the service side of the scheme); the
-/// body carries this build's [`mur_proto::cluster::api::VERSION`].
-pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
-    let mut headers = HeaderMap::new();
+/// The header of a failure reply that carries the whole [`ApiError`] as JSON (one line:
+/// JSON escapes line breaks), for replies whose body is empty ([`service_error`]).
+pub const MUR_API_ERROR: &str = "Mur-Api-Error";
+
+/// The `Nats-Service-Error` text for `err`: `<code>: <message>` on one line, cut to
+/// [`MAX_HEADER_TEXT`] bytes.
+fn header_text(err: &ApiError) -> String {
     // Header values cannot hold line breaks.
     let mut text = err.to_string().replace(['\r', '\n'], " ");
     if text.len() > MAX_HEADER_TEXT {
@@ -184,9 +194,35 @@ pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
         text.truncate(cut);
         text.push('…');
     }
-    headers.insert(NATS_SERVICE_ERROR, text.as_str());
+    text
+}
+
+/// `err` as the coordinator answers it: stamped with this build's
+/// [`mur_proto::cluster::api::VERSION`], so a client tells the coordinator's API by number.
+fn versioned(err: &ApiError) -> ApiError {
+    ApiError { api_version: Some(mur_proto::cluster::api::VERSION), ..err.clone() }
+}
+
+/// The headers and body of a failure reply for `err` published by hand (not through a
+/// micro service endpoint): the error headers, and the [`ApiError`] JSON (versioned) as
+/// the body.
+pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_SERVICE_ERROR, header_text(err).as_str());
     headers.insert(NATS_SERVICE_ERROR_CODE, err.code.status().to_string().as_str());
-    let versioned = ApiError { api_version: Some(mur_proto::cluster::api::VERSION), ..err.clone() };
-    let body = serde_json::to_vec(&versioned).expect("an ApiError serializes");
+    let body = serde_json::to_vec(&versioned(err)).expect("an ApiError serializes");
     (headers, Bytes::from(body))
+}
+
+/// A micro service endpoint's failure reply for `err`, to pass to async-nats
+/// `Request::respond_with_headers(Err(error), headers)`: the service counts it in its
+/// stats' `errors` and sets the error headers from `error` (`<code>: <message>`, the
+/// status); `headers` carry the whole [`ApiError`] JSON (versioned) in [`MUR_API_ERROR`],
+/// since that reply's body is empty.
+pub fn service_error(err: &ApiError) -> (async_nats::service::error::Error, HeaderMap) {
+    let error = async_nats::service::error::Error { status: header_text(err), code: usize::from(err.code.status()) };
+    let mut headers = HeaderMap::new();
+    let json = serde_json::to_string(&versioned(err)).expect("an ApiError serializes");
+    headers.insert(MUR_API_ERROR, json.as_str());
+    (error, headers)
 }

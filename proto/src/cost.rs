@@ -1,5 +1,5 @@
 //! What model calls cost (issue #11 §Cost): the cluster config's `prices:` (USD per 1,000
-//! tokens, per model, cached input priced separately), a task's token [`Usage`] (provider-
+//! tokens, per model, cache reads and cache writes priced separately, issue #28 item 3), a task's token [`Usage`] (provider-
 //! reported where available, the runtime's estimate otherwise, and [`Usage::estimated`]
 //! says which), the [`Spend`] of a run, a job or a member, and the budget projection of
 //! the fleet reference, §3 step 4.
@@ -15,9 +15,10 @@ use std::collections::BTreeMap;
 /// guess, ref §8).
 pub const PROJECTION_TOKENS_PER_MEMBER: u64 = 3_500_000;
 
-/// One model's price, USD per 1,000 tokens (`prices: {gpt-4o: {input: 2.5, output: 10,
-/// cached_input: 1.25}}`). `cached_input` defaults to `input` (a cache read is never
-/// priced below what the provider was told to charge).
+/// One model's price, USD per 1,000 tokens (`prices: {claude-x: {input: 3, output: 15,
+/// cached_input: 0.3, cache_write: 3.75}}`). `cached_input` and `cache_write` default to
+/// `input` (a cache read is never priced below what the provider was told to charge; a
+/// cache write was billed as input before the key existed).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Price {
@@ -28,15 +29,22 @@ pub struct Price {
     /// Input tokens served from the provider's prompt cache; absent: `input`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_input: Option<f64>,
+    /// Input tokens written to the provider's prompt cache (Anthropic's
+    /// `cache_creation_input_tokens`, billed at 1.25× input for the 5-minute cache);
+    /// absent: `input`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write: Option<f64>,
 }
 
 impl Price {
-    /// What `usage` costs, USD: uncached input × `input` + cached input × `cached_input` +
-    /// output × `output`, each per 1,000 tokens.
+    /// What `usage` costs, USD: plain input × `input` + cache reads × `cached_input` +
+    /// cache writes × `cache_write` + output × `output`, each per 1,000 tokens, where plain
+    /// input is the input tokens less the cache reads and writes.
     pub fn cost(&self, usage: &Usage) -> f64 {
-        let uncached = usage.input_tokens.saturating_sub(usage.cached_tokens);
-        (uncached as f64 * self.input
+        let plain = usage.input_tokens.saturating_sub(usage.cached_tokens).saturating_sub(usage.cache_write_tokens);
+        (plain as f64 * self.input
             + usage.cached_tokens as f64 * self.cached_input.unwrap_or(self.input)
+            + usage.cache_write_tokens as f64 * self.cache_write.unwrap_or(self.input)
             + usage.output_tokens as f64 * self.output)
             / 1000.0
     }
@@ -56,7 +64,12 @@ impl Prices {
     pub fn validate(&self) -> Result<(), String> {
         let mut errors = Vec::new();
         for (model, p) in &self.0 {
-            for (key, v) in [("input", Some(p.input)), ("output", Some(p.output)), ("cached_input", p.cached_input)] {
+            for (key, v) in [
+                ("input", Some(p.input)),
+                ("output", Some(p.output)),
+                ("cached_input", p.cached_input),
+                ("cache_write", p.cache_write),
+            ] {
                 if let Some(v) = v
                     && !(v.is_finite() && v >= 0.0)
                 {
@@ -88,7 +101,8 @@ impl Prices {
 }
 
 /// A task's token usage, kept on its terminal record. `input_tokens` counts every input
-/// token, cached ones included; `cached_tokens` is the part served from the prompt cache.
+/// token, cache reads and writes included; `cached_tokens` is the part served from the
+/// prompt cache, `cache_write_tokens` the part written to it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// The model the task's session called (the manifest's `inference.model`).
@@ -100,6 +114,10 @@ pub struct Usage {
     pub output_tokens: u64,
     /// Input tokens the provider served from its prompt cache.
     pub cached_tokens: u64,
+    /// Input tokens the provider wrote to its prompt cache (0 on records from before it
+    /// was counted).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
     /// Whether any count is the runtime's estimate because the provider did not report it.
     pub estimated: bool,
 }
@@ -108,8 +126,10 @@ impl Usage {
     /// Adds one model call: the provider's counts where it reported them, else the
     /// runtime's estimates `estimated_input` / `estimated_output` (and then
     /// [`Usage::estimated`] is set). `input_excludes_cached`: the provider counts cache
-    /// reads (and writes) apart from its input tokens (Anthropic), so they are added to
-    /// the input here; OpenAI's `prompt_tokens` already includes `cached_tokens`.
+    /// reads and writes apart from its input tokens (Anthropic), so they are added to
+    /// the input here; OpenAI's `prompt_tokens` already includes `cached_tokens` (and it
+    /// reports no cache writes). Cache writes are also counted in
+    /// [`Usage::cache_write_tokens`].
     pub fn add_call(
         &mut self,
         estimated_input: u64,
@@ -129,6 +149,7 @@ impl Usage {
             }
         }
         self.cached_tokens += cached;
+        self.cache_write_tokens += provider.cache_write_tokens.unwrap_or(0);
         match provider.output_tokens_actual {
             Some(output) => self.output_tokens += output,
             None => {
@@ -155,6 +176,9 @@ pub struct Spend {
     pub output_tokens: u64,
     /// Cached input tokens.
     pub cached_tokens: u64,
+    /// Input tokens written to the prompt cache.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
     /// Whether any of it rests on the runtime's estimate.
     pub estimated: bool,
 }
@@ -166,13 +190,30 @@ impl Spend {
         self.input_tokens += usage.input_tokens;
         self.output_tokens += usage.output_tokens;
         self.cached_tokens += usage.cached_tokens;
+        self.cache_write_tokens += usage.cache_write_tokens;
         self.estimated |= usage.estimated;
     }
 
-    /// `$1.2345 (1200 in, 300 cached, 80 out)`, with `, estimated` when it is.
+    /// Adds another spend (an iteration's to its run's).
+    pub fn add_spend(&mut self, other: &Spend) {
+        self.usd += other.usd;
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
+        self.estimated |= other.estimated;
+    }
+
+    /// `$1.2345 (1200 in, 300 cached, 80 out)`, with `, 50 cache-write` after the cached
+    /// count when there are any, and `, estimated` when it is.
     pub fn summary(&self) -> String {
+        let writes = if self.cache_write_tokens > 0 {
+            format!(", {} cache-write", self.cache_write_tokens)
+        } else {
+            String::new()
+        };
         format!(
-            "${:.4} ({} in, {} cached, {} out{})",
+            "${:.4} ({} in, {} cached{writes}, {} out{})",
             self.usd,
             self.input_tokens,
             self.cached_tokens,
@@ -214,6 +255,7 @@ mod tests {
             input_tokens: 2_000_000,
             output_tokens: 1_000_000,
             cached_tokens: 1_000_000,
+            cache_write_tokens: 0,
             estimated: false,
         };
         assert_eq!(prices().cost(&u), Some(3500.0));
@@ -243,7 +285,41 @@ mod tests {
             cache_write_tokens: Some(2),
         };
         anthropic.add_call(0, 0, &a, true);
-        assert_eq!((anthropic.input_tokens, anthropic.cached_tokens), (42, 30));
+        assert_eq!((anthropic.input_tokens, anthropic.cached_tokens, anthropic.cache_write_tokens), (42, 30, 2));
+    }
+
+    #[test]
+    fn cache_writes_are_priced_apart_and_default_to_the_input_price() {
+        let prices: Prices = serde_yaml_ng::from_str(
+            "claude-x: {input: 3, output: 15, cached_input: 0.25, cache_write: 3.75}
+old: {input: 3, output: 15, cached_input: 0.25}
+",
+        )
+        .unwrap();
+        // 1,000 plain + 4,000 read + 2,000 written = 7,000 input tokens, 500 out.
+        let u = Usage {
+            model: Some("claude-x".into()),
+            input_tokens: 7000,
+            output_tokens: 500,
+            cached_tokens: 4000,
+            cache_write_tokens: 2000,
+            estimated: false,
+        };
+        // (1,000 × 3 + 4,000 × 0.25 + 2,000 × 3.75 + 500 × 15) / 1,000.
+        assert_eq!(prices.cost(&u), Some(19.0));
+        assert_eq!(prices.cost(&Usage { model: Some("old".into()), ..u.clone() }), Some(17.5));
+        let mut spend = Spend::default();
+        spend.add(&u, prices.cost(&u));
+        assert_eq!(spend.summary(), "$19.0000 (7000 in, 4000 cached, 2000 cache-write, 500 out)");
+        let bad: Prices = serde_yaml_ng::from_str(
+            "m: {input: 1, output: 1, cache_write: -1}
+",
+        )
+        .unwrap();
+        assert_eq!(
+            bad.validate().unwrap_err(),
+            "prices.m.cache_write: must be a non-negative number of USD per 1,000 tokens, got -1"
+        );
     }
 
     #[test]

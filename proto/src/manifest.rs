@@ -13,7 +13,9 @@ use serde_json::Value;
 use std::collections::BTreeSet;
 use std::fmt;
 
+mod mcp;
 mod sandbox;
+pub use mcp::{DEFAULT_MCP_TIMEOUT_SECS, MCP_TOOL_PREFIX, McpServer, McpTransport};
 pub use sandbox::{Endpoint, Network, Sandbox};
 
 /// A validated capsule manifest.
@@ -48,6 +50,8 @@ pub struct Manifest {
     pub trace: TraceConfig,
     /// How the capsule's commands are confined (issue #37); `None` runs them unconfined.
     pub sandbox: Option<Sandbox>,
+    /// The MCP servers whose tools the model may call (issue #35), in declaration order.
+    pub mcp_servers: Vec<McpServer>,
 }
 
 /// `inference.transport`.
@@ -444,6 +448,7 @@ struct Raw {
     /// `sandbox:` written with no value is a block of defaults, not an absent one.
     #[serde(default, deserialize_with = "sandbox::present")]
     sandbox: Option<Option<sandbox::RawSandbox>>,
+    mcp_servers: Option<Vec<mcp::RawMcpServer>>,
 }
 
 #[derive(Deserialize)]
@@ -825,6 +830,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
 
     let trace = TraceConfig { capture: raw.trace.and_then(|t| t.capture).unwrap_or_default() };
     let sandbox = raw.sandbox.map(|s| sandbox::validate(s.unwrap_or_default(), &mut r));
+    let mcp_servers = mcp::validate(raw.mcp_servers.unwrap_or_default(), env, &mut r);
 
     if !r.0.is_empty() {
         return Err(Error::Invalid(r.0));
@@ -841,6 +847,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         tools,
         trace,
         sandbox,
+        mcp_servers,
     })
 }
 

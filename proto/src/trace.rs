@@ -196,6 +196,9 @@ pub enum Event {
         duration_ms: u64,
         /// `ok` or `error`.
         status: CallStatus,
+        /// The MCP server that served the call, for a tool of `mcp_servers:` (issue #35).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mcp_server: Option<String>,
     },
     /// A shell command, written right after its `tool_call` line.
     Shell {
@@ -233,24 +236,37 @@ pub enum Event {
         /// The grace period it outlived, ms.
         grace_ms: u64,
     },
-    /// A tool call's command ran sandboxed (issue #37): the rules it ran under. Written
-    /// right after the call's `shell` or `shell_detached` line (after its `tool_call` line
-    /// for a command tool). A denial the kernel made comes back in the command's own output
+    /// A tool call's command, or a hook program, ran sandboxed (issue #37): the rules it
+    /// ran under. For a tool call, written right after the call's `shell` or
+    /// `shell_detached` line (after its `tool_call` line for a command tool); for a hook
+    /// program, after the dispatch of the event it was started for (once per start of a
+    /// persistent hook). A denial the kernel made comes back in the process's own output
     /// (`Permission denied`, `Operation not permitted`).
     Sandbox {
-        /// Turn that asked for it.
+        /// Turn that asked for it (for a hook: the turn under way, 0 before the first).
         turn: u32,
-        /// The task.
-        task_id: String,
-        /// The tool called.
-        tool_name: String,
+        /// The task; absent for a hook started outside a task (`on-session-start`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        task_id: Option<String>,
+        /// The tool called; absent for a hook.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_name: Option<String>,
+        /// The hook started; absent for a tool call.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hook_name: Option<String>,
+        /// The binding of the event the hook was started for (`on-task-start`); absent for
+        /// a tool call.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event: Option<String>,
         /// Readable paths besides the system's programs and libraries (the capsule folder
         /// and `sandbox.read`), absolute.
         read: Vec<String>,
         /// Writable paths (the folder commands run in, the session folder and
         /// `sandbox.write`), absolute.
         write: Vec<String>,
-        /// `sandbox.network`: `none`, `loopback` or the `[host:port, …]` list.
+        /// `sandbox.network`: `none`, `loopback` or the `[host:port, …]` list. A hook's
+        /// shows the inference endpoint's address added when the session's rule does not
+        /// reach it (`none` → `[127.0.0.1:PORT]`).
         network: String,
         /// `sandbox.memory_mb`, MiB, for all the command's processes together.
         memory_mb: Option<u64>,
@@ -386,7 +402,9 @@ pub enum Event {
         task_id: String,
         /// Occupancy at the time.
         tokens: u64,
-        /// `no_hook_replacement` or `unresolved_tool_call`.
+        /// `no_hook_replacement`, `unresolved_tool_call`, or `threshold_unreachable` (the
+        /// last compaction left the count over the threshold and the history has not
+        /// outgrown it since; written once per such compaction, issue #28 item 4).
         reason: String,
     },
     /// A spend ceiling refused a model call before it was sent.

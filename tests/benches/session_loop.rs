@@ -199,26 +199,26 @@ impl Driver for Timed {
 }
 
 /// One tool, `noop`, that answers `ok` at once.
-struct NoopTools(Vec<ToolSpec>);
+struct NoopTools(Arc<[ToolSpec]>);
 
 impl NoopTools {
     fn new() -> Self {
-        NoopTools(vec![ToolSpec {
+        NoopTools(Arc::new([ToolSpec {
             name: "noop".into(),
             description: "does nothing".into(),
             parameters: json!({"type": "object", "properties": {}}),
-        }])
+        }]))
     }
 }
 
 #[async_trait]
 impl Tools for NoopTools {
-    fn specs(&self) -> &[ToolSpec] {
-        &self.0
+    fn specs(&self) -> Arc<[ToolSpec]> {
+        self.0.clone()
     }
 
     async fn call(&self, _name: &str, _input: &Value, _ctx: &CallContext) -> Outcome {
-        Outcome { text: "ok".into(), is_error: false, shell: None, detached: None, sandbox: None }
+        Outcome { text: "ok".into(), is_error: false, shell: None, detached: None, sandbox: None, mcp_server: None }
     }
 }
 

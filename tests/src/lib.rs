@@ -6,6 +6,7 @@ pub mod capsule;
 pub mod fake_anthropic;
 pub mod fake_openai;
 pub mod fake_otlp;
+pub mod mcp;
 pub mod mur;
 pub mod nats;
 pub mod permits;

@@ -953,6 +953,39 @@ async fn submit_refuses_bad_requests_with_their_error_and_stores_nothing() -> Re
     Ok(())
 }
 
+/// Issue #29 item 10: a refusal was sent as an OK reply with error headers, so `nats micro
+/// stats` showed `errors=0` after refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_counts_as_an_error_in_the_service_stats_and_keeps_its_api_error() -> Result<()> {
+    let server = NatsServer::start();
+    push_capsules(&server).await?;
+    let coordinator = Coordinator::start(&server, "c1").await;
+    let client = server.connect().await;
+
+    let err =
+        api::call::<cluster::SubmitReply>(&client, cluster::api::TASK_SUBMIT, r#"{"capsule":"nope","text":"hi"}"#)
+            .await
+            .expect_err("refused");
+    assert_eq!(err.code, cluster::ErrorCode::NotFound);
+    assert_eq!(err.message, r#"capsule: no capsule named "nope" (push it with `mur capsule push`)"#);
+    submit(&client, "greeter", "hi", "user").await?;
+
+    let stats = client.request("$SRV.STATS.mur", "".into()).await?;
+    let stats: serde_json::Value = serde_json::from_slice(&stats.payload)?;
+    let endpoint = stats["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["subject"] == cluster::api::TASK_SUBMIT)
+        .unwrap_or_else(|| panic!("{stats}"))
+        .clone();
+    assert_eq!((endpoint["num_requests"].as_u64(), endpoint["num_errors"].as_u64()), (Some(2), Some(1)), "{endpoint}");
+    let last = endpoint["last_error"].as_str().unwrap_or_default();
+    assert!(last.contains(r#"not_found: capsule: no capsule named "nope""#), "{endpoint}");
+    coordinator.stop().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_is_dispatched_only_once_a_worker_with_a_free_slot_registers() -> Result<()> {
     let server = NatsServer::start();

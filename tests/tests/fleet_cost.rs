@@ -6,6 +6,7 @@
 
 use mur_proto::cluster::{TaskRecord, api};
 use mur_tests::capsule::TestCapsule;
+use mur_tests::fake_anthropic::{AnthropicReply, FakeAnthropic};
 use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
 use mur_tests::mur::Run;
 use mur_tests::procs::Procs;
@@ -85,11 +86,11 @@ async fn a_budget_stops_a_metered_loop_before_the_iteration_it_cannot_afford_and
     let v = status_json(&procs, &run_id).await;
     assert_eq!((v["state"].as_str(), v["stop"].as_str()), (Some("failed"), Some("budget")));
     let spend = json!({"usd": 7000.0, "input_tokens": 4_000_000, "output_tokens": 2_000_000,
-                       "cached_tokens": 2_000_000, "estimated": false});
+                       "cached_tokens": 2_000_000, "cache_write_tokens": 0, "estimated": false});
     assert_eq!(v["spend"], spend);
     assert_eq!(v["members"], json!({"coder": spend}));
     let per_job = json!({"usd": 3500.0, "input_tokens": 2_000_000, "output_tokens": 1_000_000,
-                         "cached_tokens": 1_000_000, "estimated": false});
+                         "cached_tokens": 1_000_000, "cache_write_tokens": 0, "estimated": false});
     let job_spend: Vec<&Value> = v["jobs"].as_object().unwrap().values().collect();
     assert_eq!(job_spend, [&per_job, &per_job]);
     assert_eq!((v["budget_usd"].as_f64(), v["guard_rate"].as_f64()), (Some(10000.0), Some(2.0)));
@@ -160,7 +161,7 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     assert_eq!(
         v["spend"],
         json!({"usd": usd, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-               "cached_tokens": 0, "estimated": true})
+               "cached_tokens": 0, "cache_write_tokens": 0, "estimated": true})
     );
     let text = mur(&procs, &["job", "status", &run_id]).await.stdout;
     assert!(text.contains(&format!("spend      ${usd:.4} (")) && text.contains(" out, estimated)\n"), "{text}");
@@ -176,4 +177,60 @@ async fn missing_usage_is_estimated_and_marked_and_a_local_fleet_is_told_its_dea
     assert_eq!((v["spend"]["usd"].as_f64(), v["spend"]["estimated"].as_bool()), (Some(0.0), Some(true)));
     let log = mur(&procs, &["fleet", "log", "localf"]).await.stdout;
     assert!(log.contains(&format!("system note: notice: {notice}")), "{log}");
+}
+
+/// Issue #28 item 3: an Anthropic reply with cache writes and cache reads. The call reports
+/// 1,000 plain input tokens, 4,000 read from the cache, 2,000 written to it, and 500 output
+/// tokens; at $3 input, $0.25 cache read, $3.75 cache write and $15 output per 1,000 that is
+/// (3,000 + 1,000 + 7,500 + 7,500) / 1,000 = $19.00 (cache writes at the input rate made it
+/// $17.50). The counts show apart on the task's usage, the spend, `mur job status` and the
+/// trace's `inference` line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cache_writes_are_priced_at_their_own_rate_and_counted_apart() {
+    let usage = json!({"input_tokens": 1000, "output_tokens": 500,
+                       "cache_read_input_tokens": 4000, "cache_creation_input_tokens": 2000});
+    let fake = FakeAnthropic::start(vec![AnthropicReply::text("done", usage)]);
+    let prices = "jetstream:\n  ack_wait_secs: 5\nprices:\n  \
+                  claude-x: {input: 3, output: 15, cached_input: 0.25, cache_write: 3.75}\n";
+    let procs = Procs::start(prices).await;
+    let _c = procs.coordinator("coordinator-1");
+    let _w = procs.worker("wkr-1", 2);
+    procs.wait_workers(1).await;
+    let capsule = TestCapsule::new(
+        &format!(
+            "name: writer\nversion: 1.0.0\ninference:\n  driver: anthropic\n  endpoint: {}\n  model: claude-x\n",
+            fake.url()
+        ),
+        &[],
+    );
+    procs.push(capsule.dir()).await;
+    create_fleet(&procs, "name: cached\ngoal: Say something.\nmembers: [writer]\n").await;
+    let run = mur(&procs, &["fleet", "run", "cached"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(fake.requests().len(), 1);
+
+    let v = status_json(&procs, &run.run_id()).await;
+    let spend = json!({"usd": 19.0, "input_tokens": 7000, "output_tokens": 500, "cached_tokens": 4000,
+                       "cache_write_tokens": 2000, "estimated": false});
+    assert_eq!(v["spend"], spend);
+    assert_eq!(v["members"], json!({"writer": spend}));
+    let text = mur(&procs, &["job", "status", &run.run_id()]).await.stdout;
+    assert!(text.contains("spend      $19.0000 (7000 in, 4000 cached, 2000 cache-write, 500 out)\n"), "{text}");
+
+    let tasks = mur_nats::api::call::<mur_proto::page::Page<TaskRecord>>(&procs.client, api::TASK_LIST, "")
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(tasks.len(), 1);
+    let usage = tasks[0].usage.clone().expect("the terminal record carries usage");
+    assert_eq!(
+        (usage.input_tokens, usage.cached_tokens, usage.cache_write_tokens, usage.output_tokens),
+        (7000, 4000, 2000, 500)
+    );
+    let trace = procs.trace_of(&tasks[0].task_id).await;
+    let inference = trace.iter().find(|l| l["event_type"] == "inference").expect("an inference line");
+    assert_eq!(
+        (&inference["input_tokens_actual"], &inference["cached_tokens"], &inference["cache_write_tokens"]),
+        (&json!(1000), &json!(4000), &json!(2000))
+    );
 }

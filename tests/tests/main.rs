@@ -11,6 +11,9 @@ mod drivers;
 /// and oversized streams, error bodies, the output cap's key (issue #28).
 mod model_calls;
 
+/// Capsules as MCP clients: the testkit's rmcp servers over stdio and streamable HTTP (issue #35).
+mod mcp;
+
 /// Hook programs: reopening, seeding, compaction, spend ceilings, staging, errors.
 mod hooks;
 /// Sandboxed capsules: filesystem, network and resource limits enforced by the kernel.

@@ -461,3 +461,73 @@ async fn the_output_cap_goes_under_the_key_the_manifest_picks() {
     assert_eq!((sent[0].get("max_completion_tokens"), sent[0].get("max_tokens")), (Some(&json!(300)), None));
     assert_eq!((sent[1].get("max_completion_tokens"), sent[1].get("max_tokens")), (None, Some(&json!(300))));
 }
+
+/// A compaction hook that keeps the last assistant message (its calls are about to run)
+/// after a one-line summary, and counts its calls in `hook-calls.log`.
+const KEEP_TAIL: &str = r#"#!/usr/bin/env python3
+import json, sys
+ev = json.load(sys.stdin)
+with open("hook-calls.log", "a") as f:
+    f.write("%d\n" % ev["turn"])
+msgs = ev["messages"]
+print(json.dumps({"action": "replace-context", "messages": [{"role": "user", "content": "summary"}, msgs[-1]]}))
+"#;
+
+fn tool_call_reply(i: u32) -> FakeReply {
+    FakeReply::Json(json!({
+        "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": format!("call_{i}"), "type": "function",
+                            "function": {"name": "sh", "arguments": format!("{{\"command\": \"echo {i}\"}}")}}]}}],
+    }))
+}
+
+/// Issue #28 item 4: a system prompt alone over `threshold × context.max_tokens` (about
+/// 4,500 tokens against 980). Six tool-call turns, then a final text: the old loop
+/// compacted after each of the six (each hook call leaving the count over); now the first
+/// compaction commits, the next turn writes one `compaction_declined` with reason
+/// `threshold_unreachable`, and no other compaction fires, since the history never outgrows
+/// what the first left. `mur run` warns at load.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compaction_that_cannot_get_under_the_threshold_runs_once_not_every_turn() {
+    let mut replies: Vec<FakeReply> = (0..6).map(tool_call_reply).collect();
+    replies.push(FakeReply::text("finished"));
+    let fake = FakeOpenAi::start(replies);
+    let prompt = "lorem ipsum dolor sit amet ".repeat(700);
+    let capsule = TestCapsule::new(
+        &format!(
+            "name: remote\nversion: 0.1.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\n  \
+             system_prompt: \"{prompt}\"\ncontext:\n  max_tokens: 1000\ncapabilities:\n  shell:\n    allow: [sh]\n\
+             hooks:\n  - name: squash\n    binding: on-compaction\n    commit_policy: replace-context\n    \
+             command: [./squash.py]\n",
+            fake.url()
+        ),
+        &[("squash.py", KEEP_TAIL)],
+    );
+    let (run, json, dir) = run(&capsule).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(json["result"], "finished");
+    let lines = trace_lines(&dir);
+    let of = |t: &str| lines.iter().filter(|l| l["event_type"] == t).cloned().collect::<Vec<_>>();
+    assert_eq!(of("inference").len(), 7);
+    let compactions = of("compaction");
+    assert_eq!(compactions.len(), 1, "{compactions:?}");
+    assert_eq!(compactions[0]["turn"], 0);
+    let declined = of("compaction_declined");
+    assert_eq!(declined.len(), 1, "{declined:?}");
+    assert_eq!(
+        (declined[0]["turn"].as_u64(), declined[0]["reason"].as_str()),
+        (Some(1), Some("threshold_unreachable"))
+    );
+    let hook_calls = std::fs::read_to_string(capsule.dir().join("hook-calls.log")).unwrap();
+    assert_eq!(hook_calls, "0\n");
+    assert!(
+        run.stderr.contains(
+            "capsule remote: the system prompt and tool specs alone are about \
+             "
+        ) && run.stderr.contains("compaction cannot bring the context under it"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(fake.served(), 7);
+}

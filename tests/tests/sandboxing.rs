@@ -360,6 +360,77 @@ fn a_hook_is_confined_like_a_command() {
     assert_eq!(std::fs::read_to_string(s.dir.join("hook-read")).unwrap(), "capsule-folder-readable\n");
     let err = std::fs::read_to_string(s.dir.join("hook-err")).unwrap();
     assert!(err.contains("Permission denied"), "{err}");
+    // Its own `sandbox` line, as a command's, naming the hook and the event.
+    let lines = sandbox_lines(&s.lines);
+    let hook = lines.iter().find(|l| l["hook_name"] == "peek").unwrap_or_else(|| panic!("{lines:?}"));
+    assert_eq!(hook["event"], "on-task-start");
+    assert!(hook.get("tool_name").is_none(), "{hook}");
+    assert!(hook["task_id"].as_str().unwrap().starts_with("tsk_"), "{hook}");
+    assert_eq!(hook["write"], lines.iter().find(|l| l["tool_name"] == "sh").unwrap()["write"]);
+    let types: Vec<&str> = s.lines.iter().map(|l| l["event_type"].as_str().unwrap()).collect();
+    let first_sandbox = types.iter().position(|t| *t == "sandbox").unwrap();
+    assert!(first_sandbox < types.iter().position(|t| *t == "inference").unwrap(), "after on-task-start: {types:?}");
+}
+
+/// A hook (`on-task-end`) under `network: none` that posts a model call to
+/// `$MURMUR_INFERENCE_URL` with bash's `/dev/tcp`, then tries another port on 127.0.0.1 and
+/// the endpoint's port on 127.0.0.2; writes what each gave to `gate.*` in the session folder.
+const ASKER: &str = r#"#!/bin/bash
+cat > /dev/null
+out="$MURMUR_WORKDIR/gate"
+if [ -z "$MURMUR_INFERENCE_URL" ]; then echo no-url > "$out.reply"; echo '{}'; exit 0; fi
+u=${MURMUR_INFERENCE_URL#http://}; hp=${u%%/*}; path=/${u#*/}; host=${hp%:*}; port=${hp##*:}
+body='{"messages":[{"role":"user","content":"hi"}]}'
+{
+  exec 3<>"/dev/tcp/$host/$port" || exit 1
+  printf 'POST %s HTTP/1.1
+Host: %s
+Content-Type: application/json
+Content-Length: %d
+Connection: close
+
+%s' "$path" "$hp" "${#body}" "$body" >&3
+  cat <&3
+} > "$out.reply" 2> "$out.err"
+(exec 3<>"/dev/tcp/127.0.0.1/$OTHER_PORT") 2> "$out.other" && echo connected >> "$out.other"
+(exec 3<>"/dev/tcp/127.0.0.2/$port") 2> "$out.alias" && echo connected >> "$out.alias"
+echo '{}'
+"#;
+
+#[test]
+fn a_hook_under_network_none_reaches_the_inference_endpoint_and_nothing_else() {
+    let other = TcpListener::bind("0.0.0.0:0").unwrap();
+    let other_port = other.local_addr().unwrap().port();
+    let manifest = "name: asking\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  \
+                    max_turns: 5\ncapabilities:\n  shell:\n    allow: [sh]\nhooks:\n  - name: asker\n    \
+                    binding: on-task-end\n    command: [./asker.sh]\nsandbox:\n  network: none\n";
+    let replies = "replies:\n  - tool_calls: [{ name: sh, input: { command: \"{{task}}\" } }]\n  - text: done\n  \
+                   - text: from the gate\n";
+    let asker = ASKER.replace("$OTHER_PORT", &other_port.to_string());
+    let capsule = TestCapsule::new(manifest, &[("replies.yaml", replies), ("asker.sh", &asker)]);
+    let s = run(&capsule, "echo ran");
+    let read = |name: &str| std::fs::read_to_string(s.dir.join(format!("gate.{name}"))).unwrap_or_default();
+    let hook = sandbox_lines(&s.lines).into_iter().find(|l| l["hook_name"] == "asker").cloned().unwrap();
+    if let Err(why) = fences() {
+        // The endpoint cannot be let through alone: the hook keeps `none` and gets no URL.
+        assert_eq!(read("reply"), "no-url\n");
+        assert_eq!(hook["network"], "none");
+        println!("fail-closed path: the hook ran under network: none without $MURMUR_INFERENCE_URL ({why})");
+        return;
+    }
+    let reply = read("reply");
+    assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}{}", read("err"));
+    assert!(reply.ends_with("{\"text\":\"from the gate\"}"), "{reply}");
+    let port = hook["network"].as_str().unwrap().trim_start_matches("[127.0.0.1:").trim_end_matches(']').to_string();
+    assert_eq!(hook["network"], format!("[127.0.0.1:{port}]"), "{hook}");
+    assert!(read("other").contains(&format!("127.0.0.1/{other_port}: Permission denied")), "{}", read("other"));
+    assert!(read("alias").contains(&format!("127.0.0.2/{port}: No route to host")), "{}", read("alias"));
+    // The loop's own command stays under none; unsandboxed, the other port takes connections.
+    let sh = sandbox_lines(&s.lines).into_iter().find(|l| l["tool_name"] == "sh").cloned().unwrap();
+    assert_eq!(sh["network"], "none");
+    std::net::TcpStream::connect(("127.0.0.1", other_port)).unwrap();
+    let call = s.lines.iter().find(|l| l["event_type"] == "inference" && l["origin"] == "hook:asker");
+    assert!(call.is_some(), "the hook's call is traced as hook:asker");
 }
 
 /// The cluster with `--require-sandbox`: a capsule without a `sandbox:` block is refused

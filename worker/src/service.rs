@@ -1417,7 +1417,7 @@ impl Prepared {
         let tools = Arc::new(
             Toolbox::from_manifest(&capsule.manifest).with_detach(grace, sink.clone()).with_fleet_access(access),
         );
-        let onboarding = capsule::onboarding(&capsule.manifest, &capsule.model_label(), &layout, tools.specs());
+        let onboarding = capsule::onboarding(&capsule.manifest, &capsule.model_label(), &layout, &tools.specs());
         let files = tokio::task::spawn_blocking({
             let layout = layout.clone();
             move || {

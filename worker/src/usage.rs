@@ -86,7 +86,14 @@ mod tests {
         sink.write(&line(inference(900, 40, reported))).unwrap();
         assert_eq!(
             tally.usage(),
-            Some(Usage { model: None, input_tokens: 1000, output_tokens: 50, cached_tokens: 400, estimated: false })
+            Some(Usage {
+                model: None,
+                input_tokens: 1000,
+                output_tokens: 50,
+                cached_tokens: 400,
+                cache_write_tokens: 0,
+                estimated: false
+            })
         );
         sink.write(&line(inference(30, 7, ProviderUsage::default()))).unwrap();
         let u = tally.usage().unwrap();

@@ -565,6 +565,71 @@ fn sandbox_rules_name_the_field() {
 }
 
 #[test]
+fn an_mcp_servers_block_is_read_with_its_transports_and_defaults() {
+    let y = format!(
+        "{MINIMAL}mcp_servers:\n  - name: git\n    command: [uvx, mcp-server-git, --repository, .]\n    env: {{ GIT_AUTHOR_NAME: murmur, KEY: \"${{TEST_KEY}}\" }}\n    tools: [git_status, git_diff]\n    timeout_secs: 60\n  - name: docs\n    url: https://mcp.example.com/mcp\n    headers: {{ Authorization: \"Bearer ${{TEST_KEY}}\" }}\n"
+    );
+    let m = load(&y).unwrap();
+    assert_eq!(
+        m.mcp_servers,
+        vec![
+            McpServer {
+                name: "git".into(),
+                transport: McpTransport::Stdio {
+                    command: vec!["uvx".into(), "mcp-server-git".into(), "--repository".into(), ".".into()],
+                    env: [("GIT_AUTHOR_NAME".to_string(), "murmur".to_string()), ("KEY".into(), "sk-test".into())]
+                        .into_iter()
+                        .collect(),
+                },
+                tools: Some(vec!["git_status".into(), "git_diff".into()]),
+                timeout_secs: 60,
+            },
+            McpServer {
+                name: "docs".into(),
+                transport: McpTransport::Http {
+                    url: "https://mcp.example.com/mcp".into(),
+                    headers: [("Authorization".to_string(), "Bearer sk-test".to_string())].into_iter().collect(),
+                },
+                tools: None,
+                timeout_secs: 300,
+            },
+        ]
+    );
+    assert_eq!(load(MINIMAL).unwrap().mcp_servers, vec![]);
+}
+
+#[test]
+fn mcp_server_rules_name_the_field() {
+    let err = load(&format!("{MINIMAL}mcp_servers:\n  - name: git\n    command: [x]\n    cwd: /tmp\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("mcp_servers[0]: unknown field `cwd`, expected one of"), "{err}");
+    let y = format!(
+        "{MINIMAL}mcp_servers:\n  - name: git\n    command: [a]\n  - name: git\n    command: [b]\n  - name: both\n    \
+         command: [c]\n    url: https://x.example/mcp\n  - name: neither\n  - name: Bad.Name\n    command: [d]\n  - \
+         name: web\n    url: http://example.com/mcp\n    env: {{A: b}}\n  - name: t\n    command: [e]\n    headers: {{A: \
+         b}}\n    timeout_secs: 0\n    tools: [x, x]\n  - name: u\n    url: https://x.example/mcp\n    headers: {{A: \
+         \"${{NOPE}}\"}}\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "mcp_servers[1].name: duplicate MCP server name \"git\"",
+            "mcp_servers[2].command: give command (stdio) or url (streamable HTTP), not both",
+            "mcp_servers[3].command: required: give command (stdio) or url (streamable HTTP)",
+            "mcp_servers[4].name: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \
+             \"Bad.Name\"",
+            "mcp_servers[5].env: allowed only with command (a server at an url has its own)",
+            "mcp_servers[5].url: plain http is allowed only for loopback hosts, use https: \"http://example.com/mcp\"",
+            "mcp_servers[6].headers: allowed only with url",
+            "mcp_servers[6].tools[1]: duplicate tool \"x\"",
+            "mcp_servers[6].timeout_secs: must be at least 1, got 0",
+            "mcp_servers[7].headers.A: environment variable NOPE is not set",
+        ]
+    );
+}
+
+#[test]
 fn idle_timeout_defaults_to_the_call_timeout_and_may_not_exceed_it() {
     let openai = "  driver: openai\n  endpoint: http://127.0.0.1:1/v1\n  model: m\n";
     let m = load(&with_inference(&format!("{openai}  timeout_secs: 8\n"))).unwrap();

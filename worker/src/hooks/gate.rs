@@ -32,6 +32,7 @@ const BODY_LIMIT: usize = 64 * 1024 * 1024;
 
 /// The served endpoint; stops serving when dropped.
 pub(crate) struct GateServer {
+    addr: std::net::SocketAddr,
     base: String,
     task: JoinHandle<()>,
 }
@@ -63,7 +64,12 @@ impl GateServer {
                 tracing::warn!(error = %e, "the hook inference endpoint stopped");
             }
         });
-        Ok(GateServer { base: format!("http://{addr}"), task })
+        Ok(GateServer { addr, base: format!("http://{addr}"), task })
+    }
+
+    /// The address it serves on (127.0.0.1, a port the OS picked).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
     }
 
     /// `$MURMUR_INFERENCE_URL` for hook `hook`.

@@ -95,6 +95,17 @@ pub struct Fault {
     pub message: String,
 }
 
+/// A hook program started sandboxed (issue #37), for its `sandbox` trace line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sandboxed {
+    /// The hook's name.
+    pub hook: String,
+    /// The binding of the event it was started for (`on-task-start`).
+    pub event: String,
+    /// The rules it runs under.
+    pub rules: crate::sandbox::Applied,
+}
+
 /// The hooks of one session.
 #[async_trait]
 pub trait Hooks: Send + Sync {
@@ -113,6 +124,11 @@ pub trait Hooks: Send + Sync {
 
     /// Faults of async hooks collected since the last call.
     fn take_faults(&self) -> Vec<Fault>;
+
+    /// The hook programs started sandboxed since the last call, in start order.
+    fn take_sandboxed(&self) -> Vec<Sandboxed> {
+        Vec::new()
+    }
 
     /// Waits for the async queues to empty, at most `deadline` in all; stragglers become
     /// `timeout` faults. Stops persistent processes.

@@ -82,7 +82,13 @@ struct Inner {
     /// The inference endpoint, started on the first hook process launched with a gate;
     /// `None` inside when it could not be started.
     gate: OnceCell<Option<GateServer>>,
+    /// The confinement of hook programs when the session's sandbox does not reach the
+    /// endpoint ([`crate::sandbox::Confinement::reaching`]): made once; `Err` when it cannot
+    /// be (hooks then run under the session's rules, without `$MURMUR_INFERENCE_URL`).
+    reaching_gate: std::sync::OnceLock<Result<Option<Arc<crate::sandbox::Confinement>>, String>>,
     faults: Mutex<Vec<Fault>>,
+    /// Hook programs started sandboxed, for their `sandbox` trace lines.
+    sandboxed: Mutex<Vec<super::Sandboxed>>,
     /// Raised to abandon the calls under way (drain stragglers, drop).
     stop: watch::Sender<bool>,
 }
@@ -142,7 +148,9 @@ impl ProcessHooks {
             runners,
             config,
             gate: OnceCell::new(),
+            reaching_gate: std::sync::OnceLock::new(),
             faults: Mutex::new(Vec::new()),
+            sandboxed: Mutex::new(Vec::new()),
             stop: watch::Sender::new(false),
         };
         ProcessHooks { inner: Arc::new(inner), queues: Mutex::new(Queues::default()), queue_capacity: QUEUE_CAPACITY }
@@ -312,12 +320,38 @@ impl Runner {
     }
 
     async fn launch(&self, inner: &Inner, envelope: &Envelope) -> Result<Launch, Error> {
-        let url = inner.inference_url(&self.hook.name).await;
+        let mut url = inner.inference_url(&self.hook.name).await;
+        let mut sandbox = inner.config.sandbox.clone();
+        // A sandboxed hook reaches the inference endpoint and nothing more than the
+        // session's rules allow: `none` becomes the endpoint's address alone.
+        if let (Some(session), Some(addr)) = (&sandbox, inner.gate.get().and_then(|g| g.as_ref()).map(|g| g.addr())) {
+            match inner
+                .reaching_gate
+                .get_or_init(|| session.reaching(addr).map(|c| c.map(Arc::new)).map_err(|e| e.to_string()))
+            {
+                Ok(Some(c)) => sandbox = Some(c.clone()),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "sandboxed hooks cannot be let reach the inference endpoint; they get no $MURMUR_INFERENCE_URL"
+                    );
+                    url = None;
+                }
+            }
+        }
         let mut launch = Launch::new(&self.hook, &inner.config.capsule_dir, &envelope.session_id, url)?;
         if let Some(w) = &inner.config.workdir {
             launch.env.push(("MURMUR_WORKDIR", w.clone().into_os_string()));
         }
-        launch.sandbox = inner.config.sandbox.clone();
+        if let Some(c) = &sandbox {
+            inner.sandboxed.lock().unwrap_or_else(|e| e.into_inner()).push(super::Sandboxed {
+                hook: self.hook.name.clone(),
+                event: envelope.event.binding().as_str().to_string(),
+                rules: c.applied().clone(),
+            });
+        }
+        launch.sandbox = sandbox;
         Ok(launch)
     }
 
@@ -458,6 +492,10 @@ impl Hooks for ProcessHooks {
 
     fn take_faults(&self) -> Vec<Fault> {
         std::mem::take(&mut *self.inner.faults.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn take_sandboxed(&self) -> Vec<super::Sandboxed> {
+        std::mem::take(&mut *self.inner.sandboxed.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Closes every async queue and waits until all are empty, `deadline` in all. A hook

@@ -15,6 +15,9 @@ pub enum Decline {
     NoHookReplacement,
     /// The replacement breaks tool call / result pairing.
     UnresolvedToolCall,
+    /// The last compaction left the count over the threshold and the history has not
+    /// outgrown that count since (issue #28 item 4): no hook is called.
+    ThresholdUnreachable,
 }
 
 impl Decline {
@@ -23,6 +26,7 @@ impl Decline {
         match self {
             Decline::NoHookReplacement => "no_hook_replacement",
             Decline::UnresolvedToolCall => "unresolved_tool_call",
+            Decline::ThresholdUnreachable => "threshold_unreachable",
         }
     }
 }

@@ -79,6 +79,13 @@ pub struct CompactionRule {
     pub threshold: f64,
 }
 
+impl CompactionRule {
+    /// Whether `tokens` reach the threshold: `tokens / max_tokens >= threshold`.
+    pub fn crossed(&self, tokens: u64) -> bool {
+        tokens as f64 / self.max_tokens as f64 >= self.threshold
+    }
+}
+
 /// What the `on-compaction` hooks produced.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CompactionReply {
@@ -206,6 +213,11 @@ pub struct TaskMachine {
     reopens: Vec<(String, String)>,
     max_reopens: u32,
     compaction: Option<CompactionRule>,
+    /// After a committed compaction that left the count over the threshold: that count
+    /// (issue #28 item 4). No compaction fires again until the history alone grows past
+    /// it; the first check it blocks writes one `compaction_declined` line
+    /// (`threshold_unreachable`), and `.1` records that it was written.
+    futile: Option<(u64, bool)>,
     resume: Option<Action>,
     history: History,
     max_turns: u32,
@@ -254,6 +266,7 @@ impl TaskMachine {
             reopens: Vec::new(),
             max_reopens: 0,
             compaction: None,
+            futile: None,
             resume: None,
             history,
             max_turns,
@@ -458,8 +471,28 @@ impl TaskMachine {
         // (the context seed step 2; the runtime reference, §1 ordering), and only
         // when the loop goes on.
         if let (Action::RunTool { .. }, Some(rule)) = (&action, self.compaction)
-            && self.session_tokens as f64 / rule.max_tokens as f64 >= rule.threshold
+            && rule.crossed(self.session_tokens)
         {
+            // A compaction that could not get under the threshold is not repeated until the
+            // history alone outgrows what it left (issue #28 item 4): the part every request
+            // carries (system prompt, tools) does not shrink, so compacting again sooner
+            // would cost a hook call (and maybe a model call) each turn for nothing.
+            if let Some((left, reported)) = self.futile {
+                if self.history.tokens() <= left {
+                    let mut events = vec![event];
+                    if !reported {
+                        self.futile = Some((left, true));
+                        events.push(Event::CompactionDeclined {
+                            turn: self.turn,
+                            task_id: self.task.task_id.clone(),
+                            tokens: self.session_tokens,
+                            reason: super::compaction::Decline::ThresholdUnreachable.as_str().to_string(),
+                        });
+                    }
+                    return (events, action);
+                }
+                self.futile = None;
+            }
             self.resume = Some(action);
             return (vec![event], Action::Compact { turn: self.turn, session_tokens: self.session_tokens });
         }
@@ -485,6 +518,8 @@ impl TaskMachine {
                 let before = self.session_tokens;
                 self.history.replace(messages, self.estimator.as_ref());
                 self.session_tokens = self.next_input_tokens();
+                let still_over = self.compaction.is_some_and(|rule| rule.crossed(self.session_tokens));
+                self.futile = still_over.then_some((self.session_tokens, false));
                 Event::Compaction {
                     turn: self.turn,
                     task_id: self.task.task_id.clone(),
@@ -521,6 +556,7 @@ impl TaskMachine {
         let mut messages = self.head.clone();
         messages.push(Message::user(text));
         self.history.replace(messages, self.estimator.as_ref());
+        self.futile = None;
         self.pending.clear();
         self.finished = None;
         let event = Event::TaskReopened {
@@ -563,6 +599,7 @@ impl TaskMachine {
             output_bytes: outcome.text.len() as u64,
             duration_ms,
             status: if outcome.is_error { CallStatus::Error } else { CallStatus::Ok },
+            mcp_server: outcome.mcp_server.clone(),
         }];
         if let Some(work) = outcome.detached {
             // A demoted command: `shell_detached` replaces the `shell` line and counts as the
@@ -592,8 +629,10 @@ impl TaskMachine {
         if let Some(rules) = outcome.sandbox {
             events.push(Event::Sandbox {
                 turn: self.turn,
-                task_id: self.task.task_id.clone(),
-                tool_name: name,
+                task_id: Some(self.task.task_id.clone()),
+                tool_name: Some(name),
+                hook_name: None,
+                event: None,
                 read: rules.read,
                 write: rules.write,
                 network: rules.network,

@@ -191,6 +191,17 @@ pub struct Totals {
     pub shell_calls: u32,
 }
 
+/// Why a session could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// An MCP server of the capsule's could not be started (issue #35).
+    #[error(transparent)]
+    Tools(#[from] crate::tools::mcp::StartError),
+    /// The trace could not be written.
+    #[error(transparent)]
+    Trace(#[from] trace::Error),
+}
+
 /// One launch of a capsule.
 pub struct Session {
     cfg: SessionConfig,
@@ -208,6 +219,24 @@ pub struct Session {
     task_stop: CancellationToken,
 }
 
+/// The warning due when the part of the context every request carries (the system prompt
+/// and the tool specs, `fixed_tokens`) alone reaches the compaction threshold, so no
+/// compaction can get the count under it (issue #28 item 4); `None` otherwise or when
+/// compaction is off.
+pub fn fixed_part_warning(m: &mur_proto::manifest::Manifest, fixed_tokens: u64) -> Option<String> {
+    let max_tokens = m.context.max_tokens?;
+    let threshold = m.inference.compaction.threshold;
+    let rule = CompactionRule { max_tokens, threshold };
+    rule.crossed(fixed_tokens).then(|| {
+        format!(
+            "capsule {}: the system prompt and tool specs alone are about {fixed_tokens} tokens, at or over the \
+             compaction threshold ({threshold} × context.max_tokens {max_tokens}): compaction cannot bring the \
+             context under it, so after one that does not, the next waits until the history outgrows what it left",
+            m.name
+        )
+    })
+}
+
 /// Why a compaction ended the session.
 enum Fatal {
     Spend(String),
@@ -215,16 +244,22 @@ enum Fatal {
 }
 
 impl Session {
-    /// Starts a session: fires `on-stage` (its errors only logged: no trace exists yet),
-    /// writes `session_start`, fires `on-session-start`.
+    /// Starts a session: starts its tools' MCP servers, fires `on-stage` (its errors only
+    /// logged: no trace exists yet), writes `session_start`, fires `on-session-start`.
     ///
     /// # Errors
-    /// [`trace::Error`] when the trace cannot be written.
-    pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, trace::Error> {
+    /// [`StartError::Tools`] when an MCP server cannot be started (nothing else has run);
+    /// [`StartError::Trace`] when the trace cannot be written.
+    pub async fn start(cfg: SessionConfig, parts: Parts) -> Result<Session, StartError> {
         let m = cfg.manifest.clone();
+        // Its MCP servers are up before anything else runs (issue #35).
+        parts.tools.start(&cfg.call_context).await?;
         let fixed_tokens = parts.estimator.count_repeated(&cfg.system_prompt)
-            + parts.estimator.count_repeated(&tools_json(parts.tools.specs()));
+            + parts.estimator.count_repeated(&tools_json(&parts.tools.specs()));
         let policies = m.hooks.iter().map(|h| (h.name.clone(), h.commit_policy)).collect();
+        if let Some(warning) = fixed_part_warning(&m, fixed_tokens) {
+            tracing::warn!("{warning}");
+        }
         let session = Session {
             cfg,
             parts,
@@ -333,9 +368,29 @@ impl Session {
         Ok(replies)
     }
 
+    /// Writes a `hook_dispatch_error` per fault, then a `sandbox` line per hook program
+    /// started sandboxed since the last flush.
     fn flush_faults(&self, faults: Vec<crate::hooks::Fault>) -> Result<(), trace::Error> {
         for f in faults {
             self.emit(Event::HookDispatchError { hook_name: f.hook, event: f.event, arm: f.arm, message: f.message })?;
+        }
+        for h in self.parts.hooks.take_sandboxed() {
+            let r = h.rules;
+            self.emit(Event::Sandbox {
+                turn: self.parts.position.turn.load(Ordering::SeqCst),
+                task_id: self.parts.position.task_id.lock().expect("position lock").clone(),
+                tool_name: None,
+                hook_name: Some(h.hook),
+                event: Some(h.event),
+                read: r.read,
+                write: r.write,
+                network: r.network,
+                memory_mb: r.memory_mb,
+                pids: r.pids,
+                cpu_secs: r.cpu_secs,
+                landlock_abi: r.landlock_abi,
+                enforced_by: r.enforced_by,
+            })?;
         }
         Ok(())
     }
@@ -700,11 +755,14 @@ impl Session {
 
     async fn call_model(&self, machine: &mut TaskMachine) -> Result<Action, trace::Error> {
         let m = &self.cfg.manifest;
+        // Between turns: tool lists an MCP server said changed are listed again (issue #35).
+        self.parts.tools.refresh().await;
+        let tools = self.parts.tools.specs();
         let request = ModelRequest {
             model: &self.cfg.model,
             system: &self.cfg.system_prompt,
             messages: machine.messages(),
-            tools: self.parts.tools.specs(),
+            tools: &tools,
             max_tokens: m.inference.max_tokens,
             task_text: &machine.task().text,
             history_epoch: machine.history_epoch(),
@@ -1029,6 +1087,7 @@ impl Session {
         let drain = if self.task_stop.is_cancelled() { Duration::ZERO } else { DRAIN_DEADLINE };
         let faults = self.parts.hooks.drain(drain).await;
         self.flush_faults(faults)?;
+        self.parts.tools.shutdown().await;
         self.finish(Some(exit_status))
     }
 

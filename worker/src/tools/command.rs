@@ -133,7 +133,14 @@ impl CommandTool {
             Err(e) => return Outcome::error(format!("tool {name:?}: waiting failed: {e}")),
         };
         if status.success() {
-            Outcome { text: capped(&out), is_error: false, shell: None, detached: None, sandbox: applied }
+            Outcome {
+                text: capped(&out),
+                is_error: false,
+                shell: None,
+                detached: None,
+                sandbox: applied,
+                mcp_server: None,
+            }
         } else {
             let stderr = capped(&err);
             Outcome {

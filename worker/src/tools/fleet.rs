@@ -89,7 +89,14 @@ impl FleetTool {
             _ => status(access, input).await,
         };
         match result {
-            Ok(v) => Outcome { text: v.to_string(), is_error: false, shell: None, detached: None, sandbox: None },
+            Ok(v) => Outcome {
+                text: v.to_string(),
+                is_error: false,
+                shell: None,
+                detached: None,
+                sandbox: None,
+                mcp_server: None,
+            },
             Err(e) => Outcome::error(format!("{}: {e}", self.name)),
         }
     }

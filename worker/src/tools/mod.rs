@@ -6,6 +6,7 @@ pub mod background;
 pub mod command;
 pub mod fleet;
 pub(crate) mod lifeline;
+pub mod mcp;
 pub(crate) mod process;
 pub mod shell;
 
@@ -14,6 +15,7 @@ use async_trait::async_trait;
 use mur_proto::Manifest;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Where a tool call runs.
@@ -78,30 +80,53 @@ pub struct Outcome {
     /// The rules the call's command ran under, when it ran sandboxed (the `sandbox` trace
     /// line).
     pub sandbox: Option<crate::sandbox::Applied>,
+    /// The MCP server that served the call, for a tool of `mcp_servers:` (the
+    /// `tool_call` line's `mcp_server`).
+    pub mcp_server: Option<String>,
 }
 
 impl Outcome {
     /// A failed call with `text` as its message.
     pub fn error(text: impl Into<String>) -> Self {
-        Outcome { text: text.into(), is_error: true, shell: None, detached: None, sandbox: None }
+        Outcome { text: text.into(), is_error: true, shell: None, detached: None, sandbox: None, mcp_server: None }
     }
 }
 
 /// A set of tools.
 #[async_trait]
 pub trait Tools: Send + Sync {
-    /// The tools offered to the model, in order.
-    fn specs(&self) -> &[ToolSpec];
+    /// The tools offered to the model now, in order (they may change between turns, see
+    /// [`Tools::refresh`]).
+    fn specs(&self) -> Arc<[ToolSpec]>;
 
     /// Runs tool `name` with `input`. Never fails: every problem becomes an error
     /// [`Outcome`] that the model sees, and the loop goes on.
     async fn call(&self, name: &str, input: &Value, ctx: &CallContext) -> Outcome;
+
+    /// Starts what the tools need for the session (its MCP servers), before the first
+    /// model call. Default: nothing to start.
+    ///
+    /// # Errors
+    /// [`mcp::StartError`] naming the server that could not be started.
+    async fn start(&self, _ctx: &CallContext) -> Result<(), mcp::StartError> {
+        Ok(())
+    }
+
+    /// Takes in tool-list changes (an MCP server's `list_changed`), between turns.
+    async fn refresh(&self) {}
+
+    /// Stops what [`Tools::start`] started, at the session's end.
+    async fn shutdown(&self) {}
 }
 
 /// The tools a manifest declares: shell tools for `capabilities.shell.allow` (in that
 /// order), then `tools:` entries.
 pub struct Toolbox {
-    specs: Vec<ToolSpec>,
+    /// The tools offered now: `base`, then the MCP servers' tools.
+    specs: std::sync::RwLock<Arc<[ToolSpec]>>,
+    /// Shell tools, then `tools:` entries.
+    base: Vec<ToolSpec>,
+    mcp: mcp::Mcp,
     shell: shell::Shell,
     commands: Vec<command::CommandTool>,
     fleet_tools: Vec<fleet::FleetTool>,
@@ -110,7 +135,8 @@ pub struct Toolbox {
 
 impl Toolbox {
     /// The toolbox of `manifest`: its shell tools, then its `tools:` entries in order
-    /// (commands, or the built-in fleet tools, [`fleet`]).
+    /// (commands, or the built-in fleet tools, [`fleet`]), then, once started
+    /// ([`Tools::start`]), the tools of its `mcp_servers:` ([`mcp`]).
     pub fn from_manifest(manifest: &Manifest) -> Self {
         let shell = shell::Shell::new(manifest.capabilities.shell_allow.clone());
         let mut specs = shell.specs();
@@ -128,7 +154,15 @@ impl Toolbox {
                 }
             }
         }
-        Toolbox { specs, shell, commands, fleet_tools, fleet_access: None }
+        Toolbox {
+            specs: std::sync::RwLock::new(specs.clone().into()),
+            base: specs,
+            mcp: mcp::Mcp::new(manifest.mcp_servers.clone()),
+            shell,
+            commands,
+            fleet_tools,
+            fleet_access: None,
+        }
     }
 
     /// Gives the built-in fleet tools their way to the cluster (a worker's sessions).
@@ -149,12 +183,38 @@ impl Toolbox {
     pub fn is_shell(&self, name: &str) -> bool {
         self.shell.allows(name)
     }
+
+    /// Offers the MCP servers' tools as they are now after the others.
+    async fn offer_mcp(&self) {
+        let mut all = self.base.clone();
+        all.extend(self.mcp.specs().await);
+        *self.specs.write().expect("specs lock") = all.into();
+    }
 }
 
 #[async_trait]
 impl Tools for Toolbox {
-    fn specs(&self) -> &[ToolSpec] {
-        &self.specs
+    fn specs(&self) -> Arc<[ToolSpec]> {
+        self.specs.read().expect("specs lock").clone()
+    }
+
+    async fn start(&self, ctx: &CallContext) -> Result<(), mcp::StartError> {
+        if self.mcp.is_empty() {
+            return Ok(());
+        }
+        self.mcp.start(ctx).await?;
+        self.offer_mcp().await;
+        Ok(())
+    }
+
+    async fn refresh(&self) {
+        if self.mcp.refresh().await {
+            self.offer_mcp().await;
+        }
+    }
+
+    async fn shutdown(&self) {
+        self.mcp.shutdown().await;
     }
 
     async fn call(&self, name: &str, input: &Value, ctx: &CallContext) -> Outcome {
@@ -167,7 +227,13 @@ impl Tools for Toolbox {
         if let Some(tool) = self.fleet_tools.iter().find(|t| t.name() == name) {
             return tool.run(input, self.fleet_access.as_ref(), ctx).await;
         }
-        let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+        if name.starts_with(mur_proto::manifest::MCP_TOOL_PREFIX)
+            && let Some(outcome) = self.mcp.call(name, input).await
+        {
+            return outcome;
+        }
+        let specs = self.specs();
+        let known: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         Outcome::error(format!("unknown tool {name:?}; available tools: {}", known.join(", ")))
     }
 }
@@ -222,7 +288,8 @@ tools:
     #[test]
     fn specs_list_shell_tools_in_allow_list_order_then_declared_tools() {
         let tools = toolbox();
-        let names: Vec<&str> = tools.specs().iter().map(|s| s.name.as_str()).collect();
+        let specs = tools.specs();
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["sh", "printf", "lookup", "stamp"]);
         let lookup = &tools.specs()[2];
         assert_eq!(lookup.description, "Look a word up.");

@@ -192,6 +192,7 @@ impl Shell {
             }),
             detached: None,
             sandbox: ctx.sandbox.as_ref().map(|s| s.applied().clone()),
+            mcp_server: None,
         }
     }
 }
@@ -276,6 +277,7 @@ fn demoted(binary: &str, work: DetachedWork, log_error: Option<String>) -> Outco
         shell: None,
         detached: Some(work),
         sandbox: None,
+        mcp_server: None,
     }
 }
 

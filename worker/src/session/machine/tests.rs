@@ -42,7 +42,7 @@ fn calls(blocks: Vec<Block>, stop: StopReason) -> ModelResponse {
 }
 
 fn ok_tool(text: &str) -> ToolOutcome {
-    ToolOutcome { text: text.into(), is_error: false, shell: None, detached: None, sandbox: None }
+    ToolOutcome { text: text.into(), is_error: false, shell: None, detached: None, sandbox: None, mcp_server: None }
 }
 
 /// Runs the machine against `replies` (repeating the last one forever) and `tool`;
@@ -243,6 +243,7 @@ fn shell_results_write_a_shell_line_after_the_tool_call_line() {
             }),
             detached: None,
             sandbox: None,
+            mcp_server: None,
         },
     );
     assert_eq!(types(&events), ["inference", "tool_call", "shell", "inference"]);
@@ -270,6 +271,7 @@ fn a_detached_shell_result_writes_shell_detached_instead_of_shell_and_counts_one
                 output_path: "logs/wrk_1.log".into(),
             }),
             sandbox: None,
+            mcp_server: None,
         },
     );
     assert_eq!(types(&events), ["inference", "tool_call", "shell_detached", "inference"]);
@@ -530,4 +532,46 @@ fn each_message_is_counted_once_the_reply_included() {
         .map(|msg| serde_json::to_string(msg).unwrap().len() as u64)
         .collect();
     assert_eq!(outputs, replies);
+}
+
+/// Issue #28 item 4: a fixed part (1,000 tokens) alone over the threshold (50 of 100). The
+/// first compaction commits but leaves the count over; the next check writes one
+/// `compaction_declined` (`threshold_unreachable`) and calls no hook, later checks write
+/// nothing, until the history alone outgrows the post-compaction count.
+#[test]
+fn a_compaction_that_cannot_get_under_the_threshold_is_not_repeated_until_the_history_outgrows_it() {
+    let mut m = TaskMachine::new(task("do it"), Vec::new(), 40, 1000, Capture::Meta, Arc::new(PerByte))
+        .with_compaction(Some(CompactionRule { max_tokens: 100, threshold: 0.5 }));
+    let mut action = m.start();
+    let mut log: Vec<(u32, &'static str, String)> = Vec::new();
+    while m.counters().turns < 30 {
+        action = match action {
+            Action::CallModel => {
+                let (events, next) = m.on_model_reply(Ok(calls(vec![call("a", "sh")], StopReason::ToolCall)), 1);
+                for e in &events {
+                    if let Event::CompactionDeclined { turn, reason, .. } = e {
+                        log.push((*turn, "declined", reason.clone()));
+                    }
+                }
+                next
+            }
+            Action::RunTool { .. } => m.on_tool_result(ok_tool("hi"), 1).1,
+            Action::Compact { turn, .. } => {
+                let keep = vec![Message::user("summary"), m.messages().last().unwrap().clone()];
+                let (events, next) = m.on_compaction(CompactionReply::Replaced(keep));
+                let Event::Compaction { tokens_after, .. } = &events[0] else { panic!("{events:?}") };
+                log.push((turn, "compaction", tokens_after.to_string()));
+                next
+            }
+            Action::Finish(o) => panic!("{o:?}"),
+        };
+    }
+    // The history (about 200 tokens a turn) outgrows the 1,164 left after 6 turns: 5
+    // compactions in 30 turns where every turn compacted before, one declined line each.
+    let mut want = Vec::new();
+    for turn in [0, 6, 12, 18, 24] {
+        want.push((turn, "compaction", "1164".to_string()));
+        want.push((turn + 1, "declined", "threshold_unreachable".to_string()));
+    }
+    assert_eq!(log, want);
 }
