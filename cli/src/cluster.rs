@@ -4,6 +4,7 @@
 
 use crate::nats::Connection;
 use anyhow::{Context, Result, bail};
+use mur_nats::clock::{Clock, SystemClock};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -181,7 +182,7 @@ fn workers_line(workers: &[mur_proto::cluster::WorkerStatus]) -> String {
 /// #11): permits in use, then a table of holders and one of waiting steps, oldest first.
 pub(crate) fn render_permits(f: &mur_proto::fanout::FanoutStatus) -> String {
     use comfy_table::{Table, presets::NOTHING};
-    let now = mur_coordinator::fleets::now_ms();
+    let now = SystemClock.now_ms();
     let mut out = format!(
         "
 permits   {} in use, {} waiting

@@ -6,6 +6,7 @@
 use crate::nats::Connection;
 use crate::task::call;
 use anyhow::{Context, Result};
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::ErrorCode;
 use mur_proto::fleet::Job;
 use mur_proto::fleet_store;
@@ -671,9 +672,9 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
             }
         };
         let status = match id {
-            Some(id) => mur_nats::fleet::run_status(&js, &id, mur_coordinator::fleets::now_ms())
-                .await
-                .map_err(|e| anyhow::anyhow!(e))?,
+            Some(id) => {
+                mur_nats::fleet::run_status(&js, &id, SystemClock.now_ms()).await.map_err(|e| anyhow::anyhow!(e))?
+            }
             None => None,
         };
         let Some(status) = status else {
@@ -963,11 +964,6 @@ fn follow_every() -> Result<std::time::Duration> {
     }
 }
 
-/// Unix milliseconds now, the clock the status lines' times are read on.
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
 /// Where the live view goes: JSON lines, bars redrawn on a terminal (a spinner per member,
 /// with the running ones' times), or plain lines ([`crate::follow::Lines`]: on each change
 /// and at least every 15 s).
@@ -988,7 +984,7 @@ impl Live {
             let summary = multi.add(Live::spinner("run"));
             (multi, Vec::new(), summary)
         });
-        let mut live = Live { follow, json, bars, lines: crate::follow::Lines::new(every, now_ms()), said };
+        let mut live = Live { follow, json, bars, lines: crate::follow::Lines::new(every, SystemClock.now_ms()), said };
         let _ = live.changed(true);
         live
     }
@@ -1014,7 +1010,7 @@ impl Live {
         }
         if self.bars.is_some() {
             self.redraw();
-        } else if let Some(line) = self.lines.changed(&status, now_ms()) {
+        } else if let Some(line) = self.lines.changed(&status, SystemClock.now_ms()) {
             eprintln!("{line}");
         }
         Ok(())
@@ -1028,7 +1024,7 @@ impl Live {
         }
         if self.bars.is_some() {
             self.redraw();
-        } else if let Some(line) = self.lines.tick(&self.follow.status(), now_ms()) {
+        } else if let Some(line) = self.lines.tick(&self.follow.status(), SystemClock.now_ms()) {
             eprintln!("{line}");
         }
     }
@@ -1037,7 +1033,7 @@ impl Live {
     fn redraw(&mut self) {
         let status = self.follow.status();
         let Some((multi, bars, summary)) = &mut self.bars else { return };
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         for (i, m) in status.members.iter().enumerate() {
             if i == bars.len() {
                 bars.push(multi.insert_before(summary, Live::spinner(&m.member)));
@@ -1062,7 +1058,7 @@ impl Live {
             Some((multi, _, _)) => multi.println(line)?,
             None => {
                 eprintln!("{line}");
-                self.lines.printed(now_ms());
+                self.lines.printed(SystemClock.now_ms());
             }
         }
         Ok(())

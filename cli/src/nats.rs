@@ -51,38 +51,45 @@ impl Connection {
     /// The server cannot be reached, or the credentials or certificates cannot be read; a
     /// server list breaking [`connect::servers`]' rule is [`crate::Invalid`].
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
-        self.options().connect(name).await.map_err(|e| match e {
-            connect::Error::Servers(invalid) => crate::Invalid(invalid.0).into(),
-            connect::Error::Credentials { path, source } => {
-                anyhow::Error::new(source).context(format!("--creds {}", path.display()))
-            }
-            connect::Error::Unreachable { servers, reason } => anyhow::anyhow!("{reason}").context(format!(
-                "cannot reach NATS at {servers} (start a cluster with `mur dev`, or set --server / NATS_URL)"
-            )),
-        })
+        self.options().connect(name).await.map_err(said)
     }
 
     /// [`Connection::connect`] for long-running processes (`mur coordinator`, `mur
     /// worker`): while the server cannot be reached, says so once on stderr and tries
     /// again every second (services start in any order under docker-compose). A bad
-    /// credentials or certificate file still fails at once.
+    /// credentials file or server list still fails at once.
     ///
     /// # Errors
-    /// The credentials or certificates cannot be read.
+    /// The credentials cannot be read, or the server list breaks its rule.
     pub async fn connect_patiently(&self, name: &str) -> Result<async_nats::Client> {
-        let mut said = false;
+        let options = self.options();
+        let mut told = false;
         loop {
-            match self.connect(name).await {
+            match options.connect(name).await {
                 Ok(client) => return Ok(client),
-                Err(e) if e.chain().any(|c| c.to_string().starts_with("--creds")) => return Err(e),
-                Err(e) => {
-                    if !said {
-                        eprintln!("{name}: {e:#}; retrying every second");
-                        said = true;
+                Err(e @ connect::Error::Unreachable { .. }) => {
+                    if !told {
+                        eprintln!("{name}: {:#}; retrying every second", said(e));
+                        told = true;
                     }
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
+                Err(e) => return Err(said(e)),
             }
         }
+    }
+}
+
+/// A connection error as the CLI says it: the flag at fault, or what to start; a server
+/// list breaking its rule is [`crate::Invalid`] (`--json` reports `invalid_request`).
+fn said(e: connect::Error) -> anyhow::Error {
+    match e {
+        connect::Error::Servers(invalid) => crate::Invalid(invalid.0).into(),
+        connect::Error::Credentials { path, source } => {
+            anyhow::Error::new(source).context(format!("--creds {}", path.display()))
+        }
+        connect::Error::Unreachable { servers, reason } => anyhow::anyhow!("{reason}").context(format!(
+            "cannot reach NATS at {servers} (start a cluster with `mur dev`, or set --server / NATS_URL)"
+        )),
     }
 }

@@ -12,7 +12,8 @@
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
-use mur_proto::cluster::{self, DeadLetter, Dispatch, TaskRecord};
+use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::cluster::{self, DeadLetter, Dispatch};
 use mur_proto::task::{ExitStatus, TaskState};
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -70,7 +71,7 @@ async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliv
         "dead letter: the dispatch was delivered {} times and never finished (the workers that took it died or could not handle it)",
         advisory.deliveries
     );
-    mark(tasks, &dispatch.task_id, &reason, advisory.deliveries).await?;
+    mark(tasks, &dispatch.task_id, &reason, advisory.deliveries).await.map_err(|e| e.to_string())?;
     tracing::warn!(task_id = %dispatch.task_id, deliveries = advisory.deliveries, "task dead-lettered");
     if let Err(e) = stream.delete_message(advisory.stream_seq).await {
         tracing::debug!(seq = advisory.stream_seq, "deleting the given-up dispatch: {e}");
@@ -82,15 +83,19 @@ async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliv
 /// already terminal (compare-and-set, retried on a conflict).
 ///
 /// # Errors
-/// The bucket's error, or a record that is missing or not JSON.
-pub async fn mark(tasks: &kv::Store, task_id: &str, reason: &str, deliveries: u64) -> Result<(), String> {
-    for _ in 0..10 {
-        let entry = tasks.entry(task_id).await.map_err(|e| e.to_string())?.ok_or("no task record")?;
-        let mut record: TaskRecord = serde_json::from_slice(&entry.value).map_err(|e| e.to_string())?;
+/// [`mur_nats::tasks::update`]'s: the bucket's error, or a record that is missing or not
+/// JSON.
+pub async fn mark(
+    tasks: &kv::Store,
+    task_id: &str,
+    reason: &str,
+    deliveries: u64,
+) -> Result<(), mur_nats::tasks::Error> {
+    mur_nats::tasks::update(tasks, task_id, None, |record| {
         if record.state.is_terminal() {
-            return Ok(());
+            return false;
         }
-        let now = crate::fleets::now_ms();
+        let now = SystemClock.now_ms();
         record.state = TaskState::Failed;
         record.exit_status = Some(ExitStatus::Failed);
         record.result = Some(format!("error: {reason}"));
@@ -98,12 +103,8 @@ pub async fn mark(tasks: &kv::Store, task_id: &str, reason: &str, deliveries: u6
         record.ended_at = Some(now);
         record.dead_letter =
             Some(DeadLetter { reason: reason.to_string(), deliveries, last_worker: record.worker.clone(), at: now });
-        let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
-        match tasks.update(task_id, json.into(), entry.revision).await {
-            Ok(_) => return Ok(()),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-            Err(e) => return Err(e.to_string()),
-        }
-    }
-    Err(format!("task {task_id}: changed too often to dead-letter"))
+        true
+    })
+    .await
+    .map(drop)
 }

@@ -18,9 +18,9 @@
 
 use crate::fleet_loop::Run;
 use crate::fleet_run::{self, Env, OverCache};
-use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{Fleet, JobStatus};
 use mur_proto::fleet_store::{self, ChannelEvent, EventKind, Liveness, RunRecord};
@@ -104,7 +104,7 @@ async fn scan(env: &Env, over: &mut OverCache) -> Result<(), String> {
             continue;
         }
         let beat = mur_nats::fleet::read_beat(&defs, &record.run_id).await;
-        if let Some(adoption) = orphan(&record, beat, now_ms()) {
+        if let Some(adoption) = orphan(&record, beat, SystemClock.now_ms()) {
             take_over(env, &defs, &key, entry.revision, record, adoption).await;
         }
     }
@@ -113,7 +113,7 @@ async fn scan(env: &Env, over: &mut OverCache) -> Result<(), String> {
 
 async fn take_over(env: &Env, defs: &kv::Store, key: &str, revision: u64, dead: RunRecord, adoption: Adoption) {
     let reason = reason(&dead, &env.instance, adoption);
-    let now = now_ms();
+    let now = SystemClock.now_ms();
     let mut record = dead.clone();
     record.coordinator = env.instance.clone();
     record.updated_at = now;
@@ -153,7 +153,7 @@ async fn take_over(env: &Env, defs: &kv::Store, key: &str, revision: u64, dead: 
                     if j.status != JobStatus::Running {
                         return Ok(());
                     }
-                    j.transition(JobStatus::Failed, now_ms())
+                    j.transition(JobStatus::Failed, SystemClock.now_ms())
                         .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
                     j.error = Some(reason.clone());
                     Ok(())
@@ -189,7 +189,7 @@ async fn take_over(env: &Env, defs: &kv::Store, key: &str, revision: u64, dead: 
                     tracing::warn!(run = %dead.run_id, "an adopted loop's bounds no longer resolve: {e}");
                     record.state = "ended".into();
                     record.stop = Some(COORDINATOR_LOST.into());
-                    record.ended_at = Some(now_ms());
+                    record.ended_at = Some(SystemClock.now_ms());
                     let _ = fleet_run::put_record(&env.fleets, &record).await;
                     return;
                 }
@@ -212,7 +212,7 @@ fn fleet_store_run_of(job_run: &str, run_id: &str) -> bool {
 }
 
 async fn event(env: &Env, run: &RunRecord, kind: EventKind, text: String, job: Option<&str>) {
-    let mut e = ChannelEvent::system(kind, text, now_ms());
+    let mut e = ChannelEvent::system(kind, text, SystemClock.now_ms());
     e.run_id = Some(run.run_id.clone());
     e.job_id = job.map(str::to_string);
     if let Err(err) = env.fleets.publish(&run.fleet, &e).await {

@@ -30,10 +30,11 @@ mod procedure;
 
 use crate::fleet_cost::FleetSettings;
 use crate::fleet_loop::{Next, Refused, Run, Spec, View};
-use crate::fleets::{Fleets, now_ms};
+use crate::fleets::Fleets;
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest, TaskRecord};
 use mur_proto::fanout::FleetStep;
 use mur_proto::fleet::{self, Fleet, JobStatus, RunFlags, Stop};
@@ -257,7 +258,7 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
         }
         None => None,
     };
-    let now = now_ms();
+    let now = SystemClock.now_ms();
     let stopped = fleets.stop_state(&fleet.name).await;
     let view = View { now, stopped: Ok(stopped.is_stopped()), jobs: &jobs, last_agent_event: None };
     let (spec, bounds, notice) = spec_of(env, &fleet, &request, run_id.clone(), job, now).await?;
@@ -422,7 +423,7 @@ impl Exec {
                 let mut tick = tokio::time::interval(Duration::from_millis(fleet_store::RUN_BEAT_EVERY_MS));
                 loop {
                     tick.tick().await;
-                    if let Err(e) = defs.put(&key, now_ms().to_string().into()).await {
+                    if let Err(e) = defs.put(&key, SystemClock.now_ms().to_string().into()).await {
                         tracing::debug!(key, "run heartbeat: {e}");
                     }
                 }
@@ -460,7 +461,7 @@ impl Exec {
             // as the kill-switch ends it, at an iteration boundary.
             let canceled = self.canceled().await;
             let view = View {
-                now: now_ms(),
+                now: SystemClock.now_ms(),
                 stopped: Ok(stopped.is_stopped() || canceled),
                 jobs: &jobs,
                 last_agent_event: last_agent,
@@ -482,7 +483,7 @@ impl Exec {
                     job.as_deref(),
                 )
                 .await;
-                let deadline_at = ms_after(now_ms(), *time_left);
+                let deadline_at = ms_after(SystemClock.now_ms(), *time_left);
                 let (ok, reply) = match self.submit(router, text, deadline_at).await {
                     Ok(task_id) => self.wait(&task_id, *time_left).await,
                     Err(e) => (false, format!("error: the router's task was refused: {e}")),
@@ -507,12 +508,12 @@ impl Exec {
                         continue;
                     }
                     let replies = self.send_steps(run.spec(), &steps, &iteration_run_id, job.as_deref()).await;
-                    last_agent = Some(now_ms());
+                    last_agent = Some(SystemClock.now_ms());
                     let it = run.iteration_ended(&replies);
                     if let Some((router, text)) = &it.judge {
-                        let elapsed = Duration::from_millis(now_ms().saturating_sub(run.spec().started_at));
+                        let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(run.spec().started_at));
                         let left = fleet::inherited_deadline(run.spec().deadline, elapsed);
-                        let (_, verdict) = match self.submit(router, text, ms_after(now_ms(), left)).await {
+                        let (_, verdict) = match self.submit(router, text, ms_after(SystemClock.now_ms(), left)).await {
                             Ok(task_id) => self.wait(&task_id, left).await,
                             Err(e) => (false, format!("error: {e}")),
                         };
@@ -535,7 +536,7 @@ impl Exec {
                                 if j.status.is_terminal() {
                                     return Ok(()); // canceled meanwhile: leave it
                                 }
-                                j.transition(status, now_ms())
+                                j.transition(status, SystemClock.now_ms())
                                     .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
                                 j.result = Some(result.clone());
                                 Ok(())
@@ -547,7 +548,7 @@ impl Exec {
                     }
                     self.account(&mut run, &iteration_run_id, job.as_deref()).await;
                     self.record.iterations += 1;
-                    self.record.updated_at = now_ms();
+                    self.record.updated_at = SystemClock.now_ms();
                     if !self.still_ours().await {
                         tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
                         beat.abort();
@@ -569,7 +570,8 @@ impl Exec {
         let claimed = self
             .fleets
             .update_job(fleet, job, |j| {
-                j.claim(iteration_run_id, now_ms()).map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
+                j.claim(iteration_run_id, SystemClock.now_ms())
+                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
             })
             .await;
         if let Err(e) = &claimed {
@@ -593,7 +595,7 @@ impl Exec {
         if !rest.is_empty() {
             crate::fleet_cost::account(&mut self.record, &self.settings.prices, None, &rest);
         }
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         self.record.state = stop.run_state().into();
         self.record.stop = Some(stop.label().into());
         self.record.ended_at = Some(now);
@@ -637,7 +639,7 @@ impl Exec {
     async fn event(&self, kind: EventKind, author: Author, text: String, run_id: Option<&str>, job_id: Option<&str>) {
         let event = ChannelEvent {
             seq: 0,
-            at: now_ms(),
+            at: SystemClock.now_ms(),
             author,
             kind,
             text,

@@ -23,9 +23,9 @@
 
 use crate::fleet_run::{self, Env, OverCache};
 use crate::fleet_schedule::{self, Action, Outcome, Seen, State};
-use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::fleet::{self, Fleet, Trigger};
 use mur_proto::fleet_store::{self, ChannelEvent, EventKind, RunRecord, RunRequest};
 use std::collections::BTreeMap;
@@ -184,7 +184,7 @@ async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -
         (None, false) => ours.map(|_| Outcome::Ok), // its record is gone
     };
     let fresh = fleet::loop_run_id(name, uuid::Uuid::now_v7());
-    let seen = Seen { now: now_ms(), autorun, going, ended, claim_started, fresh_run_id: &fresh };
+    let seen = Seen { now: SystemClock.now_ms(), autorun, going, ended, claim_started, fresh_run_id: &fresh };
     let (next, actions) = fleet_schedule::step(state, &f.r#loop, &seen);
     let mut revision = stored.revision;
     if &next != state {
@@ -200,7 +200,9 @@ async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -
         match action {
             Action::Note(text) => note(env, name, text).await,
             Action::Cancel { run_id } => {
-                if let Err(e) = defs.put(fleet_store::cancel_key(&run_id), now_ms().to_string().into()).await {
+                if let Err(e) =
+                    defs.put(fleet_store::cancel_key(&run_id), SystemClock.now_ms().to_string().into()).await
+                {
                     tracing::warn!(fleet = %name, run = %run_id, "asking the run to stop: {e}");
                 }
             }
@@ -221,7 +223,7 @@ async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -
                     Err(e) => {
                         tracing::warn!(fleet = %name, "trigger {}: run refused: {e}", f.r#loop.trigger.as_text());
                         let (refused, notes) =
-                            fleet_schedule::start_refused(&state, &f.r#loop, now_ms(), &e.to_string());
+                            fleet_schedule::start_refused(&state, &f.r#loop, SystemClock.now_ms(), &e.to_string());
                         match write_state(defs, name, revision, &refused).await {
                             Ok(rev) => revision = Some(rev),
                             Err(e) => return Err(e.to_string()),
@@ -243,7 +245,7 @@ async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -
 /// A trigger's line on the fleet's channel (a skipped occurrence, a pause …), logged too.
 async fn note(env: &Env, fleet: &str, text: String) {
     tracing::info!(fleet, "trigger: {text}");
-    let event = ChannelEvent::system(EventKind::Note, format!("trigger: {text}"), now_ms());
+    let event = ChannelEvent::system(EventKind::Note, format!("trigger: {text}"), SystemClock.now_ms());
     if let Err(e) = env.fleets.publish(fleet, &event).await {
         tracing::warn!(fleet, "channel event not written: {e}");
     }

@@ -18,6 +18,7 @@ use crate::resources::Resources;
 use async_nats::jetstream::{self, kv, stream};
 use bytes::Bytes;
 use futures::TryStreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{self, Decision, Fleet, Job, JobFilter, JobStatus, LoopEdit, apply_loop_edit};
 use mur_proto::fleet_store::{
@@ -157,11 +158,6 @@ fn not_found(fleet: &str) -> ApiError {
         ErrorCode::NotFound,
         format!("fleet: no fleet named {fleet:?} (create it with `mur fleet create FILE`)"),
     )
-}
-
-/// Unix milliseconds now.
-pub fn now_ms() -> u64 {
-    mur_nats::clock::Clock::now_ms(&mur_nats::clock::SystemClock)
 }
 
 /// The summary of a stored definition: what loads of it, its kill-switch and job counts,
@@ -379,7 +375,7 @@ impl Fleets {
     /// Publishes a system event, logging (not failing) when the stream does not take it:
     /// the change it reports is already stored.
     async fn note(&self, fleet: &str, kind: EventKind, text: String, job_id: Option<&str>) {
-        let mut event = ChannelEvent::system(kind, text, now_ms());
+        let mut event = ChannelEvent::system(kind, text, SystemClock.now_ms());
         event.job_id = job_id.map(str::to_string);
         if let Err(e) = self.publish(fleet, &event).await {
             tracing::warn!(instance = %self.instance, fleet, "channel event not written: {e}");
@@ -519,7 +515,7 @@ impl Fleets {
                     .await
                     .map_err(|e| unavailable("mur_fleets: read", e))?;
                 (f.r#loop.trigger != mur_proto::fleet::Trigger::Manual || stored.state != Default::default())
-                    .then(|| crate::fleet_schedule::info(&f.r#loop, &stored.state, now_ms()))
+                    .then(|| crate::fleet_schedule::info(&f.r#loop, &stored.state, SystemClock.now_ms()))
             }
             Err(_) => None,
         };
@@ -532,7 +528,7 @@ impl Fleets {
         // Marked before the runs are looked at: a run starting now either is seen below or
         // sees the mark and starts nothing (`fleet_store::Removing`).
         let removing = fleet_store::removing_key(&req.fleet);
-        let mark = fleet_store::Removing { revision, at: now_ms() };
+        let mark = fleet_store::Removing { revision, at: SystemClock.now_ms() };
         self.defs.put(&removing, to_json(&mark)?).await.map_err(|e| unavailable("mur_fleets: put", e))?;
         // A run going would go on writing jobs and channel events for a fleet that is gone
         // (and into a new fleet of the same name): refused, nothing removed.
@@ -599,7 +595,7 @@ impl Fleets {
             self.defs.get(fleet_store::removing_key(fleet)).await.map_err(|e| unavailable("mur_fleets: read", e))?;
         Ok(mark
             .and_then(|v| serde_json::from_slice::<fleet_store::Removing>(&v).ok())
-            .is_some_and(|m| m.applies(revision, now_ms())))
+            .is_some_and(|m| m.applies(revision, SystemClock.now_ms())))
     }
 
     /// The id of a run of `fleet` that is not over (its record says `running`), if any.
@@ -631,7 +627,7 @@ impl Fleets {
             return Err(ApiError::invalid(format!("text: {rule}")));
         }
         let source = req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string());
-        let job = Job::new(req.text, source, now_ms());
+        let job = Job::new(req.text, source, SystemClock.now_ms());
         self.jobs
             .create(fleet_store::job_key(&req.fleet, &job.id), to_json(&job)?)
             .await
@@ -700,7 +696,7 @@ impl Fleets {
         if by.is_empty() {
             return Err(ApiError::invalid("by: must not be empty"));
         }
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         let job = self
             .update_job(&req.fleet, &id, |job| {
                 let pending = job.approval.as_mut().filter(|a| a.decision.is_none());
@@ -734,7 +730,7 @@ impl Fleets {
     /// a conflict.
     async fn cancel(&self, req: CancelRequest) -> Result<Job, ApiError> {
         let id = self.job_id(&req.fleet, &req.job).await?;
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         let job = self
             .update_job(&req.fleet, &id, |job| {
                 if job.status.is_terminal() {
@@ -792,7 +788,7 @@ impl Fleets {
     async fn stop(&self, req: StopRequest) -> Result<FleetInfo, ApiError> {
         self.definition(&req.fleet).await?;
         if !matches!(self.stop_state(&req.fleet).await, StopState::Stopped { .. }) {
-            let sentinel = Sentinel { at: now_ms(), by: req.by.clone() };
+            let sentinel = Sentinel { at: SystemClock.now_ms(), by: req.by.clone() };
             self.defs
                 .put(fleet_store::stopped_key(&req.fleet), to_json(&sentinel)?)
                 .await
@@ -829,7 +825,7 @@ impl Fleets {
                 format!("fleet '{0}' is stopped (`mur fleet start {0}` clears it)", req.fleet),
             ));
         }
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         self.edit_trigger(&req.fleet, |s| {
             s.manual.is_none().then(|| {
                 s.manual = Some(now);

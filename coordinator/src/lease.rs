@@ -23,8 +23,8 @@
 //!   it from its restart): a breaker saw ~14 s without a leader. Another process's value,
 //!   even one under the same instance name (a restart), is waited out as before.
 
-use crate::fleets::now_ms;
 use async_nats::jetstream::kv;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, LeaderLease, StandbyStatus};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -88,7 +88,7 @@ impl Lease {
     pub async fn try_acquire(&self) -> Result<Option<Held>, String> {
         let sent = Instant::now();
         // The term is the revision the create gets; write it in a second step, fenced.
-        let since = now_ms();
+        let since = SystemClock.now_ms();
         match self.kv.create(cluster::LEADER_KEY, self.value(0, since).into()).await {
             Ok(revision) => self.stamp(revision, sent, since).await.map(Some),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => self.take_back().await,
@@ -128,7 +128,7 @@ impl Lease {
         if !ours {
             return Ok(None);
         }
-        let (sent, since) = (Instant::now(), now_ms());
+        let (sent, since) = (Instant::now(), SystemClock.now_ms());
         match self.kv.update(cluster::LEADER_KEY, self.value(0, since).into(), entry.revision).await {
             Ok(revision) => {
                 tracing::info!(instance = %self.instance, "taking back this process's own lease of an earlier term");
@@ -198,7 +198,7 @@ impl Lease {
     /// # Errors
     /// The bucket's error.
     pub async fn stand_by(&self) -> Result<(), String> {
-        let value = StandbyStatus { instance: self.instance.clone(), at: now_ms() };
+        let value = StandbyStatus { instance: self.instance.clone(), at: SystemClock.now_ms() };
         let value = serde_json::to_vec(&value).expect("standby JSON");
         self.kv
             .put(self.standby_key(), value.into())

@@ -68,6 +68,7 @@ use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use mur_nats::api;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_nats::trace_context;
 use mur_proto::cluster::{
     self, ApiError, CapsuleEntry, CapsuleIndexEntry, Dispatch, ErrorCode, Released, SubmitReply, SubmitRequest,
@@ -98,9 +99,6 @@ pub const LIST_LIMIT: usize = 1000;
 
 /// How often worker heartbeats are checked for age.
 const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
-
-/// Compare-and-set attempts on one task record before giving up.
-const CAS_ATTEMPTS: usize = 8;
 
 /// How the coordinator runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -465,7 +463,7 @@ async fn lead(
         replay.extend(progress_input(&record));
     }
     let mut workers = Workers::new(config.worker_timeout);
-    let now = now_ms();
+    let now = SystemClock.now_ms();
     for entry in &worker_entries {
         replay.extend(workers.observe(entry, now));
     }
@@ -832,7 +830,7 @@ impl Ctx {
         let minted_by_caller = request.task_id.is_some();
         let task_id = request.task_id.clone().unwrap_or_else(|| Id::generate(IdKind::Task));
         tracing::Span::current().record("mur.task_id", task_id.as_str());
-        let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, now_ms());
+        let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, SystemClock.now_ms());
         record.traceparent = traceparent;
         // Room for the result: a terminal record the server refuses would leave the task
         // `working` until its dispatch dead-letters, and only the result can be clipped.
@@ -1026,9 +1024,9 @@ impl Ctx {
     /// after the change. A finished task is a conflict.
     async fn cancel(&self, body: &[u8]) -> Result<TaskRecord, ApiError> {
         let task_id = task_ref(body)?;
-        for _ in 0..CAS_ATTEMPTS {
-            let (revision, mut record) = self.read_task(&task_id).await?;
-            let waiting = match record.state {
+        let mut waiting = false;
+        let canceled = mur_nats::tasks::try_update(&self.tasks, &task_id, None, |record| {
+            waiting = match record.state {
                 TaskState::Submitted if record.attempt == 0 => true,
                 TaskState::Submitted | TaskState::Working => false,
                 state => {
@@ -1042,29 +1040,24 @@ impl Ctx {
                 record.state = TaskState::Canceled;
                 record.exit_status = Some(ExitStatus::Canceled);
                 record.result = Some("canceled".into());
-                record.ended_at = Some(now_ms());
+                record.ended_at = Some(SystemClock.now_ms());
             } else if record.cancel_requested_at.is_none() {
-                record.cancel_requested_at = Some(now_ms());
+                record.cancel_requested_at = Some(SystemClock.now_ms());
             }
-            match self.tasks.update(&task_id, to_json(&record)?, revision).await {
-                Ok(_) => {
-                    if waiting {
-                        tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
-                        let _ = self.inputs.send(Input::Canceled { task_id });
-                    } else {
-                        tracing::info!(instance = %self.instance, %task_id, "cancel requested of a running task");
-                        if let Err(e) = self.js.client().publish(cluster::cancel_subject(&task_id), Bytes::new()).await
-                        {
-                            tracing::warn!(%task_id, error = %e, "telling the workers of a cancel failed");
-                        }
-                    }
-                    return Ok(record);
-                }
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-                Err(e) => return Err(unavailable("mur_tasks: update", e)),
+            Ok(true)
+        })
+        .await?;
+        let (record, _) = canceled.expect("the change always writes");
+        if waiting {
+            tracing::info!(instance = %self.instance, %task_id, "task canceled while waiting");
+            let _ = self.inputs.send(Input::Canceled { task_id });
+        } else {
+            tracing::info!(instance = %self.instance, %task_id, "cancel requested of a running task");
+            if let Err(e) = self.js.client().publish(cluster::cancel_subject(&task_id), Bytes::new()).await {
+                tracing::warn!(%task_id, error = %e, "telling the workers of a cancel failed");
             }
         }
-        Err(ApiError::new(ErrorCode::Unavailable, format!("task {task_id}: changed too often to cancel, retry")))
+        Ok(record)
     }
 
     /// `cluster.status`: read from the buckets, so any coordinator answers the same.
@@ -1113,7 +1106,7 @@ impl Ctx {
         Ok(cluster::ClusterStatus {
             fanout,
             standbys,
-            ..cluster::ClusterStatus::build(&records, &workers, leader, now_ms(), self.worker_timeout_ms)
+            ..cluster::ClusterStatus::build(&records, &workers, leader, SystemClock.now_ms(), self.worker_timeout_ms)
         })
     }
 
@@ -1594,9 +1587,9 @@ async fn watch_workers(
     loop {
         let inputs = tokio::select! {
             _ = stopped.changed() => break,
-            _ = tick.tick() => workers.expire(now_ms()),
+            _ = tick.tick() => workers.expire(SystemClock.now_ms()),
             entry = watch.next() => match entry {
-                Some(Ok(entry)) => workers.observe(&entry, now_ms()).into_iter().collect(),
+                Some(Ok(entry)) => workers.observe(&entry, SystemClock.now_ms()).into_iter().collect(),
                 Some(Err(e)) => {
                     tracing::warn!(instance = %ctx.instance, "mur_workers watch: {e}");
                     Vec::new()
@@ -1617,10 +1610,6 @@ async fn watch_workers(
 /// `d` in whole milliseconds (saturating).
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn now_ms() -> u64 {
-    crate::fleets::now_ms()
 }
 
 #[cfg(test)]

@@ -49,8 +49,8 @@ const SUBMIT_MAX_DELAY: Duration = Duration::from_secs(4);
 /// ([`crate::backoff`]), for up to `patience` (zero: sent once). The coordinator answers a
 /// submission it already stored with the stored task, so the task runs once however often
 /// it is sent. `request.task_id` is minted here when the caller left it empty. A
-/// coordinator older than the `task_id` field refuses it as unknown: sent again without
-/// it. Each send carries the W3C trace context of the current span
+/// coordinator older than the `task_id` field (its refusal carries no
+/// [`ApiError::api_version`]) refuses it as unknown: sent again without it. Each send carries the W3C trace context of the current span
 /// ([`crate::trace_context`]). `retrying` is told each error that will be retried and the
 /// wait before the next send (the CLI says it on stderr).
 ///
@@ -72,11 +72,7 @@ pub async fn submit(
         let body = serde_json::to_vec(&*request).expect("a submit request serializes");
         match call_with_headers(client, mur_proto::cluster::api::TASK_SUBMIT, headers, body).await {
             Ok(reply) => return Ok(reply),
-            Err(e)
-                if e.code == ErrorCode::InvalidRequest
-                    && request.task_id.is_some()
-                    && e.message.contains("task_id: unknown field") =>
-            {
+            Err(e) if e.code == ErrorCode::InvalidRequest && request.task_id.is_some() && e.api_version.is_none() => {
                 request.task_id = None;
             }
             Err(e) if e.code == ErrorCode::Unavailable => {
@@ -201,25 +197,32 @@ fn header_text(err: &ApiError) -> String {
     text
 }
 
+/// `err` as the coordinator answers it: stamped with this build's
+/// [`mur_proto::cluster::api::VERSION`], so a client tells the coordinator's API by number.
+fn versioned(err: &ApiError) -> ApiError {
+    ApiError { api_version: Some(mur_proto::cluster::api::VERSION), ..err.clone() }
+}
+
 /// The headers and body of a failure reply for `err` published by hand (not through a
-/// micro service endpoint): the error headers, and the [`ApiError`] JSON as the body.
+/// micro service endpoint): the error headers, and the [`ApiError`] JSON (versioned) as
+/// the body.
 pub fn error_reply(err: &ApiError) -> (HeaderMap, Bytes) {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_SERVICE_ERROR, header_text(err).as_str());
     headers.insert(NATS_SERVICE_ERROR_CODE, err.code.status().to_string().as_str());
-    let body = serde_json::to_vec(err).expect("an ApiError serializes");
+    let body = serde_json::to_vec(&versioned(err)).expect("an ApiError serializes");
     (headers, Bytes::from(body))
 }
 
 /// A micro service endpoint's failure reply for `err`, to pass to async-nats
 /// `Request::respond_with_headers(Err(error), headers)`: the service counts it in its
 /// stats' `errors` and sets the error headers from `error` (`<code>: <message>`, the
-/// status); `headers` carry the whole [`ApiError`] JSON in [`MUR_API_ERROR`], since that
-/// reply's body is empty.
+/// status); `headers` carry the whole [`ApiError`] JSON (versioned) in [`MUR_API_ERROR`],
+/// since that reply's body is empty.
 pub fn service_error(err: &ApiError) -> (async_nats::service::error::Error, HeaderMap) {
     let error = async_nats::service::error::Error { status: header_text(err), code: usize::from(err.code.status()) };
     let mut headers = HeaderMap::new();
-    let json = serde_json::to_string(err).expect("an ApiError serializes");
+    let json = serde_json::to_string(&versioned(err)).expect("an ApiError serializes");
     headers.insert(MUR_API_ERROR, json.as_str());
     (error, headers)
 }

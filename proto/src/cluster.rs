@@ -94,6 +94,11 @@ pub const SERVICE_NAME: &str = "mur";
 pub mod api {
     /// The group every endpoint sits in.
     pub const PREFIX: &str = "mur.api";
+    /// The API's version, carried in every error the coordinator answers
+    /// ([`super::ApiError::api_version`]), so a client tells what the coordinator
+    /// understands from a number, never from an error's text. 1: the first versioned API
+    /// (a submission may name its [`super::SubmitRequest::task_id`]).
+    pub const VERSION: u32 = 1;
     /// [`super::SubmitRequest`] → [`super::SubmitReply`].
     pub const TASK_SUBMIT: &str = "mur.api.task.submit";
     /// [`super::TaskRef`] → [`super::TaskRecord`].
@@ -1207,9 +1212,12 @@ pub struct TaskRef {
     pub task_id: String,
 }
 
-/// What went wrong with an API request, as a small closed set (the conventions, §7 item 2).
+/// What went wrong with an API request, as a small set (the conventions, §7 item 2). Non
+/// exhaustive: a newer coordinator may answer a code this build does not know, which reads
+/// as [`ErrorCode::Unknown`], so a client matches on codes, never on an error's text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum ErrorCode {
     /// The request broke a rule; the message names the field. Retrying it will not help.
     InvalidRequest,
@@ -1221,6 +1229,9 @@ pub enum ErrorCode {
     Internal,
     /// JetStream or the coordinator is not reachable now; retry later.
     Unavailable,
+    /// A code this build does not know (a newer coordinator's); read as `"unknown"`.
+    #[serde(other)]
+    Unknown,
 }
 
 impl ErrorCode {
@@ -1232,6 +1243,7 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Unknown => "unknown",
         }
     }
 
@@ -1244,6 +1256,7 @@ impl ErrorCode {
             ErrorCode::Conflict => 409,
             ErrorCode::Internal => 500,
             ErrorCode::Unavailable => 503,
+            ErrorCode::Unknown => 500,
         }
     }
 }
@@ -1263,12 +1276,17 @@ pub struct ApiError {
     pub code: ErrorCode,
     /// What went wrong, for people: lowercase, naming the field and the rule.
     pub message: String,
+    /// The [`api::VERSION`] of the coordinator that answered; `None` for an error the
+    /// client made itself (no coordinator answered) or one from a coordinator older than
+    /// the versioned API (which, for one, refuses a [`SubmitRequest::task_id`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_version: Option<u32>,
 }
 
 impl ApiError {
     /// An error of `code`.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
-        ApiError { code, message: message.into() }
+        ApiError { code, message: message.into(), api_version: None }
     }
 
     /// An `invalid_request` error.

@@ -5,12 +5,13 @@
 
 use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{SubmitReply, TaskRecord, api};
 use mur_proto::fanout::{Holder, slot_key, wait_key};
 use mur_proto::task::{ExitStatus, TaskState};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::procs::{Proc, Procs, until};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -63,10 +64,6 @@ async fn step(cluster: &Procs, text: &str, cap: serde_json::Value, deadline_at: 
         body["deadline_at"] = at.into();
     }
     submit_raw(cluster, body).await.expect("the step is accepted")
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 async fn fanout_kv(cluster: &Procs) -> kv::Store {
@@ -162,7 +159,7 @@ async fn a_step_whose_deadline_passes_while_it_waits_ends_deadline_exceeded_with
 
     let holder = step(&cluster, "sleep 60", 1.into(), None).await;
     cluster.wait_record(&holder, WAIT, |r| r.state == TaskState::Working).await;
-    let late = step(&cluster, "echo never", 1.into(), Some(now_ms() + 3_000)).await;
+    let late = step(&cluster, "echo never", 1.into(), Some(SystemClock.now_ms() + 3_000)).await;
     until("the late step's ticket", WAIT, || async { live(&kv, &wait_key(&late)).await.then_some(()) }).await;
     let r = cluster.wait_record(&late, WAIT, terminal).await;
     let ended = Instant::now();

@@ -13,6 +13,7 @@ use futures::{StreamExt, TryStreamExt};
 use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
 use mur_coordinator::service;
 use mur_nats::api;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, TaskRecord};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
@@ -384,10 +385,6 @@ mod worker_service {
 
     const DEADLINE: Duration = Duration::from_secs(30);
 
-    fn now_ms() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
-    }
-
     /// A scripted capsule answering `text` after `delay_ms`.
     fn scripted(text: &str, delay_ms: u64) -> TestCapsule {
         TestCapsule::new(
@@ -422,7 +419,7 @@ mod worker_service {
         async fn submit(&self, capsule: &str, digest: &str, text: &str) -> Result<String> {
             let task_id = Id::generate(IdKind::Task);
             let request = SubmitRequest::new(capsule, text, Origin::User);
-            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), now_ms());
+            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), SystemClock.now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
             record.attempt += 1;
             self.res.tasks.update(&task_id, serde_json::to_vec(&record)?.into(), revision).await?;
@@ -739,7 +736,7 @@ impl SimWorker {
     }
 
     async fn register(&self, slots: u32) -> Result<()> {
-        self.register_at(slots, now_ms()).await
+        self.register_at(slots, SystemClock.now_ms()).await
     }
 
     async fn register_at(&self, slots: u32, now: u64) -> Result<()> {
@@ -791,7 +788,7 @@ impl SimWorker {
                 r.state = TaskState::Working;
                 r.worker = Some(worker.clone());
                 r.session_id = Some(Id::generate(IdKind::Session));
-                r.started_at = Some(now_ms());
+                r.started_at = Some(SystemClock.now_ms());
             })
             .await?;
         assert_eq!(record.attempt, dispatch.attempt, "the record carries the dispatch's attempt");
@@ -803,14 +800,10 @@ impl SimWorker {
             r.state = TaskState::Completed;
             r.exit_status = Some(ExitStatus::Ok);
             r.result = Some("done".into());
-            r.ended_at = Some(now_ms());
+            r.ended_at = Some(SystemClock.now_ms());
         })
         .await
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 const QUEUE_MANIFEST: &str = "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n\
@@ -1116,7 +1109,7 @@ async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_i
         foreign.clone(),
         cluster::SubmitRequest::new("greeter", "from the old leader", mur_proto::task::Origin::User),
         digest,
-        now_ms(),
+        SystemClock.now_ms(),
     );
     record.attempt = 1;
     worker.res.tasks.create(foreign.as_str(), serde_json::to_vec(&record)?.into()).await?;
@@ -1145,7 +1138,7 @@ async fn a_worker_with_a_stale_heartbeat_gets_no_dispatch_until_it_beats_again()
     let worker = SimWorker::new(&server, "w1").await?;
 
     // A heartbeat older than the worker timeout (10 s) does not count.
-    worker.register_at(1, now_ms() - 60_000).await?;
+    worker.register_at(1, SystemClock.now_ms() - 60_000).await?;
     let first = submit(&client, "greeter", "first", "user").await?;
     assert!(worker.next_dispatch(QUIET).await?.is_none(), "a stale worker gets nothing");
 
@@ -1662,7 +1655,8 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
     let server = NatsServer::start();
     push_capsules(&server).await?;
     let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
-    let client = server.connect().await;
+    // Connected before it returns, so its subscription is in place before the first send.
+    let client = async_nats::connect(server.url()).await?;
     // Stands in for a coordinator whose JetStream fails: it answers the first send
     // `unavailable`, then goes away.
     let mut stand_in = client.subscribe(cluster::api::TASK_SUBMIT).await?;
@@ -1735,5 +1729,74 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
     assert_eq!(completed["event_type"], "shell_completed", "{trace}");
     assert_eq!(completed["completion_task_id"], task_id.as_str(), "{trace}");
     coordinator.stop().await?;
+    Ok(())
+}
+
+/// Issue #30: a client tells an older coordinator from the API version its errors carry,
+/// not from their text. A refusal without `api_version` of a submission naming its task
+/// id (a coordinator older than the field) is sent again without the id; a refusal from a
+/// coordinator of this API is the answer, sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_older_than_the_api_version() -> Result<()>
+{
+    let server = NatsServer::start();
+    // A send that meets no subscriber yet ("no responders") is sent again: the patience.
+    let client = server.connect().await;
+    let stand_in = server.connect().await;
+    let mut requests = stand_in.subscribe(cluster::api::TASK_SUBMIT).await?;
+    stand_in.flush().await?;
+    // The old coordinator's refusal: micro service error headers and an `ApiError` body
+    // with no version.
+    let old_refusal = |reply: async_nats::Subject| {
+        let stand_in = stand_in.clone();
+        async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Service-Error", "invalid_request: task_id: unknown field");
+            headers.insert("Nats-Service-Error-Code", "400");
+            let body = r#"{"code":"invalid_request","message":"task_id: unknown field"}"#;
+            stand_in.publish_with_headers(reply, headers, body.into()).await.unwrap();
+        }
+    };
+
+    let mut request = cluster::SubmitRequest::new("greeter", "hi", mur_proto::task::Origin::User);
+    let sending = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let reply = api::submit(&client, &mut request, WAIT, |_, _| {}).await;
+            (reply, request)
+        }
+    });
+    let first = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent");
+    let first_body: cluster::SubmitRequest = serde_json::from_slice(&first.payload)?;
+    assert!(first_body.task_id.is_some(), "the client names the task");
+    old_refusal(first.reply.expect("a request")).await;
+    let second = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent again");
+    let second_body: cluster::SubmitRequest = serde_json::from_slice(&second.payload)?;
+    assert_eq!(second_body.task_id, None);
+    let accepted = cluster::SubmitReply { task_id: "tsk_from_the_old_one".into(), state: TaskState::Submitted };
+    stand_in.publish(second.reply.expect("a request"), serde_json::to_vec(&accepted)?.into()).await?;
+    let (reply, request) = sending.await?;
+    assert_eq!(reply.expect("accepted").task_id, "tsk_from_the_old_one");
+    assert_eq!(request.task_id, None);
+
+    // A coordinator of this API refuses with its version: that is the answer.
+    let mut request = cluster::SubmitRequest::new("greeter", "", mur_proto::task::Origin::User);
+    let sending = tokio::spawn({
+        let client = client.clone();
+        async move { api::submit(&client, &mut request, WAIT, |_, _| {}).await }
+    });
+    let only = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent");
+    let (headers, body) = api::error_reply(&cluster::ApiError::invalid("text: must not be empty"));
+    stand_in.publish_with_headers(only.reply.expect("a request"), headers, body).await?;
+    let err = sending.await?.expect_err("refused");
+    assert_eq!(
+        (err.code, err.message.as_str(), err.api_version),
+        (cluster::ErrorCode::InvalidRequest, "text: must not be empty", Some(cluster::api::VERSION))
+    );
+    stand_in.flush().await?;
+    assert!(
+        tokio::time::timeout(QUIET, requests.next()).await.is_err(),
+        "a refusal of this API's coordinator is not sent again"
+    );
     Ok(())
 }

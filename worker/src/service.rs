@@ -67,6 +67,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_nats::fanout;
+use mur_nats::tasks::{self as task_records, read};
 use mur_nats::trace_context;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
 use mur_proto::ids::{Id, IdKind};
@@ -102,8 +103,6 @@ const PULL_BACKOFF: Duration = Duration::from_millis(500);
 /// How long a worker keeps trying to write a finished task's terminal record (through a
 /// broker restart, say) before it gives the task back for redelivery.
 const TERMINAL_WRITE_PATIENCE: Duration = Duration::from_secs(60);
-/// Compare-and-set attempts on a task record before giving up.
-const CAS_ATTEMPTS: usize = 10;
 /// How many loaded capsules (name and digest) a worker keeps in memory; past it the
 /// memory is emptied and refilled as tasks come.
 const LOADED_CAPSULES: usize = 64;
@@ -719,7 +718,7 @@ async fn run_dispatch_holding(
         if current.0.cancel_requested_at.is_some() {
             // Cancelled after its release, before any session ran it: it never starts.
             return finished(
-                cas(&sh.tasks, key, current, |r| {
+                task_records::update(&sh.tasks, key, Some(current), |r| {
                     if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                         return false;
                     }
@@ -742,7 +741,7 @@ async fn run_dispatch_holding(
             Err(Loading::Failed(reason)) => {
                 let w = worker_id.clone();
                 return finished(
-                    cas(&sh.tasks, key, current, |r| {
+                    task_records::update(&sh.tasks, key, Some(current), |r| {
                         if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                             return false;
                         }
@@ -810,7 +809,7 @@ async fn run_dispatch_holding(
                         Err(_) => return Answer::Nak,
                     };
                     return finished(
-                        cas(&sh.tasks, key, base, |r| {
+                        task_records::update(&sh.tasks, key, Some(base), |r| {
                             if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
                                 return false;
                             }
@@ -877,10 +876,10 @@ async fn run_dispatch_holding(
                     };
                     continue;
                 }
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(task_records::Error::Unavailable { what: format!("update {key}"), source: e.into() }),
             }
         } else {
-            cas(&sh.tasks, key, current, mark_working).await
+            task_records::update(&sh.tasks, key, Some(current), mark_working).await
         };
         match working {
             Ok(Some(c)) => break (c, capsule, takeover, session_id, prepared),
@@ -931,36 +930,25 @@ async fn run_dispatch_holding(
     }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
-    let mut written = Err(String::new());
-    let mut backoff = Duration::from_millis(100);
+    let mut delays = mur_nats::backoff::delays(Duration::from_millis(100), Duration::from_secs(2));
     let give_up = tokio::time::Instant::now() + TERMINAL_WRITE_PATIENCE;
-    let mut current = Some(current);
-    while tokio::time::Instant::now() < give_up {
-        let base = match current.take() {
-            Some(c) => Ok(c),
-            None => read(&sh.tasks, key).await.and_then(|c| c.ok_or_else(|| format!("task record {key} disappeared"))),
-        };
-        written = match base {
-            Ok(base) => {
-                cas(&sh.tasks, key, base, |r| {
-                    if r.state.is_terminal() {
-                        return false;
-                    }
-                    r.usage.clone_from(&usage);
-                    end_record(r, exit, &result, error.as_deref(), max_payload);
-                    true
-                })
-                .await
+    let mut known = Some(current);
+    let written = loop {
+        let written = task_records::update(&sh.tasks, key, known.take(), |r| {
+            if r.state.is_terminal() {
+                return false;
             }
-            Err(e) => Err(e),
-        };
-        if written.is_ok() {
-            break;
+            r.usage.clone_from(&usage);
+            end_record(r, exit, &result, error.as_deref(), max_payload);
+            true
+        })
+        .await;
+        if written.is_ok() || tokio::time::Instant::now() >= give_up {
+            break written;
         }
         tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
+        tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
+    };
     let answer = finished(written, key);
     if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
         drop_checkpoints(&sh.sessions, key).await;
@@ -1083,7 +1071,7 @@ async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
 }
 
 /// The answer after the terminal write: ack when the record is terminal (ours or not).
-fn finished(written: Result<Option<(TaskRecord, u64)>, String>, key: &str) -> Answer {
+fn finished(written: Result<Option<(TaskRecord, u64)>, task_records::Error>, key: &str) -> Answer {
     match written {
         Ok(_) => Answer::Ack,
         Err(e) => {
@@ -1153,47 +1141,6 @@ enum Loading {
     Transient(String),
     /// The bundle is missing, corrupt or its manifest is invalid: the task fails with this.
     Failed(String),
-}
-
-/// Reads a task record and its revision.
-async fn read(tasks: &kv::Store, key: &str) -> Result<Option<(TaskRecord, u64)>, String> {
-    let Some(entry) = tasks.entry(key).await.map_err(|e| e.to_string())? else {
-        return Ok(None);
-    };
-    if entry.operation != kv::Operation::Put {
-        return Ok(None);
-    }
-    let record: TaskRecord =
-        serde_json::from_slice(&entry.value).map_err(|e| format!("task record {key} is not valid JSON: {e}"))?;
-    Ok(Some((record, entry.revision)))
-}
-
-/// Applies `change` to the record with compare-and-set on its revision, re-reading and
-/// retrying on a conflict (at most [`CAS_ATTEMPTS`] times). `change` returns false to
-/// leave the record alone: then `Ok(None)`.
-async fn cas(
-    tasks: &kv::Store,
-    key: &str,
-    mut current: (TaskRecord, u64),
-    mut change: impl FnMut(&mut TaskRecord) -> bool,
-) -> Result<Option<(TaskRecord, u64)>, String> {
-    let mut last_error = String::new();
-    for _ in 0..CAS_ATTEMPTS {
-        let mut record = current.0.clone();
-        if !change(&mut record) {
-            return Ok(None);
-        }
-        let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
-        match tasks.update(key, json.into(), current.1).await {
-            Ok(revision) => return Ok(Some((record, revision))),
-            Err(e) => {
-                last_error = e.to_string();
-                tracing::debug!(task_id = key, error = %e, "task record compare-and-set lost; re-reading");
-                current = read(tasks, key).await?.ok_or_else(|| format!("task record {key} disappeared"))?;
-            }
-        }
-    }
-    Err(format!("task record {key}: {CAS_ATTEMPTS} compare-and-set attempts failed, last: {last_error}"))
 }
 
 /// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]).

@@ -7,8 +7,8 @@
 
 use super::{Exec, ms_after};
 use crate::fleet_loop::{Reply, Spec, Step};
-use crate::fleets::now_ms;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::fleet;
 use mur_proto::fleet_store::{Author, EventKind};
 use std::time::Duration;
@@ -32,9 +32,9 @@ impl Exec {
         self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
         // The time left when it is sent, not when it was planned: a step that waited for a
         // fan-out slot does not get a longer clock.
-        let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
+        let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(spec.started_at));
         let time_left = fleet::inherited_deadline(spec.deadline, elapsed).min(step.time_left);
-        match self.submit(&step.member, &step.text, ms_after(now_ms(), time_left)).await {
+        match self.submit(&step.member, &step.text, ms_after(SystemClock.now_ms(), time_left)).await {
             Ok(task_id) => {
                 let (ok, text) = self.wait(&task_id, time_left).await;
                 let author = Author::Member(step.member.clone());

@@ -12,8 +12,8 @@
 use super::{Exec, ms_after, put_record};
 use crate::fleet_loop::{Run, Spec};
 use crate::fleet_plan::{Launch, Outcome, Procedure, Rank};
-use crate::fleets::now_ms;
 use futures::StreamExt;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{self, Approval, Decision, Job, JobStatus};
 use mur_proto::fleet_store::{Author, EventKind};
@@ -39,7 +39,7 @@ impl Exec {
                 let claimed = self
                     .fleets
                     .update_job(&fleet, id, |j| {
-                        j.claim(iteration_run_id, now_ms())
+                        j.claim(iteration_run_id, SystemClock.now_ms())
                             .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
                     })
                     .await;
@@ -55,7 +55,7 @@ impl Exec {
         };
         // The standing goal has no job to park a request on: one is made for it, and
         // stored only if a step is parked (its id is the one the notes name).
-        let goal_job = claimed.is_none().then(|| Job::new(work, fleet::SOURCE_GOAL, now_ms()));
+        let goal_job = claimed.is_none().then(|| Job::new(work, fleet::SOURCE_GOAL, SystemClock.now_ms()));
         let (outcome, result, outputs, parked, done) =
             match Procedure::new(&run.spec().fleet, work, claimed.as_ref().or(goal_job.as_ref())) {
                 Ok(mut plan) => {
@@ -76,8 +76,8 @@ impl Exec {
         let it = run.procedure_ended(outcome, result, &outputs);
         if let (Outcome::Blocked, Some(mut parked_goal)) = (outcome, goal_job) {
             let stored = parked_goal
-                .claim(iteration_run_id, now_ms())
-                .and_then(|()| parked_goal.transition(JobStatus::Blocked, now_ms()))
+                .claim(iteration_run_id, SystemClock.now_ms())
+                .and_then(|()| parked_goal.transition(JobStatus::Blocked, SystemClock.now_ms()))
                 .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()));
             parked_goal.result = Some(it.result.clone());
             parked_goal.steps_done = done.clone();
@@ -118,7 +118,7 @@ impl Exec {
                         return Ok(()); // canceled meanwhile: leave it
                     }
                     if j.status != status {
-                        j.transition(status, now_ms())
+                        j.transition(status, SystemClock.now_ms())
                             .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
                     }
                     j.result = Some(it.result.clone());
@@ -140,7 +140,7 @@ impl Exec {
         }
         self.account(run, iteration_run_id, job).await;
         self.record.iterations += 1;
-        self.record.updated_at = now_ms();
+        self.record.updated_at = SystemClock.now_ms();
         if let Err(e) = put_record(&self.fleets, &self.record).await {
             tracing::warn!(fleet, "writing the run record: {e}");
         }
@@ -171,7 +171,7 @@ impl Exec {
         .buffer_unordered(cap)
         .collect()
         .await;
-        *last_agent = Some(now_ms());
+        *last_agent = Some(SystemClock.now_ms());
         for (id, ok, output) in ended {
             plan.step_ended(&id, ok, output);
         }
@@ -194,7 +194,7 @@ impl Exec {
             .fleets
             .update_job(fleet, job, |j| {
                 if j.status != JobStatus::Blocked {
-                    j.transition(JobStatus::Blocked, now_ms())
+                    j.transition(JobStatus::Blocked, SystemClock.now_ms())
                         .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
                 }
                 j.approval = Some(Approval { steps: parked.clone(), decision: None, by: None, at: None });
@@ -217,7 +217,7 @@ impl Exec {
                         let resumed = self
                             .fleets
                             .update_job(fleet, job, |j| {
-                                j.transition(JobStatus::Running, now_ms())
+                                j.transition(JobStatus::Running, SystemClock.now_ms())
                                     .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))
                             })
                             .await;
@@ -227,7 +227,7 @@ impl Exec {
                 Ok(None) => return None,
                 Err(e) => tracing::debug!(fleet, job, "reading the job: {e}"),
             }
-            if now_ms() >= until {
+            if SystemClock.now_ms() >= until {
                 return None;
             }
             tokio::time::sleep(ANSWER_POLL).await;
@@ -249,9 +249,9 @@ impl Exec {
                 if attempt > 1 { format!(" (attempt {attempt} of {})", launch.attempts) } else { String::new() };
             let text = format!("{} ← step {}{again}", launch.member, launch.id);
             self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
-            let elapsed = Duration::from_millis(now_ms().saturating_sub(spec.started_at));
+            let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(spec.started_at));
             let time_left = fleet::inherited_deadline(spec.deadline, elapsed);
-            match self.submit(&launch.member, &launch.text, ms_after(now_ms(), time_left)).await {
+            match self.submit(&launch.member, &launch.text, ms_after(SystemClock.now_ms(), time_left)).await {
                 Ok(task_id) => {
                     last = self.wait(&task_id, time_left).await;
                     let author = Author::Member(launch.member.clone());

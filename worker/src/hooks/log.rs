@@ -8,9 +8,9 @@
 //! inside `<text>` are written as `\n`, so one entry is one line. A log stops at
 //! [`MAX_LOG_BYTES`] with one `<time> - log-full: …` line.
 
+use mur_nats::clock::{Clock, SystemClock};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The log file of one hook. Writing never fails the caller: a file that cannot be written
 /// is reported through `tracing` and the line is lost.
@@ -45,7 +45,7 @@ impl HookLog {
     /// Appends one line per item of `texts`, all with the same time, event and kind, in a
     /// single write.
     pub fn write_all<'a>(&self, event: &str, kind: &str, texts: impl IntoIterator<Item = &'a str>) {
-        let time = rfc3339_ms(now_ms());
+        let time = rfc3339_ms(SystemClock.now_ms());
         let mut out = String::new();
         for text in texts {
             out.push_str(&format!("{time} {event} {kind}: {}\n", one_line(text)));
@@ -81,7 +81,11 @@ impl HookLog {
         }
         // Full: said once, at the end of the file; this write and every later one dropped.
         self.full.store(true, Ordering::Relaxed);
-        let full = format!("{} - log-full: this log reached {} bytes{LOG_FULL_END}", rfc3339_ms(now_ms()), self.cap);
+        let full = format!(
+            "{} - log-full: this log reached {} bytes{LOG_FULL_END}",
+            rfc3339_ms(SystemClock.now_ms()),
+            self.cap
+        );
         f.write_all(full.as_bytes())
     }
 }
@@ -101,10 +105,6 @@ fn one_line(text: &str) -> String {
         }
     }
     out
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `ms` Unix milliseconds as `YYYY-MM-DDTHH:MM:SS.mmmZ`.

@@ -15,7 +15,7 @@ use crate::session::detach::{Detached, Work};
 use crate::tools::background::{DetachNotice, DetachSink};
 use async_nats::jetstream::object_store;
 use bytes::Bytes;
-use mur_nats::clock::Clock;
+use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest};
 use mur_proto::ids::{Id, IdKind};
 use mur_proto::trace::{Event, Line};
@@ -96,7 +96,7 @@ impl Host {
     async fn handle(&self, registry: &mut Detached, notice: DetachNotice, stop: &CancellationToken) {
         match notice {
             DetachNotice::Detached(w) => {
-                let now = now_ms();
+                let now = SystemClock.now_ms();
                 let _ = registry.detach(Work {
                     work_id: w.work_id,
                     binary: w.binary,
@@ -121,7 +121,7 @@ impl Host {
     }
 
     async fn abandon(&self, registry: &Detached, sink: &DetachSink) {
-        let now = now_ms();
+        let now = SystemClock.now_ms();
         for work in registry.running() {
             sink.kill(&work.work_id).await;
             tracing::warn!(work_id = %work.work_id, command = %work.command, "worker stopping: detached command abandoned");
@@ -180,7 +180,7 @@ impl Host {
         let line = Line {
             event,
             session_id: self.session_id.clone(),
-            timestamp: now_ms(),
+            timestamp: SystemClock.now_ms(),
             event_id: Id::generate(IdKind::Event),
             parent_id: None,
         };
@@ -228,8 +228,4 @@ pub async fn fetch_logs(store: &object_store::ObjectStore, text: &str, session_d
             tracing::warn!(work_id, error = %e, "fetching a detached command's log");
         }
     }
-}
-
-fn now_ms() -> u64 {
-    mur_nats::clock::SystemClock.now_ms()
 }
