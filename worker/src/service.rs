@@ -64,6 +64,7 @@ use crate::workdir::Layout;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
+use decide::{Answer, Delivered, Fetch, Known, Permit, PermitWait, Record, Step, decide, writable};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_nats::fanout;
@@ -87,6 +88,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+mod decide;
 pub mod detached;
 pub mod retention;
 
@@ -408,14 +410,6 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     Ok(())
 }
 
-/// How long a dispatch that could not be handled waits before its next delivery: 1 s after
-/// the first, doubling, at most 30 s (issue #8: retries wait, never an instant
-/// redelivery loop). After the consumer's `max_deliver` deliveries the coordinator
-/// dead-letters it.
-fn nak_delay(delivery: u64) -> Duration {
-    Duration::from_secs(1u64 << delivery.saturating_sub(1).min(5)).min(Duration::from_secs(30))
-}
-
 /// Cancels the running tasks named by cancel notes.
 async fn listen_for_cancels(sh: Arc<Shared>, mut notes: async_nats::Subscriber) {
     while let Some(note) = notes.next().await {
@@ -561,17 +555,6 @@ impl Registration {
     }
 }
 
-/// How a dispatch is answered.
-#[derive(Debug, PartialEq, Eq)]
-enum Answer {
-    /// Done with (ran, or nothing to run): double-ack.
-    Ack,
-    /// Can never be run (not a dispatch, no record): terminate.
-    Term,
-    /// A transient failure: redeliver.
-    Nak,
-}
-
 /// Runs one dispatch in its slot, with in-progress acks while it works.
 async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePermit) {
     let msg = Arc::new(msg);
@@ -633,21 +616,11 @@ async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: OwnedSemaphorePe
     let acked = match answer {
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
-        Answer::Nak => msg.ack_with(AckKind::Nak(Some(nak_delay(delivered.number)))).await,
+        Answer::Nak(delay) => msg.ack_with(AckKind::Nak(Some(delay))).await,
     };
     if let Err(e) = acked {
         tracing::warn!(error = %e, ?answer, "answering a dispatch failed; it will be redelivered");
     }
-}
-
-/// Which delivery of which dispatch message is being handled.
-#[derive(Clone, Copy, Debug)]
-struct Delivered {
-    /// 1 for the first delivery, +1 per redelivery.
-    number: u64,
-    /// The message's sequence in `MUR_DISPATCH` (`None` only for a message without
-    /// JetStream metadata, never expected).
-    stream_seq: Option<u64>,
 }
 
 async fn run_dispatch(
@@ -665,11 +638,13 @@ async fn run_dispatch(
     answer
 }
 
-/// [`run_dispatch`]'s work; a fleet step's permit, once taken, is left in `permit`.
+/// [`run_dispatch`]'s work: the IO of each [`Step`] [`decide`] names, until the dispatch
+/// is answered or the task runs and ends; a fleet step's permit, once taken, is left in
+/// `permit`.
 async fn run_dispatch_holding(
     sh: &Shared,
     parsed: Result<Dispatch, serde_json::Error>,
-    Delivered { number: delivery, stream_seq }: Delivered,
+    delivery: Delivered,
     cancel: CancellationToken,
     permit: &mut Option<Arc<fanout::StepPermit>>,
 ) -> Answer {
@@ -686,211 +661,181 @@ async fn run_dispatch_holding(
         }
     };
     let key = dispatch.task_id.as_str();
+    let stream_seq = delivery.stream_seq;
     // What a terminal record is fitted to ([`end_record`]).
     let max_payload = sh.client.server_info().max_payload;
-    // The record as the release wrote it, when the dispatch carries it: no read. The
-    // compare-and-set to `working` below is on its revision, so a record that changed
-    // since (cancel requested, an earlier delivery took it) is read and looked at afresh.
-    let (mut current, mut carried) = match dispatch.released {
-        Some(r) => ((r.record, r.revision), true),
-        None => match read_dispatched(sh, key).await {
-            Ok(c) => (c, false),
-            Err(answer) => return answer,
-        },
-    };
     let worker_id = sh.config.worker_id.clone();
+    // The record as the release wrote it, when the dispatch carries it: no read. The
+    // compare-and-set to `working` is on its revision, so a record that changed since
+    // (cancel requested, an earlier delivery took it) is read and looked at afresh.
+    let mut known: Known<Arc<Capsule>, Takeover> = Known::new(dispatch.released.map(|r| (r.record, r.revision)));
     let (current, capsule, takeover, session_id, prepared) = loop {
-        if current.0.state.is_terminal() {
-            return Answer::Ack;
-        }
-        // Another message's delivery runs this task (or will take it over if its worker
-        // dies: that message stays unacked until the end): this one is a duplicate,
-        // published again after the stream's duplicate window. Dropped, not taken over.
-        if run_elsewhere(&current.0, stream_seq) {
-            tracing::warn!(
-                task_id = key,
-                running = current.0.dispatch_seq,
-                duplicate = stream_seq,
-                "a second dispatch of a task another dispatch is running: dropped"
-            );
-            return Answer::Ack;
-        }
-        if current.0.cancel_requested_at.is_some() {
-            // Cancelled after its release, before any session ran it: it never starts.
-            return finished(
-                task_records::update(&sh.tasks, key, Some(current), |r| {
-                    if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
-                        return false;
-                    }
-                    end_record(r, ExitStatus::Canceled, "canceled", None, max_payload);
-                    true
-                })
-                .await,
-                key,
-            );
-        }
-
-        let capsule = match load_capsule(sh, &current.0).await {
-            Ok(c) => c,
-            Err(Loading::Transient(reason)) => {
-                // The broker did not answer (a restart under way): another delivery, after
-                // the nak delay, fetches again; the task does not fail for it.
-                tracing::warn!(task_id = key, "{reason}; the dispatch goes back");
-                return Answer::Nak;
-            }
-            Err(Loading::Failed(reason)) => {
-                let w = worker_id.clone();
-                return finished(
-                    task_records::update(&sh.tasks, key, Some(current), |r| {
-                        if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
-                            return false;
-                        }
-                        r.worker = Some(w.clone());
-                        end_record(r, ExitStatus::Failed, &reason, Some(&reason), max_payload);
-                        true
-                    })
-                    .await,
-                    key,
+        match decide(&known, delivery, sh.hard_stop.is_cancelled()) {
+            Step::Answer(answer) => return answer,
+            Step::Duplicate => {
+                // Another message's delivery runs this task (or will take it over if its
+                // worker dies: that message stays unacked until the end): this one was
+                // published again after the stream's duplicate window. Dropped.
+                tracing::warn!(
+                    task_id = key,
+                    running = known.current().and_then(|(r, _)| r.dispatch_seq),
+                    duplicate = stream_seq,
+                    "a second dispatch of a task another dispatch is running: dropped"
                 );
-            }
-        };
-
-        // A record already `working` was being run by a session that stopped answering for
-        // it (its worker died): take over from its last checkpoint (issue #8 §Takeover).
-        let takeover = match (&current.0.state, &current.0.session_id) {
-            (TaskState::Working, Some(previous)) => {
-                let previous_worker = current.0.worker.clone().unwrap_or_default();
-                match read_checkpoints(&sh.sessions, key).await {
-                    Ok(r) => Some(takeover_from(r, delivery, previous.clone(), previous_worker)),
-                    Err(e) => {
-                        tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
-                        return Answer::Nak;
-                    }
-                }
-            }
-            _ => None,
-        };
-
-        // A delegated fleet step runs only while it holds a fan-out permit (issue #11):
-        // wait in line for one, with in-progress acks still going out, until it is free or
-        // the task is cancelled or out of time.
-        if let (Some(step), None) = (&current.0.fleet_step, permit.as_ref()) {
-            if carried {
-                // The wait may be long and ends in writes: start it from the record as it
-                // is (another dispatch of the step may be running it already).
-                carried = false;
-                current = match read_dispatched(sh, key).await {
-                    Ok(c) => c,
-                    Err(answer) => return answer,
-                };
-                continue;
-            }
-            match hold_permit(sh, &current.0, step, &cancel).await {
-                Ok(held) => {
-                    let (lost, stop, over) = (held.lost(), session_cancel.clone(), dispatch_over.clone());
-                    tokio::spawn(async move {
-                        tokio::select! {
-                            () = lost.cancelled() => stop.cancel(),
-                            () = over.cancelled() => {}
-                        }
-                    });
-                    *permit = Some(held);
-                }
-                Err(stop) => {
-                    let exit = match stop {
-                        PermitWait::Deadline => ExitStatus::DeadlineExceeded,
-                        PermitWait::Cancelled if !sh.hard_stop.is_cancelled() => ExitStatus::Canceled,
-                        // The worker is stopping, or JetStream failed: another delivery waits again.
-                        PermitWait::Cancelled | PermitWait::Failed => return Answer::Nak,
-                    };
-                    let base = match read(&sh.tasks, key).await {
-                        Ok(Some(c)) => c,
-                        Ok(None) => return Answer::Term,
-                        Err(_) => return Answer::Nak,
-                    };
-                    return finished(
-                        task_records::update(&sh.tasks, key, Some(base), |r| {
-                            if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
-                                return false;
-                            }
-                            end_record(r, exit, exit.as_str(), None, max_payload);
-                            true
-                        })
-                        .await,
-                        key,
-                    );
-                }
-            }
-        }
-
-        let session_id = Id::generate(IdKind::Session);
-        // The session folder is made on a blocking thread while the record goes to
-        // `working` (issue #9: file creation kept off the async threads and the wait).
-        let access = FleetAccess {
-            client: sh.client.clone(),
-            source: format!("capsule:{}", current.0.capsule),
-            permit: permit.clone(),
-            cancel: session_cancel.clone(),
-        };
-        let prepared = Prepared::start(sh, &capsule, &session_id, access);
-        let mark_working = |r: &mut TaskRecord| {
-            if r.state.is_terminal() || run_elsewhere(r, stream_seq) {
-                return false;
-            }
-            // A record another session had `working` is taken over: a new attempt (issue
-            // #29 item 9). The coordinator publishes dispatches again only of `submitted`
-            // records, so the number it put in the dispatch's message id is not reused.
-            if r.state == TaskState::Working && r.session_id.is_some() {
-                r.attempt += 1;
-            }
-            r.state = TaskState::Working;
-            r.worker = Some(worker_id.clone());
-            r.session_id = Some(session_id.clone());
-            r.dispatch_seq = stream_seq.or(r.dispatch_seq);
-            r.started_at = r.started_at.or(Some(SystemClock.now_ms()));
-            true
-        };
-        let working = if carried {
-            // One try on the carried revision; a conflict means the record moved on.
-            carried = false;
-            let mut record = current.0.clone();
-            if !mark_working(&mut record) {
-                prepared.discard();
                 return Answer::Ack;
             }
-            let json = match serde_json::to_vec(&record) {
-                Ok(json) => json,
-                Err(e) => {
-                    tracing::warn!(task_id = key, error = %e, "marking the task working failed");
-                    prepared.discard();
-                    return Answer::Nak;
+            Step::Read => {
+                let read = read(&sh.tasks, key).await;
+                match &read {
+                    Ok(Some(_)) => {}
+                    Ok(None) => tracing::warn!(task_id = key, "a dispatch without a task record: terminated"),
+                    Err(e) => tracing::warn!(task_id = key, error = %e, "reading the task record failed"),
                 }
-            };
-            match sh.tasks.update(key, json.into(), current.1).await {
-                Ok(revision) => Ok(Some((record, revision))),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                    prepared.discard();
-                    current = match read_dispatched(sh, key).await {
-                        Ok(c) => c,
-                        Err(answer) => return answer,
-                    };
-                    continue;
+                known.read(read);
+            }
+            Step::LoadCapsule(record) => {
+                known.capsule = match load_capsule(sh, record).await {
+                    Ok(capsule) => Fetch::Done(capsule),
+                    Err(Loading::Transient(reason)) => {
+                        // The broker did not answer (a restart under way): another delivery,
+                        // after the nak delay, fetches again; the task does not fail for it.
+                        tracing::warn!(task_id = key, "{reason}; the dispatch goes back");
+                        Fetch::Unavailable
+                    }
+                    Err(Loading::Failed(reason)) => Fetch::Failed(reason),
+                };
+            }
+            Step::TakeOver(record) => {
+                // The session that had the record `working` stopped answering for it (its
+                // worker died): take over from its last checkpoint (issue #8 §Takeover).
+                let previous = record.session_id.clone().unwrap_or_default();
+                let previous_worker = record.worker.clone().unwrap_or_default();
+                known.takeover = match read_checkpoints(&sh.sessions, key).await {
+                    Ok(r) => Fetch::Done(takeover_from(r, delivery.number, previous, previous_worker)),
+                    Err(e) => {
+                        tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
+                        Fetch::Unavailable
+                    }
+                };
+            }
+            Step::WaitForPermit(record, step) => {
+                // A delegated fleet step runs only while it holds a fan-out permit (issue
+                // #11): wait in line for one, with in-progress acks still going out, until
+                // it is free or the task is cancelled or out of time.
+                let waited = hold_permit(sh, record, step, &cancel).await;
+                known.permit = match waited {
+                    Ok(held) => {
+                        let (lost, stop, over) = (held.lost(), session_cancel.clone(), dispatch_over.clone());
+                        tokio::spawn(async move {
+                            tokio::select! {
+                                () = lost.cancelled() => stop.cancel(),
+                                () = over.cancelled() => {}
+                            }
+                        });
+                        *permit = Some(held);
+                        Permit::Held
+                    }
+                    Err(why) => {
+                        // The record may have moved on during the wait: its end is
+                        // written from a fresh read.
+                        known.record = Record::Stale;
+                        Permit::Ended(why)
+                    }
+                };
+            }
+            Step::End(end) => {
+                let written = task_records::update(&sh.tasks, key, known.current(), |r| {
+                    if !writable(r, stream_seq) {
+                        return false;
+                    }
+                    if end.by_this_worker {
+                        r.worker = Some(worker_id.clone());
+                    }
+                    end_record(r, end.exit, &end.result, end.error.as_deref(), max_payload);
+                    true
+                })
+                .await;
+                return finished(written, key, delivery);
+            }
+            Step::MarkWorking { record, capsule, carried } => {
+                let capsule = capsule.clone();
+                let source = format!("capsule:{}", record.capsule);
+                let session_id = Id::generate(IdKind::Session);
+                // The session folder is made on a blocking thread while the record goes to
+                // `working` (issue #9: file creation kept off the async threads and the wait).
+                let access = FleetAccess {
+                    client: sh.client.clone(),
+                    source,
+                    permit: permit.clone(),
+                    cancel: session_cancel.clone(),
+                };
+                let prepared = Prepared::start(sh, &capsule, &session_id, access);
+                let mark_working = |r: &mut TaskRecord| {
+                    if !writable(r, stream_seq) {
+                        return false;
+                    }
+                    // A record another session had `working` is taken over: a new attempt
+                    // (issue #29 item 9). The coordinator publishes dispatches again only of
+                    // `submitted` records, so the number it put in the dispatch's message id
+                    // is not reused.
+                    if r.state == TaskState::Working && r.session_id.is_some() {
+                        r.attempt += 1;
+                    }
+                    r.state = TaskState::Working;
+                    r.worker = Some(worker_id.clone());
+                    r.session_id = Some(session_id.clone());
+                    r.dispatch_seq = stream_seq.or(r.dispatch_seq);
+                    r.started_at = r.started_at.or(Some(SystemClock.now_ms()));
+                    true
+                };
+                let working = match (carried, known.current()) {
+                    // One try on the carried revision; a conflict means the record moved on.
+                    (true, Some((mut record, revision))) => {
+                        if !mark_working(&mut record) {
+                            prepared.discard();
+                            return Answer::Ack;
+                        }
+                        let json = match serde_json::to_vec(&record) {
+                            Ok(json) => json,
+                            Err(e) => {
+                                tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                                prepared.discard();
+                                return Answer::nak(delivery);
+                            }
+                        };
+                        match sh.tasks.update(key, json.into(), revision).await {
+                            Ok(revision) => Ok(Some((record, revision))),
+                            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                                prepared.discard();
+                                known.record = Record::Stale;
+                                continue;
+                            }
+                            Err(e) => Err(task_records::Error::Unavailable {
+                                what: format!("update {key}"),
+                                source: e.into(),
+                            }),
+                        }
+                    }
+                    (_, current) => task_records::update(&sh.tasks, key, current, mark_working).await,
+                };
+                match working {
+                    Ok(Some(c)) => {
+                        let takeover = match std::mem::replace(&mut known.takeover, Fetch::NotYet) {
+                            Fetch::Done(takeover) => Some(takeover),
+                            _ => None,
+                        };
+                        break (c, capsule, takeover, session_id, prepared);
+                    }
+                    Ok(None) => {
+                        prepared.discard();
+                        return Answer::Ack; // ended elsewhere meanwhile
+                    }
+                    Err(e) => {
+                        tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                        prepared.discard();
+                        return Answer::nak(delivery);
+                    }
                 }
-                Err(e) => Err(task_records::Error::Unavailable { what: format!("update {key}"), source: e.into() }),
-            }
-        } else {
-            task_records::update(&sh.tasks, key, Some(current), mark_working).await
-        };
-        match working {
-            Ok(Some(c)) => break (c, capsule, takeover, session_id, prepared),
-            Ok(None) => {
-                prepared.discard();
-                return Answer::Ack; // ended elsewhere meanwhile
-            }
-            Err(e) => {
-                tracing::warn!(task_id = key, error = %e, "marking the task working failed");
-                prepared.discard();
-                return Answer::Nak;
             }
         }
     };
@@ -926,7 +871,7 @@ async fn run_dispatch_holding(
         && !permit.still_held().await
     {
         tracing::warn!(task_id = key, "the step's fan-out permit was lost: its end is not written; it runs again");
-        return Answer::Nak;
+        return Answer::nak(delivery);
     }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
@@ -949,46 +894,11 @@ async fn run_dispatch_holding(
         tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
         tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
     };
-    let answer = finished(written, key);
+    let answer = finished(written, key, delivery);
     if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
         drop_checkpoints(&sh.sessions, key).await;
     }
     answer
-}
-
-/// Whether `record` is `working` under another dispatch message than the one with
-/// `stream_seq`: that message's delivery runs the task (or takes it over if its worker
-/// dies, for it stays unacked until the end), so this one is a duplicate — a dispatch
-/// published again after `MUR_DISPATCH`'s duplicate window — and writes nothing.
-fn run_elsewhere(record: &TaskRecord, stream_seq: Option<u64>) -> bool {
-    record.state == TaskState::Working
-        && matches!((record.dispatch_seq, stream_seq), (Some(running), Some(this)) if running != this)
-}
-
-/// Reads a dispatched task's record; the answer to give the dispatch when there is none
-/// (terminate: nothing to run) or it cannot be read (redeliver).
-async fn read_dispatched(sh: &Shared, key: &str) -> Result<(TaskRecord, u64), Answer> {
-    match read(&sh.tasks, key).await {
-        Ok(Some(c)) => Ok(c),
-        Ok(None) => {
-            tracing::warn!(task_id = key, "a dispatch without a task record: terminated");
-            Err(Answer::Term)
-        }
-        Err(e) => {
-            tracing::warn!(task_id = key, error = %e, "reading the task record failed");
-            Err(Answer::Nak)
-        }
-    }
-}
-
-/// Why a step stopped waiting for a fan-out permit.
-enum PermitWait {
-    /// The task's deadline passed first.
-    Deadline,
-    /// The task was cancelled, or the worker is stopping.
-    Cancelled,
-    /// JetStream failed.
-    Failed,
 }
 
 /// Waits for a fan-out permit for `task` (it is then renewed in the background).
@@ -1071,12 +981,12 @@ async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
 }
 
 /// The answer after the terminal write: ack when the record is terminal (ours or not).
-fn finished(written: Result<Option<(TaskRecord, u64)>, task_records::Error>, key: &str) -> Answer {
+fn finished(written: Result<Option<(TaskRecord, u64)>, task_records::Error>, key: &str, delivery: Delivered) -> Answer {
     match written {
         Ok(_) => Answer::Ack,
         Err(e) => {
             tracing::warn!(task_id = key, error = %e, "writing the terminal record failed");
-            Answer::Nak
+            Answer::nak(delivery)
         }
     }
 }
