@@ -123,7 +123,7 @@ pub struct Config {
     /// The cluster's streams and buckets.
     pub settings: Settings,
     /// The fleet part of the cluster config: `prices:`, `fleet.autorun` (issue #11).
-    pub fleet: crate::fleet_cost::FleetSettings,
+    pub fleet: crate::fleet::cost::FleetSettings,
     /// This coordinator's name, for logs.
     pub instance: String,
     /// A worker whose heartbeat is older than this is gone ([`DEFAULT_WORKER_TIMEOUT`]).
@@ -135,7 +135,7 @@ impl Config {
     pub fn new(settings: Settings, instance: impl Into<String>) -> Config {
         Config {
             settings,
-            fleet: crate::fleet_cost::FleetSettings::default(),
+            fleet: crate::fleet::cost::FleetSettings::default(),
             instance: instance.into(),
             worker_timeout: DEFAULT_WORKER_TIMEOUT,
         }
@@ -186,7 +186,7 @@ struct Ctx {
     /// release nothing.
     lease: Option<Arc<Held>>,
     /// The fleet API (`mur.api.fleet.*`).
-    fleets: crate::fleets::Fleets,
+    fleets: crate::fleet::api::Fleets,
     /// One pass over every task record at a time, shared by this process's contexts (see
     /// [`Ctx::scan_records`]).
     scans: Arc<tokio::sync::Semaphore>,

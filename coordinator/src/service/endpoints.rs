@@ -82,7 +82,7 @@ pub(super) enum Endpoint {
     Cancel,
     Capsules,
     Status,
-    Fleet(crate::fleets::Op),
+    Fleet(crate::fleet::api::Op),
 }
 
 impl Endpoint {

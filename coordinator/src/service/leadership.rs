@@ -39,7 +39,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         admissions: no_admissions,
         instance: instance.clone(),
         lease: None,
-        fleets: crate::fleets::Fleets::new(js.clone(), &res, instance.clone()),
+        fleets: crate::fleet::api::Fleets::new(js.clone(), &res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
@@ -55,7 +55,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .map_err(nats("service mur: start"))?;
     let group = service.group(cluster::api::PREFIX);
     let mut endpoints = Vec::new();
-    for kind in Endpoint::ALL.into_iter().chain(crate::fleets::Op::ALL.map(Endpoint::Fleet)) {
+    for kind in Endpoint::ALL.into_iter().chain(crate::fleet::api::Op::ALL.map(Endpoint::Fleet)) {
         let subject = kind.subject();
         let suffix = &subject[cluster::api::PREFIX.len() + 1..];
         let endpoint = group
@@ -70,7 +70,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     tracing::info!(instance = %instance, "coordinator serving {}", cluster::api::PREFIX);
 
     // Fleet runs this process carries out, across its terms as leader.
-    let active_runs = crate::fleet_run::Active::default();
+    let active_runs = crate::fleet::run::Active::default();
     let lease =
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);

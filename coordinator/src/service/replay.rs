@@ -12,7 +12,7 @@ pub(super) async fn lead(
     config: &Config,
     res: &Resources,
     held: Arc<Held>,
-    active_runs: &crate::fleet_run::Active,
+    active_runs: &crate::fleet::run::Active,
     ProcessShared { scans, intake, bundles }: &ProcessShared,
 ) -> Result<Leading, Error> {
     let instance = config.instance.clone();
@@ -36,7 +36,7 @@ pub(super) async fn lead(
         admissions,
         instance: instance.clone(),
         lease: Some(held),
-        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        fleets: crate::fleet::api::Fleets::new(js.clone(), res, instance.clone()),
         waiting: Mutex::default(),
         releasing: Mutex::default(),
         worker_timeout_ms: millis(config.worker_timeout),
@@ -98,18 +98,18 @@ pub(super) async fn lead(
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
     loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
-    let fleet_env = crate::fleet_run::Env {
+    let fleet_env = crate::fleet::run::Env {
         client: client.clone(),
-        fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
+        fleets: crate::fleet::api::Fleets::new(js.clone(), res, instance.clone()),
         tasks: res.tasks.clone(),
         capsule_index: res.capsule_index.clone(),
         instance: instance.clone(),
         settings: config.fleet.clone(),
         active: active_runs.clone(),
     };
-    loops.spawn(crate::fleet_adopt::serve(fleet_env.clone(), stopped.clone()));
-    loops.spawn(crate::fleet_trigger::serve(fleet_env.clone(), stopped.clone()));
-    loops.spawn(crate::fleet_run::serve(fleet_env, stopped.clone()));
+    loops.spawn(crate::fleet::adopt::serve(fleet_env.clone(), stopped.clone()));
+    loops.spawn(crate::fleet::trigger::serve(fleet_env.clone(), stopped.clone()));
+    loops.spawn(crate::fleet::run::serve(fleet_env, stopped.clone()));
     Ok(Leading { ctx, loops, stop })
 }
 
