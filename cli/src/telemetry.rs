@@ -109,6 +109,7 @@ fn meters(service: &str) -> Result<(SdkMeterProvider, prometheus::Registry)> {
     let resource = Resource::builder().with_service_name(service_name(service)).build();
     let provider = SdkMeterProvider::builder().with_reader(reader).with_resource(resource).build();
     opentelemetry::global::set_meter_provider(provider.clone());
+    mur_nats::metrics::enable();
     Ok((provider, registry))
 }
 

@@ -17,10 +17,113 @@
 //! publication older than [`CLUSTER_GAUGES_TTL`] is not reported, so a coordinator that
 //! stopped leading stops reporting them.
 
+use mur_proto::cluster::TaskRecord;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, ObservableGauge};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Says that a meter provider reads the instruments: work done only for metrics (the
+/// leader's gauges) is done from now on. The binary calls it when it installs one.
+pub fn enable() {
+    ENABLED.store(true, Ordering::Relaxed);
+}
+
+/// Whether [`enable`] was called.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// A model call ended after `elapsed`: `gen_ai.client.operation.duration`, with
+/// `error.type` = `error` when it failed.
+pub fn model_call(provider: &'static str, model: &str, elapsed: Duration, error: Option<String>) {
+    let mut labels = vec![
+        KeyValue::new("gen_ai.operation.name", "chat"),
+        KeyValue::new("gen_ai.provider.name", provider),
+        KeyValue::new("gen_ai.request.model", model.to_string()),
+    ];
+    if let Some(error) = error {
+        labels.push(KeyValue::new("error.type", error));
+    }
+    get().operation_duration.record(elapsed.as_secs_f64(), &labels);
+}
+
+/// A model call's tokens: `gen_ai.client.token.usage` once per type (`cached` only when
+/// the provider reported cache reads).
+pub fn tokens(provider: &'static str, model: &str, input: u64, output: u64, cached: Option<u64>) {
+    let m = get();
+    let record = |kind: &'static str, n: u64| {
+        let labels = [
+            KeyValue::new("gen_ai.operation.name", "chat"),
+            KeyValue::new("gen_ai.provider.name", provider),
+            KeyValue::new("gen_ai.request.model", model.to_string()),
+            KeyValue::new("gen_ai.token.type", kind),
+        ];
+        m.token_usage.record(n, &labels);
+    };
+    record("input", input);
+    record("output", output);
+    if let Some(cached) = cached {
+        record("cached", cached);
+    }
+}
+
+/// A worker took `record` (now `working`) on its `delivery`-th delivery, from its
+/// checkpoints when `takeover`: the dispatch latency (submission to now), a redelivery
+/// after the first delivery, a takeover.
+pub fn task_started(record: &TaskRecord, delivery: u64, takeover: bool, now_ms: u64) {
+    let m = get();
+    let capsule = [KeyValue::new("capsule", record.capsule.clone())];
+    if delivery > 1 {
+        m.redeliveries.add(1, &capsule);
+    }
+    if takeover {
+        m.takeovers.add(1, &capsule);
+    } else if delivery == 1 {
+        // The first start only: a redelivery's latency is the ack wait's, not dispatch's.
+        let secs = now_ms.saturating_sub(record.submitted_at) as f64 / 1000.0;
+        m.dispatch_latency.record(secs, &[KeyValue::new("lane", record.origin.lane().as_str())]);
+    }
+}
+
+/// The leader dead-lettered a task of `capsule`: `mur.task.dead_letters`.
+pub fn dead_letter(capsule: &str) {
+    get().dead_letters.add(1, &[KeyValue::new("capsule", capsule.to_string())]);
+}
+
+/// A tool call of `tool` took `elapsed`: `mur.tool.duration`.
+pub fn tool_call(tool: &str, elapsed: Duration) {
+    get().tool_duration.record(elapsed.as_secs_f64(), &[KeyValue::new("gen_ai.tool.name", tool.to_string())]);
+}
+
+/// The hook `hook` answered `event` (its binding, `on-task-end`) after `elapsed`:
+/// `mur.hook.duration`.
+pub fn hook_call(hook: &str, event: &'static str, elapsed: Duration) {
+    let labels = [KeyValue::new("hook", hook.to_string()), KeyValue::new("event", event)];
+    get().hook_duration.record(elapsed.as_secs_f64(), &labels);
+}
+
+/// A fleet's steps cost `usd` more: `mur.fleet.spend.usd`.
+pub fn fleet_spend(fleet: &str, usd: f64) {
+    if usd > 0.0 {
+        get().fleet_spend.add(usd, &[KeyValue::new("fleet", fleet.to_string())]);
+    }
+}
+
+/// This coordinator took the lease (`to` = `leading`) or gave it up (`standby`):
+/// `mur.leader.changes`.
+pub fn leader_change(to: &'static str) {
+    get().leader_changes.add(1, &[KeyValue::new("to", to)]);
+}
+
+/// The terminal `record` was written by this process: `mur.task.ends`.
+pub fn task_ended(record: &TaskRecord) {
+    let status = record.exit_status.map_or("unknown", |s| s.as_str());
+    get().task_ends.add(1, &[KeyValue::new("capsule", record.capsule.clone()), KeyValue::new("exit_status", status)]);
+}
 
 /// The meter's name (the instrumentation scope).
 pub const METER: &str = "mur";
