@@ -5,6 +5,7 @@
 
 pub mod dead_letter;
 pub mod fleet;
+pub mod gauges;
 pub mod http;
 pub mod lease;
 pub mod resources;

@@ -119,6 +119,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         standby_logged = false;
         lease.stop_standing_by().await;
         tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} leading (term {})", held.term);
+        mur_nats::metrics::leader_change("leading");
         let kept = lease.keep(&held);
         tokio::pin!(kept);
         // The restore (a replay of every record, seconds over a store of gigabytes) runs
@@ -208,6 +209,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
             }
         };
         tracing::warn!(instance = %instance, "stepping down: {stepped_down}");
+        mur_nats::metrics::leader_change("standby");
         leading.stop().await;
     };
     tracing::info!(instance = %instance, "coordinator stopping");

@@ -161,10 +161,12 @@ pub(super) async fn actor(
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
     let mut releases = JoinSet::new();
+    let mut gauges = crate::gauges::Refresh::new(&ctx.js, &ctx.tasks);
     loop {
         while releases.try_join_next().is_some() {}
         tokio::select! {
             _ = stopped.changed() => break,
+            _ = gauges.tick() => gauges.publish(&scheduler),
             asked = admissions.recv() => {
                 let Some(a) = asked else { break };
                 let admitted = scheduler.admit(&a.task_id, &a.capsule, a.lane, a.queue_capsule);
