@@ -218,6 +218,37 @@ struct ProcessShared {
     bundles: Arc<BundleFlags>,
 }
 
+impl Ctx {
+    /// A context of this process over `res`, sharing `shared`: the API's (no lease; its
+    /// `inputs` and `admissions` lead nowhere) or a term's leader's (`lease` held).
+    fn new(
+        js: &jetstream::Context,
+        res: &Resources,
+        config: &Config,
+        shared: &ProcessShared,
+        inputs: mpsc::UnboundedSender<Input>,
+        admissions: mpsc::UnboundedSender<Admission>,
+        lease: Option<Arc<Held>>,
+    ) -> Ctx {
+        Ctx {
+            js: js.clone(),
+            tasks: res.tasks.clone(),
+            capsule_index: res.capsule_index.clone(),
+            inputs,
+            admissions,
+            instance: config.instance.clone(),
+            lease,
+            fleets: crate::fleet::api::Fleets::new(js.clone(), res, config.instance.clone()),
+            waiting: Mutex::default(),
+            releasing: Mutex::default(),
+            worker_timeout_ms: millis(config.worker_timeout),
+            scans: shared.scans.clone(),
+            intake: shared.intake.clone(),
+            bundles: shared.bundles.clone(),
+        }
+    }
+}
+
 /// `d` in whole milliseconds (saturating).
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

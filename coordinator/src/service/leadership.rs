@@ -27,26 +27,13 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // One pass over every task record at a time in this process (the restore's, a list's, a
     // status'): several at once over a store of gigabytes outran this connection (the
     // server cut it off as a slow consumer, the lease's renewals timed out with it).
-    let scans = Arc::new(tokio::sync::Semaphore::new(1));
-    let intake = Arc::new(IntakeOrder::default());
-    let bundles = Arc::new(BundleFlags::default());
-    let shared = ProcessShared { scans: scans.clone(), intake: intake.clone(), bundles: bundles.clone() };
-    let api_ctx = Arc::new(Ctx {
-        js: js.clone(),
-        tasks: res.tasks.clone(),
-        capsule_index: res.capsule_index.clone(),
-        inputs: no_actor,
-        admissions: no_admissions,
-        instance: instance.clone(),
-        lease: None,
-        fleets: crate::fleet::api::Fleets::new(js.clone(), &res, instance.clone()),
-        waiting: Mutex::default(),
-        releasing: Mutex::default(),
-        worker_timeout_ms: millis(config.worker_timeout),
-        scans: scans.clone(),
-        intake: intake.clone(),
-        bundles: bundles.clone(),
-    });
+    let shared = ProcessShared {
+        scans: Arc::new(tokio::sync::Semaphore::new(1)),
+        intake: Arc::new(IntakeOrder::default()),
+        bundles: Arc::new(BundleFlags::default()),
+    };
+    let intake = shared.intake.clone();
+    let api_ctx = Arc::new(Ctx::new(&js, &res, &config, &shared, no_actor, no_admissions, None));
     let service = client
         .service_builder()
         .description("murmur coordinator: task intake, lane-ordered dispatch, queries")

@@ -13,8 +13,9 @@ pub(super) async fn lead(
     res: &Resources,
     held: Arc<Held>,
     active_runs: &crate::fleet::run::Active,
-    ProcessShared { scans, intake, bundles }: &ProcessShared,
+    shared: &ProcessShared,
 ) -> Result<Leading, Error> {
+    let ProcessShared { scans, intake, .. } = shared;
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
     // The watchers start before anything is read, so no change falls between the replay
@@ -28,22 +29,7 @@ pub(super) async fn lead(
 
     let (inputs, input_rx) = mpsc::unbounded_channel();
     let (admissions, admission_rx) = mpsc::unbounded_channel();
-    let ctx = Arc::new(Ctx {
-        js: js.clone(),
-        tasks: res.tasks.clone(),
-        capsule_index: res.capsule_index.clone(),
-        inputs,
-        admissions,
-        instance: instance.clone(),
-        lease: Some(held),
-        fleets: crate::fleet::api::Fleets::new(js.clone(), res, instance.clone()),
-        waiting: Mutex::default(),
-        releasing: Mutex::default(),
-        worker_timeout_ms: millis(config.worker_timeout),
-        scans: scans.clone(),
-        intake: intake.clone(),
-        bundles: bundles.clone(),
-    });
+    let ctx = Arc::new(Ctx::new(&js, res, config, shared, inputs, admissions, Some(held)));
     // The watch goes on from the replay's last entry.
     intake.watched.store(replayed_up_to, Ordering::SeqCst);
 
