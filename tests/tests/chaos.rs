@@ -5,7 +5,7 @@
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
 use mur_tests::capsule::{TestCapsule, shell_capsule};
-use mur_tests::procs::{Procs, until};
+use mur_tests::procs::{Procs, proc_state, until};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -898,12 +898,6 @@ async fn until_gone(pids: &[u32], within: Duration, worker: &mur_tests::procs::P
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-}
-
-/// The state letter of `pid` (`Z` for a zombie), `None` once it is gone.
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
 }
 
 /// Invariant 4 (a turn may run again after a crash, not twice at once): a worker killed
