@@ -290,6 +290,17 @@ where
     }
 }
 
+/// The state letter of `pid` (`Z` for a zombie), `None` once it is gone.
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+}
+
+/// Whether `pid` has ended (gone, or a zombie not yet reaped).
+pub fn proc_gone(pid: u32) -> bool {
+    matches!(proc_state(pid), None | Some('Z'))
+}
+
 /// Stores `n` tasks of the capsule `old` that ended `completed` long ago, each with a
 /// result of `result_bytes` bytes, straight into `tasks` (`mur_tasks`), 16 writes at a
 /// time: a store whose replay, list and status take a while.
