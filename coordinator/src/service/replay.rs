@@ -83,7 +83,13 @@ pub(super) async fn lead(
     loops.spawn(actor(ctx.clone(), scheduler, input_rx, admission_rx, stopped.clone()));
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
-    loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
+    loops.spawn(crate::dead_letter::run(
+        js.clone(),
+        res.dead_letter_consumer.clone(),
+        res.tasks.clone(),
+        instance.clone(),
+        stopped.clone(),
+    ));
     let fleet_env = crate::fleet::run::Env {
         client: client.clone(),
         fleets: crate::fleet::api::Fleets::new(js.clone(), res, instance.clone()),
