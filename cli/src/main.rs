@@ -87,6 +87,8 @@ fn print_until_the_reader_leaves(command: &Command) {
 }
 
 fn main() -> ExitCode {
+    // Before any thread or connection: the one TLS provider (issue #31).
+    mur_nats::tls::install_crypto_provider();
     let json = json_requested(std::env::args_os().skip(1));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -9,7 +9,8 @@
 //! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
 //! - [`clock`]: wall-clock time behind a trait;
-//! - [`connect`]: the connection options (server list, credentials, TLS).
+//! - [`connect`]: the connection options (server list, credentials, TLS);
+//! - [`tls`]: the process's one rustls crypto provider.
 
 pub mod api;
 pub mod backoff;
@@ -19,4 +20,5 @@ pub mod connect;
 pub mod fanout;
 pub mod fleet;
 pub mod tasks;
+pub mod tls;
 pub mod trace_context;

@@ -55,3 +55,6 @@ mod fleet_loop;
 
 /// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
 mod break_fanout;
+
+/// TLS, credentials and refused connections against a real, configured nats-server (issue #31).
+mod security;
