@@ -109,13 +109,17 @@ pub enum Command {
     Deny(AnswerArgs),
     /// Change the loop's settings; only the flags given are judged and changed.
     SetLoop(SetLoopArgs),
-    /// Set the kill-switch: no loop iteration, trigger or manual run starts.
+    /// Set the kill-switch: no loop iteration, step, trigger or manual run starts, and a
+    /// running run's steps are canceled (their commands killed); the run ends `stopped`.
     Stop {
         /// The fleet.
         name: String,
         /// Who stops it (default: $USER).
         #[arg(long)]
         by: Option<String>,
+        /// Let the steps already running finish; still nothing new starts.
+        #[arg(long)]
+        drain: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -516,10 +520,11 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Stop { name, by, common } => {
+        Command::Stop { name, by, drain, common } => {
             let by =
                 by.or_else(|| std::env::var("USER").ok()).filter(|b| !b.is_empty()).unwrap_or_else(|| "cli".into());
-            let info: FleetInfo = request(&common, "mur fleet stop", api::STOP, &StopRequest { fleet: name, by })?;
+            let info: FleetInfo =
+                request(&common, "mur fleet stop", api::STOP, &StopRequest { fleet: name, by, drain })?;
             if common.json {
                 print_json(&info)?;
             } else {

@@ -10,7 +10,7 @@
 //! - `capsule_list {}` → the capsules pushed;
 //! - `fleet_send {fleet, text}`, `fleet_run {fleet, …}`, `job_status {run_id, wait_secs?}`:
 //!   the built-in fleet tools capsules have (`worker/src/tools/fleet.rs`), same arguments;
-//! - `fleet_stop {fleet, by?}` → the fleet's state (the kill-switch).
+//! - `fleet_stop {fleet, by?, drain?}` → the fleet's state (the kill-switch).
 //!
 //! A refusal (a missing capsule, a bad argument, no coordinator) is an `isError` result
 //! naming it. A call that waits (`task_send` with `wait`, `job_status` with `wait_secs`)
@@ -152,10 +152,14 @@ impl Cluster {
         }
         tools.push(Tool::new(
             "fleet_stop",
-            "Stop a fleet (the kill-switch): its runs stop, no job starts.",
+            "Stop a fleet (the kill-switch): no iteration or step starts, running steps are canceled (unless drain), its runs end stopped.",
             obj(json!({
                 "type": "object",
-                "properties": {"fleet": {"type": "string"}, "by": {"type": "string", "description": "who stops it (default mcp)"}},
+                "properties": {
+                    "fleet": {"type": "string"},
+                    "by": {"type": "string", "description": "who stops it (default mcp)"},
+                    "drain": {"type": "boolean", "description": "let running steps finish (default false)"},
+                },
                 "required": ["fleet"],
             })),
         ));
@@ -195,7 +199,9 @@ impl Cluster {
             "capsule_list" => self.api::<Value>(api::CAPSULE_LIST, Vec::new()).await,
             "fleet_stop" => {
                 let by = args.get("by").and_then(Value::as_str).unwrap_or("mcp").to_string();
-                let body = serde_json::to_vec(&StopRequest { fleet: text("fleet")?, by }).map_err(|e| e.to_string())?;
+                let drain = args.get("drain").and_then(Value::as_bool).unwrap_or(false);
+                let body =
+                    serde_json::to_vec(&StopRequest { fleet: text("fleet")?, by, drain }).map_err(|e| e.to_string())?;
                 self.api::<Value>(fleet_store::api::STOP, body).await
             }
             other => {

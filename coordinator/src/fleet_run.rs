@@ -20,12 +20,18 @@
 //!
 //! A fleet with a `procedure:` runs it instead ([`procedure`]: ranks, retries, approvals).
 //!
+//! The kill-switch reaches a run in flight ([`halt`], issue #29 item 4): once it is set no
+//! iteration, rank, step or attempt starts, running steps are canceled (kept with
+//! `--drain`), the iteration's job ends `canceled` unless it got done, and the run ends
+//! `stopped`.
+//!
 //! Each iteration's spend (its tasks' `usage` at the cluster's `prices:`) goes into the
 //! record, per job and per member, and a `note` on the channel; the budget is checked by
 //! the pure run before each iteration (issue #11 §Cost, [`crate::fleet_cost`]). A run a dead
 //! coordinator left `running` is taken over by [`crate::fleet_adopt`] through [`resume`].
 
 mod broadcast;
+mod halt;
 mod procedure;
 
 use crate::fleet_cost::FleetSettings;
@@ -46,6 +52,12 @@ use tokio::sync::watch;
 /// How long past a step's deadline the coordinator waits for its record before it cancels
 /// the task itself.
 const WAIT_SLACK: Duration = Duration::from_secs(10);
+
+/// The reply of a step the kill-switch kept from starting.
+const NOT_STARTED: &str = "not started: the fleet was stopped";
+
+/// The reply of a step the kill-switch canceled while it ran.
+const CANCELED_BY_STOP: &str = "canceled: the fleet was stopped";
 
 /// Run records known to be over, so the leader's once-a-second scans (adoption,
 /// triggers) do not read them again; forgotten every minute, so that a run id reused with
@@ -359,6 +371,8 @@ struct Exec {
     active: Active,
     /// The job an `awaiting-approval` stop left blocked, named in the stop's remedy.
     blocked_job: Option<String>,
+    /// The kill-switch as this run has seen it ([`halt::watch`]).
+    halt: halt::HaltFlag,
 }
 
 impl Exec {
@@ -375,6 +389,7 @@ impl Exec {
             tally: Default::default(),
             active: env.active.clone(),
             blocked_job: None,
+            halt: Default::default(),
         }
     }
 
@@ -414,6 +429,7 @@ impl Exec {
         let fleet = self.record.fleet.clone();
         self.active.lock().expect("active runs poisoned").insert(self.record.run_id.clone());
         let _active = ActiveGuard(self.active.clone(), self.record.run_id.clone());
+        let _halt = halt::watch(self.fleets.clone(), fleet.clone(), self.halt.clone());
         // The heartbeat `mur job status` judges liveness by; it stops with this future, how
         // ever it ends (a panic included: the run is then dead, not alive for ever).
         let beat = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
@@ -449,6 +465,9 @@ impl Exec {
                 beat.abort();
                 return;
             }
+            if self.halt.raised() {
+                break Stop::Stopped;
+            }
             let jobs: Vec<_> = match self.fleets.jobs_of(&fleet).await {
                 Ok(j) => j.into_iter().map(|(_, j)| j).collect(),
                 Err(e) => {
@@ -458,7 +477,7 @@ impl Exec {
             };
             let stopped = self.fleets.stop_state(&fleet).await;
             // Asked to stop by its fleet's trigger (`loop.overlap: cancel_previous`): it ends
-            // as the kill-switch ends it, at an iteration boundary.
+            // `stopped` at this iteration boundary (a step under way finished).
             let canceled = self.canceled().await;
             let view = View {
                 now: SystemClock.now_ms(),
@@ -491,6 +510,9 @@ impl Exec {
                 self.event(EventKind::Decision, Author::Router, reply.clone(), Some(iteration_run_id), job.as_deref())
                     .await;
                 next = run.planned(if ok { Ok(&reply) } else { Err(&reply) });
+                if let (true, Some(id)) = (self.halt.raised(), &claimed) {
+                    self.end_job(&fleet, id, JobStatus::Canceled, &reply).await;
+                }
             }
             match next {
                 Next::Stop(stop) => break stop,
@@ -510,7 +532,7 @@ impl Exec {
                     let replies = self.send_steps(run.spec(), &steps, &iteration_run_id, job.as_deref()).await;
                     last_agent = Some(SystemClock.now_ms());
                     let it = run.iteration_ended(&replies);
-                    if let Some((router, text)) = &it.judge {
+                    if let Some((router, text)) = it.judge.as_ref().filter(|_| !self.halt.raised()) {
                         let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(run.spec().started_at));
                         let left = fleet::inherited_deadline(run.spec().deadline, elapsed);
                         let (_, verdict) = match self.submit(router, text, ms_after(SystemClock.now_ms(), left)).await {
@@ -528,23 +550,12 @@ impl Exec {
                         run.judged(&verdict);
                     }
                     if let Some(id) = &job {
-                        let status = if it.job_done { JobStatus::Done } else { JobStatus::Failed };
-                        let result = it.result.clone();
-                        let ended = self
-                            .fleets
-                            .update_job(&fleet, id, |j| {
-                                if j.status.is_terminal() {
-                                    return Ok(()); // canceled meanwhile: leave it
-                                }
-                                j.transition(status, SystemClock.now_ms())
-                                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
-                                j.result = Some(result.clone());
-                                Ok(())
-                            })
-                            .await;
-                        if let Err(e) = ended {
-                            tracing::warn!(fleet, job = %id, "ending the job: {e}");
-                        }
+                        let status = match (it.job_done, self.halt.raised()) {
+                            (true, _) => JobStatus::Done,
+                            (false, true) => JobStatus::Canceled,
+                            (false, false) => JobStatus::Failed,
+                        };
+                        self.end_job(&fleet, id, status, &it.result).await;
                     }
                     self.account(&mut run, &iteration_run_id, job.as_deref()).await;
                     self.record.iterations += 1;
@@ -561,7 +572,30 @@ impl Exec {
             }
         };
         beat.abort();
+        // Stop means stop: a run the kill-switch reached mid-iteration did not converge,
+        // whatever its last iteration came to.
+        let stop = if self.halt.raised() { Stop::Stopped } else { stop };
         self.finish(stop).await;
+    }
+
+    /// Ends `job` of `fleet` in `status` with `result`, unless it ended meanwhile (a
+    /// `mur fleet cancel`).
+    async fn end_job(&self, fleet: &str, id: &str, status: JobStatus, result: &str) {
+        let ended = self
+            .fleets
+            .update_job(fleet, id, |j| {
+                if j.status.is_terminal() {
+                    return Ok(()); // canceled meanwhile: leave it
+                }
+                j.transition(status, SystemClock.now_ms())
+                    .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
+                j.result = Some(result.to_string());
+                Ok(())
+            })
+            .await;
+        if let Err(e) = ended {
+            tracing::warn!(fleet, job = %id, "ending the job: {e}");
+        }
     }
 
     /// Claims `job` for `iteration_run_id`; false when it cannot be (canceled meanwhile, say:
@@ -656,7 +690,13 @@ impl Exec {
     /// `deadline_at` (the time left on the loop's clock; the worker enforces it), carrying
     /// the fleet's `needs` (the worker checks them before it starts), and runs only while
     /// it holds one of the run's `fanout` permits (issue #11).
+    ///
+    /// # Errors
+    /// `conflict` once the kill-switch was set (nothing is sent), else the API's refusal.
     async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
+        if halt::read(&self.fleets, &self.record.fleet, &self.halt).await {
+            return Err(ApiError::new(ErrorCode::Conflict, NOT_STARTED));
+        }
         let mut request = SubmitRequest {
             capsule: member.into(),
             text: text.into(),
@@ -682,19 +722,42 @@ impl Exec {
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends
     /// the task at its deadline; a task still not over [`WAIT_SLACK`] after it (never
-    /// started: no worker free) is cancelled.
+    /// started: no worker free) is cancelled. Once the kill-switch asks for it
+    /// ([`halt::Halt::Cancel`]) the task is cancelled at once, and waited for
+    /// [`WAIT_SLACK`] more at most.
     async fn wait(&self, task_id: &str, time_left: Duration) -> (bool, String) {
-        let deadline = tokio::time::Instant::now() + time_left + WAIT_SLACK;
+        let mut deadline = tokio::time::Instant::now() + time_left + WAIT_SLACK;
         let mut backoff = Duration::from_millis(20);
+        let mut stopped = false;
         loop {
             if let Ok(Some(value)) = self.tasks.get(task_id).await
                 && let Ok(r) = serde_json::from_slice::<TaskRecord>(&value)
                 && r.state.is_terminal()
             {
                 self.tally.note(&r.capsule, r.usage.as_ref());
-                return (r.state == TaskState::Completed, r.result.unwrap_or_default());
+                let result = r.result.unwrap_or_default();
+                return match (r.state == TaskState::Completed, stopped) {
+                    (false, true) => (false, format!("{CANCELED_BY_STOP} ({result})")),
+                    (ok, _) => (ok, result),
+                };
+            }
+            if !stopped && self.halt.get() == halt::Halt::Cancel {
+                stopped = true;
+                tracing::info!(run = %self.record.run_id, task_id, "the fleet was stopped: canceling its step");
+                if let Err(e) =
+                    mur_nats::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string())
+                        .await
+                {
+                    tracing::info!(run = %self.record.run_id, task_id, "canceling a step: {e}");
+                }
+                deadline = deadline.min(tokio::time::Instant::now() + WAIT_SLACK);
+                backoff = Duration::from_millis(20);
+                continue;
             }
             if tokio::time::Instant::now() >= deadline {
+                if stopped {
+                    return (false, CANCELED_BY_STOP.into());
+                }
                 let _ = mur_nats::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string())
                     .await;
                 return (false, "error: the step outlived the loop's deadline and was canceled".into());

@@ -784,17 +784,24 @@ impl Fleets {
         Err(ApiError::new(ErrorCode::Unavailable, format!("fleet {}: changed too often, retry", req.fleet)))
     }
 
-    /// `fleet.stop`: writes the sentinel (a fleet already stopped keeps its sentinel).
+    /// `fleet.stop`: writes the sentinel. A fleet already stopped keeps its sentinel,
+    /// unless it was a `--drain` stop and this one is not: the running steps are then
+    /// canceled after all (issue #29 item 4).
     async fn stop(&self, req: StopRequest) -> Result<FleetInfo, ApiError> {
         self.definition(&req.fleet).await?;
-        if !matches!(self.stop_state(&req.fleet).await, StopState::Stopped { .. }) {
-            let sentinel = Sentinel { at: SystemClock.now_ms(), by: req.by.clone() };
+        let write = match self.stop_state(&req.fleet).await {
+            StopState::Stopped { sentinel } => sentinel.drain && !req.drain,
+            _ => true,
+        };
+        if write {
+            let sentinel = Sentinel { at: SystemClock.now_ms(), by: req.by.clone(), drain: req.drain };
             self.defs
                 .put(fleet_store::stopped_key(&req.fleet), to_json(&sentinel)?)
                 .await
                 .map_err(|e| unavailable("mur_fleets: put", e))?;
             tracing::info!(instance = %self.instance, fleet = %req.fleet, by = %req.by, "fleet stopped");
-            self.note(&req.fleet, EventKind::StateChange, format!("stopped by {}", req.by), None).await;
+            let how = if req.drain { " (--drain: running steps finish)" } else { "" };
+            self.note(&req.fleet, EventKind::StateChange, format!("stopped by {}{how}", req.by), None).await;
         }
         self.show(&req.fleet).await
     }

@@ -10,6 +10,8 @@
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
 //! - [`clock`]: wall-clock time behind a trait;
 //! - [`connect`]: the connection options (server list, credentials, TLS);
+//! - [`health`]: a process's readiness (`/readyz`);
+//! - [`metrics`]: the metrics instruments every process records to (issue #32);
 //! - [`tls`]: the process's one rustls crypto provider.
 
 pub mod api;
@@ -19,6 +21,8 @@ pub mod clock;
 pub mod connect;
 pub mod fanout;
 pub mod fleet;
+pub mod health;
+pub mod metrics;
 pub mod tasks;
 pub mod tls;
 pub mod trace_context;

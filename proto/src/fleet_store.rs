@@ -153,13 +153,23 @@ pub mod api {
 // ---------------------------------------------------------------------------------------
 // The kill-switch.
 
-/// The kill-switch sentinel (`mur fleet stop`): who set it and when (unix ms).
+/// The kill-switch sentinel (`mur fleet stop`): who set it, when (unix ms), and whether
+/// the steps already running may finish.
+///
+/// A run in flight reads it too (issue #29 item 4): from the moment it is set no
+/// iteration or step starts; without `drain` the running steps are canceled (their tasks
+/// end `canceled`, their commands killed as `mur task cancel` kills them), with it they
+/// finish. Either way the run ends `stopped`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sentinel {
     /// When it was written.
     pub at: u64,
     /// Who wrote it (`user@host`, or what `--by` said).
     pub by: String,
+    /// `--drain`: running steps finish; nothing new starts. Absent in sentinels written
+    /// before it existed, which cancel.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain: bool,
 }
 
 /// Whether a fleet may start work, as its sentinel says.
@@ -621,6 +631,9 @@ pub struct StopRequest {
     pub fleet: String,
     /// Who stops it.
     pub by: String,
+    /// `--drain`: let running steps finish instead of canceling them ([`Sentinel::drain`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain: bool,
 }
 
 /// `fleet.log`.
@@ -654,7 +667,7 @@ mod tests {
         assert_eq!(StopState::from_value(None), StopState::Started);
         assert!(!StopState::Started.is_stopped());
         let set = StopState::from_value(Some(br#"{"at":5,"by":"ann"}"#));
-        assert_eq!(set, StopState::Stopped { sentinel: Sentinel { at: 5, by: "ann".into() } });
+        assert_eq!(set, StopState::Stopped { sentinel: Sentinel { at: 5, by: "ann".into(), drain: false } });
         assert!(set.is_stopped());
         let bad = StopState::from_value(Some(b"stopped"));
         assert!(bad.is_stopped());

@@ -111,6 +111,14 @@ impl Procs {
         self.spawn(name, &["coordinator", "--config", &config, "--id", name])
     }
 
+    /// [`Procs::coordinator`] with more arguments (`--metrics 127.0.0.1:0`).
+    pub fn coordinator_with(&self, name: &str, more: &[&str]) -> Proc {
+        let config = self.config.to_string_lossy().into_owned();
+        let mut args = vec!["coordinator", "--config", &config, "--id", name];
+        args.extend_from_slice(more);
+        self.spawn(name, &args)
+    }
+
     /// Starts `mur coordinator --config config.yaml --id NAME` with the log filter a user
     /// gets (`MUR_LOG` unset), where [`Procs::coordinator`] logs everything at `info`.
     pub fn coordinator_with_default_logs(&self, name: &str) -> Proc {
@@ -251,6 +259,19 @@ impl Proc {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// The base URL (`http://ADDR`) of the `--metrics` listener of a process started with
+    /// it, read from its log (`metrics at http://ADDR/metrics`), waiting for it at most
+    /// 30 s.
+    pub async fn metrics_url(&self) -> String {
+        let what = format!("the --metrics listener of {}", self.name);
+        until(&what, Duration::from_secs(30), || async {
+            let log = self.log();
+            let rest = &log[log.find("metrics at ")? + "metrics at ".len()..];
+            Some(rest[..rest.find("/metrics")?].to_string())
+        })
+        .await
+    }
 }
 
 impl Drop for Proc {
@@ -275,6 +296,17 @@ where
         assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// The state letter of `pid` (`Z` for a zombie), `None` once it is gone.
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+}
+
+/// Whether `pid` has ended (gone, or a zombie not yet reaped).
+pub fn proc_gone(pid: u32) -> bool {
+    matches!(proc_state(pid), None | Some('Z'))
 }
 
 /// Stores `n` tasks of the capsule `old` that ended `completed` long ago, each with a

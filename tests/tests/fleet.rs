@@ -511,6 +511,15 @@ async fn stop_and_start_flip_the_sentinel_and_an_unreadable_one_counts_as_stoppe
     // --by defaults to $USER.
     assert_eq!(ok(&sb, &["stop", "pair"]).stdout, "fleet pair stopped by tester\n");
     ok(&sb, &["start", "pair"]);
+    // A `--drain` stop is kept by another `--drain` one, and replaced by a stop that cancels.
+    ok(&sb, &["stop", "pair", "--drain", "--by", "carl"]);
+    ok(&sb, &["stop", "pair", "--drain", "--by", "dora"]);
+    let drained: Sentinel = serde_json::from_slice(&kv.get("stopped.pair").await?.unwrap())?;
+    assert_eq!((drained.by.as_str(), drained.drain), ("carl", true));
+    assert_eq!(ok(&sb, &["stop", "pair", "--by", "eve"]).stdout, "fleet pair stopped by eve\n");
+    let canceling: Sentinel = serde_json::from_slice(&kv.get("stopped.pair").await?.unwrap())?;
+    assert_eq!((canceling.by.as_str(), canceling.drain), ("eve", false));
+    ok(&sb, &["start", "pair"]);
 
     // A sentinel that does not parse: the fleet counts as stopped (fail closed).
     kv.put("stopped.pair", "stopped".into()).await?;

@@ -1,12 +1,17 @@
 //! How a fleet loop ends on the cluster (issue #10 §Runs and loops; the fleet-loops seed,
 //! §Three ways a loop ends, §Kill-switch; reference §9 Loop termination, Kill-switch):
 //! a marker line converges it, a marker of an earlier run does not, the deadline ends it
-//! between iterations, and a stop reaches it before its next iteration.
+//! between iterations; and how `mur fleet stop` stops one (issue #29 item 4): nothing new
+//! starts, running steps are canceled and their commands killed (or, with `--drain`, let
+//! finish), and the run ends `stopped` — a loop and a one-shot run alike.
 
+use mur_proto::task::TaskState;
 use mur_tests::capsule::TestCapsule;
 use mur_tests::mur::{Run, mur};
+use mur_tests::procs::{proc_gone, until};
 use mur_tests::sandbox::Sandbox;
 use serde_json::Value;
+use std::path::Path;
 use std::time::Duration;
 
 fn ok(sb: &Sandbox, args: &[&str]) -> Run {
@@ -31,6 +36,49 @@ fn echo_member(name: &str, pause: &str) -> TestCapsule {
             ),
         )],
     )
+}
+
+/// A member whose step appends its shell's pid to `dir/<name>.pids`, works `secs`
+/// seconds, then leaves `dir/<name>.finished` and replies with its task's text.
+fn slow_member(name: &str, dir: &Path, secs: u32) -> TestCapsule {
+    let d = dir.display();
+    TestCapsule::new(
+        &format!(
+            "name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n"
+        ),
+        &[(
+            "r.yaml",
+            &format!(
+                "replies:\n  - tool_calls: [{{ name: sh, input: {{ command: \"echo $$ >> {d}/{name}.pids; sleep {secs}; touch {d}/{name}.finished\" }} }}]\n  - text: \"{{{{task}}}}\"\n"
+            ),
+        )],
+    )
+}
+
+/// The pids `slow_member(name, dir, _)`'s steps recorded.
+fn pids(dir: &Path, name: &str) -> Vec<u32> {
+    std::fs::read_to_string(dir.join(format!("{name}.pids")))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// Defines the fleet `yaml` (its name first).
+fn define(sb: &Sandbox, yaml: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fleet.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    ok(sb, &["create", path.to_str().unwrap()]);
+}
+
+/// `mur fleet run ARGS` in the background, against `sb`.
+fn spawn_run(sb: &Sandbox, args: &[&str]) -> tokio::task::JoinHandle<Run> {
+    let url = sb.nats.url();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run"]).args(&args).env("NATS_URL", url).env("USER", "tester"))
+    })
 }
 
 fn jobs(sb: &Sandbox, fleet_name: &str) -> Vec<Value> {
@@ -101,10 +149,10 @@ async fn a_marker_alone_on_a_line_converges_the_loop_and_an_earlier_runs_marker_
     sb.shutdown().await;
 }
 
-/// `mur fleet stop` reaches a running loop before its next iteration: the iteration in
-/// flight finishes, no other starts, and the run ends `stopped` (exit 1).
+/// `mur fleet stop --drain` reaches a running loop before its next iteration: the
+/// iteration in flight finishes, no other starts, and the run ends `stopped` (exit 1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
+async fn a_draining_stop_lets_the_iteration_in_flight_finish_and_starts_no_other() {
     let sb = Sandbox::start(1, 2).await;
     let member = echo_member("plodder", "2");
     sb.push(member.dir()).await;
@@ -125,7 +173,7 @@ async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
         jobs(&sb, "plod").iter().any(|j| j["status"] == "running").then_some(())
     })
     .await;
-    ok(&sb, &["stop", "plod"]);
+    ok(&sb, &["stop", "plod", "--drain"]);
     let looping = looping.await.unwrap();
     assert_eq!(looping.code, 1, "{looping:?}");
     assert!(looping.stderr.contains("ended: stopped"), "{}", looping.stderr);
@@ -142,6 +190,79 @@ async fn a_stop_reaches_a_running_loop_before_its_next_iteration() {
     let refused = run(&sb, &["plod"]).await;
     assert_eq!(refused.code, 2, "{refused:?}");
     assert!(refused.stderr.contains("stopped"), "{}", refused.stderr);
+    sb.shutdown().await;
+}
+
+/// `mur fleet stop` stops a loop mid-step (issue #29 item 4): the running step's task ends
+/// `canceled` and its command is killed (it never gets to leave its marker), no other step
+/// or iteration starts, the job worked on ends `canceled`, the rest stay queued, and the
+/// run ends `stopped` long before the step's 30 s of work would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_cancels_a_running_loops_step_kills_its_command_and_starts_nothing_more() {
+    let sb = Sandbox::start(1, 2).await;
+    let marks = tempfile::tempdir().unwrap();
+    let member = slow_member("sloth", marks.path(), 30);
+    sb.push(member.dir()).await;
+    define(&sb, "name: lazy\ngoal: Rest.\nmembers: [sloth]\nloop:\n  done_when: queue-empty\n");
+    for n in 0..3 {
+        ok(&sb, &["send", "lazy", &format!("job {n}")]);
+    }
+    let looping = spawn_run(&sb, &["lazy", "--loop", "--deadline", "5m"]);
+    let pid = until("the first step's command running", Duration::from_secs(60), || async {
+        pids(marks.path(), "sloth").first().copied()
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    ok(&sb, &["stop", "lazy"]);
+    let looping = looping.await.unwrap();
+    let took = asked.elapsed();
+    assert_eq!(looping.code, 1, "{looping:?}");
+    assert!(looping.stderr.contains("ended: stopped"), "{}", looping.stderr);
+    assert!(took < Duration::from_secs(15), "the run took {took:?} to end after the stop");
+    until("the step's command killed", Duration::from_secs(10), || async { proc_gone(pid).then_some(()) }).await;
+    assert!(!marks.path().join("sloth.finished").exists(), "the command ran to its end");
+    assert_eq!(pids(marks.path(), "sloth"), vec![pid], "no other step started");
+    let tasks = sb.tasks().await;
+    assert_eq!(tasks.len(), 1, "no other step started: {tasks:#?}");
+    assert_eq!(tasks[0].state, TaskState::Canceled, "{:?}", tasks[0]);
+    let all = jobs(&sb, "lazy");
+    assert_eq!(status_of(&all, "job 0"), "canceled", "{all:?}");
+    assert_eq!((status_of(&all, "job 1"), status_of(&all, "job 2")), ("queued", "queued"));
+    let report = stop_report(&sb, "lazy");
+    assert_eq!((report["to"].as_str(), report["stop_reason"].as_str()), (Some("canceled"), Some("stopped")));
+    sb.shutdown().await;
+}
+
+/// A one-shot run stopped mid-run ends `stopped`, not `done (converged)` (issue #29 item
+/// 4): with `fanout: 1` the first member's step is running and the second's waits for the
+/// slot; the stop cancels the first and the second never starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_one_shot_run_stopped_midway_ends_stopped_and_its_waiting_step_never_starts() {
+    let sb = Sandbox::start(1, 2).await;
+    let marks = tempfile::tempdir().unwrap();
+    let (first, second) = (slow_member("first", marks.path(), 30), slow_member("second", marks.path(), 30));
+    sb.push(first.dir()).await;
+    sb.push(second.dir()).await;
+    define(&sb, "name: duo\ngoal: Take turns.\nmembers: [first, second]\nfanout: 1\n");
+    let once = spawn_run(&sb, &["duo"]);
+    let pid = until("the first step's command running", Duration::from_secs(60), || async {
+        pids(marks.path(), "first").first().copied()
+    })
+    .await;
+    ok(&sb, &["stop", "duo"]);
+    let once = once.await.unwrap();
+    assert_eq!(once.code, 1, "{once:?}");
+    assert!(once.stderr.contains("ended: stopped"), "{}", once.stderr);
+    assert!(!once.stderr.contains("converged"), "{}", once.stderr);
+    until("the step's command killed", Duration::from_secs(10), || async { proc_gone(pid).then_some(()) }).await;
+    assert!(pids(marks.path(), "second").is_empty(), "the waiting step started");
+    let tasks = sb.tasks().await;
+    assert_eq!(
+        tasks.iter().map(|t| (t.capsule.as_str(), t.state)).collect::<Vec<_>>(),
+        [("first", TaskState::Canceled)]
+    );
+    let report = stop_report(&sb, "duo");
+    assert_eq!(report["stop_reason"], "stopped", "{report}");
     sb.shutdown().await;
 }
 

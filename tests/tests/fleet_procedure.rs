@@ -414,6 +414,46 @@ async fn the_fanout_key_caps_the_steps_in_flight_for_broadcasts_and_procedure_ra
     sb.shutdown().await;
 }
 
+/// `mur fleet stop` stops a procedure midway (issue #29 item 4): of 30 steps sent one at a
+/// time (`fanout: 1`), the one running when the stop comes is canceled, no step is sent
+/// after the stop has answered, the job ends `canceled` and the run `stopped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_procedure_stopped_midway_starts_no_more_steps_and_ends_stopped() {
+    let sb = Sandbox::start(1, 2).await;
+    let plodder = TestCapsule::new(
+        "name: plodder\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n",
+        &[("r.yaml", "replies:\n  - tool_calls: [{ name: sh, input: { command: \"sleep 1\" } }]\n  - text: Done.\n")],
+    );
+    push(&sb, &[plodder]).await;
+    let steps: String = (0..30).map(|n| format!("  - id: s{n}\n    member: plodder\n")).collect();
+    define(&sb, &format!("name: thirty\ngoal: Go.\nmembers: [plodder]\nfanout: 1\nprocedure:\n{steps}"));
+    let job = ok(&sb, &["send", "thirty", "Thirty steps."]).sent_job_id();
+    let url = sb.nats.url();
+    let running = tokio::task::spawn_blocking(move || {
+        Run::of(mur().args(["fleet", "run", "thirty", "--deadline", "5m"]).env("NATS_URL", url))
+    });
+    mur_tests::procs::until("three steps sent", std::time::Duration::from_secs(60), || async {
+        (tasks(&sb).await.len() >= 3).then_some(())
+    })
+    .await;
+    ok(&sb, &["stop", "thirty"]);
+    let answered = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let ran = running.await.unwrap();
+    assert_eq!(ran.code, 1, "{ran:?}");
+    assert!(ran.stderr.contains("ended: stopped"), "{}", ran.stderr);
+    let all = tasks(&sb).await;
+    assert!(all.len() < 30, "{} steps ran", all.len());
+    let late: Vec<_> = all.iter().filter(|t| t.submitted_at > answered).collect();
+    assert!(late.is_empty(), "steps sent after the stop answered: {late:#?}");
+    let canceled = all.iter().filter(|t| t.state == mur_proto::task::TaskState::Canceled).count();
+    // The stop may land between two steps (none running); at most the one running is canceled.
+    assert!(canceled <= 1, "{all:#?}");
+    assert!(all.iter().all(|t| t.state.is_terminal()), "{all:#?}");
+    let job = jobs(&sb, "thirty").into_iter().find(|j| j["id"] == job.as_str()).unwrap();
+    assert_eq!(job["status"], "canceled", "{job}");
+    sb.shutdown().await;
+}
+
 /// `hitl.mode: wait`: the run parks the step on the job (`blocked`) and waits for the
 /// answer instead of ending; `mur fleet approve` given while it waits lets the same run go
 /// on — the parked step and its dependent run, and the run completes.

@@ -28,6 +28,10 @@ impl Exec {
     }
 
     async fn send_step(&self, spec: &Spec, step: &Step, iteration_run_id: &str, job: Option<&str>) -> Reply {
+        if self.halt.raised() {
+            // The kill-switch was set while this step waited for a fan-out slot.
+            return Reply { member: step.member.clone(), ok: false, text: super::NOT_STARTED.into() };
+        }
         let text = format!("{} ← {}", step.member, step.text);
         self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
         // The time left when it is sent, not when it was planned: a step that waited for a

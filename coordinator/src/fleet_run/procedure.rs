@@ -56,11 +56,17 @@ impl Exec {
         // The standing goal has no job to park a request on: one is made for it, and
         // stored only if a step is parked (its id is the one the notes name).
         let goal_job = claimed.is_none().then(|| Job::new(work, fleet::SOURCE_GOAL, SystemClock.now_ms()));
+        // Whether the kill-switch kept a rank from starting.
+        let mut cut = false;
         let (outcome, result, outputs, parked, done) =
             match Procedure::new(&run.spec().fleet, work, claimed.as_ref().or(goal_job.as_ref())) {
                 Ok(mut plan) => {
                     let spec = run.spec();
                     while let Some(rank) = plan.next_rank() {
+                        if self.halt.raised() {
+                            cut = true;
+                            break;
+                        }
                         self.run_rank(spec, &mut plan, rank, iteration_run_id, job, last_agent).await;
                         if let (true, Some(id)) = (plan.waits(), job)
                             && let Some((decision, by)) = self.await_answer(spec, &plan, id, iteration_run_id).await
@@ -106,7 +112,11 @@ impl Exec {
             }
         }
         if let Some(id) = job {
+            // Stopped before it got done (a rank kept from starting, or a step canceled):
+            // neither done nor failed.
+            let stopped_short = cut || (self.halt.raised() && outcome == Outcome::Failed);
             let status = match outcome {
+                Outcome::Done | Outcome::Failed if stopped_short => JobStatus::Canceled,
                 Outcome::Done => JobStatus::Done,
                 Outcome::Failed => JobStatus::Failed,
                 Outcome::Blocked => JobStatus::Blocked,
@@ -212,6 +222,7 @@ impl Exec {
         loop {
             match self.fleets.job(fleet, job).await {
                 Ok(Some(j)) if j.status.is_terminal() => return None,
+                _ if self.halt.raised() => return None,
                 Ok(Some(j)) => {
                     if let Some(Approval { decision: Some(decision), by, .. }) = j.approval {
                         let resumed = self
@@ -245,6 +256,12 @@ impl Exec {
     ) -> (String, bool, String) {
         let mut last = (false, String::new());
         for attempt in 1..=launch.attempts.max(1) {
+            if self.halt.raised() {
+                if attempt == 1 {
+                    last = (false, super::NOT_STARTED.into());
+                }
+                break;
+            }
             let again =
                 if attempt > 1 { format!(" (attempt {attempt} of {})", launch.attempts) } else { String::new() };
             let text = format!("{} ← step {}{again}", launch.member, launch.id);
