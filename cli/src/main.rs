@@ -1,6 +1,7 @@
 //! `mur`: the command-line front end. Thin: parse the command line, call the libraries,
 //! print data on stdout and errors and progress on stderr.
 
+mod auth;
 mod capsule;
 mod cluster;
 mod fleet;
@@ -63,6 +64,10 @@ enum Command {
     /// Serve the cluster to MCP clients: `mur mcp serve` (stdio).
     #[command(subcommand)]
     Mcp(mcp::Command),
+    /// Secure a cluster: `mur auth init DIR` writes a nats-server configuration with one
+    /// user per role and their credentials files.
+    #[command(subcommand)]
+    Auth(auth::Command),
 }
 
 /// Lets SIGPIPE end the process, as it ends `ls` or `cat`: `mur task ls | head -1` stops
@@ -134,6 +139,7 @@ fn main() -> ExitCode {
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
         Command::Mcp(cmd) => mcp::run(cmd),
+        Command::Auth(cmd) => auth::run(cmd),
     };
     telemetry.shutdown();
     match result {
