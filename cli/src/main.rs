@@ -112,11 +112,14 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     print_until_the_reader_leaves(&cli.command);
+    let serve = |listener: &Option<String>| {
+        if listener.is_some() { telemetry::Metrics::Serve } else { telemetry::Metrics::Export }
+    };
     let metrics = match &cli.command {
-        Command::Coordinator(a) => a.metrics.is_some(),
-        Command::Worker(a) => a.metrics.is_some(),
-        Command::Dev(a) => a.metrics.is_some(),
-        _ => false,
+        Command::Coordinator(a) => serve(&a.metrics),
+        Command::Worker(a) => serve(&a.metrics),
+        Command::Dev(a) => serve(&a.metrics),
+        _ => telemetry::Metrics::Off,
     };
     let telemetry = telemetry::init(
         match cli.command {
