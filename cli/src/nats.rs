@@ -54,6 +54,32 @@ impl Connection {
         self.options().connect(name).await.map_err(said)
     }
 
+    /// [`Connection::connect`], tried again while no server answers (one restarting) until
+    /// `give_up` ([`connect::Options::connect_until`]); `retrying` gets each error that will
+    /// be retried, as the CLI says it, and the wait before the next try.
+    ///
+    /// # Errors
+    /// As [`Connection::connect`]: at once when trying again cannot help, else once
+    /// `give_up` has come.
+    pub async fn connect_until(
+        &self,
+        name: &str,
+        give_up: tokio::time::Instant,
+        mut retrying: impl FnMut(&anyhow::Error, Duration),
+    ) -> Result<async_nats::Client> {
+        let options = self.options();
+        options
+            .connect_until(name, give_up, |e, delay| {
+                let said = match e {
+                    connect::Error::Unreachable { servers, reason, .. } => unreachable(servers, reason),
+                    other => anyhow::anyhow!("{other}"),
+                };
+                retrying(&said, delay);
+            })
+            .await
+            .map_err(said)
+    }
+
     /// [`Connection::connect`] for long-running processes (`mur coordinator`, `mur
     /// worker`): while the server cannot be reached, says so once on stderr and tries
     /// again every second (services start in any order under docker-compose). A bad
@@ -88,8 +114,13 @@ fn said(e: connect::Error) -> anyhow::Error {
         connect::Error::Credentials { path, source } => {
             anyhow::Error::new(source).context(format!("--creds {}", path.display()))
         }
-        connect::Error::Unreachable { servers, reason } => anyhow::anyhow!("{reason}").context(format!(
-            "cannot reach NATS at {servers} (start a cluster with `mur dev`, or set --server / NATS_URL)"
-        )),
+        connect::Error::Unreachable { servers, reason, .. } => unreachable(&servers, &reason),
     }
+}
+
+/// No server of `servers` answered: where the CLI looked, what to do, and the client's
+/// `reason`.
+fn unreachable(servers: &str, reason: &str) -> anyhow::Error {
+    anyhow::anyhow!("{reason}")
+        .context(format!("cannot reach NATS at {servers} (start a cluster with `mur dev`, or set --server / NATS_URL)"))
 }

@@ -266,8 +266,22 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let client = args.conn.connect("mur task send").await?;
-        let reply = match submit_until_answered(&client, &mut request).await {
+        // One patience for the whole send: a broker restarting (issue #29 item 7) as a
+        // coordinator restarting; the task id is minted, so the task runs once.
+        let give_up = tokio::time::Instant::now() + SUBMIT_PATIENCE;
+        let id = request.task_id.clone().unwrap_or_default();
+        let client = args
+            .conn
+            .connect_until("mur task send", give_up, |e, delay| {
+                eprintln!(
+                    "mur: {}; trying again in {} ms (task {id}: it runs once however often it is sent)",
+                    crate::text::printable(&format!("{e:#}")),
+                    delay.as_millis()
+                );
+            })
+            .await?;
+        let patience = give_up.saturating_duration_since(tokio::time::Instant::now());
+        let reply = match submit_until_answered(&client, &mut request, patience).await {
             Ok(reply) => reply,
             // An unknown capsule: the names there are, the closest first (issue #29).
             Err(mut e) if e.code == ErrorCode::NotFound => {
@@ -328,7 +342,7 @@ async fn wait_for_end<T, E: std::fmt::Display>(
 }
 
 /// Submits `request` with [`mur_nats::api::submit`] (sent again, the same task, while no
-/// coordinator answers, for up to [`SUBMIT_PATIENCE`], saying so on stderr each time), in
+/// coordinator answers, for up to `patience`, saying so on stderr each time), in
 /// a `submit_task` span whose W3C `traceparent` goes along in the request headers, so the
 /// task's spans on the coordinator and the worker join its trace (issue #7 §Trace context).
 ///
@@ -337,6 +351,7 @@ async fn wait_for_end<T, E: std::fmt::Display>(
 async fn submit_until_answered(
     client: &async_nats::Client,
     request: &mut SubmitRequest,
+    patience: std::time::Duration,
 ) -> Result<SubmitReply, ApiError> {
     let span = tracing::info_span!(
         "submit_task",
@@ -347,7 +362,7 @@ async fn submit_until_answered(
         mur.task_id = tracing::field::Empty,
     );
     let id = request.task_id.clone().unwrap_or_else(|| "(the coordinator's)".into());
-    let reply = mur_nats::api::submit(client, request, SUBMIT_PATIENCE, |e, delay| {
+    let reply = mur_nats::api::submit(client, request, patience, |e, delay| {
         eprintln!(
             "mur: {}; sending it again in {} ms (task {id}: it runs once however often it is sent)",
             crate::text::printable(&e.message),

@@ -38,10 +38,10 @@ use std::time::Duration;
 pub const SUBMIT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The first wait before [`submit`] sends again; it doubles up to [`SUBMIT_MAX_DELAY`]
-/// ([`crate::backoff`]).
-const SUBMIT_FIRST_DELAY: Duration = Duration::from_millis(250);
+/// ([`crate::backoff`]); [`crate::connect::Options::connect_until`] waits the same.
+pub(crate) const SUBMIT_FIRST_DELAY: Duration = Duration::from_millis(250);
 /// The longest base wait between two sends of [`submit`].
-const SUBMIT_MAX_DELAY: Duration = Duration::from_secs(4);
+pub(crate) const SUBMIT_MAX_DELAY: Duration = Duration::from_secs(4);
 
 /// Submits a task, sending it again while no coordinator answers: an `unavailable` error
 /// (no coordinator answers, one timed out — a restart or a failover under way — or its

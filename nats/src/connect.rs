@@ -54,7 +54,19 @@ pub enum Error {
         servers: String,
         /// The client's error text.
         reason: String,
+        /// Whether trying again may succeed: no server answered (the connection refused or
+        /// timed out, a name not resolved), as while a server restarts — not a server that
+        /// refused the credentials or the TLS handshake.
+        transient: bool,
     },
+}
+
+impl Error {
+    /// Whether trying again may succeed ([`Error::Unreachable`]'s `transient`): never for a
+    /// bad server list or credentials file.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Unreachable { transient: true, .. })
+    }
 }
 
 impl Options {
@@ -80,9 +92,49 @@ impl Options {
             opts = opts.require_tls(true);
         }
         let servers = servers(&self.servers)?;
-        opts.connect(servers.as_slice())
-            .await
-            .map_err(|e| Error::Unreachable { servers: redacted(&self.servers), reason: e.to_string() })
+        opts.connect(servers.as_slice()).await.map_err(|e| Error::Unreachable {
+            servers: redacted(&self.servers),
+            reason: e.to_string(),
+            transient: matches!(
+                e.kind(),
+                async_nats::ConnectErrorKind::Io
+                    | async_nats::ConnectErrorKind::TimedOut
+                    | async_nats::ConnectErrorKind::Dns
+            ),
+        })
+    }
+
+    /// [`Options::connect`], tried again while no server answers ([`Error::is_transient`]:
+    /// a server restarting, or not up yet) until `give_up`, after the waits of the one
+    /// backoff with jitter ([`crate::backoff`]) [`crate::api::submit`] uses too, so that a
+    /// command that submits (`mur task send`) rides out a broker restart as it rides out a
+    /// coordinator's (issue #29 item 7). `retrying` is told each error that will be
+    /// retried and the wait before the next try (the CLI says it on stderr).
+    ///
+    /// # Errors
+    /// As [`Options::connect`]: at once when the error is not transient, else the last
+    /// error once the next try would start at or after `give_up`.
+    pub async fn connect_until(
+        &self,
+        name: &str,
+        give_up: tokio::time::Instant,
+        mut retrying: impl FnMut(&Error, Duration),
+    ) -> Result<async_nats::Client, Error> {
+        let mut delays = crate::backoff::delays(crate::api::SUBMIT_FIRST_DELAY, crate::api::SUBMIT_MAX_DELAY);
+        loop {
+            match self.connect(name).await {
+                Ok(client) => return Ok(client),
+                Err(e) if e.is_transient() => {
+                    let delay = delays.next().unwrap_or(crate::api::SUBMIT_MAX_DELAY);
+                    if tokio::time::Instant::now() + delay >= give_up {
+                        return Err(e);
+                    }
+                    retrying(&e, delay);
+                    tokio::time::sleep(delay).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 
