@@ -28,6 +28,10 @@ pub struct CoordinatorArgs {
     /// `crd_…`). Several coordinators may run: one leads, the others stand by.
     #[arg(long)]
     id: Option<String>,
+    /// Serve `/metrics` (Prometheus text), `/healthz` and `/readyz` on this address (e.g.
+    /// 127.0.0.1:9464, or port 0 for a free one: the bound address is said on stderr).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) metrics: Option<String>,
     #[command(flatten)]
     conn: Connection,
 }
@@ -236,6 +240,10 @@ pub struct WorkerArgs {
     /// reason and none of its commands runs.
     #[arg(long)]
     require_sandbox: bool,
+    /// Serve `/metrics` (Prometheus text), `/healthz` and `/readyz` on this address (e.g.
+    /// 127.0.0.1:9464, or port 0 for a free one: the bound address is said on stderr).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) metrics: Option<String>,
     #[command(flatten)]
     conn: Connection,
 }
@@ -258,13 +266,18 @@ pub struct DevArgs {
     /// Capsule folders to push before reporting ready: every subfolder holding murmur.yaml.
     #[arg(long, value_name = "DIR", default_value = "examples")]
     capsules: PathBuf,
-    /// Print one JSON line {"url": …} when ready.
+    /// Print one JSON line {"url", "http", "metrics", "capsules", "workers"} when ready
+    /// (`http`, `metrics`: base URLs, or null).
     #[arg(long)]
     json: bool,
     /// Also take tasks over A2A HTTP on this address (e.g. 127.0.0.1:0): one endpoint per
     /// capsule at `http://HOST:PORT/capsules/<name>/` (off by default).
     #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
+    /// Serve `/metrics` (Prometheus text), `/healthz` and `/readyz` on this address (e.g.
+    /// 127.0.0.1:9464, or port 0 for a free one: the bound address is said on stderr).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) metrics: Option<String>,
 }
 
 /// Binds `addr` and serves the coordinator's A2A endpoint from a spawned task until
@@ -333,13 +346,18 @@ fn default_data_dir() -> PathBuf {
         .join("murmur/dev")
 }
 
-pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
+pub fn coordinator(args: CoordinatorArgs, registry: Option<prometheus::Registry>) -> Result<ExitCode> {
     let (settings, fleet) = settings(args.config.as_deref())?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur coordinator").await?;
         eprintln!("coordinator connected to {}", mur_nats::connect::redacted(&args.conn.server));
         let stop = tokio_util::sync::CancellationToken::new();
+        let id = args.id.clone().unwrap_or_else(|| format!("crd_{}", uuid::Uuid::now_v7().simple()));
+        if let Some(addr) = &args.metrics {
+            let probe = mur_nats::health::Probe::coordinator(client.clone(), id.clone());
+            crate::observe::serve(addr, registry, probe, stop.clone()).await?;
+        }
         let http = match &args.http {
             Some(addr) => {
                 let (base, task) = start_http(client.clone(), addr, args.public_url.as_deref(), stop.clone()).await?;
@@ -348,7 +366,6 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
             }
             None => None,
         };
-        let id = args.id.clone().unwrap_or_else(|| format!("crd_{}", uuid::Uuid::now_v7().simple()));
         let mut config = mur_coordinator::service::Config::new(settings, id);
         config.fleet = fleet;
         let result = mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await;
@@ -361,10 +378,15 @@ pub fn coordinator(args: CoordinatorArgs) -> Result<ExitCode> {
     })
 }
 
-pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
+pub fn worker(args: WorkerArgs, registry: Option<prometheus::Registry>) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let client = args.conn.connect_patiently("mur worker").await?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        if let Some(addr) = &args.metrics {
+            crate::observe::serve(addr, registry, mur_nats::health::Probe::worker(client.clone()), stop.clone())
+                .await?;
+        }
         let workdir = args.workdir.unwrap_or_else(|| default_data_dir().join("worker"));
         let mut config = mur_worker::service::Config::new(workdir);
         config.slots = args.slots;
@@ -379,7 +401,9 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode> {
             config.slots,
             mur_nats::connect::redacted(&args.conn.server)
         );
-        mur_worker::service::run(client, config, crate::run::shutdown_signal()).await?;
+        let result = mur_worker::service::run(client, config, crate::run::shutdown_signal()).await;
+        stop.cancel();
+        result?;
         Ok(ExitCode::SUCCESS)
     })
 }
@@ -449,7 +473,7 @@ fn lock_data_dir(data: &std::path::Path) -> Result<std::fs::File> {
     Ok(file)
 }
 
-pub fn dev(args: DevArgs) -> Result<ExitCode> {
+pub fn dev(args: DevArgs, registry: Option<prometheus::Registry>) -> Result<ExitCode> {
     let data = args.data_dir.clone().unwrap_or_else(default_data_dir);
     std::fs::create_dir_all(data.join("nats")).with_context(|| format!("--data-dir {}", data.display()))?;
     // Held until `mur dev` exits: two nats-servers on one JetStream store corrupt it.
@@ -579,10 +603,23 @@ pub fn dev(args: DevArgs) -> Result<ExitCode> {
                 }
                 None => None,
             };
+            let metrics = match &args.metrics {
+                Some(addr) => {
+                    // The dev coordinator's instance name is `Config::default()`'s.
+                    let instance = mur_coordinator::service::Config::default().instance;
+                    let probe = mur_nats::health::Probe::coordinator(client.clone(), instance);
+                    let (bound, task) = crate::observe::serve(addr, registry, probe, shutdown.clone()).await?;
+                    tasks.push(task);
+                    Some(format!("http://{bound}"))
+                }
+                None => None,
+            };
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({"url": url, "http": http, "capsules": pushed, "workers": args.workers})
+                    serde_json::json!({
+                        "url": url, "http": http, "metrics": metrics, "capsules": pushed, "workers": args.workers
+                    })
                 );
             } else {
                 println!("{url}");

@@ -7,6 +7,7 @@ mod fleet;
 mod follow;
 mod mcp;
 mod nats;
+mod observe;
 mod run;
 mod task;
 mod telemetry;
@@ -104,18 +105,31 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     print_until_the_reader_leaves(&cli.command);
-    let telemetry = telemetry::init(match cli.command {
-        Command::Coordinator(_) => "mur-coordinator",
-        Command::Worker(_) => "mur-worker",
-        _ => "mur",
-    });
+    let serve = |listener: &Option<String>| {
+        if listener.is_some() { telemetry::Metrics::Serve } else { telemetry::Metrics::Export }
+    };
+    let metrics = match &cli.command {
+        Command::Coordinator(a) => serve(&a.metrics),
+        Command::Worker(a) => serve(&a.metrics),
+        Command::Dev(a) => serve(&a.metrics),
+        _ => telemetry::Metrics::Off,
+    };
+    let telemetry = telemetry::init(
+        match cli.command {
+            Command::Coordinator(_) => "mur-coordinator",
+            Command::Worker(_) => "mur-worker",
+            _ => "mur",
+        },
+        metrics,
+    );
+    let registry = telemetry.registry();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Task(cmd) => task::run(cmd),
         Command::Fleet(cmd) => fleet::run(cmd),
-        Command::Dev(args) => cluster::dev(args),
-        Command::Coordinator(args) => cluster::coordinator(args),
-        Command::Worker(args) => cluster::worker(args),
+        Command::Dev(args) => cluster::dev(args, registry),
+        Command::Coordinator(args) => cluster::coordinator(args, registry),
+        Command::Worker(args) => cluster::worker(args, registry),
         Command::Cluster(cmd) => cluster::cluster(cmd),
         Command::Job(cmd) => fleet::job(cmd),
         Command::Capsule(cmd) => capsule::run(cmd),

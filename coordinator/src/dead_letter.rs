@@ -188,5 +188,10 @@ pub async fn mark(
         true
     })
     .await
-    .map(drop)
+    .map(|written| {
+        if let Some((record, _)) = written {
+            mur_nats::metrics::dead_letter(&record.capsule);
+            mur_nats::metrics::task_ended(&record);
+        }
+    })
 }

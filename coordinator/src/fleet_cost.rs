@@ -120,6 +120,7 @@ pub fn account(record: &mut RunRecord, prices: &Prices, job: Option<&str>, usage
     let mut iteration = Spend::default();
     for (capsule, usage) in usages {
         let usd = prices.cost(usage);
+        mur_nats::metrics::fleet_spend(&record.fleet, usd.unwrap_or(0.0));
         iteration.add(usage, usd);
         record.members.entry(capsule.clone()).or_default().add(usage, usd);
         if let Some(j) = job {

@@ -12,6 +12,7 @@ pub mod fleet_run;
 pub mod fleet_schedule;
 pub mod fleet_trigger;
 pub mod fleets;
+pub mod gauges;
 pub mod http;
 pub mod lease;
 pub mod resources;

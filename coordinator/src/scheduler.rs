@@ -180,6 +180,21 @@ pub struct Snapshot {
     pub busy_queue_capsules: Vec<String>,
 }
 
+/// The scheduler's load, for the leader's gauges ([`Scheduler::load`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Per capsule and lane: `(capsule, lane, tasks waiting, the oldest one's id)`.
+    pub waiting: Vec<(String, Lane, usize, String)>,
+    /// Per capsule: `(capsule, tasks in flight)`.
+    pub in_flight: Vec<(String, usize)>,
+    /// Live workers.
+    pub workers: usize,
+    /// Their slots.
+    pub total_slots: u64,
+    /// Their free slots.
+    pub free_slots: u64,
+}
+
 /// The waiting tasks of one lane.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaneSnapshot {
@@ -400,6 +415,36 @@ impl Scheduler {
     }
 
     /// Sum of the live workers' slots.
+    /// What the leader's gauges report (issue #32): per capsule and lane, the waiting
+    /// tasks and the id of the oldest (the front of its lane); the tasks in flight per
+    /// capsule; the live workers, their slots and the free ones. Sorted by capsule, then
+    /// lane. One pass over the waiting tasks.
+    pub fn load(&self) -> Load {
+        let mut waiting: BTreeMap<(&str, usize), (Lane, usize, &str)> = BTreeMap::new();
+        for task in self.waiting.iter() {
+            // Each lane is in dispatch order: the first task seen is its oldest.
+            waiting.entry((task.capsule.as_str(), lane_rank(task.lane))).and_modify(|(_, n, _)| *n += 1).or_insert((
+                task.lane,
+                1,
+                task.task_id.as_str(),
+            ));
+        }
+        let mut in_flight: BTreeMap<&str, usize> = BTreeMap::new();
+        for task in self.in_flight.values() {
+            *in_flight.entry(task.capsule.as_str()).or_default() += 1;
+        }
+        Load {
+            waiting: waiting
+                .into_iter()
+                .map(|((capsule, _), (lane, n, oldest))| (capsule.to_string(), lane, n, oldest.to_string()))
+                .collect(),
+            in_flight: in_flight.into_iter().map(|(capsule, n)| (capsule.to_string(), n)).collect(),
+            workers: self.workers.len(),
+            total_slots: self.total_slots(),
+            free_slots: self.free_slots(),
+        }
+    }
+
     fn total_slots(&self) -> u64 {
         self.workers.values().map(|&slots| u64::from(slots)).sum()
     }

@@ -271,6 +271,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         standby_logged = false;
         lease.stop_standing_by().await;
         tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} leading (term {})", held.term);
+        mur_nats::metrics::leader_change("leading");
         let kept = lease.keep(&held);
         tokio::pin!(kept);
         // The restore (a replay of every record, seconds over a store of gigabytes) runs
@@ -360,6 +361,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
             }
         };
         tracing::warn!(instance = %instance, "stepping down: {stepped_down}");
+        mur_nats::metrics::leader_change("standby");
         leading.stop().await;
     };
     tracing::info!(instance = %instance, "coordinator stopping");
@@ -1408,10 +1410,12 @@ async fn actor(
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
     let mut releases = JoinSet::new();
+    let mut gauges = crate::gauges::Refresh::new(&ctx.js, &ctx.tasks);
     loop {
         while releases.try_join_next().is_some() {}
         tokio::select! {
             _ = stopped.changed() => break,
+            _ = gauges.tick() => gauges.publish(&scheduler),
             asked = admissions.recv() => {
                 let Some(a) = asked else { break };
                 let admitted = scheduler.admit(&a.task_id, &a.capsule, a.lane, a.queue_capsule);

@@ -10,7 +10,9 @@
 //! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
 //! - [`clock`]: wall-clock time behind a trait;
-//! - [`connect`]: the connection options (server list, credentials, TLS).
+//! - [`connect`]: the connection options (server list, credentials, TLS);
+//! - [`health`]: a process's readiness (`/readyz`);
+//! - [`metrics`]: the metrics instruments every process records to (issue #32).
 
 pub mod api;
 pub mod backoff;
@@ -19,6 +21,8 @@ pub mod clock;
 pub mod connect;
 pub mod fanout;
 pub mod fleet;
+pub mod health;
+pub mod metrics;
 pub mod read;
 pub mod tasks;
 pub mod trace_context;

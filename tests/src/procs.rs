@@ -103,6 +103,14 @@ impl Procs {
         self.spawn(name, &["coordinator", "--config", &config, "--id", name])
     }
 
+    /// [`Procs::coordinator`] with more arguments (`--metrics 127.0.0.1:0`).
+    pub fn coordinator_with(&self, name: &str, more: &[&str]) -> Proc {
+        let config = self.config.to_string_lossy().into_owned();
+        let mut args = vec!["coordinator", "--config", &config, "--id", name];
+        args.extend_from_slice(more);
+        self.spawn(name, &args)
+    }
+
     /// Starts `mur coordinator --config config.yaml --id NAME` with the log filter a user
     /// gets (`MUR_LOG` unset), where [`Procs::coordinator`] logs everything at `info`.
     pub fn coordinator_with_default_logs(&self, name: &str) -> Proc {
@@ -242,6 +250,19 @@ impl Proc {
     /// What it wrote to stderr so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The base URL (`http://ADDR`) of the `--metrics` listener of a process started with
+    /// it, read from its log (`metrics at http://ADDR/metrics`), waiting for it at most
+    /// 30 s.
+    pub async fn metrics_url(&self) -> String {
+        let what = format!("the --metrics listener of {}", self.name);
+        until(&what, Duration::from_secs(30), || async {
+            let log = self.log();
+            let rest = &log[log.find("metrics at ")? + "metrics at ".len()..];
+            Some(rest[..rest.find("/metrics")?].to_string())
+        })
+        .await
     }
 }
 

@@ -44,6 +44,8 @@ mod dispatch;
 /// The cluster survives: real processes killed with SIGKILL; takeover, nothing lost.
 mod chaos;
 
+/// Operating a cluster (issue #32): `/metrics`, `/healthz` and `/readyz` of real processes.
+mod observe;
 /// One task is one trace: spans of real processes exported over OTLP/HTTP to a fake collector.
 mod otel;
 

@@ -793,3 +793,27 @@ fn a_task_is_admitted_at_submit_only_while_a_slot_is_free_and_its_queue_capsule_
     assert!(releases(&s.apply(ended("t5"))).is_empty());
     assert_eq!(s.snapshot().free_slots, 1);
 }
+
+/// Issue #32: the leader's gauges count waiting tasks per capsule and lane, name each
+/// group's oldest, and count in-flight tasks per capsule.
+#[test]
+fn load_counts_waiting_tasks_per_capsule_and_lane_with_the_oldest_first() {
+    let (mut s, _) = Scheduler::restore([]);
+    for input in [
+        submit("t1", "a", Peer, false, 1),
+        submit("t2", "a", User, false, 2),
+        submit("t3", "a", Peer, false, 3),
+        submit("t4", "b", Bg, false, 4),
+        up("w", 1),
+    ] {
+        s.apply(input);
+    }
+    // The one slot went to the front of the highest lane: t2 (user).
+    let load = s.load();
+    assert_eq!(
+        load.waiting,
+        vec![("a".to_string(), Peer, 2, "t1".to_string()), ("b".to_string(), Bg, 1, "t4".to_string())]
+    );
+    assert_eq!(load.in_flight, vec![("a".to_string(), 1)]);
+    assert_eq!((load.workers, load.total_slots, load.free_slots), (1, 1, 0));
+}

@@ -123,6 +123,27 @@ pub enum Error {
     Script(String),
 }
 
+impl Error {
+    /// A short, bounded name of what went wrong, for `error.type` on the `chat` span and
+    /// the model-call metrics (issue #32; the OpenTelemetry convention: a low-cardinality
+    /// identifier, the HTTP status code for an HTTP error): `"429"`, `"provider_error"`,
+    /// `"transport"`, `"timeout"`, `"idle_timeout"`, `"protocol"`, `"limit"`, `"process"`,
+    /// `"script"`.
+    pub fn kind(&self) -> String {
+        match self {
+            Error::Status { status, .. } => status.to_string(),
+            Error::Provider(_) => "provider_error".into(),
+            Error::Transport(_) => "transport".into(),
+            Error::Timeout(_) => "timeout".into(),
+            Error::Idle(_) => "idle_timeout".into(),
+            Error::Protocol(_) => "protocol".into(),
+            Error::Limit(_) => "limit".into(),
+            Error::Process(_) => "process".into(),
+            Error::Script(_) => "script".into(),
+        }
+    }
+}
+
 /// A provider's error object, parsed the same way for both providers:
 /// OpenAI's `{"error": {"message", "type", "code", "param"}}` and Anthropic's
 /// `{"type": "error", "error": {"type", "message"}}` (the API references' error sections).

@@ -295,6 +295,7 @@ impl Runner {
     async fn call(&self, inner: &Inner, envelope: Envelope, stop: &mut Stop) -> Option<(Result<Answer, Error>, bool)> {
         let mut slot = self.slot.lock().await;
         let event = envelope.event.binding().as_str();
+        let started = std::time::Instant::now();
         *self.label.lock().unwrap_or_else(|e| e.into_inner()) = event.to_string();
         self.spend_refused.store(false, Ordering::SeqCst);
         let answer = if self.is_builtin() {
@@ -316,6 +317,7 @@ impl Runner {
         if let Err(e) = &answer {
             self.log.write(event, "error", &e.to_string());
         }
+        mur_nats::metrics::hook_call(&self.hook.name, event, started.elapsed());
         Some((answer, self.spend_refused.load(Ordering::SeqCst)))
     }
 

@@ -289,6 +289,7 @@ async fn run_dispatch_holding(
     };
     let task = current.0.clone();
     let checkpointed = takeover.is_some();
+    mur_nats::metrics::task_started(&task, delivery.number, checkpointed, SystemClock.now_ms());
     let checkpoints = Arc::new(KvCheckpoints {
         sessions: sh.sessions.clone(),
         task_id: task.task_id.clone(),
@@ -423,7 +424,12 @@ async fn dispatch_span(
 /// The answer after the terminal write: ack when the record is terminal (ours or not).
 fn finished(written: Result<Option<(TaskRecord, u64)>, task_records::Error>, key: &str, delivery: Delivered) -> Answer {
     match written {
-        Ok(_) => Answer::Ack,
+        Ok(written) => {
+            if let Some((record, _)) = written.filter(|(r, _)| r.state.is_terminal()) {
+                mur_nats::metrics::task_ended(&record);
+            }
+            Answer::Ack
+        }
         Err(e) => {
             tracing::warn!(task_id = key, error = %e, "writing the terminal record failed");
             Answer::nak(delivery)

@@ -791,9 +791,23 @@ impl Session {
                 })?;
             }
         }
+        let provider = self.parts.driver.kind();
+        mur_nats::metrics::model_call(
+            provider,
+            &self.cfg.model_label,
+            t0.elapsed(),
+            reply.as_ref().err().map(|e| e.kind()),
+        );
         let reply = reply.map_err(|e| e.to_string());
         let succeeded = reply.is_ok();
         let (events, next) = machine.on_model_reply(reply, t0.elapsed().as_millis() as u64);
+        for e in &events {
+            if let Event::Inference { input_tokens, output_tokens, usage, origin: None, .. } = e {
+                let input = usage.input_tokens_actual.unwrap_or(*input_tokens);
+                let output = usage.output_tokens_actual.unwrap_or(*output_tokens);
+                mur_nats::metrics::tokens(provider, &self.cfg.model_label, input, output, usage.cached_tokens);
+            }
+        }
         if succeeded {
             self.parts.spend.add(machine.session_tokens());
         }
@@ -835,6 +849,7 @@ impl Session {
         );
         let t0 = Instant::now();
         let outcome = self.parts.tools.call(&name, &input, &self.cfg.call_context).instrument(span).await;
+        mur_nats::metrics::tool_call(&name, t0.elapsed());
         let (events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
         let mut observed = Vec::new();
         for e in &events {
