@@ -225,9 +225,7 @@ impl Lease {
     /// # Errors
     /// The bucket's error.
     pub async fn standbys(kv: &kv::Store, leader: Option<&LeaderLease>) -> Result<Vec<StandbyStatus>, String> {
-        use futures::TryStreamExt;
-        let keys: Vec<String> =
-            kv.keys().await.map_err(|e| e.to_string())?.try_collect().await.map_err(|e| e.to_string())?;
+        let keys = mur_nats::read::keys(kv, ">").await.map_err(|e| e.to_string())?;
         let mut standbys = Vec::new();
         for key in keys {
             let Some(process) = key.strip_prefix(cluster::STANDBY_KEY_PREFIX) else { continue };

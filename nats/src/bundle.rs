@@ -84,13 +84,7 @@ pub async fn set_latest(index: &kv::Store, name: &str, value: &CapsuleIndexEntry
 /// [`Error::Nats`] when the index cannot be read; [`Error::Malformed`] for an entry that
 /// is not a [`CapsuleIndexEntry`].
 pub async fn list(index: &kv::Store) -> Result<Vec<CapsuleEntry>, Error> {
-    let mut names: Vec<String> = index
-        .keys()
-        .await
-        .map_err(|e| nats("index keys")(e.into()))?
-        .try_collect()
-        .await
-        .map_err(|e| nats("index keys")(e.into()))?;
+    let mut names = crate::read::keys(index, ">").await.map_err(|e| nats("index keys")(e.into()))?;
     names.sort();
     let mut entries = Vec::with_capacity(names.len());
     for name in names {

@@ -96,7 +96,8 @@ impl Semaphore {
         ticket: &mut Ticket,
         cancel: &CancellationToken,
     ) -> Result<Permit, Error> {
-        let mut watch = self.kv.watch_with_history(">").await.map_err(nats)?;
+        // Deleted when the wait ends (issue #29 item 3).
+        let mut watch = crate::read::watch(&self.kv, ">").await.map_err(nats)?;
         let mut view = View::default();
         let renew_every = self.lease / 3;
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
@@ -312,16 +313,17 @@ impl StepPermit {
 /// # Errors
 /// [`Error::Nats`] when the bucket cannot be read.
 pub async fn status(kv: &kv::Store) -> Result<fanout::FanoutStatus, Error> {
-    let mut keys = kv.keys().await.map_err(nats)?;
-    let mut entries = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.map_err(nats)?;
-        if let Some(entry) = kv.entry(&key).await.map_err(nats)?
-            && entry.operation == Operation::Put
-        {
-            entries.push((key, entry.revision, entry.value.to_vec()));
+    let mut latest: std::collections::BTreeMap<String, (u64, Vec<u8>)> = std::collections::BTreeMap::new();
+    crate::read::latest(kv, ">", |entry| {
+        if entry.operation == Operation::Put {
+            latest.insert(entry.key, (entry.revision, entry.value.to_vec()));
+        } else {
+            latest.remove(&entry.key);
         }
-    }
+    })
+    .await
+    .map_err(|e| Error::Nats(e.to_string()))?;
+    let entries: Vec<(String, u64, Vec<u8>)> = latest.into_iter().map(|(k, (r, v))| (k, r, v)).collect();
     Ok(fanout::FanoutStatus::build(&entries))
 }
 

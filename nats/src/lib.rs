@@ -5,6 +5,7 @@
 //! - [`trace_context`]: W3C trace context in NATS headers;
 //! - [`bundle`]: the capsule index (`mur_capsule_index`) reads and its compare-and-set write;
 //! - [`fanout`]: the cluster-wide fan-out semaphore;
+//! - [`read`]: one-pass reads of a bucket's current state that leave no consumer behind;
 //! - [`tasks`]: typed access to `mur_tasks`: read a record, the one compare-and-set loop;
 //! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
@@ -23,6 +24,7 @@ pub mod fanout;
 pub mod fleet;
 pub mod health;
 pub mod metrics;
+pub mod read;
 pub mod tasks;
 pub mod tls;
 pub mod trace_context;

@@ -55,6 +55,9 @@ mod fanout;
 /// How a fleet loop ends on the cluster: marker, deadline, kill-switch.
 mod fleet_loop;
 
+/// Read-only calls and fleet loops leave no JetStream consumers behind (issue #29 item 3).
+mod consumers;
+
 /// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
 mod break_fanout;
 

@@ -19,7 +19,6 @@
 use crate::fleet::machine::Run;
 use crate::fleet::run::{self as fleet_run, Env, OverCache};
 use async_nats::jetstream::kv;
-use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{Fleet, JobStatus};
@@ -83,13 +82,8 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
 
 async fn scan(env: &Env, over: &mut OverCache) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
-    let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
-    let mut runs = Vec::new();
-    while let Some(Ok(key)) = keys.next().await {
-        if key.starts_with("run.") && !over.contains(&key) {
-            runs.push(key);
-        }
-    }
+    let keys = mur_nats::read::keys(&defs, "run.>").await.map_err(|e| e.to_string())?;
+    let runs: Vec<String> = keys.into_iter().filter(|key| !over.contains(key)).collect();
     for key in runs {
         let Ok(Some(entry)) = defs.entry(&key).await else { continue };
         if entry.operation != kv::Operation::Put {

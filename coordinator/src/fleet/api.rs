@@ -17,7 +17,6 @@
 use crate::resources::Resources;
 use async_nats::jetstream::{self, kv, stream};
 use bytes::Bytes;
-use futures::TryStreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};
 use mur_proto::fleet::{self, Decision, Fleet, Job, JobFilter, JobStatus, LoopEdit, apply_loop_edit};
@@ -279,15 +278,12 @@ impl Fleets {
     /// (logged) are left out.
     async fn read_jobs(&self, prefix: &str) -> Result<Vec<KeyedJob>, ApiError> {
         use futures::StreamExt;
-        let keys: std::collections::BTreeSet<String> = self
-            .jobs
-            .keys()
+        let keys: std::collections::BTreeSet<String> = mur_nats::read::keys(&self.jobs, ">")
             .await
             .map_err(|e| unavailable("mur_jobs: keys", e))?
-            .try_filter(|k| std::future::ready(k.starts_with(prefix)))
-            .try_collect()
-            .await
-            .map_err(|e| unavailable("mur_jobs: keys", e))?;
+            .into_iter()
+            .filter(|k| k.starts_with(prefix))
+            .collect();
         let read: Vec<Result<Option<KeyedJob>, ApiError>> = futures::stream::iter(keys)
             .map(|key| async move { Ok(self.read_job(&key).await?.map(|(revision, job)| (key, revision, job))) })
             .buffered(JOB_READS_AT_ONCE)
@@ -473,14 +469,8 @@ impl Fleets {
 
     /// `fleet.ls`: every fleet, by name.
     async fn list(&self) -> Result<Vec<FleetSummary>, ApiError> {
-        let keys: Vec<String> = self
-            .defs
-            .keys()
-            .await
-            .map_err(|e| unavailable("mur_fleets: keys", e))?
-            .try_collect()
-            .await
-            .map_err(|e| unavailable("mur_fleets: keys", e))?;
+        let keys: Vec<String> =
+            mur_nats::read::keys(&self.defs, ">").await.map_err(|e| unavailable("mur_fleets: keys", e))?;
         let mut jobs: BTreeMap<String, Vec<Job>> = BTreeMap::new();
         for (key, _, job) in self.read_jobs("").await? {
             if let Some((fleet, _)) = fleet_store::split_job_key(&key) {
@@ -600,13 +590,8 @@ impl Fleets {
 
     /// The id of a run of `fleet` that is not over (its record says `running`), if any.
     async fn run_going(&self, fleet: &str) -> Result<Option<String>, ApiError> {
-        use futures::StreamExt;
-        let mut keys = self.defs.keys().await.map_err(|e| unavailable("mur_fleets: keys", e))?;
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| unavailable("mur_fleets: keys", e))?;
-            if !key.starts_with("run.") {
-                continue;
-            }
+        let keys = mur_nats::read::keys(&self.defs, "run.>").await.map_err(|e| unavailable("mur_fleets: keys", e))?;
+        for key in keys {
             let value = self.defs.get(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?;
             if let Some(r) = value.and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok())
                 && r.fleet == fleet

@@ -24,7 +24,6 @@
 use crate::fleet::run::{self as fleet_run, Env, OverCache};
 use crate::fleet::schedule::{self as fleet_schedule, Action, Outcome, Seen, State};
 use async_nats::jetstream::kv;
-use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::fleet::{self, Fleet, Trigger};
 use mur_proto::fleet_store::{self, ChannelEvent, EventKind, RunRecord, RunRequest};
@@ -123,9 +122,9 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
 
 async fn tick(env: &Env, over: &mut OverCache, autorun: bool) -> Result<(), String> {
     let defs = env.fleets.defs().clone();
-    let mut keys = defs.keys().await.map_err(|e| e.to_string())?;
+    let keys = mur_nats::read::keys(&defs, ">").await.map_err(|e| e.to_string())?;
     let (mut fleets, mut runs) = (Vec::new(), Vec::new());
-    while let Some(Ok(key)) = keys.next().await {
+    for key in keys {
         if let Some(name) = fleet_store::fleet_of_def_key(&key) {
             fleets.push(name.to_string());
         } else if key.starts_with("run.") && !over.contains(&key) {

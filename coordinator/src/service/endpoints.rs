@@ -316,7 +316,8 @@ impl Ctx {
 
     /// Hands `visit` the latest revision of every task record (malformed ones are logged and
     /// skipped: [`Ctx::record_of`]), read in one pass over the bucket's stream
-    /// ([`read_current`]). Nothing is held: a store of thousands of long results used to be
+    /// ([`mur_nats::read::latest`]: its consumer is deleted when the pass is over, so a
+    /// flood of status requests leaves none behind; issue #29 item 3). Nothing is held: a store of thousands of long results used to be
     /// read key by key into one `Vec` for every `task.list` and `cluster.status` (3–4 s and
     /// ~1× the store in memory per call at 600–800 MB; past ~2 GB every call ran out of the
     /// caller's 10 s).
@@ -330,10 +331,9 @@ impl Ctx {
     pub(super) async fn scan_records(&self, mut visit: impl FnMut(&str, Option<TaskRecord>)) -> Result<(), ApiError> {
         let pass = async {
             let _turn = self.scans.acquire().await.map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
-            let mut watch = self.tasks.watch_with_history(">").await.map_err(|e| unavailable("mur_tasks: watch", e))?;
-            read_current(&self.tasks, &mut watch, |entry| visit(&entry.key, self.record_of(&entry)))
+            mur_nats::read::latest(&self.tasks, ">", |entry| visit(&entry.key, self.record_of(&entry)))
                 .await
-                .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))
+                .map_err(|e| unavailable("mur_tasks: read", e))
         };
         tokio::time::timeout(SCAN_PATIENCE, pass).await.unwrap_or_else(|_| {
             Err(ApiError::new(
@@ -457,21 +457,16 @@ impl Ctx {
         records.sort_by(|a, b| (a.submitted_at, &a.task_id).cmp(&(b.submitted_at, &b.task_id)));
         let workers_kv =
             self.js.get_key_value(cluster::WORKERS_BUCKET).await.map_err(|e| unavailable("mur_workers", e))?;
-        let keys: Vec<String> = workers_kv
-            .keys()
-            .await
-            .map_err(|e| unavailable("mur_workers: keys", e))?
-            .try_collect()
-            .await
-            .map_err(|e| unavailable("mur_workers: keys", e))?;
-        let mut workers = Vec::new();
-        for key in keys {
-            if let Some(v) = workers_kv.get(&key).await.map_err(|e| unavailable("mur_workers: read", e))?
-                && let Ok(w) = serde_json::from_slice::<WorkerInfo>(&v)
-            {
-                workers.push(w);
-            }
-        }
+        let mut workers: std::collections::BTreeMap<String, WorkerInfo> = std::collections::BTreeMap::new();
+        mur_nats::read::latest(&workers_kv, ">", |entry| {
+            match serde_json::from_slice::<WorkerInfo>(&entry.value) {
+                Ok(w) if entry.operation == kv::Operation::Put => workers.insert(entry.key, w),
+                _ => workers.remove(&entry.key),
+            };
+        })
+        .await
+        .map_err(|e| unavailable("mur_workers: read", e))?;
+        let workers: Vec<WorkerInfo> = workers.into_values().collect();
         let leader_kv =
             self.js.get_key_value(cluster::LEADER_BUCKET).await.map_err(|e| unavailable("mur_leader", e))?;
         let leader = Lease::holder(&leader_kv).await.map_err(|e| unavailable("mur_leader: read", e))?;
