@@ -493,7 +493,13 @@ async fn lead(
     loops.spawn(actor(ctx.clone(), scheduler, input_rx, admission_rx, stopped.clone()));
     loops.spawn(watch_tasks(ctx.clone(), task_watch, queue_flags, stopped.clone()));
     loops.spawn(watch_workers(ctx.clone(), worker_watch, workers, stopped.clone()));
-    loops.spawn(crate::dead_letter::run(client.clone(), res.tasks.clone(), instance.clone(), stopped.clone()));
+    loops.spawn(crate::dead_letter::run(
+        js.clone(),
+        res.dead_letter_consumer.clone(),
+        res.tasks.clone(),
+        instance.clone(),
+        stopped.clone(),
+    ));
     let fleet_env = crate::fleet_run::Env {
         client: client.clone(),
         fleets: crate::fleets::Fleets::new(js.clone(), res, instance.clone()),
