@@ -357,6 +357,7 @@ async fn submit_until_answered(
         "submit_task",
         otel.kind = "client",
         messaging.system = "nats",
+        messaging.operation.type = "send",
         messaging.destination.name = api::TASK_SUBMIT,
         gen_ai.agent.name = %request.capsule,
         mur.task_id = tracing::field::Empty,

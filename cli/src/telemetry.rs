@@ -101,7 +101,13 @@ pub fn init(service: &str, metrics: Metrics) -> Telemetry {
     let otel = telemetry.spans.as_ref().map(|provider| {
         // Every span of murmur's own crates, whatever `MUR_LOG` shows on stderr.
         let spans = EnvFilter::new("info");
-        tracing_opentelemetry::layer().with_tracer(provider.tracer("mur")).with_filter(spans)
+        // No `code.*`, `thread.*`, `busy_ns`/`idle_ns` on every span (issue #32 §Spans).
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("mur"))
+            .with_location(false)
+            .with_threads(false)
+            .with_tracked_inactivity(false)
+            .with_filter(spans)
     });
     tracing_subscriber::registry().with(logs).with(otel).init();
     let otlp = if export_metrics { telemetry.runtime.as_ref() } else { None };

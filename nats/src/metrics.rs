@@ -26,10 +26,17 @@ use std::time::{Duration, Instant};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
-/// Says that a meter provider reads the instruments: work done only for metrics (the
-/// leader's gauges) is done from now on. The binary calls it when it installs one.
+/// Says that a meter provider reads the instruments: from now on [`get`] gives the
+/// instruments of the global provider installed by then, and work done only for metrics
+/// (the leader's gauges) is done. The binary calls it when it installs one.
 pub fn enable() {
     ENABLED.store(true, Ordering::Relaxed);
+}
+
+/// Undoes [`enable`]: [`get`] gives no-op instruments again (the benchmark's "metrics
+/// off" runs between "on" runs in one process).
+pub fn disable() {
+    ENABLED.store(false, Ordering::Relaxed);
 }
 
 /// Whether [`enable`] was called.
@@ -237,11 +244,17 @@ fn cluster() -> Option<ClusterGauges> {
     held.as_ref().filter(|(at, _)| at.elapsed() < CLUSTER_GAUGES_TTL).map(|(_, g)| g.clone())
 }
 
-/// The process's instruments, made from the global meter provider on first use (so the
-/// binary installs its provider first).
+/// The process's instruments: while metrics are off ([`enable`] not called), no-op ones;
+/// once on, those made from the global meter provider on first use after [`enable`].
 pub fn get() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter(METER)))
+    static NOOP: OnceLock<Metrics> = OnceLock::new();
+    if enabled() {
+        METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter(METER)))
+    } else {
+        let noop = opentelemetry::metrics::noop::NoopMeterProvider::new();
+        NOOP.get_or_init(|| Metrics::new(&opentelemetry::metrics::MeterProvider::meter(&noop, METER)))
+    }
 }
 
 /// A gauge of [`ClusterGauges`] read by `read`.

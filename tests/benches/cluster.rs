@@ -150,11 +150,14 @@ fn main() {
     table.note(&format!("scratch files (nats-server's store, session folders) under {}", scratch.display()));
     // `MUR_BENCH_PHASES=noop,slow,memory,restore` (any of them; all by default) runs fewer, for
     // profiling one.
-    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,slow,memory,restore".into());
+    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,metrics,slow,memory,restore".into());
     let phase = |name: &str| phases.split(',').any(|p| p.trim() == name);
     runtime.block_on(async {
         if phase("noop") {
             latency_and_noop_throughput(&sizes, &mut table).await;
+        }
+        if phase("metrics") {
+            metrics_cost(&sizes, &mut table).await;
         }
         if phase("slow") {
             slow_model_throughput(&sizes, &mut table).await;
@@ -277,6 +280,64 @@ async fn latency_and_noop_throughput(sizes: &Sizes, table: &mut Table) {
     table.note(&format!("4 workers: {}", four.describe()));
     drop(watcher);
     sb.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Phase 1b: what metrics cost (issue #32: "metrics on must not slow the cluster").
+
+/// No-op throughput (1 worker × 8 slots) with metrics off and on, alternated twice in this
+/// process: "on" is what `--metrics` installs (the global meter provider with the
+/// Prometheus reader, `mur_nats::metrics::enable`), each round on a fresh cluster so that
+/// the leader's gauges refresh runs in the "on" rounds only. The registry is scraped once
+/// at the end, to show the instruments were recorded to.
+async fn metrics_cost(sizes: &Sizes, table: &mut Table) {
+    let registry = prometheus::Registry::new();
+    let reader = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .scope_info_enabled(false)
+        .build()
+        .expect("the Prometheus exporter");
+    let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder().with_reader(reader).build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    // `MUR_BENCH_METRICS_TASKS` sets the tasks per round (a debug build's smoke size is too
+    // small to tell 3 % apart).
+    let n = std::env::var("MUR_BENCH_METRICS_TASKS").ok().and_then(|v| v.parse().ok()).unwrap_or(sizes.noop_tasks);
+    let mut rates = [Vec::new(), Vec::new()];
+    for on in [false, true, false, true] {
+        if on {
+            mur_nats::metrics::enable();
+        } else {
+            mur_nats::metrics::disable();
+        }
+        let sb = Sandbox::start(1, 8).await;
+        let noop = noop_capsule();
+        sb.push(noop.dir()).await;
+        let watcher = Watcher::start(&sb.client, false).await;
+        for _ in 0..3 {
+            let id = submit(&sb.client, "noop").await;
+            watcher.wait_ended(&id, false).await;
+        }
+        let load = throughput(&sb, &watcher, "noop", n, 8, None).await;
+        rates[usize::from(on)].push(load.per_s);
+        drop(watcher);
+        sb.shutdown().await;
+    }
+    mur_nats::metrics::disable();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (off, on) = (mean(&rates[0]), mean(&rates[1]));
+    table.rate(&format!("no-op throughput, metrics off (n={n} × 2)"), off, "baseline", None);
+    let cost = (off - on) / off * 100.0;
+    table.rate(
+        &format!("no-op throughput, metrics on (n={n} × 2)"),
+        on,
+        &format!("within 3 % of off: {:+.1} %", -cost),
+        Some(cost <= 3.0),
+    );
+    let mut text = String::new();
+    prometheus::TextEncoder::new().encode_utf8(&registry.gather(), &mut text).expect("encode");
+    let ends = text.lines().find(|l| l.starts_with("mur_task_ends_total{")).unwrap_or("(none)");
+    table.note(&format!("metrics rounds: off {:?}, on {:?} tasks/s; the scrape's {ends}", rates[0], rates[1]));
+    let _ = provider.shutdown();
 }
 
 /// Publish → pull → double ack of one dispatch-sized message at a time, on a work-queue

@@ -41,8 +41,11 @@ pub struct Span {
     pub parent_span_id: String,
     /// The OTLP `SpanKind` number (1 internal, 2 server, 3 client, 4 producer, 5 consumer).
     pub kind: i32,
-    /// String attributes (others are left out).
+    /// Attributes, each as text: strings as they are, numbers and booleans written out
+    /// (arrays and maps are left out).
     pub attributes: Vec<(String, String)>,
+    /// The OTLP status code (0 unset, 1 ok, 2 error).
+    pub status_code: i32,
 }
 
 impl Span {
@@ -167,6 +170,7 @@ async fn export(State(received_by): State<Arc<Received>>, body: Bytes) -> Respon
                     parent_span_id: hex(&span.parent_span_id),
                     kind: span.kind,
                     attributes: string_attributes(&span.attributes),
+                    status_code: span.status.as_ref().map_or(0, |s| s.code),
                 });
             }
         }
@@ -230,6 +234,9 @@ fn string_attributes(attributes: &[KeyValue]) -> Vec<(String, String)> {
         .iter()
         .filter_map(|kv| match kv.value.as_ref() {
             Some(Any { value: Some(AnyValue::StringValue(s)), .. }) => Some((kv.key.clone(), s.clone())),
+            Some(Any { value: Some(AnyValue::IntValue(i)), .. }) => Some((kv.key.clone(), i.to_string())),
+            Some(Any { value: Some(AnyValue::DoubleValue(d)), .. }) => Some((kv.key.clone(), d.to_string())),
+            Some(Any { value: Some(AnyValue::BoolValue(b)), .. }) => Some((kv.key.clone(), b.to_string())),
             _ => None,
         })
         .collect()

@@ -156,3 +156,74 @@ async fn a_send_message_over_http_joins_the_callers_trace() {
     let agent = one(&spans, "mur-worker", "invoke_agent traced");
     assert_eq!(agent.trace_id, submit.trace_id, "the worker's spans are in the client's trace");
 }
+
+/// Issue #32 §Spans: a `chat` span carries the provider's usage and response (`id`,
+/// `model`, finish reason) and the server it went to; a task that does not end `ok` marks
+/// its `invoke_agent` span `ERROR` with `error.type` = its exit status; the submit spans
+/// carry `messaging.*`; no span carries `code.*`, `thread.*` or `busy_ns`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_spans_carry_usage_and_response_and_a_task_not_ok_is_an_error() {
+    use mur_tests::capsule::TestCapsule;
+    use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
+    let collector = FakeOtlp::start();
+    let FakeReply::Json(mut reply) = FakeReply::text_with_usage("done", 120, 7, 100) else { unreachable!() };
+    reply["model"] = "fake-model-2026".into();
+    let fake = FakeOpenAi::start(vec![FakeReply::Json(reply)]);
+    let (cluster, _procs, _, _capsule) = traced_cluster(&collector).await;
+    let chatty = TestCapsule::new(
+        &format!(
+            "name: chatty\nversion: 1.0.0\ninference:\n  driver: openai\n  endpoint: {}\n  model: fake-model\n",
+            fake.url()
+        ),
+        &[],
+    );
+    cluster.push(chatty.dir()).await;
+    // One turn allowed, and the first reply asks for a tool: `max_turns_reached`.
+    let short = TestCapsule::new(
+        "name: short\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n  max_turns: 1\ncapabilities:\n  shell:\n    allow: [sh]\n",
+        &[("r.yaml", "replies:\n  - tool_calls: [{ name: sh, input: { command: \"true\" } }]\n  - text: \"never\"\n")],
+    );
+    cluster.push(short.dir()).await;
+
+    let ok = send(&cluster, &["chatty", "say done"]).await;
+    let not_ok = cluster.submit("short", "go", mur_proto::task::Origin::User).await;
+    let record = cluster.wait_record(&not_ok, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.exit_status, Some(mur_proto::ExitStatus::MaxTurnsReached), "{record:?}");
+
+    let spans = until("the spans of both tasks", WAIT, || async {
+        let spans = collector.spans();
+        let has = |name: &str| spans.iter().any(|s| s.service == "mur-worker" && s.name == name);
+        (has("invoke_agent chatty") && has("invoke_agent short") && has("chat fake-model")).then_some(spans)
+    })
+    .await;
+    let chat = one(&spans, "mur-worker", "chat fake-model");
+    let attr = |key: &str| chat.attribute(key).unwrap_or_else(|| panic!("{key} on the chat span: {chat:#?}"));
+    assert_eq!(attr("gen_ai.usage.input_tokens"), "120");
+    assert_eq!(attr("gen_ai.usage.output_tokens"), "7");
+    assert_eq!(attr("gen_ai.response.id"), "chatcmpl-fake");
+    assert_eq!(attr("gen_ai.response.model"), "fake-model-2026");
+    assert_eq!(attr("gen_ai.response.finish_reasons"), "end_turn");
+    assert_eq!(attr("server.address"), "127.0.0.1");
+    let port = fake.url().split(':').nth(2).and_then(|rest| rest.split('/').next()).map(str::to_string);
+    assert_eq!(Some(attr("server.port").to_string()), port, "{}", fake.url());
+    assert_eq!(chat.status_code, 0, "a call that succeeded leaves the status unset");
+    let fine = one(&spans, "mur-worker", "invoke_agent chatty");
+    assert_eq!((fine.status_code, fine.attribute("error.type")), (0, None), "{fine:#?}");
+    assert_eq!(fine.attribute("mur.task_id"), Some(ok.as_str()));
+    let failed = one(&spans, "mur-worker", "invoke_agent short");
+    assert_eq!((failed.status_code, failed.attribute("error.type")), (2, Some("max_turns_reached")), "{failed:#?}");
+
+    let accept = spans.iter().find(|s| s.name == "process mur.api.task.submit").expect("the submit's server span");
+    assert_eq!(accept.attribute("messaging.system"), Some("nats"), "{accept:#?}");
+    assert_eq!(accept.attribute("messaging.destination.name"), Some(api::TASK_SUBMIT));
+    assert_eq!(accept.attribute("messaging.operation.type"), Some("process"));
+    let submit = one(&spans, "mur", "submit_task");
+    assert_eq!(submit.attribute("messaging.operation.type"), Some("send"), "{submit:#?}");
+    for span in &spans {
+        let noise = span
+            .attributes
+            .iter()
+            .find(|(k, _)| k.starts_with("code.") || k.starts_with("thread.") || k == "busy_ns" || k == "idle_ns");
+        assert!(noise.is_none(), "{noise:?} on {} ({})", span.name, span.service);
+    }
+}

@@ -187,6 +187,9 @@ impl Ctx {
             "submit",
             otel.name = %format!("process {}", cluster::api::TASK_SUBMIT),
             otel.kind = "server",
+            messaging.system = "nats",
+            messaging.operation.type = "process",
+            messaging.destination.name = cluster::api::TASK_SUBMIT,
             mur.task_id = tracing::field::Empty,
         );
         let traceparent = trace_context::join(&span, headers);

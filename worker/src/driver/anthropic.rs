@@ -324,6 +324,7 @@ struct WireResponse {
 /// # Errors
 /// [`Error::Protocol`] when it does not have the documented shape or has no `stop_reason`.
 pub fn parse_response(body: &Value) -> Result<ModelResponse, Error> {
+    super::record_response(body);
     let wire =
         WireResponse::deserialize(body).map_err(|e| Error::Protocol(format!("unexpected messages response: {e}")))?;
     let content = wire
@@ -402,6 +403,9 @@ impl StreamAssembler {
         let bad = |what: &str| Error::Protocol(format!("event '{name}' {what}: {data}"));
         match name {
             "message_start" => {
+                if let Some(message) = value.get("message") {
+                    super::record_response(message);
+                }
                 if let Some(usage) = value.pointer("/message/usage") {
                     let usage = WireUsage::deserialize(usage).map_err(|_| bad("bad usage"))?;
                     self.usage.update(usage);

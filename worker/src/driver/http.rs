@@ -298,6 +298,16 @@ where
     R: Fn(reqwest::Response) -> F,
     F: Future<Output = Result<T, Failed>>,
 {
+    // `server.address` and `server.port` of the runner's `chat` span (issue #32 §Spans).
+    if let Ok(parsed) = reqwest::Url::parse(url) {
+        let span = tracing::Span::current();
+        if let Some(host) = parsed.host_str() {
+            span.record("server.address", host);
+        }
+        if let Some(port) = parsed.port_or_known_default() {
+            span.record("server.port", port);
+        }
+    }
     let mut attempts = Vec::new();
     let mut waited = Duration::ZERO;
     let mut number: u32 = 0;

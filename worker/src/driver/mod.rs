@@ -123,6 +123,19 @@ pub enum Error {
     Script(String),
 }
 
+/// Records the response's `id` and `model` (when the provider sent them) on the current
+/// span: the runner's `chat` span declares `gen_ai.response.id` and `gen_ai.response.model`
+/// (issue #32 §Spans); on any other span this does nothing.
+pub(crate) fn record_response(body: &serde_json::Value) {
+    let span = tracing::Span::current();
+    if let Some(id) = body.get("id").and_then(serde_json::Value::as_str) {
+        span.record("gen_ai.response.id", id);
+    }
+    if let Some(model) = body.get("model").and_then(serde_json::Value::as_str) {
+        span.record("gen_ai.response.model", model);
+    }
+}
+
 impl Error {
     /// A short, bounded name of what went wrong, for `error.type` on the `chat` span and
     /// the model-call metrics (issue #32; the OpenTelemetry convention: a low-cardinality

@@ -375,6 +375,7 @@ fn wire_tool(tool: &ToolSpec) -> Value {
 /// without `choices[0].message`.
 pub fn parse_completion(body: &Value) -> Result<ModelResponse, Error> {
     in_band_error(body)?;
+    super::record_response(body);
     let choice = body
         .get("choices")
         .and_then(Value::as_array)
@@ -485,6 +486,7 @@ impl StreamAssembler {
     /// [`Error::Provider`] for an in-band `{"error": …}` chunk.
     pub fn feed(&mut self, chunk: &Value) -> Result<(), Error> {
         in_band_error(chunk)?;
+        super::record_response(chunk);
         if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
             self.usage = provider_usage(Some(usage));
         }

@@ -468,7 +468,9 @@ impl Session {
         cancel: CancellationToken,
     ) -> Result<TaskReport, trace::Error> {
         let span = self.task_span(&task);
-        self.run_task_inner(task, prior, cancel, None).instrument(span).await
+        let report = self.run_task_inner(task, prior, cancel, None).instrument(span.clone()).await;
+        ended(&span, &report);
+        report
     }
 
     /// The `invoke_agent {capsule}` span around a task (OpenTelemetry GenAI conventions).
@@ -482,6 +484,8 @@ impl Session {
             gen_ai.conversation.id = %task.context_id,
             mur.task_id = %task.task_id,
             mur.lane = %task.lane(),
+            otel.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
         )
     }
 
@@ -501,7 +505,9 @@ impl Session {
         durable: Durable,
     ) -> Result<TaskReport, trace::Error> {
         let span = self.task_span(&task);
-        self.run_task_inner(task, prior, cancel, Some(durable)).instrument(span).await
+        let report = self.run_task_inner(task, prior, cancel, Some(durable)).instrument(span.clone()).await;
+        ended(&span, &report);
+        report
     }
 
     async fn run_task_inner(
@@ -774,9 +780,29 @@ impl Session {
             gen_ai.operation.name = "chat",
             gen_ai.provider.name = self.parts.driver.kind(),
             gen_ai.request.model = %self.cfg.model_label,
+            // Recorded once known: by the drivers (`driver::http`, the response's parsers),
+            // and below from the reply (issue #32 §Spans).
+            gen_ai.response.model = tracing::field::Empty,
+            gen_ai.response.id = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            server.address = tracing::field::Empty,
+            server.port = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
         );
         let t0 = Instant::now();
-        let (reply, attempts) = self.parts.driver.call_logged(&request).instrument(span).await;
+        let (reply, attempts) = self.parts.driver.call_logged(&request).instrument(span.clone()).await;
+        match &reply {
+            Ok(r) => {
+                span.record("gen_ai.response.finish_reasons", finish_reason(&r.stop));
+            }
+            Err(e) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("error.type", e.kind());
+            }
+        }
         if attempts.len() > 1 || (reply.is_err() && !attempts.is_empty()) {
             let turn = machine.counters().turns;
             for a in attempts {
@@ -805,6 +831,8 @@ impl Session {
             if let Event::Inference { input_tokens, output_tokens, usage, origin: None, .. } = e {
                 let input = usage.input_tokens_actual.unwrap_or(*input_tokens);
                 let output = usage.output_tokens_actual.unwrap_or(*output_tokens);
+                span.record("gen_ai.usage.input_tokens", input);
+                span.record("gen_ai.usage.output_tokens", output);
                 mur_nats::metrics::tokens(provider, &self.cfg.model_label, input, output, usage.cached_tokens);
             }
         }
@@ -1139,4 +1167,31 @@ fn tools_json(specs: &[ToolSpec]) -> String {
         .map(|s| serde_json::json!({"name": s.name, "description": s.description, "parameters": s.parameters}))
         .collect();
     serde_json::to_string(&v).unwrap_or_default()
+}
+
+/// Marks the `invoke_agent` span of a task that did not end `ok` (issue #32 §Spans): status
+/// `ERROR`, `error.type` = the exit status (`failed`, `max_turns_reached`, …); a trace
+/// write that failed is `error.type` = `trace_write`.
+fn ended(span: &tracing::Span, report: &Result<TaskReport, trace::Error>) {
+    let error = match report {
+        Ok(r) if r.outcome.exit_status == ExitStatus::Ok => return,
+        Ok(r) => r.outcome.exit_status.as_str(),
+        Err(_) => "trace_write",
+    };
+    span.record("otel.status_code", "ERROR");
+    span.record("error.type", error);
+}
+
+/// `gen_ai.response.finish_reasons` of a reply: the provider-neutral stop reason
+/// (`tool_call`, `end_turn`, `max_tokens`, `error`, or the provider's own word). The
+/// convention's value is an array; a `tracing` field holds one string, and a reply has one.
+fn finish_reason(stop: &crate::driver::StopReason) -> String {
+    use crate::driver::StopReason;
+    match stop {
+        StopReason::ToolCall => "tool_call".into(),
+        StopReason::EndTurn => "end_turn".into(),
+        StopReason::MaxTokens => "max_tokens".into(),
+        StopReason::Error(_) => "error".into(),
+        StopReason::Other(other) => other.chars().take(40).collect(),
+    }
 }
