@@ -70,7 +70,7 @@ use crate::scheduler::{self, Input, Output, Scheduler};
 use async_nats::jetstream::{self, kv, message::PublishMessage};
 use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use mur_nats::api;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_nats::trace_context;
