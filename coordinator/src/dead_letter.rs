@@ -1,27 +1,40 @@
 //! Poison tasks (issue #8 §Poison tasks; the design, §Invariants 3): a dispatch that JetStream
 //! delivered `max_deliver` times without an ack — every worker that took it died, or
 //! failed to handle it — is given up. JetStream announces it with the advisory
-//! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.MUR_DISPATCH.workers`; this loop reads the
-//! dispatch at the advisory's stream sequence, ends the task's record `failed` with a
-//! [`DeadLetter`] (compare-and-set; a record already terminal is left alone, so several
-//! coordinators may all listen), and deletes the dispatch from the work-queue stream. The
-//! lane goes on: the scheduler sees the record end like any other.
+//! [`cluster::DEAD_LETTER_SUBJECT`], which the stream [`cluster::DEAD_LETTER_STREAM`]
+//! stores (issue #29 item 1: as a core NATS message it was lost while no coordinator ran,
+//! and the task stayed `working`, holding its slot, for good). The leader's loop here reads
+//! each stored notice through the durable consumer [`cluster::DEAD_LETTER_CONSUMER`] — the
+//! ones given while no coordinator ran first, as soon as one leads — reads the dispatch at
+//! the notice's stream sequence, ends the task's record `failed` with a [`DeadLetter`]
+//! (compare-and-set; a record already terminal is left alone), deletes the dispatch from
+//! the work-queue stream and acks the notice. A notice that could not be handled because
+//! the broker failed is not acked: it comes again. The lane goes on: the scheduler sees
+//! the record end like any other, and the slot is free.
 //!
 //! Retries wait: redeliveries come after the ack wait (a worker that died), or after the
 //! worker's growing nak delay (a worker that failed to handle it).
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use async_nats::jetstream::{self, AckKind, kv};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, DeadLetter, Dispatch};
 use mur_proto::task::{ExitStatus, TaskState};
 use serde::Deserialize;
+use std::time::Duration;
 use tokio::sync::watch;
 
-/// The advisory subject for the dispatch consumer.
-pub fn advisory_subject() -> String {
-    format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}", cluster::DISPATCH_STREAM, cluster::DISPATCH_CONSUMER)
-}
+/// The name the loop ends with (the leader's loops report which one stopped).
+const LOOP: &str = "the dead-letter loop";
+/// The most notices asked for at once.
+const BATCH: usize = 16;
+/// How long one pull waits for a notice before it asks again.
+const PULL_WAIT: Duration = Duration::from_secs(5);
+/// The wait before a notice that could not be handled (the broker failed) comes again, and
+/// before a pull that failed is sent again.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
 
 /// The part of the advisory this loop reads.
 #[derive(Debug, Deserialize)]
@@ -30,53 +43,122 @@ struct MaxDeliveries {
     deliveries: u64,
 }
 
-/// Subscribes to the advisory and dead-letters each task it names, until `stopped`.
+/// What became of one notice.
+enum Handled {
+    /// The task's record ended (or had ended): ack the notice.
+    Done,
+    /// The notice can never be handled (it is malformed, its dispatch is gone, the record
+    /// is missing): ack it, saying why.
+    Unusable(String),
+    /// The broker failed: the notice comes again.
+    Retry(String),
+}
+
+/// Reads the stored max-deliveries notices through `notices` (the
+/// [`cluster::DEAD_LETTER_CONSUMER`] consumer) and dead-letters each task they name, until
+/// `stopped`.
 pub async fn run(
-    client: async_nats::Client,
+    js: jetstream::Context,
+    notices: PullConsumer,
     tasks: kv::Store,
     instance: String,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
-    let mut advisories = match client.subscribe(advisory_subject()).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(%instance, "subscribing to max-deliveries advisories: {e}");
-            return "the dead-letter loop";
-        }
-    };
-    let js = jetstream::new(client);
     loop {
-        let msg = tokio::select! {
-            _ = stopped.changed() => return "the dead-letter loop",
-            msg = advisories.next() => match msg {
-                Some(m) => m,
-                None => return "the dead-letter loop",
-            },
+        let pulled = tokio::select! {
+            _ = stopped.changed() => return LOOP,
+            pulled = notices.fetch().max_messages(BATCH).expires(PULL_WAIT).messages() => pulled,
         };
-        let Ok(advisory) = serde_json::from_slice::<MaxDeliveries>(&msg.payload) else {
-            tracing::warn!(%instance, "a max-deliveries advisory that could not be read");
-            continue;
+        let mut batch = match pulled {
+            Ok(batch) => batch,
+            Err(e) => {
+                tracing::debug!(%instance, "pulling dead-letter notices: {e}");
+                tokio::select! {
+                    _ = stopped.changed() => return LOOP,
+                    () = tokio::time::sleep(RETRY_DELAY) => continue,
+                }
+            }
         };
-        if let Err(e) = give_up(&js, &tasks, &advisory).await {
-            tracing::warn!(%instance, seq = advisory.stream_seq, "dead-lettering failed: {e}");
+        loop {
+            let msg = tokio::select! {
+                _ = stopped.changed() => return LOOP,
+                msg = batch.next() => msg,
+            };
+            let msg = match msg {
+                None => break,
+                Some(Ok(msg)) => msg,
+                Some(Err(e)) => {
+                    tracing::debug!(%instance, "reading dead-letter notices: {e}");
+                    break;
+                }
+            };
+            let handled = match serde_json::from_slice::<MaxDeliveries>(&msg.payload) {
+                Ok(advisory) => give_up(&js, &tasks, &advisory).await,
+                Err(e) => Handled::Unusable(format!("a max-deliveries advisory that could not be read: {e}")),
+            };
+            let answered = match handled {
+                Handled::Done => msg.ack().await,
+                Handled::Unusable(why) => {
+                    tracing::warn!(%instance, "dead-letter notice dropped: {why}");
+                    msg.ack().await
+                }
+                Handled::Retry(why) => {
+                    tracing::warn!(%instance, "dead-lettering failed, to be tried again: {why}");
+                    msg.ack_with(AckKind::Nak(Some(RETRY_DELAY))).await
+                }
+            };
+            if let Err(e) = answered {
+                tracing::debug!(%instance, "answering a dead-letter notice: {e}");
+            }
         }
     }
 }
 
-async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliveries) -> Result<(), String> {
-    let stream = js.get_stream(cluster::DISPATCH_STREAM).await.map_err(|e| e.to_string())?;
-    let raw = stream.get_raw_message(advisory.stream_seq).await.map_err(|e| e.to_string())?;
-    let dispatch: Dispatch = serde_json::from_slice(&raw.payload).map_err(|e| e.to_string())?;
+async fn give_up(js: &jetstream::Context, tasks: &kv::Store, advisory: &MaxDeliveries) -> Handled {
+    let seq = advisory.stream_seq;
+    let stream = match js.get_stream(cluster::DISPATCH_STREAM).await {
+        Ok(stream) => stream,
+        Err(e) => return Handled::Retry(format!("{}: {e}", cluster::DISPATCH_STREAM)),
+    };
+    let raw = match stream.get_raw_message(seq).await {
+        Ok(raw) => raw,
+        Err(e) if gone(&e) => {
+            return Handled::Unusable(format!(
+                "dispatch {seq} is no longer in {} (dead-lettered already)",
+                cluster::DISPATCH_STREAM
+            ));
+        }
+        Err(e) => return Handled::Retry(format!("{} message {seq}: {e}", cluster::DISPATCH_STREAM)),
+    };
+    let dispatch: Dispatch = match serde_json::from_slice(&raw.payload) {
+        Ok(dispatch) => dispatch,
+        Err(e) => return Handled::Unusable(format!("dispatch {seq} is not a dispatch: {e}")),
+    };
     let reason = format!(
         "dead letter: the dispatch was delivered {} times and never finished (the workers that took it died or could not handle it)",
         advisory.deliveries
     );
-    mark(tasks, &dispatch.task_id, &reason, advisory.deliveries).await.map_err(|e| e.to_string())?;
-    tracing::warn!(task_id = %dispatch.task_id, deliveries = advisory.deliveries, "task dead-lettered");
-    if let Err(e) = stream.delete_message(advisory.stream_seq).await {
-        tracing::debug!(seq = advisory.stream_seq, "deleting the given-up dispatch: {e}");
+    match mark(tasks, &dispatch.task_id, &reason, advisory.deliveries).await {
+        Ok(()) => {}
+        Err(e @ (mur_nats::tasks::Error::Conflict(_) | mur_nats::tasks::Error::Unavailable { .. })) => {
+            return Handled::Retry(e.to_string());
+        }
+        Err(e) => return Handled::Unusable(e.to_string()),
     }
-    Ok(())
+    tracing::warn!(task_id = %dispatch.task_id, deliveries = advisory.deliveries, "task dead-lettered");
+    if let Err(e) = stream.delete_message(seq).await {
+        tracing::debug!(seq, "deleting the given-up dispatch: {e}");
+    }
+    Handled::Done
+}
+
+/// Whether a message read failed because the message is not there.
+fn gone(e: &jetstream::stream::RawMessageError) -> bool {
+    match e.kind() {
+        LastRawMessageErrorKind::NoMessageFound => true,
+        LastRawMessageErrorKind::JetStream(js) => js.error_code() == jetstream::ErrorCode::NO_MESSAGE_FOUND,
+        _ => false,
+    }
 }
 
 /// Ends `task_id`'s record `failed` with a [`DeadLetter`] of `reason` unless it is

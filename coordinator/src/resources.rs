@@ -175,6 +175,40 @@ impl Settings {
         }
     }
 
+    /// `MUR_DEAD_LETTERS`: the dispatch consumer's max-deliveries advisories, a work queue
+    /// (issue #29 item 1: a core NATS message nobody stored was lost while no coordinator
+    /// ran).
+    pub fn dead_letter_stream(&self) -> stream::Config {
+        stream::Config {
+            name: cluster::DEAD_LETTER_STREAM.into(),
+            description: Some(
+                "murmur: max-deliveries advisories of MUR_DISPATCH/workers, until their tasks end".into(),
+            ),
+            subjects: vec![cluster::DEAD_LETTER_SUBJECT.into()],
+            retention: RetentionPolicy::WorkQueue,
+            storage: self.storage_type(),
+            num_replicas: self.replicas.into(),
+            ..Default::default()
+        }
+    }
+
+    /// The `coordinators` consumer on `MUR_DEAD_LETTERS`: durable, pull, explicit ack; a
+    /// notice whose task could not be ended (the broker failed) comes again after the ack
+    /// wait.
+    pub fn dead_letter_consumer(&self) -> consumer::pull::Config {
+        consumer::pull::Config {
+            durable_name: Some(cluster::DEAD_LETTER_CONSUMER.into()),
+            description: Some("murmur: the leading coordinator ends each given-up dispatch's task".into()),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(DEAD_LETTER_ACK_WAIT_SECS),
+            // Delivered until handled: a notice given up on is a task left `working`.
+            max_deliver: -1,
+            max_ack_pending: 1000,
+            ..Default::default()
+        }
+    }
+
     /// `MUR_TRACE`: every session's trace events, kept by age and size.
     pub fn trace_stream(&self) -> stream::Config {
         stream::Config {
@@ -263,12 +297,17 @@ impl Settings {
     }
 }
 
+/// Seconds a dead-letter notice read and not acked waits before it is delivered again.
+const DEAD_LETTER_ACK_WAIT_SECS: u64 = 30;
+
 /// Handles on every resource [`ensure`] set up.
 pub struct Resources {
     /// `MUR_DISPATCH`.
     pub dispatch: stream::Stream,
     /// The `workers` pull consumer on `MUR_DISPATCH`.
     pub dispatch_consumer: PullConsumer,
+    /// The `coordinators` pull consumer on `MUR_DEAD_LETTERS`.
+    pub dead_letter_consumer: PullConsumer,
     /// `MUR_TRACE`.
     pub trace: stream::Stream,
     /// `mur_tasks`: task records.
@@ -391,7 +430,12 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
             settings.capsule_history,
         ),
     ];
-    let mut streams = vec![settings.dispatch_stream(), settings.trace_stream(), settings.tasks_stream()];
+    let mut streams = vec![
+        settings.dispatch_stream(),
+        settings.trace_stream(),
+        settings.dead_letter_stream(),
+        settings.tasks_stream(),
+    ];
     streams.extend(kv_buckets.iter().map(|(bucket, text, history)| settings.kv_stream(bucket, text, *history)));
     for config in &mut streams {
         if config.name == format!("KV_{}", cluster::WORKERS_BUCKET) {
@@ -435,10 +479,16 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     let mut handles = handles.into_iter();
     let dispatch = handles.next().expect("dispatch stream");
     let trace = handles.next().expect("trace stream");
+    let dead_letters = handles.next().expect("dead-letter stream");
     let fleet_channel = handles.next_back().expect("fleet stream");
 
     let (dispatch_consumer, action) = ensure_consumer(&dispatch, &settings.dispatch_consumer()).await?;
     outcomes.push(Outcome { resource: format!("{}/{}", cluster::DISPATCH_STREAM, cluster::DISPATCH_CONSUMER), action });
+    let (dead_letter_consumer, action) = ensure_consumer(&dead_letters, &settings.dead_letter_consumer()).await?;
+    outcomes.push(Outcome {
+        resource: format!("{}/{}", cluster::DEAD_LETTER_STREAM, cluster::DEAD_LETTER_CONSUMER),
+        action,
+    });
 
     let kv = |bucket: &'static str| async move {
         js.get_key_value(bucket).await.map_err(|e| Error::request(&format!("KV_{bucket}"), "read", e))
@@ -450,6 +500,7 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
     Ok(Resources {
         dispatch,
         dispatch_consumer,
+        dead_letter_consumer,
         trace,
         tasks: kv(cluster::TASKS_BUCKET).await?,
         workers: kv(cluster::WORKERS_BUCKET).await?,

@@ -4,8 +4,10 @@
 //! It takes `POST /v1/traces` with a protobuf `ExportTraceServiceRequest` body
 //! (opentelemetry.io/docs/specs/otlp/#otlphttp, decoded with the `opentelemetry-proto`
 //! types), keeps every span with its resource's `service.name`, and answers `200` with an
-//! empty `ExportTraceServiceResponse`. A body that does not decode gets `400`; other paths
-//! get 404. Point a process at it with `OTEL_EXPORTER_OTLP_ENDPOINT` = [`FakeOtlp::url`].
+//! empty `ExportTraceServiceResponse`; likewise `POST /v1/metrics` with an
+//! `ExportMetricsServiceRequest` (issue #32), keeping every data point ([`Point`]). A body
+//! that does not decode gets `400`; other paths get 404. Point a process at it with
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` = [`FakeOtlp::url`].
 
 use axum::Router;
 use axum::body::Bytes;
@@ -13,9 +15,12 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use opentelemetry_proto::tonic::collector::metrics::v1::{ExportMetricsServiceRequest, ExportMetricsServiceResponse};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::common::v1::{AnyValue as Any, KeyValue};
+use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+use opentelemetry_proto::tonic::metrics::v1::number_data_point;
 use prost::Message;
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
@@ -47,10 +52,43 @@ impl Span {
     }
 }
 
+/// One data point of an exported metric, as the collector received it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Point {
+    /// The exporting process's `service.name`.
+    pub service: String,
+    /// The metric's name (`mur.task.ends`).
+    pub metric: String,
+    /// Its unit (`s`, `{task}`).
+    pub unit: String,
+    /// `gauge`, `sum` or `histogram` (others are left out).
+    pub kind: &'static str,
+    /// String attributes.
+    pub attributes: Vec<(String, String)>,
+    /// A gauge's or sum's value; a histogram's sum.
+    pub value: f64,
+    /// A histogram's count (1 for a gauge or sum).
+    pub count: u64,
+}
+
+impl Point {
+    /// The string attribute `key`, if the point has it.
+    pub fn attribute(&self, key: &str) -> Option<&str> {
+        self.attributes.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+}
+
+/// What the collector keeps.
+#[derive(Default)]
+struct Received {
+    spans: Mutex<Vec<Span>>,
+    points: Mutex<Vec<Point>>,
+}
+
 /// The running collector; stops when dropped.
 pub struct FakeOtlp {
     url: String,
-    spans: Arc<Mutex<Vec<Span>>>,
+    received: Arc<Received>,
     shutdown: Option<oneshot::Sender<()>>,
 }
 
@@ -60,12 +98,16 @@ impl FakeOtlp {
     /// # Panics
     /// Outside a tokio runtime, or when the socket cannot be bound.
     pub fn start() -> FakeOtlp {
+        mur_nats::tls::install_crypto_provider();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("fake otlp: bind 127.0.0.1:0");
         listener.set_nonblocking(true).expect("fake otlp: nonblocking");
         let url = format!("http://{}", listener.local_addr().expect("fake otlp: local addr"));
         let listener = tokio::net::TcpListener::from_std(listener).expect("fake otlp: start it inside a tokio runtime");
-        let spans = Arc::new(Mutex::new(Vec::new()));
-        let app = Router::new().route("/v1/traces", post(export)).with_state(spans.clone());
+        let received = Arc::new(Received::default());
+        let app = Router::new()
+            .route("/v1/traces", post(export))
+            .route("/v1/metrics", post(export_metrics))
+            .with_state(received.clone());
         let (shutdown, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app)
@@ -74,7 +116,7 @@ impl FakeOtlp {
                 })
                 .await;
         });
-        FakeOtlp { url, spans, shutdown: Some(shutdown) }
+        FakeOtlp { url, received, shutdown: Some(shutdown) }
     }
 
     /// The base URL, for `OTEL_EXPORTER_OTLP_ENDPOINT` (exporters add `/v1/traces`).
@@ -84,7 +126,13 @@ impl FakeOtlp {
 
     /// Every span received so far, in arrival order.
     pub fn spans(&self) -> Vec<Span> {
-        self.spans.lock().expect("spans").clone()
+        self.received.spans.lock().expect("spans").clone()
+    }
+
+    /// Every metric data point received so far, in arrival order (each export of
+    /// cumulative metrics repeats the totals so far).
+    pub fn points(&self) -> Vec<Point> {
+        self.received.points.lock().expect("points").clone()
     }
 }
 
@@ -96,7 +144,7 @@ impl Drop for FakeOtlp {
     }
 }
 
-async fn export(State(spans): State<Arc<Mutex<Vec<Span>>>>, body: Bytes) -> Response {
+async fn export(State(received_by): State<Arc<Received>>, body: Bytes) -> Response {
     let request = match ExportTraceServiceRequest::decode(body) {
         Ok(r) => r,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("not an ExportTraceServiceRequest: {e}")).into_response(),
@@ -123,8 +171,57 @@ async fn export(State(spans): State<Arc<Mutex<Vec<Span>>>>, body: Bytes) -> Resp
             }
         }
     }
-    spans.lock().expect("spans").extend(received);
+    received_by.spans.lock().expect("spans").extend(received);
     let reply = ExportTraceServiceResponse { partial_success: None }.encode_to_vec();
+    ([(header::CONTENT_TYPE, "application/x-protobuf")], reply).into_response()
+}
+
+async fn export_metrics(State(received_by): State<Arc<Received>>, body: Bytes) -> Response {
+    let request = match ExportMetricsServiceRequest::decode(body) {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("not an ExportMetricsServiceRequest: {e}")).into_response(),
+    };
+    let mut received = Vec::new();
+    for resource_metrics in request.resource_metrics {
+        let service = resource_metrics
+            .resource
+            .as_ref()
+            .and_then(|r| string_attributes(&r.attributes).into_iter().find(|(k, _)| k == "service.name"))
+            .map(|(_, v)| v)
+            .unwrap_or_default();
+        for scope in resource_metrics.scope_metrics {
+            for metric in scope.metrics {
+                let point = |kind, attributes: &[KeyValue], value, count| Point {
+                    service: service.clone(),
+                    metric: metric.name.clone(),
+                    unit: metric.unit.clone(),
+                    kind,
+                    attributes: string_attributes(attributes),
+                    value,
+                    count,
+                };
+                let number = |p: &opentelemetry_proto::tonic::metrics::v1::NumberDataPoint| match p.value {
+                    Some(number_data_point::Value::AsDouble(v)) => v,
+                    Some(number_data_point::Value::AsInt(v)) => v as f64,
+                    None => 0.0,
+                };
+                match &metric.data {
+                    Some(Data::Gauge(g)) => {
+                        received.extend(g.data_points.iter().map(|p| point("gauge", &p.attributes, number(p), 1)));
+                    }
+                    Some(Data::Sum(sum)) => {
+                        received.extend(sum.data_points.iter().map(|p| point("sum", &p.attributes, number(p), 1)));
+                    }
+                    Some(Data::Histogram(h)) => received.extend(
+                        h.data_points.iter().map(|p| point("histogram", &p.attributes, p.sum.unwrap_or(0.0), p.count)),
+                    ),
+                    _ => {}
+                }
+            }
+        }
+    }
+    received_by.points.lock().expect("points").extend(received);
+    let reply = ExportMetricsServiceResponse { partial_success: None }.encode_to_vec();
     ([(header::CONTENT_TYPE, "application/x-protobuf")], reply).into_response()
 }
 

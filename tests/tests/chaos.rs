@@ -321,6 +321,76 @@ async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flo
     drop(worker);
 }
 
+/// Issue #29 item 1: a task given up while no coordinator runs is not lost. The poison
+/// task is taken by the one worker (one slot), the coordinator is killed, and the task
+/// uses its `max_deliver` (2) deliveries with no coordinator up; JetStream's notice is kept
+/// in `MUR_DEAD_LETTERS`, and once a coordinator leads the task ends `failed` with its
+/// dead letter, the notice is consumed, and the slot it held takes a new task. Before, the
+/// notice was a core NATS message nobody heard: the task stayed `working` and held the
+/// slot for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_given_up_while_no_coordinator_runs_is_dead_lettered_once_one_leads_and_frees_its_slot() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 2\n").await;
+    let mut first = cluster.coordinator("coordinator-1");
+    let capsule = shell_capsule("risky");
+    cluster.push(capsule.dir()).await;
+    let mut started = 0;
+    let mut worker = cluster.worker("wkr-0", 1);
+    cluster.wait_workers(1).await;
+    // The shell command's parent is the worker process itself.
+    let poison = cluster.submit("risky", "kill -9 $PPID", Origin::User).await;
+    cluster.wait_record(&poison, WAIT, |r| r.state == TaskState::Working).await;
+    first.kill9();
+
+    // A supervisor replaces each worker the task kills, until JetStream has given the
+    // dispatch up: delivered twice, none of them acked, nothing left to deliver.
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let dispatch = js.get_stream(cluster::DISPATCH_STREAM).await.unwrap();
+    until("the dispatch's deliveries are used up", WAIT, || {
+        if !worker.is_running() {
+            started += 1;
+            worker = cluster.worker(&format!("wkr-{started}"), 1);
+        }
+        let starts = local_task_starts(cluster.dir(), &poison).len();
+        let dispatch = &dispatch;
+        async move {
+            let info = dispatch.consumer_info(cluster::DISPATCH_CONSUMER).await.ok()?;
+            (starts == 2 && info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+        }
+    })
+    .await;
+    let notices = until("the notice is kept while no coordinator runs", WAIT, || async {
+        let mut stream = js.get_stream(cluster::DEAD_LETTER_STREAM).await.ok()?;
+        let messages = stream.info().await.ok()?.state.messages;
+        (messages > 0).then_some(messages)
+    })
+    .await;
+    assert_eq!(notices, 1);
+    let before = cluster.record(&poison).await.unwrap();
+    assert_eq!(before.state, TaskState::Working, "{before:?}");
+
+    let _second = cluster.coordinator("coordinator-2");
+    let record = cluster.wait_record(&poison, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!((record.state, record.exit_status), (TaskState::Failed, Some(mur_proto::ExitStatus::Failed)));
+    let dead = record.dead_letter.clone().expect("a dead letter");
+    assert_eq!(dead.deliveries, 2);
+    assert!(dead.reason.contains("delivered 2 times"), "{}", dead.reason);
+    until("the notice is consumed", WAIT, || async {
+        let mut stream = js.get_stream(cluster::DEAD_LETTER_STREAM).await.ok()?;
+        (stream.info().await.ok()?.state.messages == 0).then_some(())
+    })
+    .await;
+
+    // The one slot is free again: a new task runs on it.
+    if !worker.is_running() {
+        worker = cluster.worker("wkr-last", 1);
+    }
+    let fine = cluster.submit("risky", "echo fine", Origin::User).await;
+    let after = cluster.wait_record(&fine, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!((after.state, after.result.as_deref()), (TaskState::Completed, Some("ran: echo fine")));
+    drop(worker);
+}
+
 /// Invariants 3 and 8: a task that outlives several ack waits while its worker is alive
 /// and sends in-progress acks is never delivered to a second worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

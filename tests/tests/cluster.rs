@@ -107,6 +107,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
         [
             ("MUR_DISPATCH", Action::Created),
             ("MUR_TRACE", Action::Created),
+            ("MUR_DEAD_LETTERS", Action::Created),
             ("KV_mur_tasks", Action::Created),
             ("KV_mur_workers", Action::Created),
             ("KV_mur_sessions", Action::Created),
@@ -118,6 +119,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("KV_mur_jobs", Action::Created),
             ("MUR_FLEET", Action::Created),
             ("MUR_DISPATCH/workers", Action::Created),
+            ("MUR_DEAD_LETTERS/coordinators", Action::Created),
         ]
     );
     // The leader's lease lives `leader_lease_secs` (10) without a renewal.

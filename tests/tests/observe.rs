@@ -277,3 +277,45 @@ async fn metrics_of_a_real_coordinator_and_worker_count_the_tasks_they_ran() {
     s.assert_type("mur_fanout_permits_in_use", "gauge");
     promtool_check("coordinator", &s.text);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_exported_over_otlp_when_the_metrics_endpoint_is_set() {
+    use mur_proto::task::{Origin, TaskState};
+    use mur_tests::fake_otlp::FakeOtlp;
+    let collector = FakeOtlp::start();
+    let mut cluster = Procs::start("").await;
+    // The signal's own variable is the whole URL; no `--metrics` listener.
+    cluster.set_env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", &format!("{}/v1/metrics", collector.url()));
+    cluster.set_env("OTEL_METRIC_EXPORT_INTERVAL", "200");
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let _worker = cluster.worker("wkr-otlp", 1);
+    let capsule = mur_tests::capsule::shell_capsule("exported");
+    cluster.push(capsule.dir()).await;
+    let task_id = cluster.submit("exported", "echo exported", Origin::User).await;
+    let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, TaskState::Completed, "{record:?}");
+
+    let points = until("the worker's task end and the leader's gauges exported", WAIT, || async {
+        let points = collector.points();
+        let ended = points.iter().any(|p| {
+            p.service == "mur-worker"
+                && p.metric == "mur.task.ends"
+                && p.kind == "sum"
+                && p.attribute("exit_status") == Some("ok")
+                && p.value == 1.0
+        });
+        let gauges =
+            points.iter().any(|p| p.service == "mur-coordinator" && p.metric == "mur.workers.alive" && p.value == 1.0);
+        (ended && gauges).then_some(points)
+    })
+    .await;
+    let chat = points
+        .iter()
+        .find(|p| p.service == "mur-worker" && p.metric == "gen_ai.client.operation.duration")
+        .expect("the model calls' durations exported");
+    assert_eq!((chat.kind, chat.unit.as_str()), ("histogram", "s"), "{chat:?}");
+    assert_eq!(chat.attribute("gen_ai.provider.name"), Some("scripted"), "{chat:?}");
+    let leader = points.iter().find(|p| p.metric == "mur.leader.changes").expect("the leader change exported");
+    assert_eq!((leader.service.as_str(), leader.attribute("to")), ("mur-coordinator", Some("leading")), "{leader:?}");
+    assert!(collector.spans().is_empty(), "no span export without a traces endpoint");
+}

@@ -11,6 +11,18 @@ pub const DISPATCH_SUBJECT: &str = "mur.dispatch";
 /// The durable pull consumer on [`DISPATCH_STREAM`] that every worker shares.
 pub const DISPATCH_CONSUMER: &str = "workers";
 
+/// The dead-letter notices: JetStream's max-deliveries advisories for
+/// [`DISPATCH_STREAM`]'s [`DISPATCH_CONSUMER`] ([`DEAD_LETTER_SUBJECT`]), stored until the
+/// leading coordinator has ended their tasks, so that a dispatch given up while no
+/// coordinator runs still ends its task (issue #29 item 1). WorkQueue retention: a notice
+/// is gone once acked.
+pub const DEAD_LETTER_STREAM: &str = "MUR_DEAD_LETTERS";
+/// The subject JetStream publishes a max-deliveries advisory for the dispatch consumer on,
+/// the one subject of [`DEAD_LETTER_STREAM`].
+pub const DEAD_LETTER_SUBJECT: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.MUR_DISPATCH.workers";
+/// The durable pull consumer on [`DEAD_LETTER_STREAM`] the leading coordinator reads.
+pub const DEAD_LETTER_CONSUMER: &str = "coordinators";
+
 /// The trace stream: every trace event of every session, the cluster's `trace.jsonl`.
 pub const TRACE_STREAM: &str = "MUR_TRACE";
 /// The subjects of [`TRACE_STREAM`]: `mur.trace.<session_id>`.
