@@ -10,6 +10,12 @@
 //! in `x-murmur-task-origin` are believed, anything else (a claimed `user` included) is
 //! `event` and waits in `bg`.
 //!
+//! `/mcp` serves the cluster as MCP tools over streamable HTTP (issue #35 §murmur as an MCP
+//! server): [`mur_mcp::Cluster`], the server `mur mcp serve` runs on stdio, one per MCP
+//! session, over this coordinator's NATS connection. Its `Host` header must be a loopback
+//! name or the host of the base URL (rmcp's DNS-rebinding check); the sessions end when the
+//! listener shuts down.
+//!
 //! Refusals: the coordinator's refusal of a submission (an unknown capsule's `not_found`, an
 //! invalid context id, no coordinator answering) comes back as a task in state `rejected`
 //! whose status message is the coordinator's message, as a capsule's own refusals do.
@@ -34,6 +40,8 @@ use mur_proto::cluster::{
 };
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
@@ -71,7 +79,14 @@ pub async fn serve_at(
     base: String,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    axum::serve(listener, app(client, base.trim_end_matches('/').to_string())).with_graceful_shutdown(shutdown).await
+    // Open MCP streams end with the listener, or the graceful shutdown would wait for them.
+    let mcp_stop = tokio_util::sync::CancellationToken::new();
+    let router = app(client, base.trim_end_matches('/').to_string(), mcp_stop.clone());
+    let shutdown = async move {
+        shutdown.await;
+        mcp_stop.cancel();
+    };
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
 }
 
 /// `GET /healthz`: 200 `ok` while the coordinator's NATS connection is up, 503 otherwise
@@ -83,15 +98,46 @@ async fn healthz(State(state): State<Arc<Endpoints>>) -> (axum::http::StatusCode
     }
 }
 
-/// The endpoint's routes; cards advertise `<base>/capsules/<name>/`.
-pub fn app(client: async_nats::Client, base: impl Into<String>) -> Router {
-    let state = Arc::new(Endpoints { client, base: base.into(), routers: Mutex::new(HashMap::new()) });
+/// The endpoint's routes; cards advertise `<base>/capsules/<name>/`. MCP sessions at
+/// `/mcp` end when `mcp_stop` fires.
+pub fn app(
+    client: async_nats::Client,
+    base: impl Into<String>,
+    mcp_stop: tokio_util::sync::CancellationToken,
+) -> Router {
+    let base = base.into();
+    let mcp = mcp_service(client.clone(), &base, mcp_stop);
+    let state = Arc::new(Endpoints { client, base, routers: Mutex::new(HashMap::new()) });
     Router::new()
         .route("/healthz", axum::routing::get(healthz))
+        .nest_service(MCP_PATH, mcp)
         .route("/capsules/{name}", any(capsule_root))
         .route("/capsules/{name}/", any(capsule_root))
         .route("/capsules/{name}/{*rest}", any(capsule_path))
         .with_state(state)
+}
+
+/// Where the MCP endpoint is served.
+pub const MCP_PATH: &str = "/mcp";
+
+/// The streamable-HTTP MCP service: a [`mur_mcp::Cluster`] per session.
+fn mcp_service(
+    client: async_nats::Client,
+    base: &str,
+    stop: tokio_util::sync::CancellationToken,
+) -> StreamableHttpService<mur_mcp::Cluster, LocalSessionManager> {
+    let mut hosts = vec!["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()];
+    // The public URL's host (`--public-url`), with and without its port.
+    if let Some(authority) = base.parse::<Uri>().ok().and_then(|u| u.authority().cloned()) {
+        hosts.push(authority.as_str().to_string());
+        hosts.push(authority.host().trim_start_matches('[').trim_end_matches(']').to_string());
+    }
+    let config = StreamableHttpServerConfig::default().with_allowed_hosts(hosts).with_cancellation_token(stop);
+    StreamableHttpService::new(
+        move || Ok(mur_mcp::Cluster::new(client.clone())),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    )
 }
 
 /// The per-capsule routers, built on first use.

@@ -8,6 +8,7 @@
 //! - [`read`]: one-pass reads of a bucket's current state that leave no consumer behind;
 //! - [`tasks`]: typed access to `mur_tasks`: read a record, the one compare-and-set loop;
 //! - [`fleet`]: a fleet run's status and its coordinator's heartbeat in `mur_fleets`;
+//! - [`fleet_tools`]: the built-in fleet tools' calls (the worker's and the MCP server's);
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
 //! - [`clock`]: wall-clock time behind a trait;
 //! - [`connect`]: the connection options (server list, credentials, TLS);
@@ -22,6 +23,7 @@ pub mod clock;
 pub mod connect;
 pub mod fanout;
 pub mod fleet;
+pub mod fleet_tools;
 pub mod health;
 pub mod metrics;
 pub mod read;

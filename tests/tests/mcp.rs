@@ -288,12 +288,9 @@ async fn call_tool(
     (result.is_error == Some(true), text)
 }
 
-/// `mur mcp serve` (a real child process on stdio) driven by the `rmcp` client against a
-/// cluster in this process: every tool, progress notifications of a long wait, and an error
-/// for a missing capsule.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
-    use rmcp::ServiceExt;
+/// A cluster for the MCP server tests: a capsule `slow` that answers `done <task>` after
+/// 2.5 s, and a fleet `pair` of it.
+async fn cluster_for_mcp() -> mur_tests::sandbox::Sandbox {
     let sb = mur_tests::sandbox::Sandbox::start(1, 4).await;
     let slow = TestCapsule::new(
         "name: slow\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n",
@@ -305,6 +302,16 @@ async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
     std::fs::write(&pair, "name: pair\ngoal: Answer the question.\nmembers: [slow]\n").unwrap();
     sb.fleet_ok(&["create", pair.to_str().unwrap()]);
 
+    sb
+}
+
+/// `mur mcp serve` (a real child process on stdio) driven by the `rmcp` client against a
+/// cluster in this process: every tool, progress notifications of a long wait, and an error
+/// for a missing capsule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
+    use rmcp::ServiceExt;
+    let sb = cluster_for_mcp().await;
     let mut child = tokio::process::Command::new(mur_tests::mur::bin("mur"))
         .args(["mcp", "serve", "--server", &sb.nats.url()])
         .env_remove("NATS_URL")
@@ -317,6 +324,57 @@ async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
     let handler = ProgressClient::default();
     let client = handler.clone().serve(transport).await.expect("initialize");
 
+    every_tool(&client, &handler).await;
+    client.cancel().await.unwrap();
+    sb.shutdown().await;
+}
+
+/// The coordinator's `--http` listener serves the same MCP server at `/mcp` (issue #35):
+/// the `rmcp` client over streamable HTTP on a real socket, every tool, progress, and an
+/// error for a missing capsule; a `Host` that is neither loopback nor the public URL's is
+/// refused (rmcp's DNS-rebinding check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_coordinators_http_endpoint_serves_mcp_at_slash_mcp() {
+    use rmcp::ServiceExt;
+    let sb = cluster_for_mcp().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (nats, stopped) = (sb.client.clone(), stop.clone());
+    let served = tokio::spawn(async move {
+        mur_coordinator::http::serve(nats, listener, async move { stopped.cancelled().await }).await
+    });
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_uri(format!("{base}/mcp"));
+    let handler = ProgressClient::default();
+    let client = handler.clone().serve(transport).await.expect("initialize over HTTP");
+    every_tool(&client, &handler).await;
+    client.cancel().await.unwrap();
+
+    let foreign = reqwest::Client::new()
+        .post(format!("{base}/mcp"))
+        .header("Host", "attacker.example")
+        .header("Accept", "application/json, text/event-stream")
+        .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(foreign.status(), 403, "a foreign Host is refused");
+
+    stop.cancel();
+    tokio::time::timeout(std::time::Duration::from_secs(10), served)
+        .await
+        .expect("the listener stops with its MCP sessions")
+        .unwrap()
+        .unwrap();
+    sb.shutdown().await;
+}
+
+/// Every tool of the cluster's MCP server through `client`, which records progress in
+/// `handler`.
+async fn every_tool(
+    client: &rmcp::service::RunningService<rmcp::RoleClient, ProgressClient>,
+    handler: &ProgressClient,
+) {
     let tools = client.peer().list_all_tools().await.unwrap();
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
     assert_eq!(
@@ -334,23 +392,23 @@ async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
         ]
     );
 
-    let (err, capsules) = call_tool(&client, "capsule_list", json!({})).await;
+    let (err, capsules) = call_tool(client, "capsule_list", json!({})).await;
     assert!(!err && capsules.contains("\"slow\""), "{capsules}");
 
     // A missing capsule is a tool error naming it.
-    let (err, text) = call_tool(&client, "task_send", json!({"capsule": "nope", "text": "x"})).await;
+    let (err, text) = call_tool(client, "task_send", json!({"capsule": "nope", "text": "x"})).await;
     assert!(err, "{text}");
     assert!(text.starts_with("task_send: ") && text.contains("nope"), "{text}");
 
     // Sent without waiting: its id at once; then its status, and a cancel of it.
-    let (err, sent) = call_tool(&client, "task_send", json!({"capsule": "slow", "text": "later"})).await;
+    let (err, sent) = call_tool(client, "task_send", json!({"capsule": "slow", "text": "later"})).await;
     assert!(!err, "{sent}");
     let sent: Value = serde_json::from_str(&sent).unwrap();
     let later = sent["task_id"].as_str().unwrap().to_string();
-    let (err, status) = call_tool(&client, "task_status", json!({"task_id": later})).await;
+    let (err, status) = call_tool(client, "task_status", json!({"task_id": later})).await;
     assert!(!err, "{status}");
     assert_eq!(serde_json::from_str::<Value>(&status).unwrap()["task_id"], later.as_str());
-    let (err, canceled) = call_tool(&client, "task_cancel", json!({"task_id": later})).await;
+    let (err, canceled) = call_tool(client, "task_cancel", json!({"task_id": later})).await;
     assert!(!err, "{canceled}");
     assert_eq!(serde_json::from_str::<Value>(&canceled).unwrap()["task_id"], later.as_str());
 
@@ -376,28 +434,25 @@ async fn mur_mcp_serve_drives_the_cluster_with_every_tool() {
     assert_eq!(seen[0].progress_token, token);
     assert_eq!((seen[0].progress, seen[0].message.as_deref()), (1.0, Some("task_send: waiting, 1 s")));
 
-    let (err, list) = call_tool(&client, "task_list", json!({})).await;
+    let (err, list) = call_tool(client, "task_list", json!({})).await;
     assert!(!err, "{list}");
     assert!(list.contains(&later) && list.contains(record["task_id"].as_str().unwrap()), "{list}");
 
     // The fleet tools: queue a job, start a run, read it, stop the fleet.
-    let (err, queued) = call_tool(&client, "fleet_send", json!({"fleet": "pair", "text": "a job"})).await;
+    let (err, queued) = call_tool(client, "fleet_send", json!({"fleet": "pair", "text": "a job"})).await;
     assert!(!err, "{queued}");
     assert!(serde_json::from_str::<Value>(&queued).unwrap()["job_id"].is_string(), "{queued}");
-    let (err, run) = call_tool(&client, "fleet_run", json!({"fleet": "pair"})).await;
+    let (err, run) = call_tool(client, "fleet_run", json!({"fleet": "pair"})).await;
     assert!(!err, "{run}");
     let run_id = serde_json::from_str::<Value>(&run).unwrap()["run_id"].as_str().unwrap().to_string();
-    let (err, status) = call_tool(&client, "job_status", json!({"run_id": run_id})).await;
+    let (err, status) = call_tool(client, "job_status", json!({"run_id": run_id})).await;
     assert!(!err, "{status}");
     assert!(status.contains(&run_id), "{status}");
-    let (err, stopped) = call_tool(&client, "fleet_stop", json!({"fleet": "pair", "by": "tester"})).await;
+    let (err, stopped) = call_tool(client, "fleet_stop", json!({"fleet": "pair", "by": "tester"})).await;
     assert!(!err, "{stopped}");
     assert!(stopped.contains("\"stopped\""), "{stopped}");
-    let (err, text) = call_tool(&client, "fleet_stop", json!({"fleet": "nope"})).await;
+    let (err, text) = call_tool(client, "fleet_stop", json!({"fleet": "nope"})).await;
     assert!(err && text.contains("nope"), "{text}");
-
-    client.cancel().await.unwrap();
-    sb.shutdown().await;
 }
 
 #[test]
