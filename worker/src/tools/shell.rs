@@ -127,11 +127,14 @@ impl Shell {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // Timed from before the spawn: on a loaded machine the child can run for a while before
+        // the spawn returns, and a duration taken after it came out short of the command's own
+        // (a `sleep 3` measured 2,991 ms).
+        let started = Instant::now();
         let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut program, &mark, ctx.sandbox.as_deref()) {
             Ok(spawned) => spawned,
             Err(e) => return Outcome::error(format!("cannot start {binary}: {e}")),
         };
-        let started = Instant::now();
         let shown_binary = resolved.map_or_else(|| binary.to_string(), |p| p.display().to_string());
 
         let stem = log_stem();
