@@ -90,6 +90,7 @@ async fn start(acceptance: TaskAcceptance, queue_depth: u32) -> Fixture {
     let info =
         AgentInfo { name: "echo".into(), description: "echoes tasks".into(), version: "1.2.3".into(), url: None };
     let server = Server::start(listener, intake.clone(), info).unwrap();
+    mur_nats::tls::install_crypto_provider();
     Fixture { server, intake, http: reqwest::Client::new() }
 }
 

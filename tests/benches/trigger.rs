@@ -67,6 +67,7 @@ fn median(v: &mut [Duration]) -> Duration {
 }
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let release = !cfg!(debug_assertions);
     let rounds: usize =
         std::env::var("MUR_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(if release { 5 } else { 1 });

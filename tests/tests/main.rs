@@ -57,3 +57,8 @@ mod fleet_loop;
 
 /// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
 mod break_fanout;
+
+/// `mur auth init`: per-role permissions enforced by nats-server, over TLS (issue #31).
+mod roles;
+/// TLS, credentials and refused connections against a real, configured nats-server (issue #31).
+mod security;
