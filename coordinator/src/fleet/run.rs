@@ -711,6 +711,7 @@ impl Exec {
                 cap: self.fanout,
             }),
             task_id: None,
+            message_id: None,
         };
         // Sent again, the same task, while no coordinator answers (a leader failover).
         mur_nats::api::submit(&self.client, &mut request, mur_nats::api::SUBMIT_PATIENCE, |e, delay| {

@@ -112,6 +112,21 @@ struct ListRequest {
     /// At most this many (the newest), 1 to [`LIST_LIMIT`]; [`LIST_LIMIT`] when absent.
     #[serde(default)]
     limit: Option<usize>,
+    /// Only tasks of this capsule (the A2A endpoint's `ListTasks`, issue #29 item 6).
+    #[serde(default)]
+    capsule: Option<String>,
+    /// Only tasks of this context.
+    #[serde(default)]
+    context_id: Option<String>,
+}
+
+impl ListRequest {
+    /// Whether `record` passes the request's filters.
+    fn matches(&self, record: &TaskRecord) -> bool {
+        self.state.is_none_or(|s| s == record.state)
+            && self.capsule.as_ref().is_none_or(|c| *c == record.capsule)
+            && self.context_id.as_ref().is_none_or(|c| *c == record.context_id)
+    }
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
@@ -357,7 +372,7 @@ impl Ctx {
             // The last entry of a key is its state: an earlier one read goes.
             records.remove(key);
             clipped.remove(key);
-            let Some(mut r) = record.filter(|r| filter.state.is_none_or(|s| s == r.state)) else { return };
+            let Some(mut r) = record.filter(|r| filter.matches(r)) else { return };
             let fields = [Some(&mut r.text), r.result.as_mut(), r.error.as_mut()];
             if page::clip_fields(fields.into_iter().flatten()) {
                 clipped.insert(key.to_string());

@@ -275,7 +275,15 @@ mod tests {
     use mur_proto::cluster::CapsuleIndexEntry;
 
     fn entry(digest: &str, queue: bool) -> CapsuleIndexEntry {
-        CapsuleIndexEntry { digest: digest.into(), version: "1.0.0".into(), pushed_at: 0, bytes: 1, queue, model: None }
+        CapsuleIndexEntry {
+            digest: digest.into(),
+            version: "1.0.0".into(),
+            pushed_at: 0,
+            bytes: 1,
+            queue,
+            model: None,
+            description: None,
+        }
     }
 
     #[test]
