@@ -1,5 +1,6 @@
-//! Leadership: [`run`]'s loop between standing by (the API answered, the lease tried every
-//! renewal interval) and leading (the restore, then the leader's loops) under the lease.
+//! Leadership: [`run`]'s loop over the coordinator's role, `Role::Standby` (the API
+//! answered, the lease tried every renewal interval) or `Role::Leader` (a term under the
+//! lease: the restore, then the leader's loops); each role's function says the next one.
 
 use super::*;
 
@@ -32,7 +33,6 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         intake: Arc::new(IntakeOrder::default()),
         bundles: Arc::new(BundleFlags::default()),
     };
-    let intake = shared.intake.clone();
     let api_ctx = Arc::new(Ctx::new(&js, &res, &config, &shared, no_actor, no_admissions, None));
     let service = client
         .service_builder()
@@ -61,49 +61,145 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let lease =
         Lease::new(res.leader.clone(), instance.clone(), Duration::from_secs(config.settings.leader_lease_secs));
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut standby_logged = false;
-    // Restores failed in a row; after one, the next try waits (another coordinator may take
-    // the lease meanwhile) rather than repeat the failure at once.
-    let mut failed_restores = 0u32;
-    let mut pause_first = None;
-    let outcome = 'outer: loop {
-        // Standby: try to take the lease now and every renewal interval.
-        let held = loop {
-            let pause = match pause_first.take() {
+    let process = Process {
+        client: &client,
+        config: &config,
+        res: &res,
+        lease: &lease,
+        api_ctx: &api_ctx,
+        active_runs: &active_runs,
+        shared: &shared,
+    };
+    let mut memory = Memory::default();
+    let mut role = Role::Standby { pause: None };
+    let outcome = loop {
+        let next = match role {
+            Role::Standby { pause } => process.stand_by(pause, &mut memory, &mut shutdown, &mut requests).await,
+            Role::Leader { held } => process.lead_term(held, &mut memory, &mut shutdown, &mut requests).await,
+        };
+        match next {
+            Next::Become(next) => role = next,
+            Next::Stop(outcome) => break outcome,
+        }
+    };
+    tracing::info!(instance = %instance, "coordinator stopping");
+    drop(requests);
+    lease.stop_standing_by().await;
+    if let Err(e) = service.stop().await {
+        tracing::warn!(instance = %instance, "stopping the service: {e}");
+    }
+    outcome
+}
+
+/// What this coordinator is, from one turn of [`run`]'s loop to the next.
+enum Role {
+    /// Without the lease: the API is answered as a standby answers it, and the lease is
+    /// tried after `pause` (at once when `None`), then every renewal interval.
+    Standby {
+        /// The wait before the first try (after a failed restore, [`restore_retry_pause`]).
+        pause: Option<Duration>,
+    },
+    /// Holding the lease for a term: restoring, then leading until the lease is lost.
+    Leader {
+        /// The lease held.
+        held: Arc<Held>,
+    },
+}
+
+/// How a role ended: another role, or the coordinator's stop with its outcome.
+enum Next {
+    /// Go on in this role.
+    Become(Role),
+    /// Stop the coordinator with this outcome.
+    Stop(Result<(), Error>),
+}
+
+/// What [`run`] remembers across roles.
+#[derive(Default)]
+struct Memory {
+    /// Whether this standby term has said so (once per term).
+    standby_logged: bool,
+    /// Restores failed in a row; after one, the next try waits (another coordinator may
+    /// take the lease meanwhile) rather than repeat the failure at once.
+    failed_restores: u32,
+}
+
+/// The requests of every endpoint of the `mur` micro service, with their endpoint.
+type Requests = futures::stream::SelectAll<futures::stream::BoxStream<'static, (Endpoint, Request)>>;
+
+/// What every role of this process uses.
+struct Process<'a> {
+    client: &'a async_nats::Client,
+    config: &'a Config,
+    res: &'a Arc<Resources>,
+    lease: &'a Lease,
+    /// The API's context, answering as a standby answers.
+    api_ctx: &'a Arc<Ctx>,
+    /// Fleet runs this process carries out, across its terms as leader.
+    active_runs: &'a crate::fleet::run::Active,
+    shared: &'a ProcessShared,
+}
+
+impl Process<'_> {
+    /// Stands by: answers the API and tries to take the lease now (after `pause`, when
+    /// given) and every renewal interval, until it holds it (then [`Role::Leader`]).
+    async fn stand_by<F: Future<Output = ()>>(
+        &self,
+        mut pause: Option<Duration>,
+        memory: &mut Memory,
+        shutdown: &mut std::pin::Pin<&mut F>,
+        requests: &mut Requests,
+    ) -> Next {
+        let instance = &self.config.instance;
+        loop {
+            let pause = match pause.take() {
                 Some(pause) => pause,
                 None => {
-                    match lease.try_acquire().await {
-                        Ok(Some(held)) => break Arc::new(held),
+                    match self.lease.try_acquire().await {
+                        Ok(Some(held)) => return Next::Become(Role::Leader { held: Arc::new(held) }),
                         Ok(None) => {
-                            if !standby_logged {
-                                let holder = Lease::holder(&res.leader).await.ok().flatten().map(|l| l.instance);
+                            if !memory.standby_logged {
+                                let holder = Lease::holder(&self.res.leader).await.ok().flatten().map(|l| l.instance);
                                 let holder = holder.as_deref().unwrap_or("another coordinator");
                                 tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} standing by: {holder} leads");
-                                standby_logged = true;
+                                memory.standby_logged = true;
                             }
-                            if let Err(e) = lease.stand_by().await {
+                            if let Err(e) = self.lease.stand_by().await {
                                 tracing::warn!(instance = %instance, "saying this coordinator stands by: {e}");
                             }
                         }
                         Err(e) => tracing::warn!(instance = %instance, "taking the lease: {e}"),
                     }
-                    lease.renew_every()
+                    self.lease.renew_every()
                 }
             };
             let wait = tokio::time::sleep(pause);
             tokio::pin!(wait);
             loop {
                 tokio::select! {
-                    () = &mut shutdown => break 'outer Ok(()),
+                    () = shutdown.as_mut() => return Next::Stop(Ok(())),
                     () = &mut wait => break,
                     request = requests.next() => match request {
-                        Some((kind, request)) => answer_as_standby(&api_ctx, &intake, kind, request),
-                        None => break 'outer Err(Error::LoopEnded("the service")),
+                        Some((kind, request)) => answer_as_standby(self.api_ctx, &self.shared.intake, kind, request),
+                        None => return Next::Stop(Err(Error::LoopEnded("the service"))),
                     },
                 }
             }
-        };
-        standby_logged = false;
+        }
+    }
+
+    /// One term under `held`: the restore, then the leader's loops, until the lease is
+    /// lost (then [`Role::Standby`]), the restore fails (standby, trying again after
+    /// [`restore_retry_pause`]), or the coordinator stops.
+    async fn lead_term<F: Future<Output = ()>>(
+        &self,
+        held: Arc<Held>,
+        memory: &mut Memory,
+        shutdown: &mut std::pin::Pin<&mut F>,
+        requests: &mut Requests,
+    ) -> Next {
+        let (instance, lease) = (&self.config.instance, self.lease);
+        memory.standby_logged = false;
         lease.stop_standing_by().await;
         tracing::info!(target: ROLE_LOG_TARGET, "coordinator {instance} leading (term {})", held.term);
         mur_nats::metrics::leader_change("leading");
@@ -115,25 +211,26 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         // own, so that its CPU (parsing every record) holds up neither this loop's requests
         // nor the renewals; dropped (stepping down, a shutdown), it is aborted.
         let mut restoring = tokio_util::task::AbortOnDropHandle::new(tokio::spawn({
-            let (client, config, res, held) = (client.clone(), config.clone(), res.clone(), held.clone());
-            let (active_runs, shared) = (active_runs.clone(), shared.clone());
+            let (client, config, res, held) =
+                (self.client.clone(), self.config.clone(), self.res.clone(), held.clone());
+            let (active_runs, shared) = (self.active_runs.clone(), self.shared.clone());
             async move { lead(&client, &config, &res, held, &active_runs, &shared).await }
         }));
         let mut leading = loop {
             tokio::select! {
-                () = &mut shutdown => {
+                () = shutdown.as_mut() => {
                     lease.release(&held).await;
-                    break 'outer Ok(());
+                    return Next::Stop(Ok(()));
                 }
                 lost = &mut kept => {
                     // The restore stops where it is (what it released, it released while the
                     // lease was valid: fencing); the next leader's replay takes over.
                     tracing::warn!(instance = %instance, "stepping down while restoring: {lost}");
-                    continue 'outer;
+                    return Next::Become(Role::Standby { pause: None });
                 }
                 restored = &mut restoring => match restored.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) {
                     Ok(l) => {
-                        failed_restores = 0;
+                        memory.failed_restores = 0;
                         break l;
                     }
                     Err(e) => {
@@ -141,7 +238,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                         // restarting, a store too cold to answer in time); nothing was
                         // released yet. Give the lease back and try again later rather than
                         // end the process.
-                        failed_restores += 1;
+                        memory.failed_restores += 1;
+                        let failed_restores = memory.failed_restores;
                         let pause = restore_retry_pause(lease.renew_every(), failed_restores);
                         tracing::warn!(
                             instance = %instance,
@@ -150,25 +248,24 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                             "restoring failed, standing by to try again: {e}"
                         );
                         lease.release(&held).await;
-                        pause_first = Some(pause);
-                        continue 'outer;
+                        return Next::Become(Role::Standby { pause: Some(pause) });
                     }
                 },
                 request = requests.next() => match request {
-                    Some((kind, request)) => answer_as_standby(&api_ctx, &intake, kind, request),
+                    Some((kind, request)) => answer_as_standby(self.api_ctx, &self.shared.intake, kind, request),
                     None => {
                         lease.release(&held).await;
-                        break 'outer Err(Error::LoopEnded("the service"));
+                        return Next::Stop(Err(Error::LoopEnded("the service")));
                     }
                 },
             }
         };
         let stepped_down = loop {
             tokio::select! {
-                () = &mut shutdown => {
+                () = shutdown.as_mut() => {
                     leading.stop().await;
                     lease.release(&held).await;
-                    break 'outer Ok(());
+                    return Next::Stop(Ok(()));
                 }
                 lost = &mut kept => break lost,
                 ended = leading.loops.join_next() => {
@@ -178,7 +275,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     };
                     leading.stop().await;
                     lease.release(&held).await;
-                    break 'outer Err(Error::LoopEnded(what));
+                    return Next::Stop(Err(Error::LoopEnded(what)));
                 }
                 request = requests.next() => match request {
                     Some((kind, request)) => {
@@ -190,7 +287,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
                     None => {
                         leading.stop().await;
                         lease.release(&held).await;
-                        break 'outer Err(Error::LoopEnded("the service"));
+                        return Next::Stop(Err(Error::LoopEnded("the service")));
                     }
                 },
             }
@@ -198,14 +295,8 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         tracing::warn!(instance = %instance, "stepping down: {stepped_down}");
         mur_nats::metrics::leader_change("standby");
         leading.stop().await;
-    };
-    tracing::info!(instance = %instance, "coordinator stopping");
-    drop(requests);
-    lease.stop_standing_by().await;
-    if let Err(e) = service.stop().await {
-        tracing::warn!(instance = %instance, "stopping the service: {e}");
+        Next::Become(Role::Standby { pause: None })
     }
-    outcome
 }
 
 /// How long a coordinator whose restore failed `failures` times in a row waits before it
