@@ -214,3 +214,19 @@ async fn an_approver_may_publish_an_approval() {
     .expect("the forbidden publish is refused");
     assert!(!seen.iter().any(|e| e.contains("mur.api.fleet.approve")), "{seen:?}");
 }
+
+/// `mur auth init` into a folder it wrote before refuses (new keys would lock out every
+/// holder of the old files) unless `--force`, which writes new keys.
+#[test]
+fn auth_init_does_not_overwrite_keys_without_force() {
+    let dir = auth_init();
+    let before = std::fs::read_to_string(creds(dir.path(), "worker")).unwrap();
+    let again = mur_tests::mur::mur().args(["auth", "init"]).arg(dir.path()).output().unwrap();
+    assert_eq!(again.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains("nats-server.conf exists: pass --force to write new keys"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(creds(dir.path(), "worker")).unwrap(), before);
+    let forced = mur_tests::mur::mur().args(["auth", "init", "--force"]).arg(dir.path()).output().unwrap();
+    assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
+    assert_ne!(std::fs::read_to_string(creds(dir.path(), "worker")).unwrap(), before);
+}
