@@ -79,6 +79,9 @@ async fn the_round_trip_works_over_tls_with_each_roles_credentials() {
     let id = record["task_id"].as_str().unwrap().to_string();
     let status = cluster.mur_ok(&["task", "status", &id, "--json"]).await;
     assert!(status.stdout.contains("by-roles"), "{status:?}");
+    // The client's other API calls.
+    cluster.mur_ok(&["cluster", "status", "--json"]).await;
+    cluster.mur_ok(&["fleet", "ls", "--json"]).await;
     let violations = format!("{}{}", coordinator.log(), worker.log());
     assert!(!violations.contains("Permissions Violation"), "{violations}");
 }
