@@ -25,6 +25,20 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The capsule's version was pushed already with other content (issue #31: a push must
+    /// not silently replace what running fleets use); nothing was stored.
+    #[error(
+        "capsule {name} version {version} was pushed already with other content (sha256 {existing}): versions \
+         are immutable; raise `version:` in murmur.yaml to push the change"
+    )]
+    VersionTaken {
+        /// The capsule.
+        name: String,
+        /// The version pushed.
+        version: String,
+        /// The digest that version has in the index.
+        existing: String,
+    },
     /// A JetStream request failed.
     #[error("{what}: {source}")]
     Nats {
@@ -40,23 +54,49 @@ fn nats(what: impl Into<String>) -> impl FnOnce(async_nats::Error) -> Error {
     move |source| Error::Nats { what, source }
 }
 
-/// Points key `name` of `index` at `value`, with compare-and-set so racing pushes never
-/// lose one another's write: the last to land is the latest, and every push stays in the
-/// key's history. A key that already names `value.digest` is left as it is.
+/// Checks that `version` of capsule `name` is new, or already names `digest`: versions are
+/// immutable (issue #31). Looks at the key's history, which the bucket keeps for its last
+/// `capsule_history` pushes (64 by default): a version older than that is not checked.
 ///
 /// # Errors
+/// [`Error::VersionTaken`] naming the digest the version has; [`Error::Nats`],
+/// [`Error::Malformed`] as [`history`].
+pub async fn check_version(index: &kv::Store, name: &str, version: &str, digest: &str) -> Result<(), Error> {
+    let taken = history(index, name).await?.into_iter().rev().find(|e| e.version == version && e.digest != digest);
+    match taken {
+        Some(e) => Err(Error::VersionTaken { name: name.into(), version: version.into(), existing: e.digest }),
+        None => Ok(()),
+    }
+}
+
+/// Points key `name` of `index` at `value`, with compare-and-set so racing pushes never
+/// lose one another's write: the last to land is the latest, and every push stays in the
+/// key's history. A key that already names `value.digest` is left as it is. A latest entry
+/// of the same version with another digest (a push that raced this one) is refused.
+///
+/// # Errors
+/// [`Error::VersionTaken`] as said;
 /// [`Error::Nats`] when the index refuses, or when [`INDEX_CAS_ATTEMPTS`] pushes raced
 /// and this one lost each time.
 pub async fn set_latest(index: &kv::Store, name: &str, value: &CapsuleIndexEntry) -> Result<(), Error> {
-    let digest = &value.digest;
+    let (digest, version) = (&value.digest, &value.version);
     let value = bytes::Bytes::from(serde_json::to_vec(value).expect("index entry serializes"));
     let what = || format!("index {name}");
     for _ in 0..INDEX_CAS_ATTEMPTS {
         let current = index.entry(name).await.map_err(|e| nats(what())(e.into()))?;
         match current.filter(|e| e.operation == kv::Operation::Put) {
             Some(entry) => {
-                if serde_json::from_slice::<CapsuleIndexEntry>(&entry.value).is_ok_and(|e| &e.digest == digest) {
-                    return Ok(());
+                if let Ok(latest) = serde_json::from_slice::<CapsuleIndexEntry>(&entry.value) {
+                    if &latest.digest == digest {
+                        return Ok(());
+                    }
+                    if &latest.version == version {
+                        return Err(Error::VersionTaken {
+                            name: name.into(),
+                            version: latest.version,
+                            existing: latest.digest,
+                        });
+                    }
                 }
                 match index.update(name, value.clone(), entry.revision).await {
                     Ok(_) => return Ok(()),

@@ -286,6 +286,9 @@ async fn a_second_push_keeps_the_first_digest_fetchable() -> Result<()> {
     let first = bundle::pack(capsule.dir())?;
     bundle::push(&res.capsules, &res.capsule_index, &first).await?;
     std::fs::write(capsule.dir().join("prompt.md"), "second")?;
+    // Other content is a new version (issue #31: versions are immutable).
+    let manifest = std::fs::read_to_string(capsule.dir().join("murmur.yaml"))?;
+    std::fs::write(capsule.dir().join("murmur.yaml"), manifest.replacen("version: ", "version: 9", 1))?;
     let second = bundle::pack(capsule.dir())?;
     assert_ne!(first.digest, second.digest);
     bundle::push(&res.capsules, &res.capsule_index, &second).await?;
@@ -353,6 +356,9 @@ async fn racing_pushes_of_one_capsule_both_land_in_the_index_history() -> Result
     let server = NatsServer::start();
     let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
     let (a, b) = (greeter("from a"), greeter("from b"));
+    // Two versions: one version with two contents is refused (issue #31).
+    let manifest = std::fs::read_to_string(b.dir().join("murmur.yaml"))?;
+    std::fs::write(b.dir().join("murmur.yaml"), manifest.replacen("version: ", "version: 9", 1))?;
     let (a, b) = (bundle::pack(a.dir())?, bundle::pack(b.dir())?);
     let (ra, rb) = tokio::join!(
         bundle::push(&res.capsules, &res.capsule_index, &a),
@@ -1235,7 +1241,9 @@ async fn a_waiting_task_keeps_its_own_bundles_queue_flag_across_a_push_and_a_res
 
     // `serial` again, now `single`: a new bundle under the same name.
     let res = resources::ensure(&server.jetstream().await, &Settings::default()).await?;
-    let single = QUEUE_MANIFEST.replace("task_acceptance: queue", "task_acceptance: single");
+    let single = QUEUE_MANIFEST
+        .replace("task_acceptance: queue", "task_acceptance: single")
+        .replace("version: 1.0.0", "version: 1.1.0");
     let single = bundle::pack(TestCapsule::new(&single, &[("replies.yaml", "replies:\n  - text: hi\n")]).dir())?;
     assert!(!single.queue);
     bundle::push(&res.capsules, &res.capsule_index, &single).await?;

@@ -79,6 +79,9 @@ async fn the_round_trip_works_over_tls_with_each_roles_credentials() {
     let id = record["task_id"].as_str().unwrap().to_string();
     let status = cluster.mur_ok(&["task", "status", &id, "--json"]).await;
     assert!(status.stdout.contains("by-roles"), "{status:?}");
+    // The client's other API calls.
+    cluster.mur_ok(&["cluster", "status", "--json"]).await;
+    cluster.mur_ok(&["fleet", "ls", "--json"]).await;
     let violations = format!("{}{}", coordinator.log(), worker.log());
     assert!(!violations.contains("Permissions Violation"), "{violations}");
 }
@@ -213,4 +216,20 @@ async fn an_approver_may_publish_an_approval() {
     .await
     .expect("the forbidden publish is refused");
     assert!(!seen.iter().any(|e| e.contains("mur.api.fleet.approve")), "{seen:?}");
+}
+
+/// `mur auth init` into a folder it wrote before refuses (new keys would lock out every
+/// holder of the old files) unless `--force`, which writes new keys.
+#[test]
+fn auth_init_does_not_overwrite_keys_without_force() {
+    let dir = auth_init();
+    let before = std::fs::read_to_string(creds(dir.path(), "worker")).unwrap();
+    let again = mur_tests::mur::mur().args(["auth", "init"]).arg(dir.path()).output().unwrap();
+    assert_eq!(again.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains("nats-server.conf exists: pass --force to write new keys"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(creds(dir.path(), "worker")).unwrap(), before);
+    let forced = mur_tests::mur::mur().args(["auth", "init", "--force"]).arg(dir.path()).output().unwrap();
+    assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
+    assert_ne!(std::fs::read_to_string(creds(dir.path(), "worker")).unwrap(), before);
 }

@@ -275,3 +275,45 @@ async fn refused_credentials_are_said_once_without_the_secret_and_the_services_e
     assert_eq!(run.code, 2, "{run:?}");
     assert!(run.stderr.contains("authorization violation; it was offered no credentials"), "{run:?}");
 }
+
+/// Versions are immutable (issue #31): pushing a name and version again with other content
+/// is refused with exit status 2 naming the rule, and nothing stored changes — the index
+/// still names the first bundle and the second is not in the object store. The same content
+/// again is fine, and a new version goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_version_cannot_be_replaced_by_other_content() {
+    use mur_proto::cluster;
+    let cluster = Procs::start("").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let capsule = shell_capsule("fixed");
+    let dir = capsule.dir().display().to_string();
+    until("the first push", WAIT, || async { (cluster.mur(&["capsule", "push", &dir]).await.code == 0).then_some(()) })
+        .await;
+    let first = mur_worker::bundle::pack(capsule.dir()).unwrap().digest;
+    cluster.mur_ok(&["capsule", "push", &dir]).await;
+
+    std::fs::write(capsule.dir().join("r.yaml"), "replies:\n  - text: trojan\n").unwrap();
+    let second = mur_worker::bundle::pack(capsule.dir()).unwrap().digest;
+    assert_ne!(first, second);
+    let run = cluster.mur(&["capsule", "push", &dir]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.stderr.contains(&format!(
+            "capsule fixed version 1.0.0 was pushed already with other content (sha256 {first}): versions are \
+             immutable; raise `version:` in murmur.yaml to push the change"
+        )),
+        "{run:?}"
+    );
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let index = js.get_key_value(cluster::CAPSULE_INDEX_BUCKET).await.unwrap();
+    let latest = mur_nats::bundle::latest(&index, "fixed").await.unwrap().unwrap();
+    assert_eq!(latest.digest, first);
+    let store = js.get_object_store(cluster::CAPSULES_STORE).await.unwrap();
+    assert!(store.info(cluster::bundle_object("fixed", &second)).await.is_err(), "the refused bundle was stored");
+
+    let manifest = std::fs::read_to_string(capsule.dir().join("murmur.yaml")).unwrap();
+    std::fs::write(capsule.dir().join("murmur.yaml"), manifest.replace("version: 1.0.0", "version: 1.0.1")).unwrap();
+    cluster.mur_ok(&["capsule", "push", &dir]).await;
+    let latest = mur_nats::bundle::latest(&index, "fixed").await.unwrap().unwrap();
+    assert_eq!(latest.version, "1.0.1");
+}

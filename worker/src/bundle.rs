@@ -89,6 +89,10 @@ pub enum Error {
         /// The IO error.
         reason: std::io::Error,
     },
+    /// The capsule's version was pushed already with other content
+    /// ([`capsule_index::Error::VersionTaken`]'s message); nothing was stored.
+    #[error("{0}")]
+    VersionTaken(String),
     /// The folder has no `murmur.yaml`.
     #[error("{0}: no murmur.yaml: a capsule folder needs its manifest")]
     NoManifest(PathBuf),
@@ -189,6 +193,7 @@ impl From<capsule_index::Error> for Error {
             capsule_index::Error::Invalid(reason) => Error::Invalid(reason),
             capsule_index::Error::Malformed { object, reason } => Error::Malformed { object, reason },
             capsule_index::Error::Nats { what, source } => Error::Nats { what, source },
+            e @ capsule_index::Error::VersionTaken { .. } => Error::VersionTaken(e.to_string()),
         }
     }
 }
@@ -490,14 +495,17 @@ fn walk(root: &Path, dir: &Path, rel: &str, out: &mut Vec<(String, Item)>) -> Re
 
 /// Stores `bundle` as object `<name>/<digest>` (unless that object is already there) and
 /// makes it the capsule's latest in `index`. Pushing the digest that is already the
-/// latest changes nothing.
+/// latest changes nothing. A version pushed before with other content is refused before
+/// anything is stored (issue #31: versions are immutable).
 ///
 /// # Errors
+/// [`Error::VersionTaken`];
 /// [`Error::Nats`] when the object store or the index refuses; the index is written only
 /// after the object is stored, so it never names a missing bundle.
 pub async fn push(store: &object_store::ObjectStore, index: &kv::Store, bundle: &Bundle) -> Result<PushReceipt, Error> {
     let object = bundle_object(&bundle.name, &bundle.digest);
     let bytes = bundle.archive.len() as u64;
+    capsule_index::check_version(index, &bundle.name, &bundle.version, &bundle.digest).await?;
     let stored = matches!(store.info(&object).await, Ok(info) if !info.deleted && info.size as u64 == bytes);
     if !stored {
         let meta = object_store::ObjectMetadata {
