@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 
-use crate::intake::{self, Intake, Rejected, Submission, Subscription, TaskRecord};
+use crate::intake::{self, Intake, Rejected, Submission, Subscription, TaskFilter, TaskRecord};
 
 /// The task operations behind the A2A methods.
 #[async_trait]
@@ -22,6 +22,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The task's snapshot and its later updates (streaming); `None` when unknown.
     async fn subscribe(&self, id: &str) -> Option<Subscription>;
+
+    /// The tasks `filter` matches (`ListTasks`), most recently updated first; the server
+    /// pages them. [`intake::Error::Unavailable`] becomes -32603.
+    async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, intake::Error>;
 }
 
 #[async_trait]
@@ -40,5 +44,9 @@ impl Backend for Intake {
 
     async fn subscribe(&self, id: &str) -> Option<Subscription> {
         Intake::subscribe(self, id)
+    }
+
+    async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, intake::Error> {
+        Ok(Intake::list(self, filter))
     }
 }

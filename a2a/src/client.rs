@@ -91,6 +91,7 @@ pub struct Client {
 impl Client {
     /// A client of the JSON-RPC endpoint at `url` (a capsule's `http://host:port/`).
     pub fn new(url: impl Into<String>) -> Client {
+        mur_nats::tls::install_crypto_provider();
         Client { http: reqwest::Client::new(), endpoint: url.into() }
     }
 

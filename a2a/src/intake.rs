@@ -83,6 +83,9 @@ pub struct TaskRecord {
     pub result: Option<String>,
     /// Whether a cancel was asked for while the task ran.
     pub cancel_requested: bool,
+    /// When its state last changed (or it was made), unix ms: the order `ListTasks`
+    /// lists tasks in (most recently updated first, A2A 1.0 §3.1.4); 0 when unknown.
+    pub updated_at: u64,
 }
 
 impl TaskRecord {
@@ -116,12 +119,14 @@ impl TaskRecord {
             exit_status: None,
             result: None,
             cancel_requested: false,
+            updated_at: now_ms(),
         }
     }
 
     fn set_state(&mut self, state: TaskState) {
         self.state = state;
         self.states.push(state);
+        self.updated_at = now_ms();
     }
 }
 
@@ -233,13 +238,43 @@ pub enum Error {
         /// Its state.
         state: TaskState,
     },
+    /// The tasks cannot be read now (a cluster backend whose coordinator does not answer).
+    #[error("tasks unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Which tasks `ListTasks` asks for (A2A 1.0 §3.1.4; every filter optional).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TaskFilter {
+    /// Only tasks of this context.
+    pub context_id: Option<String>,
+    /// Only tasks in this state.
+    pub state: Option<TaskState>,
+    /// Only tasks updated at or after this time, unix ms.
+    pub updated_since: Option<u64>,
+}
+
+impl TaskFilter {
+    /// Whether `record` passes every filter given.
+    pub fn matches(&self, record: &TaskRecord) -> bool {
+        self.context_id.as_ref().is_none_or(|c| *c == record.context_id)
+            && self.state.is_none_or(|s| s == record.state)
+            && self.updated_since.is_none_or(|t| record.updated_at >= t)
+    }
+}
+
+/// Now, unix ms (0 before the epoch).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// What [`Intake::next_or_idle`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Next {
     /// The next task, now handed to the runner.
-    Task(TaskRecord),
+    Task(Box<TaskRecord>),
     /// No task arrived within the idle time.
     Idle,
     /// The intake is closed and nothing waits.
@@ -475,7 +510,7 @@ impl Intake {
     /// idle fallback of checklist L4).
     pub async fn next_or_idle(&self, idle: Duration) -> Next {
         match tokio::time::timeout(idle, self.next()).await {
-            Ok(Some(task)) => Next::Task(task),
+            Ok(Some(task)) => Next::Task(Box::new(task)),
             Ok(None) => Next::Closed,
             Err(_) => Next::Idle,
         }
@@ -639,6 +674,16 @@ impl Intake {
             }
         };
         tokio::time::timeout(timeout, told).await.is_ok()
+    }
+
+    /// The tasks it knows (waiting, running, and the bounded history of ended ones) that
+    /// `filter` matches, most recently updated first (ties by id).
+    pub fn list(&self, filter: &TaskFilter) -> Vec<TaskRecord> {
+        let st = self.lock();
+        let mut records: Vec<TaskRecord> =
+            st.entries.values().map(|e| &e.record).filter(|r| filter.matches(r)).cloned().collect();
+        records.sort_by(|a, b| (b.updated_at, &b.id).cmp(&(a.updated_at, &a.id)));
+        records
     }
 
     /// How many tasks wait (not yet started).

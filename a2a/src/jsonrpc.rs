@@ -20,6 +20,9 @@ pub const INTERNAL_ERROR: i64 = -32603;
 pub const TASK_NOT_FOUND: i64 = -32001;
 /// The task already ended (`TaskNotCancelableError`).
 pub const TASK_NOT_CANCELABLE: i64 = -32002;
+/// Push notifications are not supported: the card says `pushNotifications: false`
+/// (`PushNotificationNotSupportedError`, 1.0 §3.3.4, §5.4).
+pub const PUSH_NOTIFICATION_NOT_SUPPORTED: i64 = -32003;
 /// The operation is not supported (`UnsupportedOperationError`).
 pub const UNSUPPORTED_OPERATION: i64 = -32004;
 /// The message's parts are of no media type the agent takes (`ContentTypeNotSupportedError`).

@@ -11,6 +11,14 @@
 //! | `GetTask` | `tasks/get` | the task's state (-32001 when unknown) |
 //! | `CancelTask` | `tasks/cancel` | cancel it (-32002 when already ended) |
 //! | `SubscribeToTask` | `tasks/resubscribe` | SSE of a running task's updates |
+//! | `ListTasks` | `tasks/list` | the tasks, most recently updated first, paged (§3.1.4) |
+//! | `CreateTaskPushNotificationConfig`, `GetTaskPushNotificationConfig`, `ListTaskPushNotificationConfigs`, `DeleteTaskPushNotificationConfig` | `tasks/pushNotificationConfig/{set,get,list,delete}` | -32003 `PushNotificationNotSupportedError` while the card says `pushNotifications: false` (§3.3.4) |
+//!
+//! `ListTasks` filters by `contextId`, `status` and `statusTimestampAfter`, answers
+//! `{tasks, nextPageToken, pageSize, totalSize}` with `pageSize` 1 to 100 (50 when absent;
+//! another value is -32602 naming the field); `nextPageToken` is the id of the page's last
+//! task, and `""` on the last page; tasks leave their artifacts out unless
+//! `includeArtifacts` is true. The 0.3 name answers the same object with 0.3 tasks.
 //!
 //! Versions (§3.6): the `A2A-Version` header (or `A2A-Version` query parameter) names the
 //! version a request uses; an absent or empty one means 0.3 (§3.6.2). A 1.0 method needs
@@ -122,6 +130,8 @@ enum Op {
     Get,
     Cancel,
     Subscribe,
+    List,
+    PushConfig,
 }
 
 /// The version and operation of a method name; `None` for a method not served.
@@ -132,11 +142,21 @@ fn method(name: &str) -> Option<(Version, Op)> {
         "GetTask" => (Version::V1_0, Op::Get),
         "CancelTask" => (Version::V1_0, Op::Cancel),
         "SubscribeToTask" => (Version::V1_0, Op::Subscribe),
+        "ListTasks" => (Version::V1_0, Op::List),
+        "CreateTaskPushNotificationConfig"
+        | "GetTaskPushNotificationConfig"
+        | "ListTaskPushNotificationConfigs"
+        | "DeleteTaskPushNotificationConfig" => (Version::V1_0, Op::PushConfig),
         "message/send" => (Version::V0_3, Op::Send),
         "message/stream" => (Version::V0_3, Op::Stream),
         "tasks/get" => (Version::V0_3, Op::Get),
         "tasks/cancel" => (Version::V0_3, Op::Cancel),
         "tasks/resubscribe" => (Version::V0_3, Op::Subscribe),
+        "tasks/list" => (Version::V0_3, Op::List),
+        "tasks/pushNotificationConfig/set"
+        | "tasks/pushNotificationConfig/get"
+        | "tasks/pushNotificationConfig/list"
+        | "tasks/pushNotificationConfig/delete" => (Version::V0_3, Op::PushConfig),
         _ => return None,
     })
 }
@@ -295,7 +315,124 @@ async fn handle(
             }
             Ok(Reply::Stream(task_stream(backend, version, record, None).await))
         }
+        Op::List => list_tasks(backend, version, raw).await.map(Reply::Result),
+        Op::PushConfig => {
+            if app.card.capabilities.push_notifications == Some(true) {
+                // No backend carries push configs; a card claiming them would be wrong.
+                return Err(RpcError::method_not_found(method_name));
+            }
+            Err(RpcError::new(
+                jsonrpc::PUSH_NOTIFICATION_NOT_SUPPORTED,
+                "push notifications are not supported: the agent card says capabilities.pushNotifications false",
+            )
+            .with_data(json!({ "method": method_name })))
+        }
     }
+}
+
+/// Most tasks one `ListTasks` page holds, and the page size when none is asked (1.0
+/// §3.1.4, the proto's `page_size`).
+const LIST_PAGE_MAX: i32 = 100;
+const LIST_PAGE_DEFAULT: i32 = 50;
+
+/// `ListTasks` / `tasks/list` (module docs).
+async fn list_tasks(backend: &dyn Backend, version: Version, raw: Value) -> Result<Value, RpcError> {
+    let p: v1::ListTasksRequest = if raw.is_null() { Default::default() } else { params(raw)? };
+    let page_size = p.page_size.unwrap_or(LIST_PAGE_DEFAULT);
+    if !(1..=LIST_PAGE_MAX).contains(&page_size) {
+        return Err(RpcError::invalid_params(format!("pageSize: must be 1 to {LIST_PAGE_MAX}, got {page_size}")));
+    }
+    let mut filter = intake::TaskFilter { context_id: p.context_id.filter(|c| !c.is_empty()), ..Default::default() };
+    // A state murmur never gives a task (input or auth required) matches none.
+    let mut none_match = false;
+    if let Some(status) = p.status.as_deref().filter(|s| !s.is_empty()) {
+        match status_filter(status)? {
+            StatusFilter::Any => {}
+            StatusFilter::State(state) => filter.state = Some(state),
+            StatusFilter::Never => none_match = true,
+        }
+    }
+    if let Some(after) = p.status_timestamp_after.as_deref().filter(|s| !s.is_empty()) {
+        let at = humantime::parse_rfc3339_weak(after).map_err(|e| {
+            RpcError::invalid_params(format!(
+                "statusTimestampAfter: must be an ISO 8601 time such as 2026-01-02T03:04:05Z, got {after:?} ({e})"
+            ))
+        })?;
+        let ms = at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        filter.updated_since = Some(u64::try_from(ms).unwrap_or(u64::MAX));
+    }
+    let all = if none_match {
+        Vec::new()
+    } else {
+        backend.list(&filter).await.map_err(|e| RpcError::new(jsonrpc::INTERNAL_ERROR, e.to_string()))?
+    };
+    let start = match p.page_token.as_deref().filter(|t| !t.is_empty()) {
+        None => 0,
+        Some(token) => all.iter().position(|r| r.id == token).map(|i| i + 1).ok_or_else(|| {
+            RpcError::invalid_params(format!(
+                "pageToken: {token:?} is no nextPageToken of this endpoint (its task is gone); list again from the start"
+            ))
+        })?,
+    };
+    let size = usize::try_from(page_size).unwrap_or(1);
+    let page = &all[start.min(all.len())..(start + size).min(all.len())];
+    let next =
+        if start + size < all.len() { page.last().map_or(String::new(), |r| r.id.clone()) } else { String::new() };
+    let include_artifacts = p.include_artifacts.unwrap_or(false);
+    let tasks: Vec<Value> = page
+        .iter()
+        .map(|record| {
+            let mut task = task_value(version, record, p.history_length);
+            if !include_artifacts && let Some(object) = task.as_object_mut() {
+                object.remove("artifacts");
+            }
+            task
+        })
+        .collect();
+    Ok(json!({
+        "tasks": tasks,
+        "nextPageToken": next,
+        "pageSize": page_size,
+        "totalSize": all.len(),
+    }))
+}
+
+/// What a `ListTasks` `status` asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum StatusFilter {
+    /// `TASK_STATE_UNSPECIFIED`: no filter.
+    Any,
+    /// Tasks in this state.
+    State(mur_proto::task::TaskState),
+    /// A state no murmur task is ever in (input or auth required).
+    Never,
+}
+
+/// Reads a `status` given as a 1.0 name (`TASK_STATE_WORKING`) or a 0.3 one (`working`,
+/// `input-required`). -32602 naming the field for anything else.
+fn status_filter(status: &str) -> Result<StatusFilter, RpcError> {
+    let name = if status.starts_with("TASK_STATE_") {
+        status.to_string()
+    } else {
+        format!("TASK_STATE_{}", status.to_ascii_uppercase().replace('-', "_"))
+    };
+    let asked: v1::TaskState = serde_json::from_value(Value::String(name)).map_err(|_| {
+        RpcError::invalid_params(format!(
+            "status: must be a task state (TASK_STATE_SUBMITTED, TASK_STATE_WORKING, TASK_STATE_COMPLETED, \
+             TASK_STATE_FAILED, TASK_STATE_CANCELED, TASK_STATE_REJECTED, …), got {status:?}"
+        ))
+    })?;
+    use mur_proto::task::TaskState as S;
+    Ok(match asked {
+        v1::TaskState::Unspecified => StatusFilter::Any,
+        v1::TaskState::Submitted => StatusFilter::State(S::Submitted),
+        v1::TaskState::Working => StatusFilter::State(S::Working),
+        v1::TaskState::Completed => StatusFilter::State(S::Completed),
+        v1::TaskState::Failed => StatusFilter::State(S::Failed),
+        v1::TaskState::Canceled => StatusFilter::State(S::Canceled),
+        v1::TaskState::Rejected => StatusFilter::State(S::Rejected),
+        v1::TaskState::InputRequired | v1::TaskState::AuthRequired => StatusFilter::Never,
+    })
 }
 
 fn task_id_param(version: Version, raw: Value) -> Result<String, RpcError> {
@@ -537,5 +674,19 @@ mod tests {
         assert_eq!(method("message/stream"), Some((Version::V0_3, Op::Stream)));
         assert_eq!(method("tasks/cancel"), Some((Version::V0_3, Op::Cancel)));
         assert_eq!(method("tasks/send"), None);
+        assert_eq!(method("ListTasks"), Some((Version::V1_0, Op::List)));
+        assert_eq!(method("tasks/pushNotificationConfig/set"), Some((Version::V0_3, Op::PushConfig)));
+    }
+
+    #[test]
+    fn a_status_filter_takes_both_spellings_and_names_the_field_when_wrong() {
+        use mur_proto::task::TaskState as S;
+        assert_eq!(status_filter("TASK_STATE_WORKING"), Ok(StatusFilter::State(S::Working)));
+        assert_eq!(status_filter("completed"), Ok(StatusFilter::State(S::Completed)));
+        assert_eq!(status_filter("input-required"), Ok(StatusFilter::Never));
+        assert_eq!(status_filter("TASK_STATE_UNSPECIFIED"), Ok(StatusFilter::Any));
+        let err = status_filter("sleeping").unwrap_err();
+        assert_eq!(err.code, jsonrpc::INVALID_PARAMS);
+        assert!(err.message.contains("status: must be a task state"), "{}", err.message);
     }
 }

@@ -303,6 +303,38 @@ pub struct GetTaskRequest {
     pub history_length: Option<i32>,
 }
 
+/// Params of `ListTasks` (§3.1.4; the 0.3-named `tasks/list` takes them too). Every
+/// field is optional; `status` is a `TaskState` name (`TASK_STATE_WORKING`, or the 0.3
+/// spelling `working`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListTasksRequest {
+    /// Routing tenant (unused here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Only tasks of this context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_id: Option<String>,
+    /// Only tasks in this state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    /// At most this many tasks (1 to 100; 50 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<i32>,
+    /// The `nextPageToken` of the previous page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_token: Option<String>,
+    /// At most this many history messages per task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history_length: Option<i32>,
+    /// Only tasks whose status changed at or after this ISO 8601 time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_timestamp_after: Option<String>,
+    /// Whether tasks carry their artifacts (false when absent: the field is left out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include_artifacts: Option<bool>,
+}
+
 /// Params of `CancelTask` (§3.1.5) and `SubscribeToTask` (§3.1.6).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TaskIdRequest {

@@ -90,6 +90,7 @@ async fn start(acceptance: TaskAcceptance, queue_depth: u32) -> Fixture {
     let info =
         AgentInfo { name: "echo".into(), description: "echoes tasks".into(), version: "1.2.3".into(), url: None };
     let server = Server::start(listener, intake.clone(), info).unwrap();
+    mur_nats::tls::install_crypto_provider();
     Fixture { server, intake, http: reqwest::Client::new() }
 }
 
@@ -613,4 +614,82 @@ async fn a_refused_connection_names_the_url_once_and_the_cause() {
     assert!(err.ends_with("Connection refused (os error 111)"), "{err}");
     assert_eq!(err.matches(&url).count(), 1, "{err}");
     assert!(!err.contains("error sending request"), "{err}");
+}
+
+/// `ListTasks` (1.0 §3.1.4) over real HTTP: most recently updated first, paged with a
+/// `nextPageToken` that is `""` on the last page, filtered by context and status, tasks
+/// without artifacts unless asked; a bad page size is -32602 naming the field; the 0.3
+/// name answers the same object with 0.3 tasks.
+#[tokio::test]
+async fn list_tasks_pages_most_recent_first_filters_and_leaves_artifacts_out_unless_asked() {
+    let f = start(TaskAcceptance::Queue, 8).await;
+    let _runner = Runner::spawn(f.intake.clone(), false);
+    let mut ids = Vec::new();
+    for (n, context) in ["ctx-a", "ctx-b", "ctx-a"].iter().enumerate() {
+        let mut params = send_v1(&format!("job {n}"), false);
+        params["message"]["contextId"] = json!(context);
+        let sent = f.rpc(Some("1.0"), "SendMessage", params).await;
+        assert_eq!(sent["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{sent}");
+        ids.push(sent["result"]["task"]["id"].as_str().unwrap().to_string());
+    }
+    let first = f.rpc(Some("1.0"), "ListTasks", json!({ "pageSize": 2 })).await;
+    let page = &first["result"];
+    let listed: Vec<&str> = page["tasks"].as_array().unwrap().iter().map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(listed, [ids[2].as_str(), ids[1].as_str()], "{first}");
+    assert_eq!((page["pageSize"].as_i64(), page["totalSize"].as_i64()), (Some(2), Some(3)));
+    assert_eq!(page["nextPageToken"], ids[1].as_str());
+    assert!(page["tasks"][0].get("artifacts").is_none(), "artifacts are left out by default: {first}");
+    assert_eq!(page["tasks"][0]["history"][0]["messageId"], "msg-uuid");
+    let second = f.rpc(Some("1.0"), "ListTasks", json!({ "pageSize": 2, "pageToken": ids[1] })).await;
+    assert_eq!(second["result"]["tasks"][0]["id"], ids[0].as_str(), "{second}");
+    assert_eq!(second["result"]["nextPageToken"], "", "the last page's token is empty");
+
+    let in_a = f
+        .rpc(
+            Some("1.0"),
+            "ListTasks",
+            json!({ "contextId": "ctx-a", "status": "TASK_STATE_COMPLETED", "includeArtifacts": true }),
+        )
+        .await;
+    let tasks = in_a["result"]["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 2, "{in_a}");
+    assert_eq!(tasks[0]["artifacts"][0]["parts"][0]["text"], "done: job 2");
+    let working = f.rpc(Some("1.0"), "ListTasks", json!({ "status": "TASK_STATE_WORKING" })).await;
+    assert_eq!(working["result"]["tasks"], json!([]), "{working}");
+    assert_eq!(working["result"]["totalSize"], 0);
+
+    let bad = f.rpc(Some("1.0"), "ListTasks", json!({ "pageSize": 500 })).await;
+    assert_eq!(error_code(&bad), -32602);
+    assert!(bad["error"]["message"].as_str().unwrap().contains("pageSize: must be 1 to 100"), "{bad}");
+    let bad = f.rpc(Some("1.0"), "ListTasks", json!({ "status": "sleeping" })).await;
+    assert!(bad["error"]["message"].as_str().unwrap().contains("status: must be a task state"), "{bad}");
+
+    let old = f.rpc(None, "tasks/list", json!({ "status": "completed" })).await;
+    assert_eq!(old["result"]["tasks"][0]["kind"], "task", "{old}");
+    assert_eq!(old["result"]["tasks"][0]["status"]["state"], "completed");
+    assert_eq!(old["result"]["totalSize"], 3);
+}
+
+/// The card says `pushNotifications: false`, so every push-notification config method,
+/// in both generations of names, answers -32003 `PushNotificationNotSupportedError`
+/// (1.0 §3.3.4), not -32601.
+#[tokio::test]
+async fn push_notification_config_methods_answer_push_notification_not_supported() {
+    let f = start(TaskAcceptance::Queue, 4).await;
+    let card: Value =
+        f.http.get(format!("{}.well-known/agent-card.json", f.url())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(card["capabilities"]["pushNotifications"], false);
+    let params = json!({ "taskId": "tsk_0", "id": "cfg", "url": "https://example.com/hook" });
+    for method in [
+        "CreateTaskPushNotificationConfig",
+        "GetTaskPushNotificationConfig",
+        "ListTaskPushNotificationConfigs",
+        "DeleteTaskPushNotificationConfig",
+    ] {
+        assert_eq!(error_code(&f.rpc(Some("1.0"), method, params.clone()).await), -32003, "{method}");
+    }
+    for method in ["set", "get", "list", "delete"] {
+        let method = format!("tasks/pushNotificationConfig/{method}");
+        assert_eq!(error_code(&f.rpc(None, &method, params.clone()).await), -32003, "{method}");
+    }
 }

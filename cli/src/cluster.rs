@@ -308,7 +308,7 @@ async fn start_http(
 /// 1,000 tokens per model, issue #11 §Cost), `fleet: {autorun}` (issue #10 §Unattended
 /// runs) and `limits:` (the cluster's scope of §The bounds: `deadline`, `stuck`,
 /// `cost_usd`). Unknown keys, bad prices and bad limits are refused naming the field.
-fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coordinator::fleet_cost::FleetSettings)> {
+fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coordinator::fleet::cost::FleetSettings)> {
     let Some(path) = config else { return Ok(Default::default()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
     #[derive(serde::Deserialize)]
@@ -334,7 +334,8 @@ fn settings(config: Option<&Path>) -> Result<(mur_coordinator::Settings, mur_coo
     file.prices.validate().map_err(|e| anyhow::anyhow!("--config {}: {e}", path.display()))?;
     let limits = mur_proto::fleet::LimitsBlock::from_config(file.limits)
         .map_err(|e| anyhow::anyhow!("--config {}: {}", path.display(), e.join("; ")))?;
-    let fleet = mur_coordinator::fleet_cost::FleetSettings { prices: file.prices, autorun: file.fleet.autorun, limits };
+    let fleet =
+        mur_coordinator::fleet::cost::FleetSettings { prices: file.prices, autorun: file.fleet.autorun, limits };
     Ok((file.jetstream.unwrap_or_default(), fleet))
 }
 

@@ -1,6 +1,7 @@
 //! `mur`: the command-line front end. Thin: parse the command line, call the libraries,
 //! print data on stdout and errors and progress on stderr.
 
+mod auth;
 mod capsule;
 mod cluster;
 mod fleet;
@@ -63,6 +64,10 @@ enum Command {
     /// Serve the cluster to MCP clients: `mur mcp serve` (stdio).
     #[command(subcommand)]
     Mcp(mcp::Command),
+    /// Secure a cluster: `mur auth init DIR` writes a nats-server configuration with one
+    /// user per role and their credentials files.
+    #[command(subcommand)]
+    Auth(auth::Command),
 }
 
 /// Lets SIGPIPE end the process, as it ends `ls` or `cat`: `mur task ls | head -1` stops
@@ -88,6 +93,8 @@ fn print_until_the_reader_leaves(command: &Command) {
 }
 
 fn main() -> ExitCode {
+    // Before any thread or connection: the one TLS provider (issue #31).
+    mur_nats::tls::install_crypto_provider();
     let json = json_requested(std::env::args_os().skip(1));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -135,6 +142,7 @@ fn main() -> ExitCode {
         Command::Capsule(cmd) => capsule::run(cmd),
         Command::Trace(cmd) => trace::run(cmd),
         Command::Mcp(cmd) => mcp::run(cmd),
+        Command::Auth(cmd) => auth::run(cmd),
     };
     telemetry.shutdown();
     match result {

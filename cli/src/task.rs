@@ -261,6 +261,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
         context_id: args.context.clone(),
         // Minted here: a submission sent again (below) is the same task, run once.
         task_id: Some(Id::generate(IdKind::Task).to_string()),
+        message_id: None,
         ..SubmitRequest::new(capsule.clone(), text_or_stdin(text, "the task's text")?, origin)
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

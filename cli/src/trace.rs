@@ -79,14 +79,7 @@ impl Args {
 async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<Value>)> {
     use async_nats::jetstream::consumer::{DeliverPolicy, pull};
     use futures::StreamExt;
-    let conn = crate::nats::Connection {
-        server: url.to_string(),
-        creds: None,
-        tls_ca: None,
-        tls_cert: None,
-        tls_key: None,
-        tls_required: false,
-    };
+    let conn = crate::nats::Connection::from_env(url);
     let client = conn.connect("mur trace").await?;
     let js = async_nats::jetstream::new(client);
     let stream = js.get_stream(mur_proto::cluster::TRACE_STREAM).await.context("the trace stream")?;

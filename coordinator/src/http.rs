@@ -24,7 +24,9 @@ use axum::routing::any;
 use futures::stream::{self, StreamExt};
 use mur_a2a::Backend;
 use mur_a2a::card::{AgentInfo, agent_card};
-use mur_a2a::intake::{self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskRecord, TaskUpdate};
+use mur_a2a::intake::{
+    self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskFilter, TaskRecord, TaskUpdate,
+};
 use mur_nats::trace_context;
 use mur_proto::cluster::{
     ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitRequest, TASKS_BUCKET,
@@ -108,9 +110,16 @@ impl Endpoints {
         }
         let entry = capsule_entry(&self.client, name).await;
         let known = entry.is_some();
+        // The manifest's description, as the capsule's own endpoint says it (issue #29
+        // item 6); a capsule pushed without one (or before the index kept it) gets a line
+        // naming it.
+        let description = entry
+            .as_ref()
+            .and_then(|e| e.description.clone())
+            .unwrap_or_else(|| format!("murmur capsule {name}, run by the cluster"));
         let info = AgentInfo {
             name: name.to_string(),
-            description: format!("murmur capsule {name}, run by the cluster"),
+            description,
             version: entry.map_or_else(|| "0.0.0".to_string(), |e| e.version),
             url: None,
         };
@@ -234,7 +243,7 @@ pub fn to_intake(record: &ClusterRecord) -> TaskRecord {
     TaskRecord {
         id: record.task_id.clone(),
         context_id: record.context_id.clone(),
-        message_id: None,
+        message_id: record.message_id.clone(),
         text: record.text.clone(),
         origin: record.origin,
         source: "a2a".to_string(),
@@ -244,6 +253,7 @@ pub fn to_intake(record: &ClusterRecord) -> TaskRecord {
         exit_status: record.exit_status,
         result: record.result.clone(),
         cancel_requested: false,
+        updated_at: record.ended_at.or(record.started_at).unwrap_or(record.submitted_at),
     }
 }
 
@@ -262,6 +272,7 @@ fn refused(submission: Submission, err: &ApiError) -> Rejected {
         exit_status: None,
         result: None,
         cancel_requested: false,
+        updated_at: mur_nats::clock::Clock::now_ms(&mur_nats::clock::SystemClock),
     };
     // The server answers every refusal carrying a task with that task; the variant is not
     // shown.
@@ -305,6 +316,7 @@ impl Backend for ClusterBackend {
             fleet_step: None,
             needs: Vec::new(),
             task_id: None,
+            message_id: submission.message_id.clone(),
         };
         // Inside the request's span (see `forward`): the coordinator's span joins its trace.
         // Sent again, the same task, while no coordinator answers (a leader failover).
@@ -315,12 +327,10 @@ impl Backend for ClusterBackend {
             Ok(reply) => reply,
             Err(err) => return Err(refused(submission, &err)),
         };
-        let mut task = match self.record(&reply.task_id).await {
-            Ok(record) => to_intake(&record),
-            Err(err) => return Err(refused(submission, &err)),
-        };
-        task.message_id = submission.message_id;
-        Ok(task)
+        match self.record(&reply.task_id).await {
+            Ok(record) => Ok(to_intake(&record)),
+            Err(err) => Err(refused(submission, &err)),
+        }
     }
 
     async fn get(&self, id: &str) -> Option<TaskRecord> {
@@ -340,6 +350,23 @@ impl Backend for ClusterBackend {
             // with the state it is in.
             Err(_) => Err(intake::Error::NotCancelable { id: id.to_string(), state: current.state }),
         }
+    }
+
+    async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, intake::Error> {
+        // The coordinator filters by capsule, context and state; the newest 1,000 submitted
+        // come back (the API's cap), ordered here by last update.
+        let body = serde_json::json!({
+            "capsule": self.capsule,
+            "context_id": filter.context_id,
+            "state": filter.state,
+        });
+        let page: mur_proto::page::Page<ClusterRecord> =
+            mur_nats::api::call(&self.client, api::TASK_LIST, body.to_string().into_bytes())
+                .await
+                .map_err(|e| intake::Error::Unavailable(e.to_string()))?;
+        let mut records: Vec<TaskRecord> = page.items.iter().map(to_intake).filter(|r| filter.matches(r)).collect();
+        records.sort_by(|a, b| (b.updated_at, &b.id).cmp(&(a.updated_at, &a.id)));
+        Ok(records)
     }
 
     async fn subscribe(&self, id: &str) -> Option<Subscription> {

@@ -4,14 +4,7 @@
 //! adapter that runs them, [`http`] the A2A HTTP endpoint that takes tasks for it.
 
 pub mod dead_letter;
-pub mod fleet_adopt;
-pub mod fleet_cost;
-pub mod fleet_loop;
-pub mod fleet_plan;
-pub mod fleet_run;
-pub mod fleet_schedule;
-pub mod fleet_trigger;
-pub mod fleets;
+pub mod fleet;
 pub mod gauges;
 pub mod http;
 pub mod lease;

@@ -12,7 +12,8 @@
 //! - [`clock`]: wall-clock time behind a trait;
 //! - [`connect`]: the connection options (server list, credentials, TLS);
 //! - [`health`]: a process's readiness (`/readyz`);
-//! - [`metrics`]: the metrics instruments every process records to (issue #32).
+//! - [`metrics`]: the metrics instruments every process records to (issue #32);
+//! - [`tls`]: the process's one rustls crypto provider.
 
 pub mod api;
 pub mod backoff;
@@ -25,4 +26,5 @@ pub mod health;
 pub mod metrics;
 pub mod read;
 pub mod tasks;
+pub mod tls;
 pub mod trace_context;

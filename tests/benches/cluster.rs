@@ -124,6 +124,7 @@ impl Sizes {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let (sizes, quick) = Sizes::get();
     // Every file of the run (nats-server's store, the workers' session folders) goes to a
     // fresh folder in shared memory (`/dev/shm`) where there is one, else under the target

@@ -24,6 +24,7 @@ fn micros(d: Duration) -> f64 {
 
 #[tokio::main]
 async fn main() {
+    mur_nats::tls::install_crypto_provider();
     let calls = std::env::var("MUR_BENCH_CALLS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

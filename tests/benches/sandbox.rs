@@ -43,6 +43,7 @@ fn sandbox(block: &str) -> mur_proto::manifest::Sandbox {
 }
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let commands = std::env::var("MUR_BENCH_COMMANDS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

@@ -497,6 +497,7 @@ fn turns_from_env() -> (usize, usize, usize, bool) {
 }
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let (scripted_turns, openai_turns, runs, smoke) = turns_from_env();
     println!(
         "session_loop: {} run ({scripted_turns} scripted turns, {openai_turns} openai turns, {runs} run(s) of \

@@ -159,6 +159,7 @@ fn median(v: &mut [Duration]) -> Duration {
 }
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let rounds: usize = std::env::var("MUR_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())

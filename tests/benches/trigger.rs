@@ -1,6 +1,6 @@
 //! `cargo bench -p mur-tests --bench trigger`: what a time zone costs a fleet trigger
 //! (issue #36). The leader evaluates every triggered fleet once a second
-//! (`mur_coordinator::fleet_schedule::step`); this measures that evaluation for the same
+//! (`mur_coordinator::fleet::schedule::step`); this measures that evaluation for the same
 //! cron (`*/5 * * * *`) read in UTC (the baseline) and in Europe/Berlin, interleaved round by
 //! round in this one process so the figures compare as a ratio, over two workloads:
 //!
@@ -12,7 +12,7 @@
 //! (`MUR_BENCH_ROUNDS=N` chooses). Printed: nanoseconds per evaluation of each zone (the
 //! median round) and the zone/UTC ratio.
 
-use mur_coordinator::fleet_schedule::{Action, Outcome, Seen, State, step};
+use mur_coordinator::fleet::schedule::{Action, Outcome, Seen, State, step};
 use mur_proto::Fleet;
 use mur_proto::fleet::Trigger;
 use std::time::{Duration, Instant};
@@ -67,6 +67,7 @@ fn median(v: &mut [Duration]) -> Duration {
 }
 
 fn main() {
+    mur_nats::tls::install_crypto_provider();
     let release = !cfg!(debug_assertions);
     let rounds: usize =
         std::env::var("MUR_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(if release { 5 } else { 1 });

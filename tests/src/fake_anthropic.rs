@@ -103,6 +103,7 @@ impl FakeAnthropic {
     /// # Panics
     /// When no port can be bound, or outside a Tokio runtime.
     pub fn start(replies: Vec<AnthropicReply>) -> FakeAnthropic {
+        mur_nats::tls::install_crypto_provider();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("fake anthropic: bind 127.0.0.1:0");
         listener.set_nonblocking(true).expect("fake anthropic: set the listener non-blocking");
         let addr = listener.local_addr().expect("fake anthropic: local address");

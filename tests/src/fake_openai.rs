@@ -148,6 +148,7 @@ impl FakeOpenAi {
     /// # Panics
     /// When no port can be bound, or outside a Tokio runtime.
     pub fn start(replies: Vec<FakeReply>) -> FakeOpenAi {
+        mur_nats::tls::install_crypto_provider();
         FakeOpenAi::serve(Shared {
             given: replies.len(),
             replies: Mutex::new(replies.into()),

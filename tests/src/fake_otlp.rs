@@ -98,6 +98,7 @@ impl FakeOtlp {
     /// # Panics
     /// Outside a tokio runtime, or when the socket cannot be bound.
     pub fn start() -> FakeOtlp {
+        mur_nats::tls::install_crypto_provider();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("fake otlp: bind 127.0.0.1:0");
         listener.set_nonblocking(true).expect("fake otlp: nonblocking");
         let url = format!("http://{}", listener.local_addr().expect("fake otlp: local addr"));

@@ -12,5 +12,6 @@ pub mod nats;
 pub mod permits;
 pub mod procs;
 pub mod sandbox;
+pub mod tls;
 /// The exact sleep, the worker's own (`delay_ms` of a scripted reply uses it too).
 pub use mur_worker::timer;

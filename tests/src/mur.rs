@@ -28,7 +28,21 @@ pub fn bin(name: &str) -> PathBuf {
 /// A `mur` command ready to run.
 pub fn mur() -> Command {
     let mut c = Command::new(bin("mur"));
-    c.env_remove("NATS_URL").env("MUR_LOG", "warn");
+    c.env("MUR_LOG", "warn");
+    // The connection comes from each test alone, never from the environment it runs in.
+    for var in [
+        "NATS_URL",
+        "NATS_CREDS",
+        "NATS_NKEY",
+        "NATS_USER",
+        "NATS_PASSWORD",
+        "NATS_TOKEN",
+        "NATS_CA",
+        "NATS_CERT",
+        "NATS_KEY",
+    ] {
+        c.env_remove(var);
+    }
     c
 }
 

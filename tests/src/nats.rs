@@ -62,11 +62,28 @@ impl NatsServer {
     /// When no `nats-server` binary is found (with an install hint), or when the server does
     /// not come up within 30 s (with the tail of its log).
     pub fn start() -> NatsServer {
+        Self::start_with_config("")
+    }
+
+    /// [`NatsServer::start`] with a server configuration (`tls { … }`, `authorization { … }`,
+    /// `accounts { … }`), written to `server.conf` in the server's folder and given with
+    /// `-c`; the command line's port, store and log options win over it. Never reuses
+    /// `MUR_TEST_NATS_URL`: that server has its own configuration.
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`]; also when `config` is not empty and `MUR_TEST_NATS_URL` is
+    /// set, since that server cannot take it.
+    pub fn start_with_config(config: &str) -> NatsServer {
+        mur_nats::tls::install_crypto_provider();
         if let Some(url) = std::env::var(URL_VAR).ok().filter(|u| !u.trim().is_empty()) {
+            assert!(config.is_empty(), "a test with its own nats-server configuration cannot run against {URL_VAR}");
             return NatsServer { inner: Inner::External { url } };
         }
         let bin = find_binary();
         let dir = tempfile::Builder::new().prefix("mur-nats-").tempdir().expect("temp dir for nats-server");
+        if !config.is_empty() {
+            std::fs::write(dir.path().join("server.conf"), config).expect("write server.conf");
+        }
         let mut spawned = Spawned { bin, dir, child: None, port: 0 };
         spawned.launch();
         NatsServer { inner: Inner::Spawned(spawned) }
@@ -173,6 +190,16 @@ impl NatsServer {
             .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
     }
 
+    /// A client connected with `options` (its server list replaced by this server's URL):
+    /// credentials, TLS.
+    ///
+    /// # Panics
+    /// When the connection fails.
+    pub async fn connect_with(&self, options: &mur_nats::connect::Options) -> async_nats::Client {
+        let options = mur_nats::connect::Options { servers: self.url(), ..options.clone() };
+        options.connect("mur-tests").await.unwrap_or_else(|e| panic!("connect with {options:?}: {e}"))
+    }
+
     /// A JetStream context over a fresh client (see [`NatsServer::connect`]).
     pub async fn jetstream(&self) -> async_nats::jetstream::Context {
         async_nats::jetstream::new(self.connect().await)
@@ -210,7 +237,12 @@ impl Spawned {
         remove_ports_files(root);
         let port = if self.port == 0 { "-1".to_string() } else { self.port.to_string() };
         let log = root.join("nats.log");
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        let conf = root.join("server.conf");
+        if conf.is_file() {
+            cmd.arg("-c").arg(&conf);
+        }
+        let child = cmd
             .args(["-js", "-a", "127.0.0.1", "-p", &port])
             .arg("--store_dir")
             .arg(root.join("store"))

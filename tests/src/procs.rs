@@ -38,6 +38,14 @@ impl Procs {
     pub async fn start(config: &str) -> Procs {
         let nats = NatsServer::start();
         let client = nats.connect().await;
+        Self::start_on(nats, client, config)
+    }
+
+    /// [`Procs::start`] on a server the test started (with a configuration of its own:
+    /// TLS, authorization) and a client of the test's connected to it; the `mur` processes
+    /// get their credentials and TLS options from [`Procs::set_env`] (`NATS_CA`,
+    /// `NATS_CREDS`, …).
+    pub fn start_on(nats: NatsServer, client: async_nats::Client, config: &str) -> Procs {
         let dir = tempfile::Builder::new().prefix("mur-procs-").tempdir().expect("temp dir");
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).expect("write config.yaml");

@@ -205,6 +205,81 @@ async fn tasks_sent_over_a2a_http_run_in_the_cluster_and_a_claimed_user_origin_i
     sb.shutdown().await;
 }
 
+/// Issue #29 item 6, the A2A gaps of the cluster endpoint, over real HTTP: the card's
+/// description is the manifest's; a task's replies carry its history (the caller's
+/// message, with its `messageId`, as a standalone capsule's do); `ListTasks` lists this
+/// capsule's tasks only, most recent first; push-notification config methods answer
+/// -32003 (the card says `pushNotifications: false`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cluster_endpoint_lists_tasks_keeps_their_history_and_describes_the_capsule_as_its_manifest() {
+    use serde_json::{Value, json};
+    let sb = Sandbox::start(1, 2).await;
+    let described = shell_capsule("described", "description: Runs one shell command per task.\n");
+    let other = shell_capsule("other", "");
+    sb.push(described.dir()).await;
+    sb.push(other.dir()).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let base = serve_http(&sb, stop.clone()).await;
+    let url = format!("{base}/capsules/described/");
+    let http = reqwest::Client::new();
+    let rpc = |method: &str, params: Value| {
+        let request = http
+            .post(&url)
+            .header("A2A-Version", "1.0")
+            .json(&json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params }));
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+
+    let card: Value = http.get(format!("{url}.well-known/agent-card.json")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(card["description"], "Runs one shell command per task.");
+    let plain: Value = http
+        .get(format!("{base}/capsules/other/.well-known/agent-card.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(plain["description"], "murmur capsule other, run by the cluster", "no description in the manifest");
+
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        let params = json!({
+            "message": { "role": "ROLE_USER", "parts": [{ "text": format!("echo {n}") }], "messageId": format!("msg-{n}") },
+        });
+        let sent = tokio::time::timeout(WAIT, rpc("SendMessage", params)).await.unwrap();
+        assert_eq!(sent["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{sent}");
+        assert_eq!(sent["result"]["task"]["history"][0]["messageId"], format!("msg-{n}"), "{sent}");
+        ids.push(sent["result"]["task"]["id"].as_str().unwrap().to_string());
+    }
+    // A task of another capsule is not listed under this one.
+    sb.submit("other", "echo elsewhere", Origin::User).await;
+
+    let got = rpc("GetTask", json!({ "id": ids[0], "historyLength": 5 })).await;
+    let history = got["result"]["history"].as_array().unwrap_or_else(|| panic!("no history: {got}"));
+    assert_eq!(history.len(), 1, "{got}");
+    assert_eq!((history[0]["messageId"].as_str(), history[0]["role"].as_str()), (Some("msg-0"), Some("ROLE_USER")));
+    assert_eq!(history[0]["parts"][0]["text"], "echo 0");
+
+    let listed = rpc("ListTasks", json!({ "pageSize": 10, "historyLength": 1 })).await;
+    let tasks: Vec<&str> =
+        listed["result"]["tasks"].as_array().unwrap().iter().map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(tasks, [ids[1].as_str(), ids[0].as_str()], "{listed}");
+    assert_eq!(
+        (listed["result"]["totalSize"].as_i64(), listed["result"]["nextPageToken"].as_str()),
+        (Some(2), Some(""))
+    );
+    assert_eq!(listed["result"]["tasks"][0]["history"][0]["messageId"], "msg-1");
+    assert!(listed["result"]["tasks"][0].get("artifacts").is_none(), "{listed}");
+
+    let push =
+        rpc("CreateTaskPushNotificationConfig", json!({ "taskId": ids[0], "url": "https://example.com/hook" })).await;
+    assert_eq!(push["error"]["code"], -32003, "{push}");
+
+    stop.cancel();
+    sb.shutdown().await;
+}
+
 /// Issue #7 §Lifecycle on the cluster (the session-loop seed, §Detached shell): a shell
 /// command still running after the grace period moves to the background of its worker;
 /// when it ends, its completion is submitted to the coordinator as a `completion` task

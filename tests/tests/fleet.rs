@@ -5,7 +5,7 @@
 //! buckets and the stream.
 
 use anyhow::Result;
-use mur_coordinator::fleets::Fleets;
+use mur_coordinator::fleet::api::Fleets;
 use mur_proto::fleet::{Job, JobStatus};
 use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, Sentinel, StopState};
 use mur_tests::mur::{Run, example, mur};
@@ -1081,8 +1081,8 @@ async fn set_loop_prints_the_next_three_occurrences_in_the_fleets_zone_and_in_ut
 /// the other is refused as changed and stores nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_coordinators_claiming_the_same_occurrence_one_wins() -> Result<()> {
-    use mur_coordinator::fleet_schedule::{self, Action, Seen};
-    use mur_coordinator::fleet_trigger::{WriteError, read_state, write_state};
+    use mur_coordinator::fleet::schedule::{self as fleet_schedule, Action, Seen};
+    use mur_coordinator::fleet::trigger::{WriteError, read_state, write_state};
     let sb = Sandbox::start(0, 1).await;
     let dir = tempfile::tempdir()?;
     let text = format!("{PAIR}loop:\n  trigger: interval:1h\n");

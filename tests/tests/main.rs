@@ -60,3 +60,8 @@ mod consumers;
 
 /// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
 mod break_fanout;
+
+/// `mur auth init`: per-role permissions enforced by nats-server, over TLS (issue #31).
+mod roles;
+/// TLS, credentials and refused connections against a real, configured nats-server (issue #31).
+mod security;

@@ -56,6 +56,8 @@ pub struct Bundle {
     pub queue: bool,
     /// The manifest's `inference.model` (recorded in the index for pricing, issue #11).
     pub model: Option<String>,
+    /// The manifest's `description` (recorded in the index for the cluster's agent card).
+    pub description: Option<String>,
     /// The tar archive.
     pub archive: Vec<u8>,
     /// The packed paths, relative, `/`-separated, sorted; folders end with `/`.
@@ -281,6 +283,7 @@ pub fn pack(dir: &Path) -> Result<Bundle, Error> {
     Ok(Bundle {
         queue: manifest.lifecycle.task_acceptance == mur_proto::manifest::TaskAcceptance::Queue,
         model: manifest.inference.model.clone(),
+        description: manifest.description.clone(),
         name: manifest.name,
         version: manifest.version,
         digest: hex::encode(Sha256::digest(&archive)),
@@ -517,6 +520,7 @@ pub async fn push(store: &object_store::ObjectStore, index: &kv::Store, bundle: 
         bytes,
         queue: bundle.queue,
         model: bundle.model.clone(),
+        description: bundle.description.clone(),
     };
     capsule_index::set_latest(index, &bundle.name, &value).await?;
     Ok(receipt)

@@ -238,7 +238,7 @@ async fn serve_tasks(
             n = intake.next_or_idle(idle) => n,
         };
         let record = match next {
-            Next::Task(t) => t,
+            Next::Task(t) => *t,
             Next::Idle => {
                 summary.stopped = "idle";
                 break;

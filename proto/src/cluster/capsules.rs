@@ -22,6 +22,11 @@ pub struct CapsuleIndexEntry {
     /// pushed before the field existed, and for capsules without a model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The manifest's `description`: the coordinator's A2A card for the capsule says it
+    /// (issue #29 item 6). Absent in entries pushed before the field existed, and for
+    /// capsules without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
 }
 
 /// One capsule as `mur capsule ls` shows it: its name and latest bundle.

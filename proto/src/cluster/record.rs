@@ -98,6 +98,9 @@ pub struct TaskRecord {
     /// ([`crate::cost::Usage::estimated`]). Absent when no model was called.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<crate::cost::Usage>,
+    /// The A2A `messageId` it came from ([`SubmitRequest::message_id`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -146,6 +149,7 @@ impl TaskRecord {
             dead_letter: None,
             traceparent: None,
             usage: None,
+            message_id: request.message_id,
         }
     }
 

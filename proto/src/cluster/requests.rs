@@ -75,7 +75,15 @@ pub struct SubmitRequest {
     /// submission with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<String>,
+    /// The A2A `messageId` of the message the task came from, kept on the record so the
+    /// task's history shows the caller's message as a standalone capsule's does (issue #29
+    /// item 6). At most [`MAX_MESSAGE_ID_BYTES`], no control characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
 }
+
+/// Most bytes of [`SubmitRequest::message_id`].
+pub const MAX_MESSAGE_ID_BYTES: usize = 256;
 
 /// Most entries of [`SubmitRequest::needs`].
 pub const MAX_NEEDS: usize = 32;
@@ -109,8 +117,8 @@ fn fleet_step_of(v: &Value) -> Result<FleetStep, String> {
 }
 
 /// The fields a [`SubmitRequest`] may have, in the order error messages list them.
-const SUBMIT_FIELDS: [&str; 8] =
-    ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step", "task_id"];
+const SUBMIT_FIELDS: [&str; 9] =
+    ["capsule", "text", "origin", "context_id", "deadline_at", "needs", "fleet_step", "task_id", "message_id"];
 
 impl SubmitRequest {
     /// A submission of `text` to `capsule` from `origin`, in a fresh context, with no
@@ -125,6 +133,7 @@ impl SubmitRequest {
             fleet_step: None,
             needs: Vec::new(),
             task_id: None,
+            message_id: None,
         }
     }
 
@@ -212,9 +221,17 @@ impl SubmitRequest {
                 None
             }
         };
+        let message_id = match map.get("message_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(other) => {
+                errors.push(format!("message_id: must be a string, got {}", json_type(other)));
+                None
+            }
+        };
         let request = match (capsule, text, origin) {
             (Some(capsule), Some(text), Some(origin)) if errors.is_empty() => {
-                SubmitRequest { capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id }
+                SubmitRequest { capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id, message_id }
             }
             (capsule, text, _) => {
                 // Still report the value rules of the fields that did decode.
@@ -227,6 +244,7 @@ impl SubmitRequest {
                     fleet_step: None,
                     needs,
                     task_id,
+                    message_id,
                 };
                 errors.extend(partial.rule_errors());
                 errors.sort_by_key(|e| field_rank(e));
@@ -242,7 +260,9 @@ impl SubmitRequest {
     /// - `text`: [`text_rule`] with [`MAX_TASK_BYTES`] (not empty, at most 1 MiB, no NUL);
     /// - `context_id`, when given: 1–64 characters of `A-Z a-z 0-9 - _ .`, not starting or
     ///   ending with `.` (a `ctx_…` id fits; the id becomes a KV key and a folder name);
-    /// - `task_id`, when given: a task id, `tsk_` and 32 lowercase hex digits.
+    /// - `task_id`, when given: a task id, `tsk_` and 32 lowercase hex digits;
+    /// - `message_id`, when given: 1 to [`MAX_MESSAGE_ID_BYTES`] bytes, no control
+    ///   characters.
     ///
     /// # Errors
     /// An [`ApiError`] with code `invalid_request` listing every broken rule, for example
@@ -271,6 +291,16 @@ impl SubmitRequest {
         }
         if let Some(id) = self.task_id.as_deref().filter(|id| !Id::is_valid(IdKind::Task, id)) {
             errors.push(format!("task_id: must be a task id (tsk_ and 32 lowercase hex digits), got {id:?}"));
+        }
+        if let Some(id) = self
+            .message_id
+            .as_deref()
+            .filter(|id| id.is_empty() || id.len() > MAX_MESSAGE_ID_BYTES || id.chars().any(char::is_control))
+        {
+            errors.push(format!(
+                "message_id: must be 1-{MAX_MESSAGE_ID_BYTES} bytes without control characters, got {} bytes",
+                id.len()
+            ));
         }
         if self.needs.len() > MAX_NEEDS {
             errors.push(format!("needs: at most {MAX_NEEDS} programs, got {}", self.needs.len()));
@@ -572,10 +602,27 @@ mod tests {
     }
 
     #[test]
+    fn a_message_id_is_kept_on_the_record_and_bounded() {
+        let request = SubmitRequest::parse(br#"{"capsule":"c","text":"t","message_id":"msg-1"}"#).unwrap();
+        assert_eq!(request.message_id.as_deref(), Some("msg-1"));
+        let record = TaskRecord::submitted("tsk_1".into(), request, "d".into(), 5);
+        assert_eq!(record.message_id.as_deref(), Some("msg-1"));
+        let long = format!(r#"{{"capsule":"c","text":"t","message_id":"{}"}}"#, "m".repeat(257));
+        assert_eq!(
+            invalid(long.as_bytes()),
+            "message_id: must be 1-256 bytes without control characters, got 257 bytes"
+        );
+        assert_eq!(
+            invalid(br#"{"capsule":"c","text":"t","message_id":7}"#),
+            "message_id: must be a string, got a number"
+        );
+    }
+
+    #[test]
     fn every_broken_rule_is_listed_in_field_order() {
         assert_eq!(
             invalid(br#"{"text":"","extra":1,"capsule":"B A D","context_id":"a/b"}"#),
-            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id; \
+            "extra: unknown field, expected one of capsule, text, origin, context_id, deadline_at, needs, fleet_step, task_id, message_id; \
              capsule: must be 1-64 characters of a-z, 0-9, '-' or '_', starting with a letter or digit, got \"B A D\"; \
              text: must not be empty; \
              context_id: must be a ctx_ id or 1-64 characters of A-Z, a-z, 0-9, '-', '_' or '.', not starting or \

@@ -83,6 +83,7 @@ impl RawCluster {
             bytes: 512,
             queue: false,
             model: None,
+            description: None,
         };
         index.put("slow", serde_json::to_vec(&entry).unwrap().into()).await.expect("index entry");
         // Subscribed before the first submit can be sent.

@@ -5,6 +5,7 @@ use rmcp::ServiceExt;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    mur_nats::tls::install_crypto_provider();
     if std::env::args().any(|a| a == "--fail-start") {
         eprintln!("loading the index");
         eprintln!("fatal: cannot open the database");

@@ -38,7 +38,12 @@ use std::time::{Duration, Instant, SystemTime};
 /// about half its ideal). Cloning it is cheap and shares the pool.
 pub fn shared_client() -> reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    CLIENT.get_or_init(reqwest::Client::new).clone()
+    CLIENT
+        .get_or_init(|| {
+            mur_nats::tls::install_crypto_provider();
+            reqwest::Client::new()
+        })
+        .clone()
 }
 
 /// How long a `Retry-After` longer than [`Policy::max_delay`] may still make us wait.

@@ -262,6 +262,7 @@ async fn connect(decl: &McpServer, ctx: &CallContext) -> Result<Live, StartError
                 map.insert(name, value);
             }
             let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).custom_headers(map);
+            mur_nats::tls::install_crypto_provider();
             let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
             match tokio::time::timeout(limit, handler.serve(transport)).instrument(span).await {
                 Ok(Ok(service)) => (service, None),

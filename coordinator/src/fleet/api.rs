@@ -501,11 +501,11 @@ impl Fleets {
         // For a trigger that fires, or one `mur fleet trigger` has used.
         let schedule = match Fleet::load_stored(&yaml) {
             Ok(f) => {
-                let stored = crate::fleet_trigger::read_state(&self.defs, fleet)
+                let stored = crate::fleet::trigger::read_state(&self.defs, fleet)
                     .await
                     .map_err(|e| unavailable("mur_fleets: read", e))?;
                 (f.r#loop.trigger != mur_proto::fleet::Trigger::Manual || stored.state != Default::default())
-                    .then(|| crate::fleet_schedule::info(&f.r#loop, &stored.state, SystemClock.now_ms()))
+                    .then(|| crate::fleet::schedule::info(&f.r#loop, &stored.state, SystemClock.now_ms()))
             }
             Err(_) => None,
         };
@@ -836,9 +836,9 @@ impl Fleets {
     async fn edit_trigger(
         &self,
         fleet: &str,
-        change: impl Fn(&mut crate::fleet_schedule::State) -> Option<String>,
+        change: impl Fn(&mut crate::fleet::schedule::State) -> Option<String>,
     ) -> Result<(), ApiError> {
-        use crate::fleet_trigger::{WriteError, read_state, write_state};
+        use crate::fleet::trigger::{WriteError, read_state, write_state};
         for _ in 0..CAS_ATTEMPTS {
             let stored = read_state(&self.defs, fleet).await.map_err(|e| unavailable("mur_fleets: read", e))?;
             let mut state = stored.state;

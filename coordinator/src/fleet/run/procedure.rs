@@ -1,5 +1,5 @@
 //! The `procedure:` part of a fleet run (the fleet-loops seed, §A fixed step graph;
-//! the fleet reference, §6): the IO around the pure [`crate::fleet_plan::Procedure`].
+//! the fleet reference, §6): the IO around the pure [`crate::fleet::plan::Procedure`].
 //! For one iteration it claims the job, sends each rank's steps as `peer` tasks (at most
 //! the fan-out cap at once, a `retry` step again up to its `max_retries`), each with the
 //! loop's time left as `deadline_at`, writes a `delegation` and a `reply` event per attempt
@@ -10,8 +10,8 @@
 //! for the answer (until the loop's deadline) before the next rank.
 
 use super::{Exec, ms_after, put_record};
-use crate::fleet_loop::{Run, Spec};
-use crate::fleet_plan::{Launch, Outcome, Procedure, Rank};
+use crate::fleet::machine::{Run, Spec};
+use crate::fleet::plan::{Launch, Outcome, Procedure, Rank};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};

@@ -16,8 +16,8 @@
 //! seconds, not guessed dead after hours). The reason is the same text on the job, the
 //! channel and the run's notices.
 
-use crate::fleet_loop::Run;
-use crate::fleet_run::{self, Env, OverCache};
+use crate::fleet::machine::Run;
+use crate::fleet::run::{self as fleet_run, Env, OverCache};
 use async_nats::jetstream::kv;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{ApiError, ErrorCode};

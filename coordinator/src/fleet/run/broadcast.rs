@@ -6,7 +6,7 @@
 //! the replies come back in step order.
 
 use super::{Exec, ms_after};
-use crate::fleet_loop::{Reply, Spec, Step};
+use crate::fleet::machine::{Reply, Spec, Step};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::fleet;

@@ -1,7 +1,7 @@
 //! A fleet trigger's decisions as a pure state machine (issue #36): given its stored
 //! [`State`], the fleet's `loop:` block and what the adapter saw this tick ([`Seen`]: the
 //! clock, a run going, how the trigger's last run ended), [`step`] says what to store and
-//! what to do ([`Action`]). No IO and no clock reads; `crate::fleet_trigger` is the thin
+//! what to do ([`Action`]). No IO and no clock reads; `crate::fleet::trigger` is the thin
 //! adapter that reads KV, writes the new state with a compare-and-set (the claim), and only
 //! then carries the actions out.
 //!

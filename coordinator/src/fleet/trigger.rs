@@ -1,6 +1,6 @@
 //! Triggers firing unattended (issue #10 §Runs and loops, the fleet-loops seed, §Unattended
 //! runs, ref §5 "autorun"; issue #36): every second the leader looks at each fleet's
-//! `loop.trigger` and hands what it sees to the pure [`crate::fleet_schedule::step`], then
+//! `loop.trigger` and hands what it sees to the pure [`crate::fleet::schedule::step`], then
 //! carries out what it says — a loop run started as `mur fleet run NAME --loop` would with
 //! no flags, a run asked to stop (`cancel_previous`), a line on the fleet's channel.
 //! Scheduled occurrences count only when all of these hold (fail closed):
@@ -21,8 +21,8 @@
 //! two coordinators that saw it due one claims it and the other does nothing, and a leader
 //! that dies between claim and start leaves a claim the next one starts under the same id.
 
-use crate::fleet_run::{self, Env, OverCache};
-use crate::fleet_schedule::{self, Action, Outcome, Seen, State};
+use crate::fleet::run::{self as fleet_run, Env, OverCache};
+use crate::fleet::schedule::{self as fleet_schedule, Action, Outcome, Seen, State};
 use async_nats::jetstream::kv;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::fleet::{self, Fleet, Trigger};

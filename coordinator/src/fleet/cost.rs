@@ -4,7 +4,7 @@
 //! notice a local fleet gets at its start, and the accounting of an iteration's spend
 //! into the run's record from its tasks' terminal records (run, job, member).
 //!
-//! The budget check itself is pure ([`crate::fleet_loop::Run`], before each iteration).
+//! The budget check itself is pure ([`crate::fleet::machine::Run`], before each iteration).
 
 use async_nats::jetstream::kv;
 use mur_proto::cluster::CapsuleIndexEntry;

@@ -1,6 +1,6 @@
 //! A fleet's `procedure:` carried out as a pure state machine (the fleet-loops seed, §A
 //! fixed step graph, §Unattended runs; the fleet reference, §6 DAG executor, §7 HITL).
-//! No IO: the run's adapter (`fleet_run`) asks [`Procedure::next_rank`] for the steps to
+//! No IO: the run's adapter (`fleet::run`) asks [`Procedure::next_rank`] for the steps to
 //! send, runs them (at most the fan-out cap at once, each up to [`Launch::attempts`] times),
 //! reports each with [`Procedure::step_ended`], and when no rank is left reads the
 //! [`Procedure::outcome`], the job's [`Procedure::result`] and what to keep on the job

@@ -1,5 +1,5 @@
 //! Fleet runs on the leading coordinator (issue #10 §Runs and loops): the IO around the
-//! pure [`crate::fleet_loop::Run`]. Only the leader listens on
+//! pure [`crate::fleet::machine::Run`]. Only the leader listens on
 //! [`fleet_store::RUN_SUBJECT`]; a request is checked (the fleet loads, its bounds
 //! resolve, the kill-switch is clear, the plan is one this version runs), answered at once
 //! with the run's record (the client prints the `bounds:` line and follows), and the run
@@ -27,16 +27,16 @@
 //!
 //! Each iteration's spend (its tasks' `usage` at the cluster's `prices:`) goes into the
 //! record, per job and per member, and a `note` on the channel; the budget is checked by
-//! the pure run before each iteration (issue #11 §Cost, [`crate::fleet_cost`]). A run a dead
-//! coordinator left `running` is taken over by [`crate::fleet_adopt`] through [`resume`].
+//! the pure run before each iteration (issue #11 §Cost, [`crate::fleet::cost`]). A run a dead
+//! coordinator left `running` is taken over by [`crate::fleet::adopt`] through [`resume`].
 
 mod broadcast;
 mod halt;
 mod procedure;
 
-use crate::fleet_cost::FleetSettings;
-use crate::fleet_loop::{Next, Refused, Run, Spec, View};
-use crate::fleets::Fleets;
+use crate::fleet::api::Fleets;
+use crate::fleet::cost::FleetSettings;
+use crate::fleet::machine::{Next, Refused, Run, Spec, View};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -212,9 +212,9 @@ pub async fn spec_of(
         max_iterations: None,
     };
     let bounds = fleet::resolve_bounds(fleet, &flags, &env.settings.limits).map_err(|e| invalid(e.to_string()))?;
-    let models = crate::fleet_cost::models_of(&env.capsule_index, &crate::fleet_cost::capsules_of(fleet)).await;
-    let rate = crate::fleet_cost::rate_override(&|k| std::env::var(k).ok());
-    let metering = crate::fleet_cost::metering(fleet, &bounds, &env.settings.prices, &models, rate);
+    let models = crate::fleet::cost::models_of(&env.capsule_index, &crate::fleet::cost::capsules_of(fleet)).await;
+    let rate = crate::fleet::cost::rate_override(&|k| std::env::var(k).ok());
+    let metering = crate::fleet::cost::metering(fleet, &bounds, &env.settings.prices, &models, rate);
     let spec = Spec {
         run_id,
         fleet: fleet.clone(),
@@ -367,7 +367,7 @@ struct Exec {
     needs: Vec<String>,
     settings: FleetSettings,
     /// Usage of the tasks waited for, by capsule, until the iteration accounts it.
-    tally: crate::fleet_cost::Tally,
+    tally: crate::fleet::cost::Tally,
     active: Active,
     /// The job an `awaiting-approval` stop left blocked, named in the stop's remedy.
     blocked_job: Option<String>,
@@ -394,7 +394,7 @@ impl Exec {
     }
 
     /// Whether the run's record still names this coordinator: a coordinator that was
-    /// thought dead (its heartbeat stopped, [`crate::fleet_adopt`]) and comes back must not
+    /// thought dead (its heartbeat stopped, [`crate::fleet::adopt`]) and comes back must not
     /// drive a run another one took over. A record that cannot be read is taken as ours.
     async fn still_ours(&self) -> bool {
         match self.fleets.defs().get(fleet_store::run_key(&self.record.run_id)).await {
@@ -408,7 +408,7 @@ impl Exec {
     /// record (run, job, members) and the run's spend, and a `note` on the channel.
     async fn account(&mut self, run: &mut Run, iteration_run_id: &str, job: Option<&str>) {
         let usages = self.tally.take();
-        let spend = crate::fleet_cost::account(&mut self.record, &self.settings.prices, job, &usages);
+        let spend = crate::fleet::cost::account(&mut self.record, &self.settings.prices, job, &usages);
         run.spent(spend.usd, !usages.iter().all(|(_, u)| u.is_empty()));
         let members = usages.iter().map(|(c, _)| c.as_str()).collect::<std::collections::BTreeSet<_>>();
         let per_member = members
@@ -627,7 +627,7 @@ impl Exec {
         // Tasks waited for since the last iteration (a router's plan that failed).
         let rest = self.tally.take();
         if !rest.is_empty() {
-            crate::fleet_cost::account(&mut self.record, &self.settings.prices, None, &rest);
+            crate::fleet::cost::account(&mut self.record, &self.settings.prices, None, &rest);
         }
         let now = SystemClock.now_ms();
         self.record.state = stop.run_state().into();
@@ -711,6 +711,7 @@ impl Exec {
                 cap: self.fanout,
             }),
             task_id: None,
+            message_id: None,
         };
         // Sent again, the same task, while no coordinator answers (a leader failover).
         mur_nats::api::submit(&self.client, &mut request, mur_nats::api::SUBMIT_PATIENCE, |e, delay| {

@@ -11,7 +11,7 @@
 //! not parse cancels (fail closed, the design's invariant 6); a read that fails changes
 //! nothing here — the check before the next iteration treats it as a stop, as before.
 
-use crate::fleets::Fleets;
+use crate::fleet::api::Fleets;
 use mur_proto::fleet_store::{self, Sentinel};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -13,11 +13,11 @@
 //! costs nothing). A run without
 //! `--loop` makes one iteration. Plans: a fleet without a router (or with one member) sends
 //! the work to every member (with `parallel:`, one step per track:
-//! [`crate::fleet_plan::track_steps`]); with a router and several members the router plans each
+//! [`crate::fleet::plan::track_steps`]); with a router and several members the router plans each
 //! iteration ([`Next::Plan`]: every member gets the work followed by the router's
 //! assignment) and, when `done_when` is empty, judges DONE after it (one model call). A
 //! fleet with a `procedure:` runs it instead, never the router ([`Next::Procedure`]; the
-//! steps are [`crate::fleet_plan`]'s); a procedure with a cycle refuses the run when it
+//! steps are [`crate::fleet::plan`]'s); a procedure with a cycle refuses the run when it
 //! starts. The work is the oldest blocked job whose approval was answered, else the oldest
 //! queued job ([`fleet::next_job`]).
 
@@ -106,7 +106,7 @@ pub enum Next {
         steps: Vec<Step>,
     },
     /// Run iteration `iteration` by the fleet's procedure: claim `job` (when one), then
-    /// carry out [`crate::fleet_plan::Procedure`] for `work` and report it with
+    /// carry out [`crate::fleet::plan::Procedure`] for `work` and report it with
     /// [`Run::procedure_ended`].
     Procedure {
         /// 0-based.
@@ -206,7 +206,7 @@ impl Run {
         }
         spec.fleet.check_runnable().map_err(|reason| Refused::NotRunnable { fleet: name.clone(), reason })?;
         if spec.fleet.plan_kind() == PlanKind::Procedure {
-            crate::fleet_plan::check(&spec.fleet).map_err(|reason| Refused::NotRunnable { fleet: name, reason })?;
+            crate::fleet::plan::check(&spec.fleet).map_err(|reason| Refused::NotRunnable { fleet: name, reason })?;
         }
         if let Some(job) = &spec.job
             && !view
@@ -311,7 +311,7 @@ impl Run {
             self.planning = Some((iteration_run_id.clone(), job.clone(), text, time_left));
             return Next::Plan { iteration: self.iteration, iteration_run_id, job, router, text: plan, time_left };
         }
-        let steps = match crate::fleet_plan::track_steps(&self.spec.fleet, &text) {
+        let steps = match crate::fleet::plan::track_steps(&self.spec.fleet, &text) {
             Some(tracks) => tracks.into_iter().map(|(member, text)| Step { member, text, time_left }).collect(),
             None => self.steps(&text, time_left),
         };
@@ -392,11 +392,11 @@ impl Run {
     /// line is looked for). The router is never asked.
     pub fn procedure_ended(
         &mut self,
-        outcome: crate::fleet_plan::Outcome,
+        outcome: crate::fleet::plan::Outcome,
         result: String,
         outputs: &[String],
     ) -> Iteration {
-        use crate::fleet_plan::Outcome;
+        use crate::fleet::plan::Outcome;
         self.iteration += 1;
         let marker = match &self.spec.fleet.r#loop.done_when {
             DoneWhen::Marker(m) => outputs.iter().any(|o| fleet::marker_matches(o, m)),
@@ -657,7 +657,7 @@ mod tests {
             run.next(&view(1_000_000, &[])),
             Next::Procedure { iteration: 0, iteration_run_id: "run1-0".into(), job: None, work: "g".into() }
         );
-        let it = run.procedure_ended(crate::fleet_plan::Outcome::Done, "[one]\nx".into(), &["x".into()]);
+        let it = run.procedure_ended(crate::fleet::plan::Outcome::Done, "[one]\nx".into(), &["x".into()]);
         assert_eq!(it, Iteration { judge: None, job_done: true, result: "[one]\nx".into(), stop: None });
         let cyclic = PROC.replace("    member: a\n", "    member: a\n    depends_on: [two]\n");
         assert_eq!(
@@ -680,7 +680,7 @@ mod tests {
         let mut run = Run::start(spec(fleet(PROC), true), &view(1_000_000, &jobs)).unwrap();
         let Next::Procedure { job, work, .. } = run.next(&view(1_000_000, &jobs)) else { panic!("a procedure") };
         assert_eq!((job.as_deref(), work.as_str()), (Some("01b"), "parked"));
-        let it = run.procedure_ended(crate::fleet_plan::Outcome::Blocked, "[one] awaits approval".into(), &[]);
+        let it = run.procedure_ended(crate::fleet::plan::Outcome::Blocked, "[one] awaits approval".into(), &[]);
         assert_eq!((it.job_done, it.stop), (false, Some(Stop::AwaitingApproval)));
         assert_eq!(run.next(&view(1_000_000, &jobs)), Next::Stop(Stop::AwaitingApproval));
         let mut s = spec(fleet(PROC), false);

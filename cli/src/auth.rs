@@ -1,0 +1,267 @@
+//! `mur auth init DIR [--tls] [--host NAME]…`: a secured cluster in one command (issue #31).
+//! Writes a nats-server configuration whose users are nkeys, one per role, each with the
+//! subject permissions of its role (enforced by nats-server), and one credentials file per
+//! role holding that user's seed (`--creds` reads it); with `--tls`, a CA and a server
+//! certificate for the `--host` names and 127.0.0.1, and the `tls` block that serves it.
+//!
+//! Why nkey users in the server's own configuration rather than JWTs under an operator: the
+//! server enforces the permissions it reads from its file, no resolver or account server is
+//! needed, the seed never leaves the machine its file is on (the server holds public keys
+//! only), and revoking a role is deleting its line and reloading the server. The
+//! permissions and what each role can still do are in `docs/security.md`.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// `mur auth …`
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Write DIR/nats-server.conf and one credentials file per role (coordinator, worker,
+    /// client, approver, admin); with --tls, a CA and a server certificate too.
+    Init(InitArgs),
+}
+
+/// `mur auth init DIR [--tls] [--host NAME]… [--force] [--json]`
+#[derive(clap::Args, Debug)]
+pub struct InitArgs {
+    /// The folder to write (made if missing).
+    dir: PathBuf,
+    /// Also write ca.pem, server-cert.pem and server-key.pem and a tls block serving them.
+    #[arg(long)]
+    tls: bool,
+    /// A name or address the server certificate is valid for, besides 127.0.0.1 and
+    /// localhost (repeatable; with --tls).
+    #[arg(long = "host", value_name = "NAME", requires = "tls")]
+    hosts: Vec<String>,
+    /// Overwrite the files of an earlier `mur auth init` (new keys: every role's old file
+    /// stops working).
+    #[arg(long)]
+    force: bool,
+    /// Print the files written as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A role: its name (the file `NAME.creds`) and the permissions nats-server enforces.
+pub struct Role {
+    /// `coordinator`, `worker`, `client`, `approver`, `admin`.
+    pub name: &'static str,
+    /// The NATS permissions block (`permissions: { … }`).
+    pub permissions: String,
+}
+
+/// Subjects no role but the coordinator and admin may publish to: the JetStream calls that
+/// make, change or destroy streams (every KV bucket and the object store are streams).
+const STREAM_ADMIN: [&str; 5] = [
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+];
+
+/// The roles `mur auth init` writes, with their permissions. Each is everything (`>`) but a
+/// deny list: nats-server applies a deny over an allow. Why a deny list and what it leaves
+/// open: `docs/security.md`.
+pub fn roles() -> Vec<Role> {
+    let everything = |publish_deny: &[&str], subscribe_deny: &[&str]| {
+        let list = |subjects: &[&str]| subjects.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
+        format!(
+            "{{\n          publish: {{ allow: [\">\"], deny: [{}] }}\n          subscribe: {{ allow: [\">\"], deny: [{}] }}\n        }}",
+            list(publish_deny),
+            list(subscribe_deny)
+        )
+    };
+    let full =
+        "{\n          publish: { allow: [\">\"] }\n          subscribe: { allow: [\">\"] }\n        }".to_string();
+    // A worker: pulls and acks dispatches, writes task records, sessions, its heartbeat and
+    // fan-out permits, publishes traces, reads capsules, submits completion tasks. It may
+    // not push capsules, touch the leader lease, fleets or jobs, nor call the fleet API.
+    // A worker purges a finished task's checkpoints (a subject-filtered purge of
+    // KV_mur_sessions), so its purge deny names every other stream.
+    let mut worker: Vec<&str> = STREAM_ADMIN.iter().copied().filter(|s| !s.contains("PURGE")).collect();
+    worker.extend([
+        "$JS.API.STREAM.PURGE.KV_mur_tasks",
+        "$JS.API.STREAM.PURGE.KV_mur_workers",
+        "$JS.API.STREAM.PURGE.KV_mur_capsule_index",
+        "$JS.API.STREAM.PURGE.KV_mur_leader",
+        "$JS.API.STREAM.PURGE.KV_mur_fleets",
+        "$JS.API.STREAM.PURGE.KV_mur_jobs",
+        "$JS.API.STREAM.PURGE.KV_mur_fanout",
+        "$JS.API.STREAM.PURGE.OBJ_mur_capsules",
+        "$JS.API.STREAM.PURGE.MUR_DISPATCH",
+        "$JS.API.STREAM.PURGE.MUR_TRACE",
+        "$JS.API.STREAM.PURGE.MUR_FLEET",
+        "$KV.mur_leader.>",
+        "$KV.mur_fleets.>",
+        "$KV.mur_jobs.>",
+        "$KV.mur_capsule_index.>",
+        "$O.mur_capsules.>",
+        "mur.api.fleet.>",
+        "mur.leader.>",
+        "mur.fleet.>",
+    ]);
+    // A client (`mur task …`, `mur fleet …`, `mur cluster status`, `mur trace`): the API
+    // and reading; no KV or object write, no dispatch, trace or fleet-channel publish, no
+    // pulling dispatches, no approving.
+    let mut client: Vec<&str> = STREAM_ADMIN.to_vec();
+    client.extend([
+        "$KV.>",
+        "$O.>",
+        "mur.dispatch",
+        "mur.dispatch.>",
+        "mur.trace.>",
+        "mur.cancel.>",
+        "mur.leader.>",
+        "mur.fleet.>",
+        "$JS.API.CONSUMER.MSG.NEXT.MUR_DISPATCH.>",
+        "$JS.API.CONSUMER.CREATE.MUR_DISPATCH.>",
+        "$JS.API.CONSUMER.DURABLE.CREATE.MUR_DISPATCH.>",
+        "$JS.API.CONSUMER.DELETE.MUR_DISPATCH.>",
+        "$JS.ACK.MUR_DISPATCH.>",
+    ]);
+    let approver = client.clone();
+    client.extend(["mur.api.fleet.approve", "mur.api.fleet.deny"]);
+    let client_subscribe = ["mur.dispatch", "mur.dispatch.>"];
+    vec![
+        Role { name: "coordinator", permissions: full.clone() },
+        Role { name: "worker", permissions: everything(&worker, &[]) },
+        Role { name: "client", permissions: everything(&client, &client_subscribe) },
+        Role { name: "approver", permissions: everything(&approver, &client_subscribe) },
+        Role { name: "admin", permissions: full },
+    ]
+}
+
+pub fn run(cmd: Command) -> Result<ExitCode> {
+    let Command::Init(args) = cmd;
+    let written = init(&args.dir, args.tls, &args.hosts, args.force)?;
+    if args.json {
+        let files: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+        println!("{}", serde_json::json!({ "dir": args.dir.display().to_string(), "files": files }));
+    } else {
+        for path in &written {
+            println!("{}", path.display());
+        }
+        eprintln!(
+            "start the server with `nats-server -c {}`; give each process its role's file with --creds{}",
+            args.dir.join("nats-server.conf").display(),
+            if args.tls { format!(" and --tls-ca {}", args.dir.join("ca.pem").display()) } else { String::new() }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the files into `dir`; returns their paths.
+///
+/// # Errors
+/// A file exists already (without `force`), or a file cannot be written.
+pub fn init(dir: &Path, tls: bool, hosts: &[String], force: bool) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("mur auth init: {}", dir.display()))?;
+    let mut names: Vec<String> = vec!["nats-server.conf".into()];
+    names.extend(roles().iter().map(|r| format!("{}.creds", r.name)));
+    if tls {
+        names.extend(["ca.pem", "server-cert.pem", "server-key.pem"].map(String::from));
+    }
+    if !force && let Some(existing) = names.iter().map(|n| dir.join(n)).find(|p| p.exists()) {
+        anyhow::bail!(
+            "mur auth init: {} exists: pass --force to write new keys (every role's old file then stops working)",
+            existing.display()
+        );
+    }
+    let mut written = Vec::new();
+    let mut users = String::new();
+    for role in roles() {
+        let key = nkeys::KeyPair::new_user();
+        let seed = key.seed().context("an nkey seed")?;
+        let creds = format!(
+            "# murmur role {name}: nkey user {public}, written by `mur auth init`.\n# Keep it secret: whoever \
+             holds it acts as the {name}. Use it with `--creds` (NATS_CREDS), or `nats --nkey`.\n\n-----BEGIN \
+             USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n",
+            name = role.name,
+            public = key.public_key()
+        );
+        let path = dir.join(format!("{}.creds", role.name));
+        write_secret(&path, &creds)?;
+        written.push(path);
+        users.push_str(&format!(
+            "      # {}\n      {{\n        nkey: {}\n        permissions: {}\n      }}\n",
+            role.name,
+            key.public_key(),
+            role.permissions
+        ));
+    }
+    let mut tls_block = String::new();
+    if tls {
+        let (ca, cert, key) = certificates(hosts)?;
+        for (name, text, secret) in
+            [("ca.pem", ca, false), ("server-cert.pem", cert, false), ("server-key.pem", key, true)]
+        {
+            let path = dir.join(name);
+            if secret {
+                write_secret(&path, &text)?;
+            } else {
+                std::fs::write(&path, text).with_context(|| format!("mur auth init: {}", path.display()))?;
+            }
+            written.push(path);
+        }
+        let abs = |n: &str| std::path::absolute(dir.join(n)).unwrap_or_else(|_| dir.join(n)).display().to_string();
+        tls_block = format!(
+            "# TLS: clients verify the server with ca.pem (--tls-ca).\ntls {{\n  cert_file: {:?}\n  key_file: {:?}\n  \
+             ca_file: {:?}\n  timeout: 5\n}}\n\n",
+            abs("server-cert.pem"),
+            abs("server-key.pem"),
+            abs("ca.pem")
+        );
+    }
+    let conf = format!(
+        "# nats-server configuration written by `mur auth init`: one nkey user per murmur role, each with\n# the \
+         subject permissions of its role (docs/security.md). Revoke a role: delete its user and\n# reload the \
+         server (`nats-server --signal reload`).\n\njetstream {{}}\n\n{tls_block}accounts {{\n  MUR {{\n    \
+         jetstream: enabled\n    users: [\n{users}    ]\n  }}\n}}\n"
+    );
+    let path = dir.join("nats-server.conf");
+    std::fs::write(&path, conf).with_context(|| format!("mur auth init: {}", path.display()))?;
+    written.insert(0, path);
+    Ok(written)
+}
+
+/// Writes `text` to `path` readable by its owner only (0600), replacing the file.
+fn write_secret(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("mur auth init: {}", path.display()))?;
+    file.write_all(text.as_bytes()).with_context(|| format!("mur auth init: {}", path.display()))
+}
+
+/// A CA, and a server certificate it signed for `hosts`, 127.0.0.1 and localhost: the CA's
+/// PEM, the certificate's, and its key's.
+fn certificates(hosts: &[String]) -> Result<(String, String, String)> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+    };
+    let ca_key = KeyPair::generate().context("the CA key")?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).context("the CA")?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name.push(DnType::CommonName, "murmur cluster CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_pem = ca.self_signed(&ca_key).context("the CA")?.pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let mut names: Vec<String> = vec!["127.0.0.1".into(), "localhost".into()];
+    names.extend(hosts.iter().filter(|h| !h.is_empty()).cloned());
+    names.dedup();
+    let key = KeyPair::generate().context("the server key")?;
+    let mut params = CertificateParams::new(names.clone())
+        .with_context(|| format!("--host: a name or address the certificate can carry, got {names:?}"))?;
+    params.distinguished_name.push(DnType::CommonName, "murmur nats-server");
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &issuer).context("the server certificate")?;
+    Ok((ca_pem, cert.pem(), key.serialize_pem()))
+}
