@@ -261,6 +261,61 @@ async fn every_step_completes_across_a_nats_server_crash_while_permits_are_held(
     assert!(after.lock().unwrap().max_held >= 1, "steps took permits after the crash");
 }
 
+/// A broker error while a step waits for its fan-out permit does not use up a delivery
+/// (issue #29 item 3: each failed wait was a nak, and a status flood that made the broker
+/// refuse consumers dead-lettered 18 of 44 steps). Here the fan-out bucket's stream takes
+/// one consumer and the test holds it, so the step's watch is refused; the worker waits
+/// again within the same delivery, and once the test lets go the step completes with no
+/// dispatch delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_error_while_a_step_waits_for_its_permit_does_not_use_up_a_delivery() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 10\n").await;
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    // The stream as the coordinator makes it (so it finds nothing to change), but for its
+    // consumer limit, which the coordinator does not look at.
+    let settings = mur_coordinator::Settings::default();
+    let config = async_nats::jetstream::stream::Config {
+        max_age: Duration::from_secs(settings.fanout_lease_secs),
+        allow_message_ttl: true,
+        subject_delete_marker_ttl: Some(Duration::from_secs(1)),
+        max_consumers: 1,
+        ..settings.kv_stream(
+            mur_proto::fanout::FANOUT_BUCKET,
+            "murmur: fan-out permits (slot.<n>) and waiting steps (wait.<task>)",
+            1,
+        )
+    };
+    let stream = js.create_stream(config).await.expect("the fan-out bucket's stream");
+    stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("held".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("the one consumer allowed");
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let worker = cluster.worker("wkr-1", 2);
+    let capsule = shell_capsule("m");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    let id = step(&cluster, "echo stepped", 1.into(), None).await;
+    until("the step's wait is refused twice", WAIT, || async {
+        (worker.log().matches("waiting for a fan-out permit failed").count() >= 2).then_some(())
+    })
+    .await;
+    stream.delete_consumer("held").await.expect("letting go of the consumer");
+    let r = cluster.wait_record(&id, WAIT, terminal).await;
+    assert_eq!((r.state, r.exit_status), (TaskState::Completed, Some(ExitStatus::Ok)), "{r:?}");
+    let dispatch = js.get_stream(mur_proto::cluster::DISPATCH_STREAM).await.unwrap();
+    let info = dispatch.consumer_info(mur_proto::cluster::DISPATCH_CONSUMER).await.unwrap();
+    // One dispatch, delivered once: each delivery takes a consumer sequence number.
+    assert_eq!(
+        (info.delivered.stream_sequence, info.delivered.consumer_sequence),
+        (1, 1),
+        "deliveries used up by the refused waits: {info:?}"
+    );
+}
+
 /// `mur fleet run --json` detached with SIGINT the moment its first line (the `run` record)
 /// is out: it exits 0, every line it printed is JSON with a `type`, and the run goes on
 /// without it to `completed`.

@@ -95,7 +95,8 @@ pub(super) enum PermitWait {
     Deadline,
     /// The task was cancelled, or the worker is stopping.
     Cancelled,
-    /// JetStream failed.
+    /// JetStream failed. `hold_permit` no longer ends a wait so (it waits again within the
+    /// delivery: issue #29 item 3); [`decide`] still naks one, should a caller report it.
     Failed,
 }
 

@@ -379,18 +379,29 @@ async fn hold_permit(
             wait.cancel();
         }
     });
-    let result = fanout::StepPermit::acquire(&sh.fanout, holder, &wait).await;
+    // A broker error waits in line again within this delivery, with the one backoff, until
+    // the deadline or a cancel ends the wait (issue #29 item 3: a nak here used up one of
+    // the dispatch's deliveries, and a broker refusing consumers dead-lettered steps); the
+    // in-progress acks go on meanwhile.
+    let mut delays = mur_nats::backoff::delays(Duration::from_millis(250), Duration::from_secs(4));
+    let result = loop {
+        match fanout::StepPermit::acquire(&sh.fanout, holder.clone(), &wait).await {
+            Err(fanout::Error::Cancelled) => break Err(fanout::Error::Cancelled),
+            Err(e) => {
+                tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed; waiting again");
+                tokio::select! {
+                    () = wait.cancelled() => break Err(fanout::Error::Cancelled),
+                    () = tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(4))) => {}
+                }
+            }
+            done => break done,
+        }
+    };
     timer.abort();
     match result {
         Ok(p) => Ok(p),
-        Err(fanout::Error::Cancelled) if !cancel.is_cancelled() && out_of_time.load(Ordering::SeqCst) => {
-            Err(PermitWait::Deadline)
-        }
-        Err(fanout::Error::Cancelled) => Err(PermitWait::Cancelled),
-        Err(e) => {
-            tracing::warn!(task_id = %task.task_id, error = %e, "waiting for a fan-out permit failed");
-            Err(PermitWait::Failed)
-        }
+        Err(_) if !cancel.is_cancelled() && out_of_time.load(Ordering::SeqCst) => Err(PermitWait::Deadline),
+        Err(_) => Err(PermitWait::Cancelled),
     }
 }
 
