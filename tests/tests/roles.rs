@@ -94,18 +94,20 @@ enum Try {
     Subscribe(&'static str),
 }
 
-/// Connects as `role` (its seed from its credentials file) and does `attempt`; returns once
-/// the server has said it is a permissions violation, with its message, or fails the test.
-async fn refused(role: &str, attempt: Try) -> String {
-    let dir = auth_init();
-    let nats = server(dir.path());
-    let Auth::Nkey { seed, .. } = Auth::from_creds_file(&creds(dir.path(), role)).unwrap() else {
+/// Connects as `role` with the seed of its credentials file over TLS (the CA `mur auth init`
+/// wrote); the server's events (a permissions violation among them) arrive on the channel.
+async fn connect_as(
+    dir: &std::path::Path,
+    nats: &NatsServer,
+    role: &str,
+) -> (async_nats::Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let Auth::Nkey { seed, .. } = Auth::from_creds_file(&creds(dir, role)).unwrap() else {
         panic!("mur auth init writes nkey seeds")
     };
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     mur_nats::tls::install_crypto_provider();
     let client = async_nats::ConnectOptions::with_nkey(seed)
-        .add_root_certificates(dir.path().join("ca.pem"))
+        .add_root_certificates(dir.join("ca.pem"))
         .event_callback(move |event| {
             let tx = tx.clone();
             async move {
@@ -115,6 +117,15 @@ async fn refused(role: &str, attempt: Try) -> String {
         .connect(nats.url())
         .await
         .unwrap_or_else(|e| panic!("{role} connects: {e}"));
+    (client, rx)
+}
+
+/// Connects as `role` (its seed from its credentials file) and does `attempt`; returns once
+/// the server has said it is a permissions violation, with its message, or fails the test.
+async fn refused(role: &str, attempt: Try) -> String {
+    let dir = auth_init();
+    let nats = server(dir.path());
+    let (client, mut rx) = connect_as(dir.path(), &nats, role).await;
     let (what, subject) = match attempt {
         Try::Publish(subject) => {
             client.publish(subject, "forged".into()).await.unwrap();
@@ -183,22 +194,7 @@ forbidden! {
 async fn an_approver_may_publish_an_approval() {
     let dir = auth_init();
     let nats = server(dir.path());
-    let Auth::Nkey { seed, .. } = Auth::from_creds_file(&creds(dir.path(), "approver")).unwrap() else {
-        panic!("nkey")
-    };
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    mur_nats::tls::install_crypto_provider();
-    let client = async_nats::ConnectOptions::with_nkey(seed)
-        .add_root_certificates(dir.path().join("ca.pem"))
-        .event_callback(move |event| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(event.to_string());
-            }
-        })
-        .connect(nats.url())
-        .await
-        .unwrap();
+    let (client, mut rx) = connect_as(dir.path(), &nats, "approver").await;
     client.publish("mur.api.fleet.approve", "{}".into()).await.unwrap();
     // A forbidden publish after it: its violation arrives after any the approval caused.
     client.publish("$KV.mur_tasks.x", "{}".into()).await.unwrap();
