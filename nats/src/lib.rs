@@ -14,7 +14,8 @@
 //! - [`connect`]: the connection options (server list, credentials, TLS);
 //! - [`health`]: a process's readiness (`/readyz`);
 //! - [`metrics`]: the metrics instruments every process records to (issue #32);
-//! - [`tls`]: the process's one rustls crypto provider.
+//! - [`tls`]: the process's one rustls crypto provider;
+//! - [`tokens`]: A2A bearer tokens in `mur_tokens`, and the keyring endpoints check them with.
 
 pub mod api;
 pub mod backoff;
@@ -29,4 +30,5 @@ pub mod metrics;
 pub mod read;
 pub mod tasks;
 pub mod tls;
+pub mod tokens;
 pub mod trace_context;

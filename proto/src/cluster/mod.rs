@@ -13,7 +13,7 @@
 //! One file per concern, each re-exported here (paths stay `cluster::…`): `names`
 //! (resources, subjects, [`api`]), `record` (the task record, the dispatch), `requests`
 //! (the API's requests, replies, errors), `sessions` (checkpoints, conversations),
-//! `status`, `workers`, `capsules`.
+//! `status`, `workers`, `capsules`, `tokens` (A2A bearer tokens: their record and grants).
 
 use crate::fanout::FleetStep;
 use crate::manifest::is_valid_name;
@@ -29,6 +29,7 @@ mod record;
 mod requests;
 mod sessions;
 mod status;
+mod tokens;
 mod workers;
 
 pub use capsules::*;
@@ -37,4 +38,5 @@ pub use record::*;
 pub use requests::*;
 pub use sessions::*;
 pub use status::*;
+pub use tokens::*;
 pub use workers::*;
