@@ -118,6 +118,16 @@ pub struct AgentCard {
     /// 0.3: the other interfaces.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub additional_interfaces: Vec<LegacyInterface>,
+    /// The security schemes (1.0 `securitySchemes`, with the 0.3 fields in each scheme;
+    /// [`crate::auth::bearer_card`]); absent when the endpoint checks nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_schemes: Option<serde_json::Value>,
+    /// 1.0 `securityRequirements`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_requirements: Option<serde_json::Value>,
+    /// 0.3 `security`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security: Option<serde_json::Value>,
 }
 
 impl AgentCard {
@@ -156,5 +166,8 @@ pub fn agent_card(info: &AgentInfo, url: &str) -> AgentCard {
         preferred_transport: Some(JSONRPC_BINDING.to_string()),
         protocol_version: Some(super::VERSION_1_0.to_string()),
         additional_interfaces: vec![LegacyInterface { url: url.to_string(), transport: JSONRPC_BINDING.to_string() }],
+        security_schemes: None,
+        security_requirements: None,
+        security: None,
     }
 }

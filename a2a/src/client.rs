@@ -86,18 +86,36 @@ pub struct SendOptions {
 pub struct Client {
     http: reqwest::Client,
     endpoint: String,
+    token: Option<Bearer>,
+}
+
+/// A bearer token, whose `Debug` hides it.
+#[derive(Clone)]
+struct Bearer(String);
+
+impl std::fmt::Debug for Bearer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Bearer(***)")
+    }
 }
 
 impl Client {
     /// A client of the JSON-RPC endpoint at `url` (a capsule's `http://host:port/`).
     pub fn new(url: impl Into<String>) -> Client {
         mur_nats::tls::install_crypto_provider();
-        Client { http: reqwest::Client::new(), endpoint: url.into() }
+        Client { http: reqwest::Client::new(), endpoint: url.into(), token: None }
+    }
+
+    /// The same client sending `Authorization: Bearer <token>` with every request (an
+    /// endpoint's token, `mur auth token create`).
+    pub fn with_token(mut self, token: impl Into<String>) -> Client {
+        self.token = Some(Bearer(token.into()));
+        self
     }
 
     /// Same, over a caller-configured HTTP client (timeouts, proxies).
     pub fn with_http(http: reqwest::Client, url: impl Into<String>) -> Client {
-        Client { http, endpoint: url.into() }
+        Client { http, endpoint: url.into(), token: None }
     }
 
     /// The endpoint URL.
@@ -123,6 +141,9 @@ impl Client {
     fn request(&self, method: &str, params: Value, origin: Option<Origin>) -> reqwest::RequestBuilder {
         let body = json!({ "jsonrpc": "2.0", "id": Id::generate(IdKind::Message), "method": method, "params": params });
         let mut request = self.http.post(&self.endpoint).header(VERSION_HEADER, VERSION_1_0).json(&body);
+        if let Some(Bearer(token)) = &self.token {
+            request = request.bearer_auth(token);
+        }
         if let Some(origin) = origin {
             request = request.header(ORIGIN_HEADER, origin.as_str());
         }
@@ -293,7 +314,12 @@ async fn check_status(response: reqwest::Response) -> Result<reqwest::Response, 
         return Ok(response);
     }
     let body = response.text().await.unwrap_or_default();
-    Err(Error::Status { status: status.as_u16(), body: body.chars().take(2048).collect() })
+    // A refusal carrying a JSON-RPC error (401, 403) is said by its message.
+    let said = serde_json::from_str::<Value>(&body)
+        .ok()
+        .and_then(|v| v.pointer("/error/message").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or(body);
+    Err(Error::Status { status: status.as_u16(), body: said.chars().take(2048).collect() })
 }
 
 /// The `result` of a JSON-RPC response, or its `error`.

@@ -9,6 +9,7 @@
 //! protocol (acceptance, lanes, origins, states) is the runtime reference, §5 and
 //! the session-loop seed, §Capsule lifecycle and §Queue lanes.
 
+pub mod auth;
 pub mod backend;
 pub mod card;
 #[cfg(feature = "client")]
@@ -16,6 +17,7 @@ pub mod client;
 pub mod intake;
 pub mod jsonrpc;
 pub mod server;
+pub mod tls;
 pub mod v03;
 pub mod v1;
 

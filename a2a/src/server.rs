@@ -61,12 +61,14 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use super::auth::{Guard, Mode};
 use super::backend::Backend;
 use super::card::{AgentCard, AgentInfo, agent_card};
 use super::jsonrpc::{self, RpcError};
 use super::{ORIGIN_HEADER, VERSION_0_3, VERSION_1_0, VERSION_HEADER, v1, v03};
 use crate::intake::{self, Rejected, Submission, TaskRecord, TaskUpdate};
 use mur_proto::Origin;
+use mur_proto::cluster::Access;
 
 /// Where the card is served.
 pub const AGENT_CARD_PATH: &str = "/.well-known/agent-card.json";
@@ -161,17 +163,45 @@ fn method(name: &str) -> Option<(Version, Op)> {
     })
 }
 
+impl Op {
+    /// What a token's scope must allow for it: sends and cancels change, the rest read.
+    fn access(self) -> Access {
+        match self {
+            Op::Send | Op::Stream | Op::Cancel => Access::Write,
+            Op::Get | Op::Subscribe | Op::List | Op::PushConfig => Access::Read,
+        }
+    }
+}
+
 struct App {
     backend: Arc<dyn Backend>,
     card: AgentCard,
+    guard: Guard,
+    /// The capsule a token must be valid for.
+    capsule: String,
 }
 
-/// The endpoint's routes over `backend`, serving `card`.
+/// The endpoint's routes over `backend`, serving `card`; nothing is authenticated.
 pub fn router(backend: Arc<dyn Backend>, card: AgentCard) -> Router {
-    Router::new()
-        .route(AGENT_CARD_PATH, get(serve_card))
-        .route("/", post(serve_rpc))
-        .with_state(Arc::new(App { backend, card }))
+    guarded_router(backend, card, Guard::off())
+}
+
+/// [`router`] with requests checked by `guard` (tokens valid for the card's capsule,
+/// `card.name`); unless the guard is off, the card declares the bearer scheme
+/// ([`crate::auth::bearer_card`]) and is served without a token.
+pub fn guarded_router(backend: Arc<dyn Backend>, card: AgentCard, guard: Guard) -> Router {
+    let card = if guard.mode() == Mode::Off || card.security_schemes.is_some() {
+        card
+    } else {
+        crate::auth::bearer_card(card)
+    };
+    let capsule = card.name.clone();
+    Router::new().route(AGENT_CARD_PATH, get(serve_card)).route("/", post(serve_rpc)).with_state(Arc::new(App {
+        backend,
+        card,
+        guard,
+        capsule,
+    }))
 }
 
 async fn serve_card(State(app): State<Arc<App>>) -> Json<AgentCard> {
@@ -192,10 +222,20 @@ async fn serve_rpc(
     RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Response {
+    // Who it is, before anything of the body is read (the id answered is then null).
+    let grant = match app.guard.authenticate(&headers) {
+        Ok(grant) => grant,
+        Err(refusal) => return refusal.response(&Value::Null),
+    };
     let request = match jsonrpc::parse_request(&body) {
         Ok(request) => request,
         Err((id, error)) => return Json(jsonrpc::failure(&id, &error)).into_response(),
     };
+    // What it may do: before a notification is carried out too.
+    let access = method(&request.method).map_or(Access::Read, |(_, op)| op.access());
+    if let Err(refusal) = Guard::authorize(grant.as_ref(), Some(&app.capsule), access) {
+        return refusal.response(&request.id);
+    }
     // A notification is carried out and not answered (JSON-RPC 2.0 §4.1): HTTP 204, no
     // body, whatever came of it. A request whose envelope is broken is answered, for it
     // cannot be told from a notification.
@@ -597,18 +637,30 @@ impl Server {
     /// from a task spawned on the current tokio runtime (call it inside one). The card
     /// advertises `info.url`, or `http://<bound address>/`.
     pub fn start(listener: TcpListener, backend: Arc<dyn Backend>, info: AgentInfo) -> io::Result<Server> {
+        Server::start_with(listener, backend, info, Guard::off(), None)
+    }
+
+    /// [`Server::start`] with requests checked by `guard`, and over TLS with `tls` (the
+    /// card then advertises `https://<bound address>/`).
+    pub fn start_with(
+        listener: TcpListener,
+        backend: Arc<dyn Backend>,
+        info: AgentInfo,
+        guard: Guard,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> io::Result<Server> {
         let addr = listener.local_addr()?;
-        let url = info.url.clone().unwrap_or_else(|| format!("http://{addr}/"));
-        let card = agent_card(&info, &url);
-        let app = router(backend, card.clone());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = info.url.clone().unwrap_or_else(|| format!("{scheme}://{addr}/"));
+        let mut card = agent_card(&info, &url);
+        if guard.mode() != Mode::Off {
+            card = crate::auth::bearer_card(card);
+        }
+        let app = guarded_router(backend, card.clone(), guard);
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(crate::tls::serve(listener, tls, app, async move {
+            let _ = stopped.await;
+        }));
         Ok(Server { addr, url, card, stop: Some(stop), task })
     }
 

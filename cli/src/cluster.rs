@@ -24,6 +24,8 @@ pub struct CoordinatorArgs {
     /// to 0.0.0.0 in a container.
     #[arg(long, value_name = "URL", requires = "http")]
     public_url: Option<String>,
+    #[command(flatten)]
+    http_auth: HttpAuth,
     /// This coordinator's name in the leader lease and the logs (default: a fresh
     /// `crd_…`). Several coordinators may run: one leads, the others stand by.
     #[arg(long)]
@@ -281,10 +283,39 @@ pub struct DevArgs {
     /// capsule at `http://HOST:PORT/capsules/<name>/` (off by default).
     #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
+    #[command(flatten)]
+    http_auth: HttpAuth,
     /// Serve `/metrics` (Prometheus text), `/healthz` and `/readyz` on this address (e.g.
     /// 127.0.0.1:9464, or port 0 for a free one: the bound address is said on stderr).
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) metrics: Option<String>,
+}
+
+/// Who may call the `--http` endpoint, and over what (issue #31): bearer tokens from
+/// `mur auth token create` (required on a non-loopback address; on loopback, once one
+/// exists), HTTPS with a certificate of the operator's.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HttpAuth {
+    /// Serve --http without checking tokens, on any address (anyone who reaches it may run
+    /// tasks: only behind an authenticating proxy).
+    #[arg(long)]
+    pub(crate) insecure_no_auth: bool,
+    /// Serve --http over HTTPS with this certificate chain (PEM), with --http-tls-key.
+    #[arg(long, value_name = "FILE", requires = "http_tls_key")]
+    pub(crate) http_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --http-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "http_tls_cert")]
+    pub(crate) http_tls_key: Option<PathBuf>,
+}
+
+impl HttpAuth {
+    /// The TLS configuration, when asked for.
+    pub(crate) fn tls(&self) -> Result<Option<std::sync::Arc<rustls::ServerConfig>>> {
+        match (&self.http_tls_cert, &self.http_tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(mur_a2a::tls::server_config(cert, key)?)),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// Binds `addr` and serves the coordinator's A2A endpoint from a spawned task until
@@ -293,18 +324,39 @@ async fn start_http(
     client: async_nats::Client,
     addr: &str,
     public_url: Option<&str>,
+    auth: &HttpAuth,
     stop: tokio_util::sync::CancellationToken,
 ) -> Result<(String, tokio::task::JoinHandle<()>)> {
+    use mur_a2a::auth::{Guard, Mode};
+    let tls = auth.tls()?;
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http {addr}"))?;
+    let bound = listener.local_addr()?;
+    let guard = if auth.insecure_no_auth {
+        if !bound.ip().is_loopback() {
+            eprintln!("warning: --http {bound} serves without authentication (--insecure-no-auth)");
+        }
+        Guard::off()
+    } else {
+        let store = mur_nats::tokens::store(&async_nats::jetstream::new(client.clone())).await?;
+        let keyring = mur_nats::tokens::follow(store, stop.clone()).await?;
+        if !bound.ip().is_loopback() && keyring.is_empty() {
+            bail!(
+                "--http {addr}: not a loopback address, and no A2A token exists to check requests against: make one \
+                 with `mur auth token create NAME` (senders pass it with --token-file FILE or MUR_A2A_TOKEN), or pass \
+                 --insecure-no-auth to serve without authentication (only behind an authenticating proxy)"
+            );
+        }
+        Guard::new(if bound.ip().is_loopback() { Mode::WhenTokens } else { Mode::Required }, keyring)
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let base = match public_url {
         Some(url) => url.trim_end_matches('/').to_string(),
-        None => format!("http://{}", listener.local_addr()?),
+        None => format!("{scheme}://{bound}"),
     };
     let served = base.clone();
     let task = tokio::spawn(async move {
-        if let Err(e) =
-            mur_coordinator::http::serve_at(client, listener, served, async move { stop.cancelled().await }).await
-        {
+        let stopped = async move { stop.cancelled().await };
+        if let Err(e) = mur_coordinator::http::serve_with(client, listener, served, guard, tls, stopped).await {
             eprintln!("a2a http: {e}");
         }
     });
@@ -368,7 +420,8 @@ pub fn coordinator(args: CoordinatorArgs, registry: Option<prometheus::Registry>
         }
         let http = match &args.http {
             Some(addr) => {
-                let (base, task) = start_http(client.clone(), addr, args.public_url.as_deref(), stop.clone()).await?;
+                let (base, task) =
+                    start_http(client.clone(), addr, args.public_url.as_deref(), &args.http_auth, stop.clone()).await?;
                 eprintln!("a2a endpoints at {base}/capsules/<name>/");
                 Some(task)
             }
@@ -625,7 +678,8 @@ pub fn dev(args: DevArgs, registry: Option<prometheus::Registry>) -> Result<Exit
             }
             let http = match &args.http {
                 Some(addr) => {
-                    let (base, task) = start_http(client.clone(), addr, None, shutdown.clone()).await?;
+                    let (base, task) =
+                        start_http(client.clone(), addr, None, &args.http_auth, shutdown.clone()).await?;
                     tasks.push(task);
                     Some(base)
                 }

@@ -43,6 +43,12 @@ pub struct Args {
     /// Serve the A2A endpoint on HOST:PORT (default: 127.0.0.1 and a port chosen by the OS).
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
     bind: std::net::SocketAddr,
+    /// Require `Authorization: Bearer <token>` with the token in FILE (its first line; the
+    /// same file `mur task send --token-file` reads). Needed to bind a non-loopback address.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    #[command(flatten)]
+    http_auth: crate::cluster::HttpAuth,
     /// End cleanly after SECS without a task (default: wait forever).
     #[arg(long, value_name = "SECS")]
     idle_exit: Option<u64>,
@@ -191,6 +197,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let model_label = capsule.model_label();
     std::fs::write(layout.murmur_md(), capsule::onboarding(&capsule.manifest, &model_label, &layout, &tools.specs()))?;
     let launch = resolve_task(&args, &capsule_dir, &layout.workdir)?;
+    let guard = endpoint_guard(&args)?;
+    let tls = args.http_auth.tls()?;
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = runtime.block_on(async {
@@ -231,7 +239,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
         let listener =
             tokio::net::TcpListener::bind(args.bind).await.with_context(|| format!("--bind {}", args.bind))?;
-        let server = Server::start(listener, intake.clone(), AgentInfo::from_manifest(&capsule.manifest))?;
+        let server =
+            Server::start_with(listener, intake.clone(), AgentInfo::from_manifest(&capsule.manifest), guard, tls)?;
         if args.json {
             println!(
                 "{}",
@@ -307,6 +316,39 @@ pub fn run(args: Args) -> Result<ExitCode> {
         println!("{}", t.outcome.result);
     }
     Ok(if exit == ExitStatus::Ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Who may call `mur run`'s endpoint (issue #31): the token of `--token-file`; nobody
+/// checked on loopback without one; a non-loopback `--bind` without one is refused unless
+/// `--insecure-no-auth`.
+fn endpoint_guard(args: &Args) -> Result<mur_a2a::auth::Guard> {
+    use mur_a2a::auth::{Guard, Mode};
+    if let Some(path) = &args.token_file {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--token-file {}", path.display()))?;
+        let token = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or_default();
+        if token.len() < 16 {
+            return Err(crate::Invalid(format!(
+                "--token-file {}: the token must be at least 16 characters (`mur auth token create` makes one, or \
+                 `head -c 32 /dev/urandom | xxd -p -c 64`)",
+                path.display()
+            ))
+            .into());
+        }
+        return Ok(Guard::new(Mode::Required, mur_nats::tokens::Keyring::of_token("token-file", token)));
+    }
+    if args.http_auth.insecure_no_auth || args.bind.ip().is_loopback() {
+        if !args.bind.ip().is_loopback() {
+            eprintln!("warning: --bind {} serves without authentication (--insecure-no-auth)", args.bind);
+        }
+        return Ok(Guard::off());
+    }
+    Err(crate::Invalid(format!(
+        "--bind {}: not a loopback address, and no token to check requests against: give --token-file FILE (a \
+         secret of 16 characters or more; senders pass the same file to `mur task send --token-file`), or pass \
+         --insecure-no-auth to serve without authentication (only behind an authenticating proxy)",
+        args.bind
+    ))
+    .into())
 }
 
 /// How long a stopping `mur run` keeps its endpoint up for the senders of the tasks it

@@ -69,6 +69,9 @@ pub struct SendArgs {
     /// An A2A endpoint to send to (the `url` printed by `mur run --json`).
     #[arg(long, value_name = "URL")]
     url: Option<String>,
+    /// With --url: a file holding the endpoint's bearer token (`mur auth token create`).
+    #[arg(long, value_name = "FILE", requires = "url")]
+    token_file: Option<std::path::PathBuf>,
     /// The task's origin: user, peer, schedule, event, completion, system. Over HTTP only
     /// peer and completion are believed; anything else waits in the bg lane as `event`.
     #[arg(long, value_name = "ORIGIN", default_value = "user")]
@@ -393,6 +396,23 @@ async fn wait_for(client: &async_nats::Client, task_id: &str) -> Result<TaskReco
     bail!("the watch on task {task_id} ended before the task did")
 }
 
+/// The bearer token for `--url`: `--token-file`'s first line, else `MUR_A2A_TOKEN`, else
+/// none.
+///
+/// # Errors
+/// The file cannot be read or is empty (named, the token never shown).
+fn a2a_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--token-file {}", path.display()))?;
+        let token = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or_default();
+        if token.is_empty() {
+            return Err(crate::Invalid(format!("--token-file {}: the file is empty", path.display())).into());
+        }
+        return Ok(Some(token.to_string()));
+    }
+    Ok(std::env::var("MUR_A2A_TOKEN").ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()))
+}
+
 fn send(args: SendArgs) -> Result<ExitCode> {
     let origin: Origin = args.origin.parse().map_err(|e| crate::Invalid(format!("--origin: {e}")))?;
     let Some(url) = args.url.clone() else { unreachable!("send_cluster handles sends without --url") };
@@ -405,7 +425,10 @@ fn send(args: SendArgs) -> Result<ExitCode> {
     // As on the NATS path: the endpoint's spans join this one's trace (its `traceparent`
     // goes in the HTTP headers).
     let span = tracing::info_span!("submit_task", otel.kind = "client", url.full = %url);
-    let client = client::Client::new(&url);
+    let mut client = client::Client::new(&url);
+    if let Some(token) = a2a_token(args.token_file.as_deref())? {
+        client = client.with_token(token);
+    }
     let task = runtime
         .block_on(client.send(text, &options).instrument(span.clone()))
         .with_context(|| format!("sending to {url}"))?;

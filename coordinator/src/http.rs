@@ -16,6 +16,12 @@
 //! name or the host of the base URL (rmcp's DNS-rebinding check); the sessions end when the
 //! listener shuts down.
 //!
+//! Authentication (issue #31): every request but `/healthz` and the agent cards passes the
+//! endpoint's [`Guard`] — a bearer token from `mur auth token create`, valid for the
+//! capsule of the path (`/mcp`: a token for every capsule, admin scope); the keyring
+//! follows the `mur_tokens` bucket, so a revoked token is refused from the moment the
+//! coordinator's watch sees the change. [`mur_a2a::auth`] has the modes and refusals.
+//!
 //! Refusals: the coordinator's refusal of a submission (an unknown capsule's `not_found`, an
 //! invalid context id, no coordinator answering) comes back as a task in state `rejected`
 //! whose status message is the coordinator's message, as a capsule's own refusals do.
@@ -29,13 +35,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use futures::stream::{self, StreamExt};
 use mur_a2a::Backend;
+use mur_a2a::auth::Guard;
 use mur_a2a::card::{AgentInfo, agent_card};
 use mur_a2a::intake::{
     self, RESULT_ARTIFACT_ID, Rejected, Submission, Subscription, TaskFilter, TaskRecord, TaskUpdate,
 };
 use mur_nats::trace_context;
 use mur_proto::cluster::{
-    ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitRequest, TASKS_BUCKET,
+    Access, ApiError, CAPSULE_INDEX_BUCKET, CapsuleIndexEntry, ErrorCode, SubmitRequest, TASKS_BUCKET,
     TaskRecord as ClusterRecord, TaskRef, api,
 };
 use mur_proto::task::TaskState;
@@ -79,14 +86,29 @@ pub async fn serve_at(
     base: String,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    serve_with(client, listener, base, Guard::off(), None, shutdown).await
+}
+
+/// [`serve_at`] with requests checked by `guard`, over TLS with `tls` when given.
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve_with(
+    client: async_nats::Client,
+    listener: TcpListener,
+    base: String,
+    guard: Guard,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
     // Open MCP streams end with the listener, or the graceful shutdown would wait for them.
     let mcp_stop = tokio_util::sync::CancellationToken::new();
-    let router = app(client, base.trim_end_matches('/').to_string(), mcp_stop.clone());
+    let router = guarded_app(client, base.trim_end_matches('/').to_string(), mcp_stop.clone(), guard);
     let shutdown = async move {
         shutdown.await;
         mcp_stop.cancel();
     };
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    mur_a2a::tls::serve(listener, tls, router, shutdown).await
 }
 
 /// `GET /healthz`: 200 `ok` while the coordinator's NATS connection is up, 503 otherwise
@@ -105,16 +127,37 @@ pub fn app(
     base: impl Into<String>,
     mcp_stop: tokio_util::sync::CancellationToken,
 ) -> Router {
+    guarded_app(client, base, mcp_stop, Guard::off())
+}
+
+/// [`app`] with requests checked by `guard` (module docs).
+pub fn guarded_app(
+    client: async_nats::Client,
+    base: impl Into<String>,
+    mcp_stop: tokio_util::sync::CancellationToken,
+    guard: Guard,
+) -> Router {
     let base = base.into();
-    let mcp = mcp_service(client.clone(), &base, mcp_stop);
-    let state = Arc::new(Endpoints { client, base, routers: Mutex::new(HashMap::new()) });
+    let mcp = Router::new()
+        .nest_service(MCP_PATH, mcp_service(client.clone(), &base, mcp_stop))
+        .layer(axum::middleware::from_fn_with_state(guard.clone(), cluster_wide));
+    let state = Arc::new(Endpoints { client, base, guard, routers: Mutex::new(HashMap::new()) });
     Router::new()
         .route("/healthz", axum::routing::get(healthz))
-        .nest_service(MCP_PATH, mcp)
         .route("/capsules/{name}", any(capsule_root))
         .route("/capsules/{name}/", any(capsule_root))
         .route("/capsules/{name}/{*rest}", any(capsule_path))
         .with_state(state)
+        .merge(mcp)
+}
+
+/// `/mcp` reaches every capsule, sends included: it takes a token for every capsule, admin
+/// scope.
+async fn cluster_wide(State(guard): State<Guard>, request: Request, next: axum::middleware::Next) -> Response {
+    match guard.admit(request.headers(), None, Access::Write) {
+        Ok(_) => next.run(request).await,
+        Err(refusal) => refusal.response(&serde_json::Value::Null),
+    }
 }
 
 /// Where the MCP endpoint is served.
@@ -144,6 +187,7 @@ fn mcp_service(
 struct Endpoints {
     client: async_nats::Client,
     base: String,
+    guard: Guard,
     routers: Mutex<HashMap<String, Router>>,
 }
 
@@ -171,7 +215,7 @@ impl Endpoints {
         };
         let url = format!("{}/capsules/{name}/", self.base);
         let backend = Arc::new(ClusterBackend::new(self.client.clone(), name));
-        let router = mur_a2a::server::router(backend, agent_card(&info, &url));
+        let router = mur_a2a::server::guarded_router(backend, agent_card(&info, &url), self.guard.clone());
         if known {
             self.routers.lock().expect("routers").insert(name.to_string(), router.clone());
         }
