@@ -160,7 +160,7 @@ impl Ctx {
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
             Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
-            Endpoint::Fleet(op) => self.fleets.handle(op, body).await,
+            Endpoint::Fleet(op) => self.fleets.handle(op, request.message.headers.as_ref(), body).await,
         };
         let sent = match result {
             Ok(reply) => request.respond(Ok(reply)).await,
