@@ -144,6 +144,12 @@ macro_rules! typed_id {
             }
         }
 
+        impl From<&$name> for String {
+            fn from(id: &$name) -> String {
+                id.0.clone()
+            }
+        }
+
         impl Deref for $name {
             type Target = str;
             fn deref(&self) -> &str {
