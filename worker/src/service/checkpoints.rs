@@ -4,16 +4,19 @@
 use super::*;
 
 /// Purges a finished task's checkpoints: nothing will take it over any more.
-pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
+pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &TaskId) {
     let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
     if let Err(e) = sessions.stream.purge().filter(filter).await {
-        tracing::debug!(task_id, error = %e, "purging the task's checkpoints failed");
+        tracing::debug!(%task_id, error = %e, "purging the task's checkpoints failed");
     }
 }
 
 /// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]).
 /// `Ok(None)` when it has none.
-pub(super) async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Result<Option<cluster::Resume>, String> {
+pub(super) async fn read_checkpoints(
+    sessions: &kv::Store,
+    task_id: &TaskId,
+) -> Result<Option<cluster::Resume>, String> {
     use async_nats::jetstream::consumer::{DeliverPolicy, pull};
     // One key per turn: read them all through the bucket's stream, filtered by prefix.
     let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
@@ -74,7 +77,7 @@ pub(super) fn takeover_from(
 /// Writes a task's per-turn checkpoints to `mur_sessions` ([`checkpoint_key`]).
 pub(super) struct KvCheckpoints {
     pub(super) sessions: kv::Store,
-    pub(super) task_id: String,
+    pub(super) task_id: TaskId,
     pub(super) session_id: String,
     pub(super) worker: String,
     /// Whether the task has checkpoints (to purge at its end).
