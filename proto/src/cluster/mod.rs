@@ -13,6 +13,7 @@
 //! One file per concern, each re-exported here (paths stay `cluster::…`): `names`
 //! (resources, subjects, [`api`]), `record` (the task record, the dispatch), `requests`
 //! (the API's requests, replies, errors), `sessions` (checkpoints, conversations),
+//! `journal` (the tool-call journal and its replay at a takeover),
 //! `status`, `workers`, `capsules`.
 
 use crate::fanout::FleetStep;
@@ -24,6 +25,7 @@ use serde_json::{Map, Value};
 use std::fmt;
 
 mod capsules;
+mod journal;
 mod names;
 mod record;
 mod requests;
@@ -32,6 +34,7 @@ mod status;
 mod workers;
 
 pub use capsules::*;
+pub use journal::*;
 pub use names::*;
 pub use record::*;
 pub use requests::*;
