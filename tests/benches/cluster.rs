@@ -59,6 +59,7 @@
 
 use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt;
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, Dispatch, SubmitReply, SubmitRequest, api};
 use mur_proto::task::{Origin, TaskState};
 use mur_proto::{Id, IdKind};
@@ -488,10 +489,15 @@ async fn raw_round_trips(sb: &Sandbox, n: usize) -> Vec<Duration> {
 fn noop_dispatch() -> Dispatch {
     let task_id = Id::generate(IdKind::Task);
     let request = SubmitRequest::new("noop", "hi", Origin::User);
-    let mut record = cluster::TaskRecord::submitted(task_id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+    let mut record =
+        cluster::TaskRecord::submitted(TaskId::unchecked(task_id.clone()), request, "0f".repeat(32), 1_700_000_000_000);
     record.attempt = 1;
     record.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
-    Dispatch { task_id, attempt: 1, released: Some(cluster::Released { revision: 12345, record }) }
+    Dispatch {
+        task_id: TaskId::unchecked(task_id),
+        attempt: 1,
+        released: Some(cluster::Released { revision: 12345, record }),
+    }
 }
 
 /// A throughput run: tasks ended per second, and where a task's time went under that load.
@@ -1093,7 +1099,7 @@ async fn submit_prompt(client: &async_nats::Client, capsule: &str, prompt: &str)
     let request = SubmitRequest::new(capsule, prompt, Origin::User);
     let reply: SubmitReply =
         mur_nats::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.expect("submit");
-    reply.task_id
+    reply.task_id.into_string()
 }
 
 #[derive(Deserialize)]
@@ -1202,7 +1208,8 @@ impl Watcher {
                     while let Some(msg) = dispatches.next().await {
                         let at = Instant::now();
                         if let Ok(dispatch) = serde_json::from_slice::<Dispatch>(&msg.payload) {
-                            seen.lock().unwrap().steps.entry(dispatch.task_id).or_default().dispatched = Some(at);
+                            seen.lock().unwrap().steps.entry(dispatch.task_id.into_string()).or_default().dispatched =
+                                Some(at);
                         }
                     }
                 }

@@ -207,7 +207,7 @@ impl Sandbox {
             mur_nats::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
                 .await
                 .expect("submit");
-        reply.task_id
+        reply.task_id.into_string()
     }
 
     /// Every task record, newest first: one `task.list` page (its items).
