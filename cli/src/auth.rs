@@ -135,7 +135,8 @@ pub fn roles() -> Vec<Role> {
         "{\n          publish: { allow: [\">\"] }\n          subscribe: { allow: [\">\"] }\n        }".to_string();
     // A worker: pulls and acks dispatches, writes task records, sessions, its heartbeat and
     // fan-out permits, publishes traces, reads capsules, submits completion tasks. It may
-    // not push capsules, touch the leader lease, fleets or jobs, nor call the fleet API.
+    // not push capsules, touch the leader lease, fleets or jobs, call the fleet API, publish
+    // dispatches or cancel tasks.
     // A worker purges a finished task's checkpoints (a subject-filtered purge of
     // KV_mur_sessions), so its purge deny names every other stream.
     let mut worker: Vec<&str> = STREAM_ADMIN.iter().copied().filter(|s| !s.contains("PURGE")).collect();
@@ -161,6 +162,12 @@ pub fn roles() -> Vec<Role> {
         "mur.api.fleet.>",
         "mur.leader.>",
         "mur.fleet.>",
+        // Dispatches come from the coordinator only, and so do cancels: a worker's key
+        // cannot inject a task into the workers' queue nor stop another worker's task.
+        "mur.dispatch",
+        "mur.dispatch.>",
+        "mur.cancel.>",
+        "mur.api.task.cancel",
     ]);
     // A client (`mur task …`, `mur fleet …`, `mur cluster status`, `mur trace`): the API
     // and reading; no KV or object write, no dispatch, trace or fleet-channel publish, no

@@ -367,6 +367,11 @@ async fn security_cost(sizes: &Sizes, table: &mut Table) {
         table.note("auth + TLS phase skipped: no mur binary (cargo build --release --bin mur)");
         return;
     }
+    // `MUR_BENCH_SECURED_TRIPS` / `MUR_BENCH_SECURED_TASKS` set the round trips and tasks per
+    // round (a debug build's smoke sizes are too small to tell 25 % apart).
+    let sized = |var: &str, default: usize| std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let trips_n = sized("MUR_BENCH_SECURED_TRIPS", sizes.round_trips);
+    let tasks_n = sized("MUR_BENCH_SECURED_TASKS", sizes.noop_tasks);
     let mut p50s: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
     let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for secured in [false, true, false, true] {
@@ -378,15 +383,15 @@ async fn security_cost(sizes: &Sizes, table: &mut Table) {
             let id = submit(&sb.client, "noop").await;
             watcher.wait_ended(&id, false).await;
         }
-        let mut trips = Vec::with_capacity(sizes.round_trips);
-        for _ in 0..sizes.round_trips {
+        let mut trips = Vec::with_capacity(trips_n);
+        for _ in 0..trips_n {
             let t0 = Instant::now();
             let id = submit(&sb.client, "noop").await;
             watcher.wait_ended(&id, false).await;
             trips.push(t0.elapsed());
         }
         p50s[usize::from(secured)].push(quantiles(&trips).0);
-        let load = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 8, None).await;
+        let load = throughput(&sb, &watcher, "noop", tasks_n, 8, None).await;
         rates[usize::from(secured)].push(load.per_s);
         drop(watcher);
         sb.shutdown().await;
@@ -395,7 +400,7 @@ async fn security_cost(sizes: &Sizes, table: &mut Table) {
     let mean_r = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (plain50, secure50) = (mean_d(&p50s[0]), mean_d(&p50s[1]));
     let (plain_rate, secure_rate) = (mean_r(&rates[0]), mean_r(&rates[1]));
-    let n = sizes.round_trips;
+    let n = trips_n;
     table.value(
         &format!("no-op round trip, plaintext (n={n} × 2)"),
         format!("p50 {}", ms(plain50)),
@@ -409,7 +414,7 @@ async fn security_cost(sizes: &Sizes, table: &mut Table) {
         format!("≤ 1.25× plaintext: {r50:.2}×"),
         Some(r50 <= 1.25),
     );
-    let m = sizes.noop_tasks;
+    let m = tasks_n;
     table.rate(&format!("no-op throughput 1×8, plaintext (n={m} × 2)"), plain_rate, "baseline", None);
     let rr = secure_rate / plain_rate;
     table.rate(

@@ -183,6 +183,9 @@ forbidden! {
     a_worker_cannot_approve_a_step: "worker", Try::Publish("mur.api.fleet.approve");
     a_worker_cannot_delete_a_stream: "worker", Try::Publish("$JS.API.STREAM.DELETE.KV_mur_tasks");
     a_worker_cannot_purge_the_task_records: "worker", Try::Publish("$JS.API.STREAM.PURGE.KV_mur_tasks");
+    a_worker_cannot_publish_a_dispatch: "worker", Try::Publish("mur.dispatch");
+    a_worker_cannot_send_a_cancel_note: "worker", Try::Publish("mur.cancel.tsk_other");
+    a_worker_cannot_cancel_a_task_over_the_api: "worker", Try::Publish("mur.api.task.cancel");
     // An approver: a client that may also approve and deny.
     an_approver_cannot_write_a_task_record: "approver", Try::Publish("$KV.mur_tasks.tsk_forged");
     an_approver_cannot_push_a_capsule_chunk: "approver", Try::Publish("$O.mur_capsules.C.forged");
