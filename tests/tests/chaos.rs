@@ -1152,7 +1152,7 @@ async fn journal_chaos(calls: u32, kills: u32) -> JournalCounts {
                 return FakeReply::text("finished");
             }
             // Every third call is the idempotent one, so that (b) hits both over the kills.
-            let tool = if turn % 3 == 1 { "notify" } else { "pay" };
+            let tool = if turn.is_multiple_of(3) { "notify" } else { "pay" };
             FakeReply::Json(serde_json::json!({
                 "id": "chatcmpl-fake",
                 "object": "chat.completion",
