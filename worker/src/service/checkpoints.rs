@@ -4,11 +4,11 @@
 use super::*;
 
 /// Purges a finished task's checkpoints and journal: nothing will take it over any more.
-pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
+pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &TaskId) {
     for prefix in [cluster::checkpoint_prefix(task_id), cluster::journal_prefix(task_id)] {
         let filter = format!("{}{prefix}>", sessions.prefix);
         if let Err(e) = sessions.stream.purge().filter(filter).await {
-            tracing::debug!(task_id, error = %e, "purging the task's checkpoints failed");
+            tracing::debug!(%task_id, error = %e, "purging the task's checkpoints failed");
         }
     }
 }
@@ -51,7 +51,7 @@ async fn read_prefix(sessions: &kv::Store, prefix: &str) -> Result<Vec<(String, 
 /// checkpoint.
 pub(super) async fn read_checkpoints(
     sessions: &kv::Store,
-    task_id: &str,
+    task_id: &TaskId,
 ) -> Result<(Option<cluster::Resume>, cluster::Replay), String> {
     let mut checkpoints = Vec::new();
     for (subject, json) in read_prefix(sessions, &cluster::checkpoint_prefix(task_id)).await? {
@@ -96,7 +96,7 @@ pub(super) fn takeover_from(
 /// ([`cluster::Entry::key`]) to `mur_sessions`.
 pub(super) struct KvCheckpoints {
     pub(super) sessions: kv::Store,
-    pub(super) task_id: String,
+    pub(super) task_id: TaskId,
     pub(super) session_id: String,
     pub(super) worker: String,
     /// Whether the task has checkpoints or journal entries (to purge at its end).

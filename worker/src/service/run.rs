@@ -95,7 +95,7 @@ pub(super) async fn run_session(
         client: sh.client.clone(),
         store: sh.capsules.clone(),
         capsule: task.capsule.clone(),
-        task_id: task.task_id.clone(),
+        task_id: task.task_id.to_string(),
         context_id: task.context_id.clone(),
         session_id: session_id.to_string(),
         session_dir: layout.session_dir.clone(),
@@ -133,7 +133,7 @@ pub(super) async fn run_session(
     let outcome = async {
         let mut session = Session::start(cfg, parts).await.map_err(|e| e.to_string())?;
         let spec = TaskSpec {
-            task_id: task.task_id.clone(),
+            task_id: task.task_id.to_string(),
             context_id: task.context_id.clone(),
             text: task.text.clone(),
             origin: task.origin,
