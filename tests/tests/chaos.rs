@@ -5,7 +5,7 @@
 use mur_proto::TaskId;
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
-use mur_tests::capsule::{TestCapsule, shell_capsule};
+use mur_tests::capsule::{TestCapsule, idempotent_shell_capsule, shell_capsule};
 use mur_tests::procs::{Procs, proc_state, until};
 use serde_json::Value;
 use std::time::Duration;
@@ -283,7 +283,8 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flows() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 3\n").await;
     let _coordinator = cluster.coordinator("coordinator-1");
-    let capsule = shell_capsule("risky");
+    // Its command runs again at each takeover (issue #34: declared idempotent).
+    let capsule = idempotent_shell_capsule("risky");
     cluster.push(capsule.dir()).await;
     let mut started = 0;
     let mut worker = cluster.worker("wkr-0", 1);
@@ -353,7 +354,8 @@ async fn a_task_that_kills_its_workers_ends_in_the_dead_letters_and_its_lane_flo
 async fn a_task_given_up_while_no_coordinator_runs_is_dead_lettered_once_one_leads_and_frees_its_slot() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n  max_deliver: 2\n").await;
     let mut first = cluster.coordinator("coordinator-1");
-    let capsule = shell_capsule("risky");
+    // Its command runs again at each takeover (issue #34: declared idempotent).
+    let capsule = idempotent_shell_capsule("risky");
     cluster.push(capsule.dir()).await;
     let mut started = 0;
     let mut worker = cluster.worker("wkr-0", 1);
@@ -871,7 +873,7 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
     let _coordinator = cluster.coordinator("coordinator-1");
     let capsule = TestCapsule::new(
-        "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\nlifecycle:\n  task_acceptance: queue\n",
+        "name: serial\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\ncapabilities:\n  shell:\n    allow: [sh]\n    idempotent: true\nlifecycle:\n  task_acceptance: queue\n",
         &[],
     );
     let log = capsule.dir().join("log.txt");
@@ -913,7 +915,7 @@ async fn a_queue_capsule_runs_one_task_at_a_time_through_a_worker_kill() {
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     // The killed worker's command died with it (it never wrote "end 1"); the takeover ran
-    // it again; then every run is "start N" and its own "end N", in order: never two at once.
+    // it again (in doubt, declared idempotent: issue #34); then every run is "start N" and its own "end N", in order: never two at once.
     assert_eq!(lines, ["start 1", "start 1", "end 1", "start 2", "end 2", "start 3", "end 3"]);
 }
 
