@@ -14,7 +14,12 @@
 //! - (e) the one-time load of each tokenizer: time and heap kept;
 //! - (d) a baseline: the cost of building and serialising a 1-message request against the
 //!   request of turn 200, for the reference builder (`request_body` + `serde_json::to_vec`)
-//!   and for the driver's cached encoder.
+//!   and for the driver's cached encoder;
+//! - (f) the tool-call journal's cost (issue #34): task (a) as a cluster task
+//!   (`run_task_durable`) with its journal appended to a KV bucket of a real nats-server
+//!   started here (three acknowledged appends per turn: the response, the call's start, its
+//!   result), beside the same task durable with no journal, interleaved; and each append's
+//!   own round trip.
 //!
 //! Runtime overhead per turn is measured by wrapping the driver: the gap between the
 //! starts of two consecutive model calls, minus the time spent inside the first of them.
@@ -33,6 +38,7 @@
 use async_trait::async_trait;
 use mur_nats::clock::SystemClock;
 use mur_proto::Manifest;
+use mur_proto::cluster::Entry;
 use mur_proto::message::Message;
 use mur_proto::task::{ExitStatus, Origin};
 use mur_tests::fake_openai::{FakeOpenAi, FakeReply};
@@ -43,7 +49,7 @@ use mur_worker::driver::{Driver, Error, ModelRequest, ModelResponse, ToolSpec};
 use mur_worker::hooks::NoHooks;
 use mur_worker::session::runner::Parts;
 use mur_worker::session::spend::{Position, Spend};
-use mur_worker::session::{Session, SessionConfig, TaskSpec};
+use mur_worker::session::{Checkpoints, Durable, Journal, Session, SessionConfig, TaskSpec, TurnCheckpoint};
 use mur_worker::tokens::{self, Estimator};
 use mur_worker::tools::{CallContext, Outcome, Tools};
 use mur_worker::trace::{FileSink, Tracer};
@@ -233,12 +239,55 @@ fn manifest(driver: &str, model: Option<&str>, max_turns: usize) -> Arc<Manifest
 
 /// Runs one task of `turns` model calls through a real [`Session`] with `driver` wrapped in
 /// [`Timed`], writing the trace to `dir/trace.jsonl`; returns the calls as seen.
+/// A journal appended to a KV bucket, as the worker's adapter does, timing each append.
+struct KvJournal {
+    kv: async_nats::jetstream::kv::Store,
+    times: Mutex<Vec<Duration>>,
+}
+
+#[async_trait]
+impl Journal for KvJournal {
+    fn worker(&self) -> &str {
+        "wkr-bench"
+    }
+
+    async fn append(&self, entry: Entry) -> Result<(), String> {
+        let t = Instant::now();
+        let json = entry.clone().fit(1 << 20).map_err(|e| e.to_string())?;
+        self.kv.put(entry.key(), json.into()).await.map_err(|e| e.to_string())?;
+        self.times.lock().unwrap().push(t.elapsed());
+        Ok(())
+    }
+}
+
+/// Checkpoints that go nowhere: (f) measures the journal alone.
+struct NoCheckpoints;
+
+#[async_trait]
+impl Checkpoints for NoCheckpoints {
+    async fn save(&self, _checkpoint: TurnCheckpoint) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 async fn run_task(
     dir: &Path,
     driver: Arc<dyn Driver>,
     model: Option<&str>,
     turns: usize,
     estimator: Arc<dyn Estimator>,
+) -> Vec<Call> {
+    run_task_with(dir, driver, model, turns, estimator, None).await
+}
+
+/// [`run_task`], as a cluster task when `durable` is given.
+async fn run_task_with(
+    dir: &Path,
+    driver: Arc<dyn Driver>,
+    model: Option<&str>,
+    turns: usize,
+    estimator: Arc<dyn Estimator>,
+    durable: Option<Durable>,
 ) -> Vec<Call> {
     let kind = driver.kind();
     let timed = Arc::new(Timed::new(driver, turns));
@@ -281,7 +330,13 @@ async fn run_task(
         origin: Origin::User,
         source: "cli".into(),
     };
-    let report = session.run_task(task, Vec::new()).await.expect("trace writes");
+    let report = match durable {
+        Some(durable) => session
+            .run_task_durable(task, Vec::new(), tokio_util::sync::CancellationToken::new(), durable)
+            .await
+            .expect("trace writes"),
+        None => session.run_task(task, Vec::new()).await.expect("trace writes"),
+    };
     assert_eq!(report.outcome.exit_status, ExitStatus::Ok, "{}", report.outcome.result);
     assert_eq!(report.counters.turns as usize, turns);
     session.end(None).await.expect("session_end");
@@ -660,6 +715,64 @@ fn main() {
         );
     }
 
+    // (f) the tool-call journal (issue #34).
+    let nats = mur_tests::nats::NatsServer::start();
+    let kv = runtime.block_on(async {
+        let client = async_nats::connect(nats.url()).await.expect("connect to nats-server");
+        let js = async_nats::jetstream::new(client);
+        js.create_key_value(async_nats::jetstream::kv::Config {
+            bucket: "bench_sessions".into(),
+            history: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("create the bucket")
+    });
+    let journal = Arc::new(KvJournal { kv, times: Mutex::new(Vec::new()) });
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        for journaled in [false, true] {
+            let d = task_dir(format!("journal-{i}-{journaled}"));
+            let durable = Durable {
+                takeover: None,
+                checkpoints: Arc::new(NoCheckpoints),
+                journal: journaled.then(|| journal.clone() as Arc<dyn Journal>),
+                deadline: None,
+            };
+            let t = Instant::now();
+            let calls = runtime.block_on(run_task_with(
+                &d,
+                scripted(scripted_turns),
+                None,
+                scripted_turns,
+                tokens::for_model("scripted", None),
+                Some(durable),
+            ));
+            let f = Figures::new(&calls, t.elapsed());
+            if journaled { with.push(f) } else { without.push(f) }
+        }
+    }
+    let (with, without) = (Figures::median(&with), Figures::median(&without));
+    let p50 = |xs: &[Duration]| median(xs.to_vec());
+    let appends = journal.times.lock().unwrap().clone();
+    let (with_p50, without_p50) = (p50(&with.overhead), p50(&without.overhead));
+    let per_call = with_p50.saturating_sub(without_p50);
+    println!("\n(f) the tool-call journal, task (a) durable, to a real nats-server (one tool call per turn)");
+    println!("  overhead per turn p50, no journal   {}", us(without_p50));
+    println!("  overhead per turn p50, journaled    {}", us(with_p50));
+    println!("  journaling per tool call, p50       {} (3 appends: response, start, result)", us(per_call));
+    println!(
+        "  one append's round trip            p50 {}  p90 {}  ({} appends)",
+        us(p50(&appends)),
+        us({
+            let mut a = appends.clone();
+            a.sort();
+            a.get(a.len() * 9 / 10).copied().unwrap_or_default()
+        }),
+        appends.len()
+    );
+    drop(nats);
+
     println!("\ntargets (issue #3){}", if smoke { " — smoke run, figures not meaningful" } else { "" });
     let check = |ok: bool| if ok { "met" } else { "MISSED" };
     for (label, mean, ratio) in [("(a) ", a_mean, a_ratio), ("(a')", a2_mean, a2_ratio), ("(b) ", b_mean, b_ratio)] {
@@ -671,4 +784,9 @@ fn main() {
         );
     }
     println!("  (a)  peak heap {} < 50 MB: {}", mib(heap_peak), check(heap_peak < 50_000_000));
+    println!(
+        "  (f)  journaling per tool call p50 {} <= 0.5 ms (issue #34): {}",
+        us(per_call),
+        check(per_call <= Duration::from_micros(500))
+    );
 }

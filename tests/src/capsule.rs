@@ -60,6 +60,17 @@ pub fn shell_capsule(name: &str) -> TestCapsule {
     )
 }
 
+/// [`shell_capsule`] whose shell commands are declared idempotent
+/// (`capabilities.shell.idempotent`): a command in doubt at a takeover runs again (issue
+/// #34), as every command did before the journal.
+pub fn idempotent_shell_capsule(name: &str) -> TestCapsule {
+    let capsule = shell_capsule(name);
+    let manifest = capsule.dir().join("murmur.yaml");
+    let text = std::fs::read_to_string(&manifest).expect("read manifest");
+    std::fs::write(&manifest, format!("{text}    idempotent: true\n")).expect("write manifest");
+    capsule
+}
+
 /// The repository's root folder.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()

@@ -110,6 +110,8 @@ struct Shared {
     given: usize,
     /// Answers every request once `replies` is empty.
     repeat: Option<FakeReply>,
+    /// Answers every request from its body, before `replies` and `repeat` are looked at.
+    responder: Option<Responder>,
     /// Waited before each answer.
     delay: Mutex<Duration>,
     /// Whether requests are kept for [`FakeOpenAi::received`].
@@ -121,6 +123,9 @@ struct Shared {
     timing: std::sync::atomic::AtomicBool,
     timings: Mutex<Vec<Timed>>,
 }
+
+/// A reply chosen from the request's JSON body ([`FakeOpenAi::responding`]).
+pub type Responder = Arc<dyn Fn(&Value) -> FakeReply + Send + Sync>;
 
 /// When one request was taken and answered, with its body (for a benchmark to tell which
 /// task it came from).
@@ -164,6 +169,17 @@ impl FakeOpenAi {
     /// As [`FakeOpenAi::start`].
     pub fn repeating(reply: FakeReply) -> FakeOpenAi {
         FakeOpenAi::serve(Shared { repeat: Some(reply), ..Shared::default() })
+    }
+
+    /// Binds `127.0.0.1:0` and answers each request with what `respond` makes of its JSON
+    /// body (a model whose answer depends on the conversation: a request sent again gets
+    /// the same answer), keeping every request like [`FakeOpenAi::start`].
+    ///
+    /// # Panics
+    /// As [`FakeOpenAi::start`].
+    pub fn responding(respond: impl Fn(&Value) -> FakeReply + Send + Sync + 'static) -> FakeOpenAi {
+        mur_nats::tls::install_crypto_provider();
+        FakeOpenAi::serve(Shared { responder: Some(Arc::new(respond)), record: true, ..Shared::default() })
     }
 
     fn serve(shared: Shared) -> FakeOpenAi {
@@ -245,11 +261,15 @@ async fn complete(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: B
 
 async fn answer(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Response {
     let number = shared.served.fetch_add(1, Ordering::Relaxed) + 1;
-    if shared.record {
+    let mut chosen = None;
+    if shared.record || shared.responder.is_some() {
         let body =
             serde_json::from_slice(body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()));
+        chosen = shared.responder.as_ref().map(|respond| respond(&body));
         let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string);
-        shared.received.lock().unwrap().push(Received { authorization, body });
+        if shared.record {
+            shared.received.lock().unwrap().push(Received { authorization, body });
+        }
     }
     let delay = *shared.delay.lock().unwrap();
     if !delay.is_zero() {
@@ -257,7 +277,7 @@ async fn answer(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Response 
         // timer ends 1–2 ms late.
         crate::timer::sleep(delay).await;
     }
-    let reply = shared.replies.lock().unwrap().pop_front().or_else(|| shared.repeat.clone());
+    let reply = chosen.or_else(|| shared.replies.lock().unwrap().pop_front()).or_else(|| shared.repeat.clone());
     match reply {
         Some(FakeReply::Json(value)) => axum::Json(value).into_response(),
         Some(FakeReply::Stream(chunks)) => stream_response(&chunks),
