@@ -113,6 +113,12 @@ impl Keyring {
         self.tokens.write().expect("keyring").insert(record.name.clone(), (record, sha));
     }
 
+    /// Some record it holds (tests).
+    #[cfg(test)]
+    fn check_any(&self) -> TokenRecord {
+        self.tokens.read().expect("keyring").values().next().expect("a token").0.clone()
+    }
+
     /// Forgets the token `name`.
     pub fn remove(&self, name: &str) {
         self.tokens.write().expect("keyring").remove(name);
@@ -296,6 +302,39 @@ mod tests {
         assert_ne!(a, b);
         assert!(a.starts_with(TOKEN_PREFIX));
         assert_eq!(a.len(), TOKEN_PREFIX.len() + 64);
+    }
+
+    /// The cost of one check (a request's): hash once, compare with every digest. Prints
+    /// nanoseconds per check for 1 and 100 tokens and the ratio to hashing alone. Run:
+    /// `cargo test -p mur-nats --release --lib -- --ignored --nocapture check_cost`.
+    #[test]
+    #[ignore = "a measurement: run in release"]
+    fn check_cost() {
+        const N: u32 = 200_000;
+        let token = generate().unwrap();
+        let time = |f: &dyn Fn()| {
+            let start = std::time::Instant::now();
+            for _ in 0..N {
+                f();
+            }
+            start.elapsed().as_nanos() as f64 / f64::from(N)
+        };
+        let hash = time(&|| {
+            std::hint::black_box(digest(std::hint::black_box(&token)));
+        });
+        let one = Keyring::of_token("one", &token);
+        let many = Keyring::new();
+        for i in 0..100 {
+            many.insert(Keyring::of_token(&format!("t{i}"), &generate().unwrap()).check_any());
+        }
+        many.insert(one.check(&token).unwrap());
+        let check1 = time(&|| assert!(one.check(std::hint::black_box(&token)).is_some()));
+        let check100 = time(&|| assert!(many.check(std::hint::black_box(&token)).is_some()));
+        println!(
+            "sha256 alone {hash:.0} ns; check, 1 token {check1:.0} ns ({:.2}x); 101 tokens {check100:.0} ns ({:.2}x)",
+            check1 / hash,
+            check100 / hash
+        );
     }
 
     #[test]
