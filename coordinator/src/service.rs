@@ -4,8 +4,8 @@
 //! through the cluster, steps 1–3).
 //!
 //! Layout of [`run`]:
-//! 1. [`resources::ensure`], then one watcher per bucket (`watch_with_history(">")`: the
-//!    last revision of every key, then every change; `watch_all` would give only the
+//! 1. [`resources::ensure`], then one watch per bucket ([`mur_nats::read::watch`] of `">"`: the
+//!    last revision of every key, then every change; [`mur_nats::read::watch_changes`] would give only the
 //!    changes). What the watchers deliver until they are caught up is the restart replay
 //!    given to [`Scheduler::restore`]; after that each change is fed to the scheduler as
 //!    it comes.
@@ -208,6 +208,9 @@ struct Ctx {
     releasing: Mutex<HashSet<String>>,
     /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
     worker_timeout_ms: u64,
+    /// Woken each time the watch of `mur_tasks` brings a terminal record: a fleet run
+    /// waiting for its step reads the record then, not at its next poll.
+    task_ended: Arc<tokio::sync::Notify>,
 }
 
 /// What the contexts of one coordinator process share: the API's and each term's leader's.
@@ -245,6 +248,7 @@ impl Ctx {
             scans: shared.scans.clone(),
             intake: shared.intake.clone(),
             bundles: shared.bundles.clone(),
+            task_ended: Arc::default(),
         }
     }
 }

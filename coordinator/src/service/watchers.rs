@@ -113,7 +113,7 @@ impl BundleFlags {
 /// Feeds every change of `mur_tasks` to the scheduler.
 pub(super) async fn watch_tasks(
     ctx: Arc<Ctx>,
-    mut watch: kv::Watch,
+    mut watch: mur_nats::read::Watch,
     mut queue_flags: QueueFlags,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
@@ -151,6 +151,7 @@ pub(super) async fn watch_tasks(
                 Some(input) => {
                     if record.state.is_terminal() {
                         ctx.take_waiting(&record.task_id);
+                        ctx.task_ended.notify_waiters();
                     }
                     let released = record.state == TaskState::Submitted && record.attempt >= 1;
                     let foreign = if record.state.is_terminal() {
@@ -240,7 +241,7 @@ impl Workers {
 /// Feeds worker arrivals and departures to the scheduler.
 pub(super) async fn watch_workers(
     ctx: Arc<Ctx>,
-    mut watch: kv::Watch,
+    mut watch: mur_nats::read::Watch,
     mut workers: Workers,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {

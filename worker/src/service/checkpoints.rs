@@ -12,38 +12,27 @@ pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
 }
 
 /// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]).
-/// `Ok(None)` when it has none.
+/// `Ok(None)` when it has none. One pass whose consumer is deleted when it is over
+/// ([`mur_nats::read::latest`]; an ordered consumer was left for 30 s, issue #29 item 3).
 pub(super) async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Result<Option<cluster::Resume>, String> {
-    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
     // One key per turn: read them all through the bucket's stream, filtered by prefix.
-    let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
-    let mut consumer = sessions
-        .stream
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: filter,
-            deliver_policy: DeliverPolicy::LastPerSubject,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-    let pending = consumer.info().await.map_err(|e| e.to_string())?.num_pending;
-    let mut checkpoints = Vec::new();
-    if pending > 0 {
-        let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
-        while let Some(msg) = messages.next().await {
-            let msg = msg.map_err(|e| e.to_string())?;
-            let info = msg.info().map_err(|e| e.to_string())?;
-            let left = info.pending;
-            if !msg.payload.is_empty() {
-                let c: Checkpoint = serde_json::from_slice(&msg.payload)
-                    .map_err(|e| format!("checkpoint {} is not valid JSON: {e}", msg.subject))?;
-                checkpoints.push(c);
-            }
-            if left == 0 {
-                break;
-            }
+    let keys = format!("{}>", cluster::checkpoint_prefix(task_id));
+    let mut latest: Vec<(String, Bytes)> = Vec::new();
+    mur_nats::read::latest(sessions, &keys, |entry| {
+        // A key written during the pass comes again, newer: its place is the newer one.
+        latest.retain(|(k, _)| *k != entry.key);
+        if entry.operation == kv::Operation::Put && !entry.value.is_empty() {
+            latest.push((entry.key, entry.value));
         }
-    }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let checkpoints = latest
+        .into_iter()
+        .map(|(key, value)| {
+            serde_json::from_slice::<Checkpoint>(&value).map_err(|e| format!("checkpoint {key} is not valid JSON: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Checkpoint::fold(checkpoints))
 }
 
