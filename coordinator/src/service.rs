@@ -39,10 +39,11 @@
 //! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
 //!   before publishing its dispatch). One that this coordinator did not write (another
 //!   stored it released and lost its lease or died before its dispatch went out) is fed as
-//!   `Submitted` then `Released`, and its dispatch is published again (same message id).
+//!   `Submitted` then `Released`; the scheduler, which had it waiting, answers
+//!   [`Output::Republish`] and its dispatch is published again (same message id).
 //!   At a restart it is replayed after its `Submitted`
 //!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
-//!   it), and its dispatch is published again with the same message id: if the previous
+//!   it), and, the same way, its dispatch is published again with the same message id: if the previous
 //!   coordinator died between the compare-and-set and the publish, the dispatch goes out
 //!   now; otherwise JetStream drops the copy as a duplicate (within the stream's
 //!   duplicate window, [`Settings::duplicate_window_secs`]).

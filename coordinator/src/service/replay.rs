@@ -35,7 +35,6 @@ pub(super) async fn lead(
 
     // The replay.
     let mut replay = Vec::new();
-    let mut republish = Vec::new();
     let mut queue_flags = QueueFlags::default();
     for entry in &task_entries {
         let Some(record) = ctx.record_of(entry) else { continue };
@@ -45,12 +44,9 @@ pub(super) async fn lead(
         let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
         replay.push(submitted_input(&record, entry.revision, queue_capsule));
         if record.state == TaskState::Submitted && record.attempt >= 1 {
+            // Released by the last leader; its dispatch goes out again (the scheduler's
+            // `Republish` for its `Released`).
             ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone());
-            republish.push(Dispatch {
-                task_id: record.task_id.clone(),
-                attempt: record.attempt,
-                released: Some(Released { revision: entry.revision, record: record.clone() }),
-            });
         }
         replay.extend(progress_input(&record));
     }
@@ -69,11 +65,7 @@ pub(super) async fn lead(
         in_flight = scheduler.snapshot().in_flight.len(),
         "coordinator restored"
     );
-    for dispatch in republish {
-        if let Err(e) = ctx.publish(&dispatch, None).await {
-            tracing::warn!(instance = %instance, task_id = %dispatch.task_id, "republishing dispatch failed: {e}");
-        }
-    }
+    // The republished dispatches first, then the releases due (the scheduler's order).
     for output in outputs {
         ctx.carry_out(output).await;
     }

@@ -161,15 +161,14 @@ pub(super) async fn watch_tasks(
                         released && ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone())
                     };
                     if foreign {
-                        // Released by another coordinator: wait-then-release here (a duplicate
-                        // `Submitted` for a task known here is ignored), and its dispatch again.
-                        tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
+                        // Released by another coordinator: known to the scheduler first (a
+                        // duplicate `Submitted` for a task known here is ignored), so that its
+                        // `Released` takes it out of the wait and the scheduler has its dispatch
+                        // published again (`Output::Republish`, its rule 6).
                         let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
                         if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
                             break 'watch;
                         }
-                        let (ctx, released) = (ctx.clone(), Released { revision: entry.revision, record });
-                        tokio::spawn(async move { ctx.dispatch_released(released).await });
                     }
                     input
                 }
