@@ -174,6 +174,7 @@ async fn tool(client: &rmcp::service::RunningService<rmcp::RoleClient, ()>, name
 }
 
 /// The commands that follow something live — `mur task send --wait`, `mur fleet run`
+/// (and `mur trace steps --server`, which reads a session back in one pass)
 /// (its task and permit watches), the MCP server's `task_send` with `wait` and
 /// `job_status` with `wait_secs` (the fleet tools' watch of a run's record, which a
 /// capsule's fleet tools share), and the coordinator's A2A stream of a task — leave the
@@ -214,6 +215,15 @@ async fn commands_that_watch_leave_the_consumer_count_at_its_baseline_when_they_
     .unwrap();
     assert_eq!(sent.code, 0, "{sent:?}");
     back_to(&js, &baseline, "mur task send --wait").await;
+    // Its session read back from the trace stream (a one-pass read).
+    let url = sb.nats.url();
+    let steps =
+        tokio::task::spawn_blocking(move || Run::of(mur().args(["trace", "steps", "--json", "--server", &url])))
+            .await
+            .unwrap();
+    assert_eq!(steps.code, 0, "{steps:?}");
+    assert_eq!(serde_json::from_str::<Value>(&steps.stdout).unwrap()["turns"], 1, "{steps:?}");
+    back_to(&js, &baseline, "mur trace steps --server").await;
 
     let run = sb.fleet_blocking(&["run", "once"]).await;
     assert_eq!(run.code, 0, "{run:?}");
