@@ -695,13 +695,10 @@ fn run_status(common: &Common, pick: RunPick) -> Result<ExitCode> {
         let id = match &pick {
             RunPick::Id(id) => Some(id.clone()),
             RunPick::LatestOf(fleet) => {
-                let mut keys = defs.keys().await.context("mur_fleets: keys")?;
+                // One pass that deletes its consumer (issue #29 item 3).
+                let keys = mur_nats::read::keys(&defs, "run.>").await.context("mur_fleets: keys")?;
                 let mut latest: Option<fleet_store::RunRecord> = None;
-                use futures::StreamExt;
-                while let Some(Ok(key)) = keys.next().await {
-                    if !key.starts_with("run.") {
-                        continue;
-                    }
+                for key in keys {
                     if let Some(r) = read(key).await.filter(|r| &r.fleet == fleet)
                         && latest.as_ref().is_none_or(|l| r.started_at > l.started_at)
                     {
@@ -793,162 +790,175 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
         let js = async_nats::jetstream::new(client.clone());
         // Watch task records from before the run starts, so no step is missed.
         let tasks_kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.context("mur_tasks")?;
-        let mut task_updates = tasks_kv.watch_all().await.context("mur_tasks: watch")?;
-        let info: Option<FleetInfo> =
-            call(&client, api::SHOW, serde_json::to_vec(&FleetRef { fleet: request.fleet.clone() })?).await.ok();
-        let mut members = Vec::new();
-        if let Some(f) = info.and_then(|i| mur_proto::Fleet::load_stored(&i.yaml).ok()) {
-            members.extend(f.router.clone());
-            members.extend(f.members.clone());
-        }
-        // The channel's last event before the run: the run's own come after it, so the
-        // follower never pages through the fleet's history (which may never end).
-        let mut seen = match js.get_stream(fleet_store::FLEET_STREAM).await {
-            Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.last_sequence),
-            Err(_) => 0,
-        };
-        let body = serde_json::to_vec(request)?;
-        if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
-            eprintln!("mur fleet run: interrupted; no run was started");
-            return Ok(ExitCode::from(130));
-        }
-        let span = client_span("run_fleet", fleet_store::RUN_SUBJECT, &request.fleet);
-        let started: fleet_store::RunRecord =
-            match call_traced::<fleet_store::RunRecord>(&client, span.clone(), fleet_store::RUN_SUBJECT, body).await {
-                Ok(r) => {
-                    span.record("mur.run_id", r.run_id.as_str());
-                    drop(span);
-                    r
-                }
-                Err(e) => {
-                    return Ok(crate::refused(
-                        common.json,
-                        crate::api_code(&e),
-                        "mur fleet run: ",
-                        &format!("refused: {e:#}"),
-                    ));
-                }
-            };
-        // The bounds line and the notices, once: the run's channel repeats them, and the
-        // milestones leave those events out (issue #29: each was printed twice).
-        eprintln!("{}", started.bounds);
-        for n in started.notices.iter().chain(&notice) {
-            eprintln!("{}", fleet_store::notice_text(n));
-        }
-        if common.json {
-            print_typed("run", &started)?;
-        } else {
-            println!("run {} started on coordinator {}", started.run_id, started.coordinator);
-        }
-        let mut follow = crate::follow::Follow::new(&started.run_id, members);
-        // The spend the run started with (0, or what earlier iterations of an adopted run
-        // spent): the first status line shows it, as every later one does.
-        follow.set_spend(spend_of(&started));
-        let mut said = vec![fleet_store::run_started_text(&started.run_id, &started.bounds)];
-        said.extend(started.notices.iter().map(|n| fleet_store::notice_text(n)));
-        let mut view = Live::new(common.json, follow, said, follow_every()?);
-        let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
+        let mut task_updates = mur_nats::read::watch_changes(&tasks_kv, ">").await.context("mur_tasks: watch")?;
         // The run's permits, from a watch on the semaphore: every permit taken or given back.
         let fanout_kv = js.get_key_value(mur_proto::fanout::FANOUT_BUCKET).await.context("mur_fanout")?;
-        let mut permit_updates = fanout_kv.watch_with_history(">").await.context("mur_fanout: watch")?;
-        let mut our_permits = std::collections::BTreeSet::new();
-        let key = fleet_store::run_key(&started.run_id);
-        let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
-        // A tick that overran (a slow coordinator) is not made up in a burst: the watches
-        // are read between ticks, and must keep up (unread entries hold whole read
-        // buffers of the connection: the client grew by a megabyte an iteration).
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            // In this order: the watches are read whenever they hold something, the tick's
-            // requests only when they are empty, so the follower never falls behind them.
-            tokio::select! {
-                biased;
-                _ = &mut ctrl_c => {
-                    view.finish();
-                    eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
-                    return Ok(ExitCode::SUCCESS);
+        let mut permit_updates = mur_nats::read::watch(&fanout_kv, ">").await.context("mur_fanout: watch")?;
+        // The follow; however it ends, the watches' consumers are deleted before this
+        // process ends (issue #29 item 3: they were left on the server for 30 s).
+        let followed =
+            async {
+                let info: Option<FleetInfo> =
+                    call(&client, api::SHOW, serde_json::to_vec(&FleetRef { fleet: request.fleet.clone() })?)
+                        .await
+                        .ok();
+                let mut members = Vec::new();
+                if let Some(f) = info.and_then(|i| mur_proto::Fleet::load_stored(&i.yaml).ok()) {
+                    members.extend(f.router.clone());
+                    members.extend(f.members.clone());
                 }
-                Some(Ok(entry)) = task_updates.next() => {
-                    if let Ok(r) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
-                        let changed = view.follow.task(&r);
-                        view.changed(changed)?;
-                    }
-                    continue;
+                // The channel's last event before the run: the run's own come after it, so the
+                // follower never pages through the fleet's history (which may never end).
+                let mut seen = match js.get_stream(fleet_store::FLEET_STREAM).await {
+                    Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.last_sequence),
+                    Err(_) => 0,
+                };
+                let body = serde_json::to_vec(request)?;
+                if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
+                    eprintln!("mur fleet run: interrupted; no run was started");
+                    return Ok(ExitCode::from(130));
                 }
-                Some(Ok(entry)) = permit_updates.next() => {
-                    if entry.key.starts_with(mur_proto::fanout::SLOT_PREFIX) {
-                        let ours = entry.operation == async_nats::jetstream::kv::Operation::Put
-                            && serde_json::from_slice::<mur_proto::fanout::Holder>(&entry.value)
-                                .is_ok_and(|h| h.step.run_id.starts_with(&started.run_id));
-                        if ours {
-                            our_permits.insert(entry.key);
-                        } else {
-                            our_permits.remove(&entry.key);
+                let span = client_span("run_fleet", fleet_store::RUN_SUBJECT, &request.fleet);
+                let started: fleet_store::RunRecord =
+                    match call_traced::<fleet_store::RunRecord>(&client, span.clone(), fleet_store::RUN_SUBJECT, body)
+                        .await
+                    {
+                        Ok(r) => {
+                            span.record("mur.run_id", r.run_id.as_str());
+                            drop(span);
+                            r
                         }
-                        let changed = view.follow.set_permits(our_permits.len());
-                        view.changed(changed)?;
-                    }
-                    continue;
+                        Err(e) => {
+                            return Ok(crate::refused(
+                                common.json,
+                                crate::api_code(&e),
+                                "mur fleet run: ",
+                                &format!("refused: {e:#}"),
+                            ));
+                        }
+                    };
+                // The bounds line and the notices, once: the run's channel repeats them, and the
+                // milestones leave those events out (issue #29: each was printed twice).
+                eprintln!("{}", started.bounds);
+                for n in started.notices.iter().chain(&notice) {
+                    eprintln!("{}", fleet_store::notice_text(n));
                 }
-                _ = tick.tick() => {}
-            }
-            view.tick();
-            seen = milestones(&client, &started, seen, &mut view).await?;
-            // This run's blocked jobs only: a short reply, where the run's every job (the
-            // view needs no more) grew it to a whole page of a megabyte, asked for five
-            // times a second.
-            let jobs: Vec<Job> = call::<Page<Job>>(
-                &client,
-                api::JOBS,
-                serde_json::to_vec(&JobsRequest {
-                    fleet: started.fleet.clone(),
-                    all: false,
-                    since: Some(started.run_id.clone()),
-                    status: Some(mur_proto::fleet::JobStatus::Blocked),
-                })?,
-            )
-            .await
-            .map(|page| page.items)
-            .unwrap_or_default();
-            let blocked = !jobs.is_empty();
-            let changed = view.follow.set_blocked(blocked);
-            view.changed(changed)?;
-            let record = defs
-                .get(&key)
-                .await
-                .ok()
-                .flatten()
-                .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
-            if let Some(r) = &record {
-                let changed = view.follow.set_spend(spend_of(r));
-                view.changed(changed)?;
-            }
-            if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
-                // The run's stop event is written before its record: one that came between
-                // this tick's reading of the channel and of the record is read now.
-                milestones(&client, &started, seen, &mut view).await?;
-                // The steps' last records were stored before the run's: take those already here.
-                while let Some(Some(Ok(entry))) = futures::FutureExt::now_or_never(task_updates.next()) {
-                    if let Ok(t) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
-                        let changed = view.follow.task(&t);
-                        view.changed(changed)?;
-                    }
-                }
-                view.finish();
-                let stop = r.stop.clone().unwrap_or_default();
                 if common.json {
-                    print_typed("end", &r)?;
+                    print_typed("run", &started)?;
+                } else {
+                    println!("run {} started on coordinator {}", started.run_id, started.coordinator);
                 }
-                let spent = format!("; spent {}", r.spend.summary());
-                // `completed`: a record of an older version.
-                if matches!(r.state.as_str(), "done" | "completed") {
-                    eprintln!("run {} done ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
-                    return Ok(ExitCode::SUCCESS);
+                let mut follow = crate::follow::Follow::new(&started.run_id, members);
+                // The spend the run started with (0, or what earlier iterations of an adopted run
+                // spent): the first status line shows it, as every later one does.
+                follow.set_spend(spend_of(&started));
+                let mut said = vec![fleet_store::run_started_text(&started.run_id, &started.bounds)];
+                said.extend(started.notices.iter().map(|n| fleet_store::notice_text(n)));
+                let mut view = Live::new(common.json, follow, said, follow_every()?);
+                let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
+                let mut our_permits = std::collections::BTreeSet::new();
+                let key = fleet_store::run_key(&started.run_id);
+                let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
+                // A tick that overran (a slow coordinator) is not made up in a burst: the watches
+                // are read between ticks, and must keep up (unread entries hold whole read
+                // buffers of the connection: the client grew by a megabyte an iteration).
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    // In this order: the watches are read whenever they hold something, the tick's
+                    // requests only when they are empty, so the follower never falls behind them.
+                    tokio::select! {
+                        biased;
+                        _ = &mut ctrl_c => {
+                            view.finish();
+                            eprintln!("detached; run {} goes on (mur fleet log {})", started.run_id, started.fleet);
+                            return Ok(ExitCode::SUCCESS);
+                        }
+                        Some(Ok(entry)) = task_updates.next() => {
+                            if let Ok(r) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
+                                let changed = view.follow.task(&r);
+                                view.changed(changed)?;
+                            }
+                            continue;
+                        }
+                        Some(Ok(entry)) = permit_updates.next() => {
+                            if entry.key.starts_with(mur_proto::fanout::SLOT_PREFIX) {
+                                let ours = entry.operation == async_nats::jetstream::kv::Operation::Put
+                                    && serde_json::from_slice::<mur_proto::fanout::Holder>(&entry.value)
+                                        .is_ok_and(|h| h.step.run_id.starts_with(&started.run_id));
+                                if ours {
+                                    our_permits.insert(entry.key);
+                                } else {
+                                    our_permits.remove(&entry.key);
+                                }
+                                let changed = view.follow.set_permits(our_permits.len());
+                                view.changed(changed)?;
+                            }
+                            continue;
+                        }
+                        _ = tick.tick() => {}
+                    }
+                    view.tick();
+                    seen = milestones(&client, &started, seen, &mut view).await?;
+                    // This run's blocked jobs only: a short reply, where the run's every job (the
+                    // view needs no more) grew it to a whole page of a megabyte, asked for five
+                    // times a second.
+                    let jobs: Vec<Job> = call::<Page<Job>>(
+                        &client,
+                        api::JOBS,
+                        serde_json::to_vec(&JobsRequest {
+                            fleet: started.fleet.clone(),
+                            all: false,
+                            since: Some(started.run_id.clone()),
+                            status: Some(mur_proto::fleet::JobStatus::Blocked),
+                        })?,
+                    )
+                    .await
+                    .map(|page| page.items)
+                    .unwrap_or_default();
+                    let blocked = !jobs.is_empty();
+                    let changed = view.follow.set_blocked(blocked);
+                    view.changed(changed)?;
+                    let record = defs
+                        .get(&key)
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
+                    if let Some(r) = &record {
+                        let changed = view.follow.set_spend(spend_of(r));
+                        view.changed(changed)?;
+                    }
+                    if let Some(r) = record.filter(fleet_store::RunRecord::is_over) {
+                        // The run's stop event is written before its record: one that came between
+                        // this tick's reading of the channel and of the record is read now.
+                        milestones(&client, &started, seen, &mut view).await?;
+                        // The steps' last records were stored before the run's: take those already here.
+                        while let Some(Some(Ok(entry))) = futures::FutureExt::now_or_never(task_updates.next()) {
+                            if let Ok(t) = serde_json::from_slice::<mur_proto::cluster::TaskRecord>(&entry.value) {
+                                let changed = view.follow.task(&t);
+                                view.changed(changed)?;
+                            }
+                        }
+                        view.finish();
+                        let stop = r.stop.clone().unwrap_or_default();
+                        if common.json {
+                            print_typed("end", &r)?;
+                        }
+                        let spent = format!("; spent {}", r.spend.summary());
+                        // `completed`: a record of an older version.
+                        if matches!(r.state.as_str(), "done" | "completed") {
+                            eprintln!("run {} done ({stop}) after {}{spent}", r.run_id, iterations(r.iterations));
+                            return Ok(ExitCode::SUCCESS);
+                        }
+                        eprintln!("run {} ended: {stop} after {}{spent}", r.run_id, iterations(r.iterations));
+                        return Ok(ExitCode::from(1));
+                    }
                 }
-                eprintln!("run {} ended: {stop} after {}{spent}", r.run_id, iterations(r.iterations));
-                return Ok(ExitCode::from(1));
             }
-        }
+            .await;
+        task_updates.close().await;
+        permit_updates.close().await;
+        followed
     })
 }
 

@@ -306,7 +306,13 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         let hint = format!(" (mur task status {})", reply.task_id);
-        let rec = match wait_for_end(&reply.task_id, &hint, wait_for(&client, &reply.task_id)).await? {
+        let js = async_nats::jetstream::new(client.clone());
+        let kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.context("the tasks bucket")?;
+        let mut watch = mur_nats::read::watch(&kv, &reply.task_id).await.context("watching the task")?;
+        let waited = wait_for_end(&reply.task_id, &hint, wait_for(&mut watch, &reply.task_id)).await;
+        // Deleted now, however the wait ended: this process ends next (issue #29 item 3).
+        watch.close().await;
+        let rec = match waited? {
             Ok(rec) => rec,
             Err(code) => return Ok(code),
         };
@@ -379,12 +385,10 @@ async fn submit_until_answered(
     Ok(reply)
 }
 
-/// Follows a task's record in the tasks bucket until it is terminal.
-async fn wait_for(client: &async_nats::Client, task_id: &str) -> Result<TaskRecord> {
+/// Follows a task's record on `watch` (of its key in the tasks bucket) until it is
+/// terminal.
+async fn wait_for(watch: &mut mur_nats::read::Watch, task_id: &str) -> Result<TaskRecord> {
     use futures::StreamExt;
-    let js = async_nats::jetstream::new(client.clone());
-    let kv = js.get_key_value(mur_proto::cluster::TASKS_BUCKET).await.context("the tasks bucket")?;
-    let mut watch = kv.watch_with_history(task_id).await.context("watching the task")?;
     while let Some(entry) = watch.next().await {
         let entry = entry.context("watching the task")?;
         if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value)

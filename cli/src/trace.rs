@@ -77,7 +77,6 @@ impl Args {
 /// The lines of a session from the cluster's trace stream (`mur.trace.<session_id>`);
 /// SESSION may be a full id or a unique suffix.
 async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<Value>)> {
-    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
     use futures::StreamExt;
     let conn = crate::nats::Connection::from_env(url);
     let client = conn.connect("mur trace").await?;
@@ -106,22 +105,19 @@ async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<
             }
         }
     };
-    let mut consumer = stream
-        .create_consumer(pull::Config {
-            filter_subject: mur_proto::cluster::trace_subject(&id),
-            deliver_policy: DeliverPolicy::All,
-            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
-            ..Default::default()
-        })
-        .await
-        .context("reading the session")?;
-    let pending = consumer.info().await.context("reading the session")?.num_pending as usize;
-    let mut lines = Vec::with_capacity(pending);
-    let mut messages = consumer.fetch().max_messages(pending.max(1)).messages().await.context("reading the session")?;
-    while lines.len() < pending {
-        let Some(m) = messages.next().await else { break };
-        let m = m.map_err(|e| anyhow::anyhow!("reading the session: {e}"))?;
-        lines.push(serde_json::from_slice(&m.payload).context("a trace line is not JSON")?);
+    // One pass whose consumer is deleted when it is over (issue #29 item 3).
+    let mut lines = Vec::new();
+    let mut bad = None;
+    mur_nats::read::messages(&stream, &mur_proto::cluster::trace_subject(&id), |m| {
+        match serde_json::from_slice(&m.payload) {
+            Ok(line) => lines.push(line),
+            Err(e) => bad = bad.take().or(Some(e)),
+        }
+    })
+    .await
+    .context("reading the session")?;
+    if let Some(e) = bad {
+        return Err(e).context("a trace line is not JSON");
     }
     Ok((id, lines))
 }

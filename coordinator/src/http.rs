@@ -463,7 +463,8 @@ impl Backend for ClusterBackend {
         let current = self.record(id).await.ok()?;
         let js = async_nats::jetstream::new(self.client.clone());
         let kv = js.get_key_value(TASKS_BUCKET).await.ok()?;
-        let mut watch = kv.watch_with_history(id).await.ok()?;
+        // Its consumer is deleted when the subscription ends or is dropped (issue #29 item 3).
+        let mut watch = mur_nats::read::watch(&kv, id).await.ok()?;
         // The latest value comes first; later ones follow as they are written.
         let first = match tokio::time::timeout(FIRST_ENTRY_WAIT, watch.next()).await {
             Ok(Some(Ok(entry))) => serde_json::from_slice::<ClusterRecord>(&entry.value).unwrap_or(current),

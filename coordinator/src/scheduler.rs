@@ -24,10 +24,16 @@
 //!    last [`ENDED_KEPT`] ids, so the memory of them is bounded.
 //! 5. **Rebuild**: [`Scheduler::restore`] replays the task records of a restarted coordinator
 //!    in any order and ends in the state the old one had, so it releases the same next task.
+//! 6. **Republish what others released**: an [`Input::Released`] that takes a task out of
+//!    the wait (released by another coordinator, or by this one's predecessor: a restore
+//!    replays every such record) answers [`Output::Republish`], so a dispatch lost between
+//!    another's record write and its publish goes out; a `Released` for a task in flight
+//!    here (this scheduler's own release, or one already republished) answers nothing.
 //!
 //! Pure: no IO, no async, no clock (the conventions, §7 item 3). The adapter turns task
 //! records, worker heartbeats and dispatch acks into [`Input`]s, and publishes each
-//! [`Output::Release`] into `MUR_DISPATCH` with the message id `<task id>:<attempt>`.
+//! [`Output::Release`] and [`Output::Republish`] into `MUR_DISPATCH` with the message id
+//! `<task id>:<attempt>`.
 
 use mur_proto::lanes::Lanes;
 use mur_proto::{Lane, TaskId};
@@ -86,8 +92,10 @@ pub enum Input {
         worker_id: String,
     },
     /// A task was released by another (earlier) coordinator and has not started: it leaves
-    /// the wait and holds a slot, with no worker yet. Used when replaying the task records of
-    /// a restart; a no-op for a task already in flight.
+    /// the wait and holds a slot, with no worker yet, and its dispatch is published again
+    /// ([`Output::Republish`], rule 6). Used when replaying the task records of a restart,
+    /// and for a released record this coordinator did not write; a no-op for a task
+    /// already in flight.
     Released {
         /// `tsk_…`.
         task_id: TaskId,
@@ -116,6 +124,16 @@ pub enum Output {
         task_id: TaskId,
         /// Always [`FIRST_ATTEMPT`] today; see there.
         attempt: u32,
+    },
+    /// Publish the dispatch of a task another coordinator released (its record says
+    /// `submitted`, attempt ≥ 1) again, with its record's message id `<task_id>:<attempt>`
+    /// (rule 6): that coordinator may have died, or lost its lease, between the record's
+    /// write and the dispatch. JetStream drops the copy if the first one went out within
+    /// the stream's duplicate window. The task holds a slot (it is in flight, no worker
+    /// yet); the adapter reads the record for the dispatch.
+    Republish {
+        /// `tsk_…`.
+        task_id: TaskId,
     },
     /// The input changed nothing the adapter needs to act on; worth a log line.
     Ignored(Ignored),
@@ -329,8 +347,9 @@ impl Scheduler {
     /// `WorkerUp` for every live worker. The replay's order does not matter beyond the
     /// relative order of `WorkerUp`/`WorkerGone` for one worker: every `Submitted` is applied
     /// first, `seq` restores arrival order, and nothing is released until the whole replay is
-    /// in. Returns the scheduler and the outputs of the replay (`Ignored` notices, then the
-    /// releases due once the state is whole; none if the old coordinator was caught up).
+    /// in. Returns the scheduler and the outputs of the replay (`Ignored` notices and a
+    /// [`Output::Republish`] for each task released and not started, then the releases due
+    /// once the state is whole; none if the old coordinator was caught up).
     pub fn restore(replay: impl IntoIterator<Item = Input>) -> (Scheduler, Vec<Output>) {
         let (submits, rest): (Vec<_>, Vec<_>) =
             replay.into_iter().partition(|input| matches!(input, Input::Submitted { .. }));
@@ -469,7 +488,14 @@ impl Scheduler {
                 None => Some(Ignored::UnknownWorker { worker_id }),
             },
             Input::Started { task_id, worker_id } => self.take_in_flight(task_id, Some(worker_id)),
-            Input::Released { task_id } => self.take_in_flight(task_id, None),
+            Input::Released { task_id } => {
+                let waiting = self.waiting_ids.contains(&task_id);
+                let ignored = self.take_in_flight(task_id.clone(), None);
+                if waiting && ignored.is_none() {
+                    out.push(Output::Republish { task_id });
+                }
+                ignored
+            }
             Input::Canceled { task_id } if self.in_flight.contains_key(&task_id) => {
                 Some(Ignored::AlreadyReleased { task_id })
             }

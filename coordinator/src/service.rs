@@ -4,8 +4,8 @@
 //! through the cluster, steps 1–3).
 //!
 //! Layout of [`run`]:
-//! 1. [`resources::ensure`], then one watcher per bucket (`watch_with_history(">")`: the
-//!    last revision of every key, then every change; `watch_all` would give only the
+//! 1. [`resources::ensure`], then one watch per bucket ([`mur_nats::read::watch`] of `">"`: the
+//!    last revision of every key, then every change; [`mur_nats::read::watch_changes`] would give only the
 //!    changes). What the watchers deliver until they are caught up is the restart replay
 //!    given to [`Scheduler::restore`]; after that each change is fed to the scheduler as
 //!    it comes.
@@ -39,10 +39,11 @@
 //! - `submitted`, attempt ≥ 1 → [`Input::Released`] (the coordinator bumped the attempt
 //!   before publishing its dispatch). One that this coordinator did not write (another
 //!   stored it released and lost its lease or died before its dispatch went out) is fed as
-//!   `Submitted` then `Released`, and its dispatch is published again (same message id).
+//!   `Submitted` then `Released`; the scheduler, which had it waiting, answers
+//!   [`Output::Republish`] and its dispatch is published again (same message id).
 //!   At a restart it is replayed after its `Submitted`
 //!   (whose `seq` is then the latest revision: only in-flight ordering in snapshots uses
-//!   it), and its dispatch is published again with the same message id: if the previous
+//!   it), and, the same way, its dispatch is published again with the same message id: if the previous
 //!   coordinator died between the compare-and-set and the publish, the dispatch goes out
 //!   now; otherwise JetStream drops the copy as a duplicate (within the stream's
 //!   duplicate window, [`Settings::duplicate_window_secs`]).
@@ -208,6 +209,9 @@ struct Ctx {
     releasing: Mutex<HashSet<TaskId>>,
     /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
     worker_timeout_ms: u64,
+    /// Woken each time the watch of `mur_tasks` brings a terminal record: a fleet run
+    /// waiting for its step reads the record then, not at its next poll.
+    task_ended: Arc<tokio::sync::Notify>,
     /// Which nkey user is which name, when this coordinator serves the endpoints that
     /// record a name on an identity connection ([`Identity`]).
     identities: Option<Arc<mur_nats::identity::Identities>>,
@@ -259,6 +263,7 @@ impl Ctx {
             scans: shared.scans.clone(),
             intake: shared.intake.clone(),
             bundles: shared.bundles.clone(),
+            task_ended: Arc::default(),
             identities: shared.identities.clone(),
         }
     }

@@ -185,7 +185,9 @@ impl Cluster {
         }
     }
 
-    /// Follows `task_id`'s record in the tasks bucket until it is terminal.
+    /// Follows `task_id`'s record in the tasks bucket until it is terminal. The watch's
+    /// consumer is deleted when the wait ends (or, dropped on a cancel, right after; issue
+    /// #29 item 3).
     async fn wait_for(&self, task_id: &str) -> Result<TaskRecord, ToolError> {
         use futures::StreamExt;
         let js = async_nats::jetstream::new(self.client.clone());
@@ -194,16 +196,22 @@ impl Cluster {
             .await
             .map_err(|e| ToolError(format!("the tasks bucket: {e}")))?;
         let mut watch =
-            kv.watch_with_history(task_id).await.map_err(|e| ToolError(format!("watching the task: {e}")))?;
-        while let Some(entry) = watch.next().await {
-            let entry = entry.map_err(|e| ToolError(format!("watching the task: {e}")))?;
-            if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value)
-                && rec.state.is_terminal()
-            {
-                return Ok(rec);
+            mur_nats::read::watch(&kv, task_id).await.map_err(|e| ToolError(format!("watching the task: {e}")))?;
+        let ended = loop {
+            match watch.next().await {
+                Some(Ok(entry)) => {
+                    if let Ok(rec) = serde_json::from_slice::<TaskRecord>(&entry.value)
+                        && rec.state.is_terminal()
+                    {
+                        break Ok(rec);
+                    }
+                }
+                Some(Err(e)) => break Err(ToolError(format!("watching the task: {e}"))),
+                None => break Err(ToolError(format!("the watch on task {task_id} ended before the task did"))),
             }
-        }
-        Err(ToolError(format!("the watch on task {task_id} ended before the task did")))
+        };
+        watch.close().await;
+        ended
     }
 }
 

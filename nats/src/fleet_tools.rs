@@ -206,25 +206,28 @@ async fn status(access: &FleetAccess, input: &Value) -> Result<Value, String> {
     serde_json::to_value(status).map_err(|e| e.to_string())
 }
 
-/// Waits until `run_id`'s record says it is over, or `wait` has passed.
+/// Waits until `run_id`'s record says it is over, or `wait` has passed. The watch's
+/// consumer is deleted when the wait ends (issue #29 item 3).
 async fn wait_until_over(defs: &kv::Store, run_id: &str, wait: Duration) -> Result<(), String> {
     let run_id = base_run_id(defs, run_id).await?;
     let key = fleet_store::run_key(&run_id);
-    let mut watch = defs.watch_with_history(&key).await.map_err(|e| format!("mur_fleets: {e}"))?;
+    let mut watch = crate::read::watch(defs, &key).await.map_err(|e| format!("mur_fleets: {e}"))?;
     let give_up = tokio::time::sleep(wait);
     tokio::pin!(give_up);
-    loop {
+    let over = loop {
         tokio::select! {
-            () = &mut give_up => return Ok(()),
+            () = &mut give_up => break Ok(()),
             entry = watch.next() => match entry {
                 Some(Ok(e)) => {
                     if serde_json::from_slice::<RunRecord>(&e.value).is_ok_and(|r| r.state != "running") {
-                        return Ok(());
+                        break Ok(());
                     }
                 }
-                Some(Err(e)) => return Err(format!("mur_fleets: {e}")),
-                None => return Ok(()),
+                Some(Err(e)) => break Err(format!("mur_fleets: {e}")),
+                None => break Ok(()),
             },
         }
-    }
+    };
+    watch.close().await;
+    over
 }

@@ -1,13 +1,19 @@
-//! One-pass reads of a key-value bucket's current state that leave no consumer behind
-//! (issue #29 item 3). async-nats' `keys()` and `watch_with_history()` each create an
+//! Reads of a key-value bucket or a stream that leave no consumer behind (issue #29 item
+//! 3). async-nats' `keys()`, `watch()` and `watch_with_history()` each create an
 //! ephemeral consumer that outlives its reader by ~30 s (its inactive threshold): every
 //! `cluster.status` left three or four of them, `task.list` and `fleet.jobs` one each, and
 //! nats-server refuses new consumers past its limit, so ~35 status requests a second took
-//! the cluster down. Here each pass creates one pull consumer (last revision per key, no
-//! acks, in memory), reads it up to the entry that was the bucket's last when it started,
-//! and deletes it before returning — also when the read fails or its caller gives up
-//! (dropped: the delete is sent from a spawned task); a short inactive threshold removes
-//! the consumer of a process that died mid-read.
+//! the cluster down.
+//!
+//! - One-pass reads ([`latest`], [`keys`], [`messages`]) create one pull consumer (no
+//!   acks, in memory), read it up to the entry that was the last when it started, and
+//!   delete it before returning — also when the read fails or its caller gives up
+//!   (dropped: the delete is sent from a spawned task); a short inactive threshold removes
+//!   the consumer of a process that died mid-read.
+//! - Watches ([`watch`], [`watch_changes`]) are ordered push consumers under a name of
+//!   their own, deleted by [`Watch::close`] or when the [`Watch`] is dropped (a replacement
+//!   the client made after a gap included). A process that ends right after its watch
+//!   (a CLI command) closes it, since its runtime may not run a task spawned at drop.
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, ReplayPolicy, pull, push};
 use async_nats::jetstream::{kv, stream};
@@ -22,11 +28,11 @@ const BATCH: usize = 256;
 /// How long one pull waits for entries the consumer says are pending.
 const PULL_WAIT: Duration = Duration::from_secs(5);
 
-/// A pass over a bucket that failed.
+/// A read that failed.
 #[derive(Debug, thiserror::Error)]
 #[error("{bucket}: {what}: {source}")]
 pub struct Error {
-    /// The bucket.
+    /// The bucket (or, for [`messages`], the stream).
     pub bucket: String,
     /// What failed: `create the reader`, `pull`, `read an entry`.
     pub what: &'static str,
@@ -86,7 +92,7 @@ async fn pass(
         ..Default::default()
     };
     let mut consumer = store.stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
-    let reader = Reader { stream: Some(store.stream.clone()), name: consumer.cached_info().name.clone() };
+    let reader = Reader::new(&store.stream, consumer.cached_info().name.clone(), false);
     let mut pending = consumer.cached_info().num_pending;
     if pending == 0 {
         // Asked again: the info the create returned may predate the consumer's first look.
@@ -117,6 +123,58 @@ async fn pass(
     Ok(())
 }
 
+/// Hands `visit` every message of `stream` on `subject` (a subject filter), oldest first,
+/// in one pass up to the message that was the last when it started.
+///
+/// # Errors
+/// As [`latest`]; [`Error::bucket`] names the stream.
+pub async fn messages(
+    stream: &stream::Stream,
+    subject: &str,
+    mut visit: impl FnMut(async_nats::jetstream::Message),
+) -> Result<(), Error> {
+    let name = stream.cached_info().config.name.clone();
+    let fail = |what: &'static str| {
+        let bucket = name.clone();
+        move |source: async_nats::Error| Error { bucket, what, source }
+    };
+    let config = pull::Config {
+        filter_subject: subject.to_string(),
+        deliver_policy: DeliverPolicy::All,
+        ack_policy: AckPolicy::None,
+        memory_storage: true,
+        num_replicas: 1,
+        inactive_threshold: INACTIVE_THRESHOLD,
+        description: Some("murmur: a one-pass read, deleted when done".into()),
+        ..Default::default()
+    };
+    let mut consumer = stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
+    let reader = Reader::new(stream, consumer.cached_info().name.clone(), false);
+    let mut pending = consumer.info().await.map_err(|e| fail("read the reader")(e.into()))?.num_pending;
+    while pending > 0 {
+        let want = usize::try_from(pending).unwrap_or(BATCH).min(BATCH);
+        let mut batch = consumer
+            .fetch()
+            .max_messages(want)
+            .expires(PULL_WAIT)
+            .messages()
+            .await
+            .map_err(|e| fail("pull")(e.into()))?;
+        let mut got = 0;
+        while let Some(msg) = batch.next().await {
+            let msg = msg.map_err(fail("pull"))?;
+            pending = msg.info().map_err(|e| fail("read a message")(e.to_string().into()))?.pending;
+            got += 1;
+            visit(msg);
+        }
+        if got == 0 {
+            return Err(fail("pull")(format!("no message within {PULL_WAIT:?} while {pending} are pending").into()));
+        }
+    }
+    reader.delete().await;
+    Ok(())
+}
+
 /// The KV entry a message of `store`'s stream is; its `delta` is what the consumer still
 /// has pending after it.
 fn entry_of(store: &kv::Store, msg: &async_nats::jetstream::Message) -> Result<kv::Entry, async_nats::Error> {
@@ -133,23 +191,36 @@ fn entry_of(store: &kv::Store, msg: &async_nats::jetstream::Message) -> Result<k
     })
 }
 
-/// A live watch of a bucket ([`watch`]): the latest entry of every key, then every change.
-/// Its consumer is deleted when the watch is dropped.
+/// A live watch of a bucket ([`watch`], [`watch_changes`]). Its consumer is deleted by
+/// [`Watch::close`], or in the background when the watch is dropped.
 pub struct Watch {
     store: kv::Store,
     messages: push::Ordered,
-    _reader: Reader,
+    reader: Reader,
 }
 
 /// Watches the keys of `store` matching `keys` as async-nats' `watch_with_history` does
 /// (an ordered consumer: the latest entry of each key, then every change, re-created by
-/// the client after a gap), under a name of its own so that dropping the [`Watch`]
-/// deletes it, rather than leaving it on the server for its 30 s inactive threshold: a
-/// fan-out step's wait for a permit left one behind each time (issue #29 item 3).
+/// the client after a gap), under a name of its own so that closing or dropping the
+/// [`Watch`] deletes it, rather than leaving it on the server for its 30 s inactive
+/// threshold: a fan-out step's wait for a permit left one behind each time, and so did
+/// every `mur task send --wait` and `mur fleet run` (issue #29 item 3).
 ///
 /// # Errors
 /// [`Error`] when the consumer cannot be created.
 pub async fn watch(store: &kv::Store, keys: &str) -> Result<Watch, Error> {
+    watch_from(store, keys, DeliverPolicy::LastPerSubject).await
+}
+
+/// As [`watch`], but only the changes made from now on (async-nats' `watch`).
+///
+/// # Errors
+/// As [`watch`].
+pub async fn watch_changes(store: &kv::Store, keys: &str) -> Result<Watch, Error> {
+    watch_from(store, keys, DeliverPolicy::New).await
+}
+
+async fn watch_from(store: &kv::Store, keys: &str, deliver_policy: DeliverPolicy) -> Result<Watch, Error> {
     let fail = |what: &'static str| {
         let bucket = store.name.clone();
         move |source: async_nats::Error| Error { bucket, what, source }
@@ -162,13 +233,21 @@ pub async fn watch(store: &kv::Store, keys: &str) -> Result<Watch, Error> {
         description: Some("murmur: a watch, deleted when dropped".into()),
         filter_subject: format!("{}{keys}", store.prefix),
         replay_policy: ReplayPolicy::Instant,
-        deliver_policy: DeliverPolicy::LastPerSubject,
+        deliver_policy,
         ..Default::default()
     };
     let consumer = store.stream.create_consumer(config).await.map_err(|e| fail("create the watch")(e.into()))?;
-    let reader = Reader { stream: Some(store.stream.clone()), name };
+    let reader = Reader::new(&store.stream, name, true);
     let messages = consumer.messages().await.map_err(|e| fail("create the watch")(e.into()))?;
-    Ok(Watch { store: store.clone(), messages, _reader: reader })
+    Ok(Watch { store: store.clone(), messages, reader })
+}
+
+impl Watch {
+    /// Stops watching and deletes the consumer, waiting for the server's answer: for a
+    /// process about to end, whose runtime may not run a delete spawned at drop.
+    pub async fn close(mut self) {
+        std::mem::replace(&mut self.reader, Reader::done()).delete().await;
+    }
 }
 
 impl futures::Stream for Watch {
@@ -218,19 +297,50 @@ fn operation(headers: Option<&async_nats::HeaderMap>) -> kv::Operation {
     }
 }
 
-/// A reader's consumer, deleted by [`Reader::delete`] or, when the pass ends early, on
-/// drop.
+/// A reader's consumer, deleted by [`Reader::delete`] or, when the read ends early, on
+/// drop. For a watch (`ordered`), the client replaces the consumer after a gap with one
+/// named `<name>_<n>`: when `name` is gone, those are looked for and deleted.
 struct Reader {
     stream: Option<stream::Stream>,
     name: String,
+    ordered: bool,
 }
 
 impl Reader {
+    fn new(stream: &stream::Stream, name: String, ordered: bool) -> Reader {
+        Reader { stream: Some(stream.clone()), name, ordered }
+    }
+
+    /// One deleted already.
+    fn done() -> Reader {
+        Reader { stream: None, name: String::new(), ordered: false }
+    }
+
     async fn delete(mut self) {
-        if let Some(stream) = self.stream.take()
-            && let Err(e) = stream.delete_consumer(&self.name).await
-        {
-            tracing::debug!(consumer = %self.name, "deleting a reader's consumer: {e}");
+        if let Some(stream) = self.stream.take() {
+            delete(stream, std::mem::take(&mut self.name), self.ordered).await;
+        }
+    }
+}
+
+async fn delete(stream: stream::Stream, name: String, ordered: bool) {
+    let Err(e) = stream.delete_consumer(&name).await else { return };
+    if !ordered {
+        tracing::debug!(consumer = %name, "deleting a reader's consumer: {e}");
+        return;
+    }
+    // Replaced by the client after a gap (its old one deleted): the replacement goes.
+    let replacement = format!("{name}_");
+    let mut names = stream.consumer_names();
+    let mut found = Vec::new();
+    while let Some(Ok(n)) = names.next().await {
+        if n.strip_prefix(&replacement).is_some_and(|serial| serial.bytes().all(|b| b.is_ascii_digit())) {
+            found.push(n);
+        }
+    }
+    for n in found {
+        if let Err(e) = stream.delete_consumer(&n).await {
+            tracing::debug!(consumer = %n, "deleting a watch's consumer: {e}");
         }
     }
 }
@@ -238,13 +348,9 @@ impl Reader {
 impl Drop for Reader {
     fn drop(&mut self) {
         let Some(stream) = self.stream.take() else { return };
-        let name = std::mem::take(&mut self.name);
+        let (name, ordered) = (std::mem::take(&mut self.name), self.ordered);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(e) = stream.delete_consumer(&name).await {
-                    tracing::debug!(consumer = %name, "deleting a reader's consumer: {e}");
-                }
-            });
+            runtime.spawn(delete(stream, name, ordered));
         }
     }
 }

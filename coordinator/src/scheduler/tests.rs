@@ -41,7 +41,7 @@ fn releases(out: &[Output]) -> Vec<String> {
                 assert_eq!(*attempt, FIRST_ATTEMPT);
                 task_id.to_string()
             }
-            Output::Ignored(ignored) => panic!("expected only releases, got {ignored:?}"),
+            other => panic!("expected only releases, got {other:?}"),
         })
         .collect()
 }
@@ -357,8 +357,12 @@ fn a_restored_scheduler_releases_what_the_old_one_would() {
     let (mut old, replay) = busy_history();
     for replay in [replay.clone(), replay.iter().rev().cloned().collect()] {
         let (mut new, out) = Scheduler::restore(replay);
+        // Nothing to release; s3, released and not started, has its dispatch published
+        // again (rule 6).
+        let republished: Vec<&Output> = out.iter().filter(|o| !matches!(o, Output::Ignored(_))).collect();
+        assert_eq!(republished, [&Output::Republish { task_id: TaskId::unchecked("s3") }], "{out:?}");
         assert!(
-            out.iter().all(|output| matches!(output, Output::Ignored(Ignored::UnknownTask { .. }))),
+            out.iter().all(|o| matches!(o, Output::Republish { .. } | Output::Ignored(Ignored::UnknownTask { .. }))),
             "a caught-up coordinator leaves nothing to release: {out:?}"
         );
         assert_eq!(new.snapshot(), old.snapshot());
@@ -408,7 +412,9 @@ fn restore_never_releases_a_task_already_in_flight() {
         submit("s4", "s", User, false, 6),
     ];
     let (scheduler, out) = Scheduler::restore(replay);
-    assert_eq!(releases(&out), ["s4"], "one slot left: the user task");
+    // s2, released and not started, first has its dispatch published again (rule 6).
+    assert_eq!(out.first(), Some(&Output::Republish { task_id: TaskId::unchecked("s2") }), "{out:?}");
+    assert_eq!(releases(&out[1..]), ["s4"], "one slot left: the user task");
     let snapshot = scheduler.snapshot();
     assert_eq!(snapshot.in_flight.iter().map(|task| task.task_id.as_str()).collect::<Vec<_>>(), ["q2", "s2", "s4"]);
     assert_eq!(snapshot.busy_queue_capsules, ["q"]);
@@ -472,6 +478,9 @@ struct Model {
     submitted: Vec<TaskId>,
     /// Tasks that left the wait without a release (ended or canceled while waiting).
     dropped: HashSet<TaskId>,
+    /// The task whose dispatch the last fact asks to publish again (rule 6): released
+    /// elsewhere, it left the wait here.
+    republish: Option<TaskId>,
 }
 
 impl Model {
@@ -561,6 +570,9 @@ impl Model {
             return Some(Ignored::AlreadyEnded { task_id });
         }
         if self.waiting.iter().any(|task| task.id == task_id) {
+            if worker_id.is_none() {
+                self.republish = Some(task_id.clone());
+            }
             self.release(&task_id, worker_id);
             return None;
         }
@@ -630,12 +642,25 @@ impl Model {
 /// (a) a release only while released-not-ended < live slots, (b) never two tasks of a
 /// `queue` capsule in flight, (c) every release is the highest-lane oldest releasable
 /// waiting task, no task is released twice, and no slot stays free while a releasable task
-/// waits.
+/// waits; (d) rule 6's republishing.
 fn step(scheduler: &mut Scheduler, model: &mut Model, input: Input, context: &str) {
     let expected = model.learn(&input);
     let out = scheduler.apply(input);
     if let Some(expected) = expected {
         assert_eq!(out, [Output::Ignored(expected)], "{context}");
+    }
+    // (d) a dispatch is published again exactly when a task released elsewhere leaves the
+    // wait here, first, before any release the fact allows.
+    let republished: Vec<&TaskId> = out
+        .iter()
+        .filter_map(|output| match output {
+            Output::Republish { task_id } => Some(task_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(republished, model.republish.take().iter().collect::<Vec<_>>(), "{context}: republished");
+    if !republished.is_empty() {
+        assert!(matches!(out.first(), Some(Output::Republish { .. })), "{context}: {out:?}");
     }
     for output in out {
         let Output::Release { task_id, attempt } = output else {
@@ -660,7 +685,8 @@ fn step(scheduler: &mut Scheduler, model: &mut Model, input: Input, context: &st
 }
 
 /// Random sequences of submits (some out of `seq` order), worker arrivals and departures,
-/// starts, ends, cancels, duplicates and restarts keep rules 1–5 after every step; then a
+/// starts, releases by others, ends, cancels, duplicates and restarts keep rules 1–6 after
+/// every step; then a
 /// drained run (a worker with slots, every task in flight ending) releases every task that
 /// was not canceled or ended while waiting, exactly once.
 #[test]
@@ -717,7 +743,16 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
                     ended(task_id)
                 }
                 91..=92 => {
-                    let Some(task_id) = rng.pick(&in_flight) else { continue };
+                    // Released here already, or (rule 6) by another coordinator, which kept
+                    // to rule 2 as this one does.
+                    let others: Vec<TaskId> = model
+                        .waiting
+                        .iter()
+                        .filter(|task| !task.queue_capsule || !model.busy(&task.capsule))
+                        .map(|task| task.id.clone())
+                        .collect();
+                    let candidates = if rng.below(2) == 0 { &in_flight } else { &others };
+                    let Some(task_id) = rng.pick(candidates) else { continue };
                     released(task_id)
                 }
                 93..=94 => ended(&format!("x{i}")),
@@ -726,10 +761,25 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
                     let with_ends = rng.below(2) == 0;
                     let (restored, out) = Scheduler::restore(model.replay(&mut rng, with_ends));
                     let context = format!("seed {seed} step {i}: restore");
-                    assert!(
-                        out.iter().all(|output| matches!(output, Output::Ignored(Ignored::UnknownTask { .. }))),
-                        "{context}: {out:?}"
-                    );
+                    // Rule 6: every task released and not started has its dispatch published
+                    // again; nothing else is done.
+                    let mut republished: Vec<&str> = out
+                        .iter()
+                        .filter_map(|output| match output {
+                            Output::Republish { task_id } => Some(task_id.as_str()),
+                            Output::Ignored(Ignored::UnknownTask { .. }) => None,
+                            other => panic!("{context}: {other:?} in {out:?}"),
+                        })
+                        .collect();
+                    republished.sort_unstable();
+                    let mut unstarted: Vec<&str> = model
+                        .in_flight
+                        .iter()
+                        .filter(|(_, worker)| worker.is_none())
+                        .map(|(task, _)| task.id.as_str())
+                        .collect();
+                    unstarted.sort_unstable();
+                    assert_eq!(republished, unstarted, "{context}");
                     assert_eq!(restored.snapshot(), scheduler.snapshot(), "{context}");
                     scheduler = restored;
                     if !with_ends {

@@ -1,5 +1,6 @@
 //! Releases: the actor owning the scheduler, and each [`Output::Release`] carried out (a
-//! compare-and-set to attempt 1, then the dispatch published).
+//! compare-and-set to attempt 1, then the dispatch published) and [`Output::Republish`]
+//! (the dispatch of a task another coordinator released, published again).
 
 use super::*;
 
@@ -33,7 +34,25 @@ impl Ctx {
     pub(super) async fn carry_out(&self, output: Output) {
         match output {
             Output::Release { task_id, .. } => self.release(&task_id).await,
+            Output::Republish { task_id } => self.republish(&task_id).await,
             Output::Ignored(why) => tracing::debug!(instance = %self.instance, "scheduler: {why}"),
+        }
+    }
+
+    /// Publishes again the dispatch of a task another coordinator released (the
+    /// scheduler's rule 6), from its record as it is now: one still `submitted` at attempt
+    /// ≥ 1 (a record that moved on was started, or ended, and needs none). JetStream drops
+    /// the copy when the first one went out.
+    async fn republish(&self, task_id: &TaskId) {
+        match self.read_task(task_id).await {
+            Ok((revision, record)) if record.state == TaskState::Submitted && record.attempt >= 1 => {
+                tracing::info!(instance = %self.instance, %task_id, "a task released by another coordinator: dispatching it again");
+                self.dispatch_released(Released { revision, record }).await;
+            }
+            Ok((_, record)) => {
+                tracing::debug!(instance = %self.instance, %task_id, state = record.state.as_str(), "not republishing: the record moved on");
+            }
+            Err(e) => tracing::warn!(instance = %self.instance, %task_id, "republishing a dispatch: {e}"),
         }
     }
 
@@ -180,7 +199,7 @@ pub(super) async fn actor(
                 tracing::trace!(instance = %ctx.instance, ?input, "scheduler input");
                 for output in scheduler.apply(input) {
                     match output {
-                        Output::Release { .. } => {
+                        Output::Release { .. } | Output::Republish { .. } => {
                             let ctx = ctx.clone();
                             releases.spawn(async move { ctx.carry_out(output).await });
                         }

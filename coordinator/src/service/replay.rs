@@ -20,8 +20,8 @@ pub(super) async fn lead(
     let js = jetstream::new(client.clone());
     // The watchers start before anything is read, so no change falls between the replay
     // and the live feed.
-    let mut task_watch = res.tasks.watch_with_history(">").await.map_err(nats("mur_tasks: watch"))?;
-    let mut worker_watch = res.workers.watch_with_history(">").await.map_err(nats("mur_workers: watch"))?;
+    let mut task_watch = mur_nats::read::watch(&res.tasks, ">").await.map_err(nats("mur_tasks: watch"))?;
+    let mut worker_watch = mur_nats::read::watch(&res.workers, ">").await.map_err(nats("mur_workers: watch"))?;
     let turn = scans.acquire().await.map_err(|_| Error::LoopEnded("the record scans"))?;
     let (task_entries, replayed_up_to) = caught_up(&res.tasks, &mut task_watch, |entry| !ended_or_gone(entry)).await?;
     drop(turn);
@@ -35,7 +35,6 @@ pub(super) async fn lead(
 
     // The replay.
     let mut replay = Vec::new();
-    let mut republish = Vec::new();
     let mut queue_flags = QueueFlags::default();
     for entry in &task_entries {
         let Some(record) = ctx.record_of(entry) else { continue };
@@ -45,12 +44,9 @@ pub(super) async fn lead(
         let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
         replay.push(submitted_input(&record, entry.revision, queue_capsule));
         if record.state == TaskState::Submitted && record.attempt >= 1 {
+            // Released by the last leader; its dispatch goes out again (the scheduler's
+            // `Republish` for its `Released`).
             ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone());
-            republish.push(Dispatch {
-                task_id: record.task_id.clone(),
-                attempt: record.attempt,
-                released: Some(Released { revision: entry.revision, record: record.clone() }),
-            });
         }
         replay.extend(progress_input(&record));
     }
@@ -69,11 +65,7 @@ pub(super) async fn lead(
         in_flight = scheduler.snapshot().in_flight.len(),
         "coordinator restored"
     );
-    for dispatch in republish {
-        if let Err(e) = ctx.publish(&dispatch, None).await {
-            tracing::warn!(instance = %instance, task_id = %dispatch.task_id, "republishing dispatch failed: {e}");
-        }
-    }
+    // The republished dispatches first, then the releases due (the scheduler's order).
     for output in outputs {
         ctx.carry_out(output).await;
     }
@@ -94,6 +86,7 @@ pub(super) async fn lead(
         client: client.clone(),
         fleets: crate::fleet::api::Fleets::new(js.clone(), res, instance.clone()),
         tasks: res.tasks.clone(),
+        task_ended: ctx.task_ended.clone(),
         capsule_index: res.capsule_index.clone(),
         instance: instance.clone(),
         settings: config.fleet.clone(),
@@ -105,13 +98,13 @@ pub(super) async fn lead(
     Ok(Leading { ctx, loops, stop })
 }
 
-/// Reads a fresh `watch_with_history` watcher up to the entry that was the bucket's last when it
+/// Reads a fresh watch ([`mur_nats::read::watch`]) up to the entry that was the bucket's last when it
 /// started (or later), and returns the entries of what it read that `keep` accepts: the
 /// bucket's current state, or the part of it the caller needs (entries not kept are dropped
 /// as they are read).
 async fn caught_up(
     store: &kv::Store,
-    watch: &mut kv::Watch,
+    watch: &mut mur_nats::read::Watch,
     keep: impl Fn(&kv::Entry) -> bool,
 ) -> Result<(Vec<kv::Entry>, u64), Error> {
     // A key written while it is read comes again later (and after the watcher's consumer
@@ -165,12 +158,12 @@ impl<T> Latest<T> {
     }
 }
 
-/// Hands `visit` each entry a fresh `watch_with_history` watcher reads, up to the entry that
+/// Hands `visit` each entry a fresh watch ([`mur_nats::read::watch`]) reads, up to the entry that
 /// was the bucket's last when it started (or later): the latest revision of every key, in
 /// one pass over the bucket's stream, nothing held here.
 pub(super) async fn read_current(
     store: &kv::Store,
-    watch: &mut kv::Watch,
+    watch: &mut mur_nats::read::Watch,
     mut visit: impl FnMut(kv::Entry),
 ) -> Result<(), Error> {
     // Messages are never removed from these streams except by newer revisions, so a

@@ -113,7 +113,7 @@ impl BundleFlags {
 /// Feeds every change of `mur_tasks` to the scheduler.
 pub(super) async fn watch_tasks(
     ctx: Arc<Ctx>,
-    mut watch: kv::Watch,
+    mut watch: mur_nats::read::Watch,
     mut queue_flags: QueueFlags,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {
@@ -151,6 +151,7 @@ pub(super) async fn watch_tasks(
                 Some(input) => {
                     if record.state.is_terminal() {
                         ctx.take_waiting(&record.task_id);
+                        ctx.task_ended.notify_waiters();
                     }
                     let released = record.state == TaskState::Submitted && record.attempt >= 1;
                     let foreign = if record.state.is_terminal() {
@@ -160,15 +161,14 @@ pub(super) async fn watch_tasks(
                         released && ctx.releasing.lock().expect("releasing lock").insert(record.task_id.clone())
                     };
                     if foreign {
-                        // Released by another coordinator: wait-then-release here (a duplicate
-                        // `Submitted` for a task known here is ignored), and its dispatch again.
-                        tracing::info!(instance = %ctx.instance, task_id = %record.task_id, "a task released by another coordinator: dispatching it again");
+                        // Released by another coordinator: known to the scheduler first (a
+                        // duplicate `Submitted` for a task known here is ignored), so that its
+                        // `Released` takes it out of the wait and the scheduler has its dispatch
+                        // published again (`Output::Republish`, its rule 6).
                         let queue_capsule = queue_flags.get(&ctx.capsule_index, &ctx.bundles, &record).await;
                         if ctx.inputs.send(submitted_input(&record, entry.revision, queue_capsule)).is_err() {
                             break 'watch;
                         }
-                        let (ctx, released) = (ctx.clone(), Released { revision: entry.revision, record });
-                        tokio::spawn(async move { ctx.dispatch_released(released).await });
                     }
                     input
                 }
@@ -240,7 +240,7 @@ impl Workers {
 /// Feeds worker arrivals and departures to the scheduler.
 pub(super) async fn watch_workers(
     ctx: Arc<Ctx>,
-    mut watch: kv::Watch,
+    mut watch: mur_nats::read::Watch,
     mut workers: Workers,
     mut stopped: watch::Receiver<bool>,
 ) -> &'static str {

@@ -13,36 +13,21 @@ pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &TaskId) {
     }
 }
 
-/// The last value of every key under `prefix`, in write order (deleted keys left out).
+/// The last value of every key under `prefix`, in write order (deleted keys left out), in
+/// one pass whose consumer is deleted when it is over ([`mur_nats::read::latest`]; an
+/// ordered consumer was left on the server for 30 s, issue #29 item 3).
 async fn read_prefix(sessions: &kv::Store, prefix: &str) -> Result<Vec<(String, bytes::Bytes)>, String> {
-    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
     // One key per turn (per entry): read them all through the bucket's stream, by prefix.
-    let filter = format!("{}{prefix}>", sessions.prefix);
-    let mut consumer = sessions
-        .stream
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: filter,
-            deliver_policy: DeliverPolicy::LastPerSubject,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-    let pending = consumer.info().await.map_err(|e| e.to_string())?.num_pending;
-    let mut values = Vec::new();
-    if pending > 0 {
-        let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
-        while let Some(msg) = messages.next().await {
-            let msg = msg.map_err(|e| e.to_string())?;
-            let info = msg.info().map_err(|e| e.to_string())?;
-            let left = info.pending;
-            if !msg.payload.is_empty() {
-                values.push((msg.subject.to_string(), msg.payload.clone()));
-            }
-            if left == 0 {
-                break;
-            }
+    let mut values: Vec<(String, bytes::Bytes)> = Vec::new();
+    mur_nats::read::latest(sessions, &format!("{prefix}>"), |entry| {
+        // A key written during the pass comes again, newer: its place is the newer one.
+        values.retain(|(k, _)| *k != entry.key);
+        if entry.operation == kv::Operation::Put && !entry.value.is_empty() {
+            values.push((entry.key, entry.value));
         }
-    }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
     Ok(values)
 }
 
