@@ -108,7 +108,7 @@ async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<
     };
     let mut consumer = stream
         .create_consumer(pull::Config {
-            filter_subject: mur_proto::cluster::trace_subject(&id),
+            filter_subject: mur_proto::cluster::trace_subject(&mur_proto::SessionId::unchecked(id.as_str())),
             deliver_policy: DeliverPolicy::All,
             ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
             ..Default::default()
@@ -131,7 +131,10 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
         Source::Cluster(url) => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let (id, lines) = rt.block_on(cluster_lines(&url, args.session.as_deref()))?;
-            return Ok((PathBuf::from(mur_proto::cluster::trace_subject(&id)), lines));
+            return Ok((
+                PathBuf::from(mur_proto::cluster::trace_subject(&mur_proto::SessionId::unchecked(id.as_str()))),
+                lines,
+            ));
         }
         Source::Local(dir) => dir,
     };
