@@ -258,6 +258,38 @@ fn request<T: DeserializeOwned>(common: &Common, what: &str, subject: &str, body
     })
 }
 
+/// Calls `subject` with `body` in `span`, a client span whose W3C `traceparent` goes along
+/// in the request headers, as `mur task send`'s does (issue #32 §Fleet runs traced): the
+/// coordinator's span answering it, and what it starts, join the span's trace.
+async fn call_traced<T: DeserializeOwned>(
+    client: &async_nats::Client,
+    span: tracing::Span,
+    subject: &str,
+    body: Vec<u8>,
+) -> Result<T> {
+    let call = async {
+        let headers = mur_nats::trace_context::headers(&tracing::Span::current());
+        mur_nats::api::call_with_headers(client, subject, headers, body).await
+    };
+    Ok(tracing::Instrument::instrument(call, span).await?)
+}
+
+/// A client span for a request to `subject` about `fleet` (OpenTelemetry messaging
+/// conventions), with `mur.job_id` and `mur.run_id` to be recorded.
+fn client_span(name: &'static str, subject: &str, fleet: &str) -> tracing::Span {
+    tracing::info_span!(
+        "fleet_client",
+        otel.name = name,
+        otel.kind = "client",
+        messaging.system = "nats",
+        messaging.operation.type = "send",
+        messaging.destination.name = subject,
+        mur.fleet = fleet,
+        mur.job_id = tracing::field::Empty,
+        mur.run_id = tracing::field::Empty,
+    )
+}
+
 fn print_json(value: &impl Serialize) -> Result<()> {
     println!("{}", serde_json::to_string(value)?);
     Ok(())
@@ -441,12 +473,15 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         }
         Command::Send { name, text, common } => {
             let text = crate::task::text_or_stdin(&text, "the job's text")?;
-            let job: Job = request(
-                &common,
-                "mur fleet send",
-                api::SEND,
-                &SendRequest { fleet: name.clone(), text, source: None },
-            )?;
+            let body = serde_json::to_vec(&SendRequest { fleet: name.clone(), text, source: None })?;
+            let span = client_span("send_job", api::SEND, &name);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let job: Job = rt.block_on(async {
+                let client = common.conn.connect("mur fleet send").await?;
+                call_traced(&client, span.clone(), api::SEND, body).await
+            })?;
+            span.record("mur.job_id", job.id.as_str());
+            drop(span);
             if common.json {
                 print_json(&job)?;
             } else {
@@ -777,17 +812,23 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
             eprintln!("mur fleet run: interrupted; no run was started");
             return Ok(ExitCode::from(130));
         }
-        let started: fleet_store::RunRecord = match call(&client, fleet_store::RUN_SUBJECT, body).await {
-            Ok(r) => r,
-            Err(e) => {
-                return Ok(crate::refused(
-                    common.json,
-                    crate::api_code(&e),
-                    "mur fleet run: ",
-                    &format!("refused: {e:#}"),
-                ));
-            }
-        };
+        let span = client_span("run_fleet", fleet_store::RUN_SUBJECT, &request.fleet);
+        let started: fleet_store::RunRecord =
+            match call_traced::<fleet_store::RunRecord>(&client, span.clone(), fleet_store::RUN_SUBJECT, body).await {
+                Ok(r) => {
+                    span.record("mur.run_id", r.run_id.as_str());
+                    drop(span);
+                    r
+                }
+                Err(e) => {
+                    return Ok(crate::refused(
+                        common.json,
+                        crate::api_code(&e),
+                        "mur fleet run: ",
+                        &format!("refused: {e:#}"),
+                    ));
+                }
+            };
         // The bounds line and the notices, once: the run's channel repeats them, and the
         // milestones leave those events out (issue #29: each was printed twice).
         eprintln!("{}", started.bounds);

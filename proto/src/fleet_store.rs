@@ -794,6 +794,12 @@ pub struct RunRecord {
     /// Spend per job id (iterations without a job, on the standing goal, are not here).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub jobs: BTreeMap<String, Spend>,
+    /// The W3C `traceparent` of the request that started the run (`mur fleet run`'s span,
+    /// through the coordinator's span answering it; issue #32 §Fleet runs traced): a
+    /// one-shot run's iteration is its child, a loop's iterations link to it. Absent when
+    /// nothing traced the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 impl RunRecord {
@@ -894,6 +900,7 @@ mod run_tests {
             spend: Spend::default(),
             members: BTreeMap::new(),
             jobs: BTreeMap::new(),
+            traceparent: None,
         }
     }
 

@@ -46,6 +46,8 @@ pub struct Span {
     pub attributes: Vec<(String, String)>,
     /// The OTLP status code (0 unset, 1 ok, 2 error).
     pub status_code: i32,
+    /// The spans it links to, as `(trace id, span id)` in hex.
+    pub links: Vec<(String, String)>,
 }
 
 impl Span {
@@ -171,6 +173,7 @@ async fn export(State(received_by): State<Arc<Received>>, body: Bytes) -> Respon
                     kind: span.kind,
                     attributes: string_attributes(&span.attributes),
                     status_code: span.status.as_ref().map_or(0, |s| s.code),
+                    links: span.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect(),
                 });
             }
         }

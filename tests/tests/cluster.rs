@@ -118,6 +118,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("OBJ_mur_capsules", Action::Created),
             ("KV_mur_fleets", Action::Created),
             ("KV_mur_jobs", Action::Created),
+            ("KV_mur_tokens", Action::Created),
             ("MUR_FLEET", Action::Created),
             ("MUR_DISPATCH/workers", Action::Created),
             ("MUR_DEAD_LETTERS/coordinators", Action::Created),
@@ -162,6 +163,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
         ("mur_capsule_index", 64),
         ("mur_fleets", 5),
         ("mur_jobs", 5),
+        ("mur_tokens", 1),
     ] {
         let status = js.get_key_value(bucket).await?.status().await?;
         assert_eq!(status.history(), history, "{bucket}");

@@ -227,3 +227,155 @@ async fn chat_spans_carry_usage_and_response_and_a_task_not_ok_is_an_error() {
         assert!(noise.is_none(), "{noise:?} on {} ({})", span.name, span.service);
     }
 }
+
+/// OTLP `SpanKind` of an internal span.
+const INTERNAL: i32 = 1;
+
+/// A cluster exporting to `collector` with the `pair` fleet (router `planner`, members
+/// `builder` and `reviewer`) defined; a worker with a slot for every step at once.
+async fn traced_fleet(collector: &FakeOtlp) -> (Procs, Vec<Proc>) {
+    let mut cluster = Procs::start("").await;
+    cluster.set_env("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url());
+    cluster.set_env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let coordinator = cluster.coordinator("coordinator-1");
+    let worker = cluster.worker("wkr-fleet", 4);
+    for capsule in ["examples/builder", "examples/planner", "examples/reviewer"] {
+        cluster.push(&mur_tests::mur::example(capsule)).await;
+    }
+    cluster.wait_workers(1).await;
+    until("the coordinator answers", WAIT, || async {
+        mur_nats::api::call::<serde_json::Value>(&cluster.client, api::CAPSULE_LIST, "").await.ok()
+    })
+    .await;
+    let pair = mur_tests::mur::example("examples/fleets/pair.yaml");
+    cluster.mur_ok(&["fleet", "create", pair.to_str().unwrap()]).await;
+    (cluster, vec![coordinator, worker])
+}
+
+/// The spans of the iteration of `run_id` once its `steps` steps' tasks have their
+/// `invoke_agent` spans: the iteration span, then everything in its trace.
+async fn iteration_trace(collector: &FakeOtlp, run_id: &str, steps: usize) -> (Span, Vec<Span>) {
+    until("the iteration's spans", WAIT, || async {
+        let spans = collector.spans();
+        let iteration =
+            spans.iter().find(|s| s.name == "iteration pair" && s.attribute("mur.run_id") == Some(run_id))?;
+        let trace: Vec<Span> = spans.iter().filter(|s| s.trace_id == iteration.trace_id).cloned().collect();
+        let agents = trace.iter().filter(|s| s.service == "mur-worker" && s.name.starts_with("invoke_agent ")).count();
+        let children = trace.iter().filter(|s| s.parent_span_id == iteration.span_id).count();
+        (agents == steps && children == steps).then(|| (iteration.clone(), trace))
+    })
+    .await
+}
+
+/// Checks the iteration's children are `names` (`plan planner`, `delegate builder`, …, in
+/// name order), each the parent of its task's submission on the coordinator, whose task
+/// runs on the worker in the same trace.
+fn check_steps(iteration: &Span, trace: &[Span], expected: &[&str]) {
+    let mut names: Vec<&str> =
+        trace.iter().filter(|s| s.parent_span_id == iteration.span_id).map(|s| s.name.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, expected, "{trace:#?}");
+    for step in trace.iter().filter(|s| s.parent_span_id == iteration.span_id) {
+        assert_eq!((step.service.as_str(), step.kind), ("mur-coordinator", INTERNAL), "{step:#?}");
+        assert_eq!(step.attribute("mur.fleet"), Some("pair"));
+        let capsule = step.name.split(' ').nth(1).unwrap();
+        assert_eq!(step.attribute("gen_ai.agent.name"), Some(capsule));
+        let task_id = step.attribute("mur.task_id").unwrap_or_else(|| panic!("mur.task_id on {step:#?}"));
+        let accept = trace
+            .iter()
+            .find(|s| s.name == "process mur.api.task.submit" && s.attribute("mur.task_id") == Some(task_id))
+            .unwrap_or_else(|| panic!("the submission of {task_id} in the trace: {trace:#?}"));
+        child_of(accept, step);
+        let agent = trace
+            .iter()
+            .find(|s| s.name == format!("invoke_agent {capsule}") && s.attribute("mur.task_id") == Some(task_id))
+            .unwrap_or_else(|| panic!("the worker's span of {task_id} in the trace: {trace:#?}"));
+        assert_eq!(agent.service, "mur-worker");
+    }
+}
+
+/// Issue #32 §Fleet runs traced: a job queued with `mur fleet send` and worked on by a
+/// loop's iteration is one trace: the client's `send_job`, the coordinator's span taking
+/// it, the iteration (fleet, run id, job), the router's plan and judgment and every
+/// member's step under it, and each step's task on the coordinator and the worker. The
+/// iteration links to the `mur fleet run` that started the loop (whose own trace holds the
+/// request and its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_iteration_is_one_trace_from_the_queued_job_through_its_steps_to_the_worker() {
+    let collector = FakeOtlp::start();
+    let (cluster, _procs) = traced_fleet(&collector).await;
+
+    let sent = cluster.mur_ok(&["fleet", "send", "pair", "echo traced", "--json"]).await;
+    let job_id = sent.last_json()["id"].as_str().expect("the job's id").to_string();
+    let run = cluster.mur(&["fleet", "run", "pair", "--loop", "--deadline", "5m", "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let run_id = run
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| (v["type"] == "run").then(|| v["run_id"].as_str().map(str::to_string)).flatten());
+    let run_id = run_id.unwrap_or_else(|| panic!("the run's id in {run:?}"));
+
+    let (iteration, trace) = iteration_trace(&collector, &run_id, 4).await;
+    assert_eq!((iteration.service.as_str(), iteration.kind), ("mur-coordinator", INTERNAL));
+    assert_eq!(iteration.attribute("mur.fleet"), Some("pair"));
+    assert_eq!(iteration.attribute("mur.job_id"), Some(job_id.as_str()));
+    assert!(
+        iteration.attribute("mur.iteration_run_id").is_some_and(|id| id.starts_with(run_id.as_str())),
+        "{iteration:#?}"
+    );
+    assert_eq!(iteration.status_code, 0, "the job got done: {iteration:#?}");
+    check_steps(&iteration, &trace, &["delegate builder", "delegate reviewer", "judge planner", "plan planner"]);
+
+    // The trace starts at the client that queued the job.
+    let send = one(&trace, "mur", "send_job");
+    assert_eq!((send.kind, send.parent_span_id.as_str()), (CLIENT, ""), "{send:#?}");
+    assert_eq!(send.attribute("mur.job_id"), Some(job_id.as_str()));
+    let queued = one(&trace, "mur-coordinator", "process mur.api.fleet.send");
+    assert_eq!((queued.kind, queued.attribute("mur.job_id")), (SERVER, Some(job_id.as_str())));
+    child_of(queued, send);
+    child_of(&iteration, queued);
+
+    // `mur fleet run`'s request is a trace of its own, which the iteration links to.
+    let spans = until("the run request's spans", WAIT, || async {
+        let spans = collector.spans();
+        let has = |service: &str, name: &str| spans.iter().any(|s| s.service == service && s.name == name);
+        (has("mur", "run_fleet") && has("mur-coordinator", "process mur.leader.fleet.run")).then_some(spans)
+    })
+    .await;
+    let asked = one(&spans, "mur", "run_fleet");
+    assert_eq!((asked.kind, asked.parent_span_id.as_str()), (CLIENT, ""), "{asked:#?}");
+    assert_eq!(asked.attribute("mur.run_id"), Some(run_id.as_str()));
+    let answered = one(&spans, "mur-coordinator", "process mur.leader.fleet.run");
+    child_of(answered, asked);
+    assert_eq!(answered.attribute("mur.run_id"), Some(run_id.as_str()));
+    assert_eq!(iteration.links, [(answered.trace_id.clone(), answered.span_id.clone())], "{iteration:#?}");
+}
+
+/// A one-shot run without a job is one trace under the `mur fleet run` that started it:
+/// the client's span, the coordinator's answer, the iteration and its steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_shot_fleet_run_is_one_trace_under_mur_fleet_run() {
+    let collector = FakeOtlp::start();
+    let (cluster, _procs) = traced_fleet(&collector).await;
+
+    let run = cluster.mur(&["fleet", "run", "pair", "--json"]).await;
+    let run_id = run
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| (v["type"] == "run").then(|| v["run_id"].as_str().map(str::to_string)).flatten());
+    let run_id = run_id.unwrap_or_else(|| panic!("the run's id in {run:?}"));
+
+    // A one-shot run converges with its iteration: the router plans, and is not asked to
+    // judge.
+    let (iteration, trace) = iteration_trace(&collector, &run_id, 3).await;
+    assert_eq!(iteration.attribute("mur.job_id"), None, "{iteration:#?}");
+    assert!(iteration.links.is_empty(), "{iteration:#?}");
+    check_steps(&iteration, &trace, &["delegate builder", "delegate reviewer", "plan planner"]);
+    let asked = one(&trace, "mur", "run_fleet");
+    assert_eq!((asked.kind, asked.parent_span_id.as_str()), (CLIENT, ""), "{asked:#?}");
+    let answered = one(&trace, "mur-coordinator", "process mur.leader.fleet.run");
+    child_of(answered, asked);
+    child_of(&iteration, answered);
+}

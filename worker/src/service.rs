@@ -60,7 +60,7 @@ use crate::bundle;
 use crate::capsule::{self, Capsule};
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
-use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
+use crate::session::{Checkpoints, Durable, Journal, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
 use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};

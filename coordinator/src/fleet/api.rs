@@ -207,22 +207,51 @@ impl Fleets {
         }
     }
 
-    /// Answers one request of `op`: the reply's JSON, or the error. `caller` is who sent
-    /// it as nats-server states it ([`mur_nats::identity`]), when the coordinator has an
-    /// identity connection: `approve`, `deny`, `stop`, `start` and `send` record that name,
-    /// never the one the request gives (`by`, `source`), which is recorded only without it
-    /// (local clusters without credentials: unverified, the client sends `$USER`).
+    /// Answers one request of `op` (its NATS `headers`, its `body`): the reply's JSON, or
+    /// the error. `caller` is who sent it as nats-server states it
+    /// ([`mur_nats::identity`]), when the coordinator has an identity connection:
+    /// `approve`, `deny`, `stop`, `start` and `send` record that name, never the one the
+    /// request gives (`by`, `source`), which is recorded only without it (local clusters
+    /// without credentials: unverified, the client sends `$USER`). A `fleet.send` is
+    /// answered in a `process mur.api.fleet.send` span joined to the caller's
+    /// `traceparent`, which the job keeps (issue #32 §Fleet runs traced).
     ///
     /// # Errors
     /// The request's [`ApiError`].
-    pub async fn handle(&self, op: Op, body: &[u8], caller: Option<&str>) -> Result<Bytes, ApiError> {
+    pub async fn handle(
+        &self,
+        op: Op,
+        headers: Option<&async_nats::HeaderMap>,
+        body: &[u8],
+        caller: Option<&str>,
+    ) -> Result<Bytes, ApiError> {
         match op {
             Op::Create => self.define(request(body)?, false).await.and_then(|r| to_json(&r)),
             Op::Apply => self.define(request(body)?, true).await.and_then(|r| to_json(&r)),
             Op::List => self.list().await.and_then(|r| to_json(&r)),
             Op::Show => self.show(&request::<FleetRef>(body)?.fleet).await.and_then(|r| to_json(&r)),
             Op::Remove => self.remove(request(body)?).await.and_then(|r| to_json(&r)),
-            Op::Send => self.send(request(body)?, caller).await.and_then(|r| to_json(&r)),
+            Op::Send => {
+                let span = tracing::info_span!(
+                    "fleet_send",
+                    otel.name = %format!("process {}", api::SEND),
+                    otel.kind = "server",
+                    messaging.system = "nats",
+                    messaging.operation.type = "process",
+                    messaging.destination.name = api::SEND,
+                    mur.fleet = tracing::field::Empty,
+                    mur.job_id = tracing::field::Empty,
+                );
+                let traceparent = mur_nats::trace_context::join(&span, headers);
+                let send = async {
+                    let req: SendRequest = request(body)?;
+                    tracing::Span::current().record("mur.fleet", req.fleet.as_str());
+                    let job = self.send(req, caller, traceparent).await?;
+                    tracing::Span::current().record("mur.job_id", job.id.as_str());
+                    to_json(&job)
+                };
+                tracing::Instrument::instrument(send, span).await
+            }
             Op::Jobs => self.list_jobs(request(body)?).await.and_then(|r| to_json(&r)),
             Op::Cancel => self.cancel(request(body)?).await.and_then(|r| to_json(&r)),
             Op::SetLoop => self.set_loop(request(body)?).await.and_then(|r| to_json(&r)),
@@ -608,7 +637,7 @@ impl Fleets {
     }
 
     /// `fleet.send`: queues a job; runs nothing.
-    async fn send(&self, req: SendRequest, caller: Option<&str>) -> Result<Job, ApiError> {
+    async fn send(&self, req: SendRequest, caller: Option<&str>, traceparent: Option<String>) -> Result<Job, ApiError> {
         let (revision, _) = self.definition(&req.fleet).await?;
         // A job's text becomes its steps' task texts: the same rule, so a job a run could
         // never submit is refused now rather than fail every step later.
@@ -619,7 +648,8 @@ impl Fleets {
             Some(name) => name.to_string(),
             None => req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string()),
         };
-        let job = Job::new(req.text, source, SystemClock.now_ms());
+        let mut job = Job::new(req.text, source, SystemClock.now_ms());
+        job.traceparent = traceparent;
         self.jobs
             .create(fleet_store::job_key(&req.fleet, &job.id), to_json(&job)?)
             .await

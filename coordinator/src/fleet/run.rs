@@ -33,6 +33,7 @@
 mod broadcast;
 mod halt;
 mod procedure;
+mod traced;
 
 use crate::fleet::api::Fleets;
 use crate::fleet::cost::FleetSettings;
@@ -49,6 +50,8 @@ use mur_proto::fleet_store::{self, Author, ChannelEvent, EventKind, RunRecord, R
 use mur_proto::task::{Origin, TaskState};
 use std::time::Duration;
 use tokio::sync::watch;
+use traced::{StepKind, mark_error};
+use tracing::Instrument as _;
 
 /// How long past a step's deadline the coordinator waits for its record before it cancels
 /// the task itself.
@@ -151,8 +154,28 @@ pub async fn serve(env: Env, mut stopped: watch::Receiver<bool>) -> &'static str
                 None => return "the fleet run loop",
             },
         };
+        // The request's span, joined to the caller's (`mur fleet run`'s); the run keeps
+        // its `traceparent` for its iterations' spans (issue #32 §Fleet runs traced).
+        let span = tracing::info_span!(
+            "fleet_run",
+            otel.name = %format!("process {}", fleet_store::RUN_SUBJECT),
+            otel.kind = "server",
+            messaging.system = "nats",
+            messaging.operation.type = "process",
+            messaging.destination.name = fleet_store::RUN_SUBJECT,
+            mur.fleet = tracing::field::Empty,
+            mur.run_id = tracing::field::Empty,
+        );
+        let traceparent = mur_nats::trace_context::join(&span, msg.headers.as_ref());
         let answer = match serde_json::from_slice::<RunRequest>(&msg.payload) {
-            Ok(request) => launch(&env, request).await,
+            Ok(request) => {
+                span.record("mur.fleet", request.fleet.as_str());
+                let launched = launch(&env, request, traceparent).instrument(span.clone()).await;
+                if let Ok(record) = &launched {
+                    span.record("mur.run_id", record.run_id.as_str());
+                }
+                launched
+            }
             Err(e) => Err(invalid(format!("request: {e}"))),
         }
         .and_then(|record| {
@@ -175,13 +198,13 @@ fn invalid(message: impl Into<String>) -> ApiError {
 }
 
 /// Starts a run on this coordinator (a `mur fleet run` request, or a trigger firing):
-/// checks it, writes its first record, and carries it out in the background. Returns the
-/// first record.
+/// checks it, writes its first record (keeping the request's W3C `traceparent`, if any),
+/// and carries it out in the background. Returns the first record.
 ///
 /// # Errors
 /// Why the run cannot start (a stopped fleet: `conflict`; bad input: `invalid_request`).
-pub async fn launch(env: &Env, request: RunRequest) -> Result<RunRecord, ApiError> {
-    let (run, record) = start(env, request).await?;
+pub async fn launch(env: &Env, request: RunRequest, traceparent: Option<String>) -> Result<RunRecord, ApiError> {
+    let (run, record) = start(env, request, traceparent).await?;
     let exec = Exec::new(env, record.clone(), &run);
     tokio::spawn(exec.drive(run));
     Ok(record)
@@ -231,7 +254,7 @@ pub async fn spec_of(
 }
 
 /// Checks a request and makes the run and its first record.
-async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiError> {
+async fn start(env: &Env, request: RunRequest, traceparent: Option<String>) -> Result<(Run, RunRecord), ApiError> {
     let fleets = &env.fleets;
     let (revision, text) = fleets.definition(&request.fleet).await?;
     let fleet = Fleet::load_stored(&text).map_err(|e| invalid(e.to_string()))?;
@@ -298,6 +321,7 @@ async fn start(env: &Env, request: RunRequest) -> Result<(Run, RunRecord), ApiEr
         spend: Default::default(),
         members: Default::default(),
         jobs: Default::default(),
+        traceparent,
     };
     put_record(fleets, &record).await?;
     if let Err(e) = still_defined(fleets, &fleet.name, revision).await {
@@ -374,6 +398,10 @@ struct Exec {
     blocked_job: Option<String>,
     /// The kill-switch as this run has seen it ([`halt::watch`]).
     halt: halt::HaltFlag,
+    /// Whether the run loops (its iterations start traces of their own, [`traced`]).
+    looping: bool,
+    /// The current iteration's span ([`traced`]); none between iterations.
+    iteration: tracing::Span,
 }
 
 impl Exec {
@@ -391,6 +419,8 @@ impl Exec {
             active: env.active.clone(),
             blocked_job: None,
             halt: Default::default(),
+            looping: run.spec().looping,
+            iteration: tracing::Span::none(),
         }
     }
 
@@ -461,6 +491,7 @@ impl Exec {
         }
         let mut last_agent: Option<u64> = None;
         let stop = loop {
+            self.end_iteration(None);
             if !self.still_ours().await {
                 tracing::warn!(fleet, run = %self.record.run_id, "another coordinator took the run over: leaving it");
                 beat.abort();
@@ -488,13 +519,15 @@ impl Exec {
             };
             let mut next = run.next(&view);
             let mut claimed: Option<String> = None;
+            let planned = matches!(next, Next::Plan { .. });
             if let Next::Plan { iteration_run_id, job, router, text, time_left, .. } = &next {
+                let mut work = None;
                 if let Some(id) = job {
-                    if !self.claim(&fleet, id, iteration_run_id).await {
-                        continue;
-                    }
+                    let Some(j) = self.claim(&fleet, id, iteration_run_id).await else { continue };
                     claimed = Some(id.clone());
+                    work = Some(j);
                 }
+                self.begin_iteration(iteration_run_id, work.as_ref());
                 self.event(
                     EventKind::Delegation,
                     Author::System,
@@ -504,8 +537,9 @@ impl Exec {
                 )
                 .await;
                 let deadline_at = ms_after(SystemClock.now_ms(), *time_left);
-                let (ok, reply) = match self.submit(router, text, deadline_at).await {
-                    Ok(task_id) => self.wait(&task_id, *time_left).await,
+                let span = self.step_span(StepKind::Plan, router);
+                let (ok, reply) = match self.delegate(span, router, text, deadline_at, *time_left).await {
+                    Ok(replied) => replied,
                     Err(e) => (false, format!("error: the router's task was refused: {e}")),
                 };
                 self.event(EventKind::Decision, Author::Router, reply.clone(), Some(iteration_run_id), job.as_deref())
@@ -517,18 +551,26 @@ impl Exec {
             }
             match next {
                 Next::Stop(stop) => break stop,
-                Next::Plan { .. } => break Stop::IterationFailed,
+                Next::Plan { .. } => {
+                    // The router's plan failed: so did the iteration.
+                    self.end_iteration(Some(Stop::IterationFailed.label()));
+                    break Stop::IterationFailed;
+                }
                 Next::Procedure { iteration_run_id, job, work, .. } => {
                     if !self.run_procedure(&mut run, &iteration_run_id, job.as_deref(), &work, &mut last_agent).await {
                         continue;
                     }
                 }
                 Next::Iterate { iteration_run_id, job, steps, .. } => {
+                    let mut work = None;
                     if let Some(id) = &job
                         && claimed.as_deref() != Some(id.as_str())
-                        && !self.claim(&fleet, id, &iteration_run_id).await
                     {
-                        continue;
+                        let Some(j) = self.claim(&fleet, id, &iteration_run_id).await else { continue };
+                        work = Some(j);
+                    }
+                    if !planned || work.is_some() {
+                        self.begin_iteration(&iteration_run_id, work.as_ref());
                     }
                     let replies = self.send_steps(run.spec(), &steps, &iteration_run_id, job.as_deref()).await;
                     last_agent = Some(SystemClock.now_ms());
@@ -536,8 +578,10 @@ impl Exec {
                     if let Some((router, text)) = it.judge.as_ref().filter(|_| !self.halt.raised()) {
                         let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(run.spec().started_at));
                         let left = fleet::inherited_deadline(run.spec().deadline, elapsed);
-                        let (_, verdict) = match self.submit(router, text, ms_after(SystemClock.now_ms(), left)).await {
-                            Ok(task_id) => self.wait(&task_id, left).await,
+                        let span = self.step_span(StepKind::Judge, router);
+                        let deadline_at = ms_after(SystemClock.now_ms(), left);
+                        let (_, verdict) = match self.delegate(span, router, text, deadline_at, left).await {
+                            Ok(replied) => replied,
                             Err(e) => (false, format!("error: {e}")),
                         };
                         self.event(
@@ -550,6 +594,7 @@ impl Exec {
                         .await;
                         run.judged(&verdict);
                     }
+                    let mut ended = None;
                     if let Some(id) = &job {
                         let status = match (it.job_done, self.halt.raised()) {
                             (true, _) => JobStatus::Done,
@@ -557,8 +602,10 @@ impl Exec {
                             (false, false) => JobStatus::Failed,
                         };
                         self.end_job(&fleet, id, status, &it.result).await;
+                        ended = (status != JobStatus::Done).then_some(status);
                     }
                     self.account(&mut run, &iteration_run_id, job.as_deref()).await;
+                    self.end_iteration(ended.map(JobStatus::as_str));
                     self.record.iterations += 1;
                     self.record.updated_at = SystemClock.now_ms();
                     if !self.still_ours().await {
@@ -572,6 +619,7 @@ impl Exec {
                 }
             }
         };
+        self.end_iteration(None);
         beat.abort();
         // Stop means stop: a run the kill-switch reached mid-iteration did not converge,
         // whatever its last iteration came to.
@@ -599,9 +647,9 @@ impl Exec {
         }
     }
 
-    /// Claims `job` for `iteration_run_id`; false when it cannot be (canceled meanwhile, say:
-    /// the next iteration picks again).
-    async fn claim(&self, fleet: &str, job: &str, iteration_run_id: &str) -> bool {
+    /// Claims `job` for `iteration_run_id`: the job as claimed, or `None` when it cannot be
+    /// (canceled meanwhile, say: the next iteration picks again).
+    async fn claim(&self, fleet: &str, job: &str, iteration_run_id: &str) -> Option<mur_proto::fleet::Job> {
         let claimed = self
             .fleets
             .update_job(fleet, job, |j| {
@@ -612,7 +660,7 @@ impl Exec {
         if let Err(e) = &claimed {
             tracing::info!(fleet, job, "job not claimed: {e}");
         }
-        claimed.is_ok()
+        claimed.ok()
     }
 
     /// Whether the fleet's trigger asked this run to stop (`cancel.<run id>`, issue #36).
@@ -736,6 +784,10 @@ impl Exec {
                 && r.state.is_terminal()
             {
                 self.tally.note(&r.capsule, r.usage.as_ref());
+                if r.state != TaskState::Completed {
+                    let status = r.exit_status.map_or(r.state.as_str(), |s| s.as_str());
+                    mark_error(&tracing::Span::current(), if stopped { "canceled" } else { status });
+                }
                 let result = r.result.unwrap_or_default();
                 return match (r.state == TaskState::Completed, stopped) {
                     (false, true) => (false, format!("{CANCELED_BY_STOP} ({result})")),
@@ -757,8 +809,10 @@ impl Exec {
             }
             if tokio::time::Instant::now() >= deadline {
                 if stopped {
+                    mark_error(&tracing::Span::current(), "canceled");
                     return (false, CANCELED_BY_STOP.into());
                 }
+                mark_error(&tracing::Span::current(), "deadline");
                 let _ = mur_nats::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string())
                     .await;
                 return (false, "error: the step outlived the loop's deadline and was canceled".into());

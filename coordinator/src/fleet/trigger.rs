@@ -214,7 +214,7 @@ async fn fleet_tick(env: &Env, name: &str, going: Option<&str>, autorun: bool) -
                     budget_usd: None,
                     run_id: Some(run_id.clone()),
                 };
-                match fleet_run::launch(env, request).await {
+                match fleet_run::launch(env, request, None).await {
                     Ok(r) => tracing::info!(
                         fleet = %name, run = %r.run_id, occurrence,
                         "trigger {} fired", f.r#loop.trigger.as_text()

@@ -161,7 +161,7 @@ impl Ctx {
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
             Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
             Endpoint::Fleet(op) => match self.caller(kind, request.message.headers.as_ref()) {
-                Ok(caller) => self.fleets.handle(op, body, caller.as_deref()).await,
+                Ok(caller) => self.fleets.handle(op, request.message.headers.as_ref(), body, caller.as_deref()).await,
                 Err(e) => Err(e),
             },
         };

@@ -101,6 +101,15 @@ pub struct TaskRecord {
     /// The A2A `messageId` it came from ([`SubmitRequest::message_id`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_id: Option<String>,
+    /// Tool calls found in doubt at its takeovers — started by a worker that died before
+    /// they ended — rerun or reported to the model (issue #34, `tool_call_in_doubt`
+    /// lines); on its terminal record, absent when none.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub tool_calls_in_doubt: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -150,6 +159,7 @@ impl TaskRecord {
             traceparent: None,
             usage: None,
             message_id: request.message_id,
+            tool_calls_in_doubt: 0,
         }
     }
 

@@ -120,6 +120,11 @@ pub struct Job {
     /// after an approval continues from there instead of running them again.
     #[serde(default)]
     pub steps_done: BTreeMap<String, String>,
+    /// The W3C `traceparent` of the request that queued it (`mur fleet send`'s span,
+    /// through the coordinator's; issue #32 §Fleet runs traced): the iteration that works
+    /// on the job is a child of it. Absent when nothing traced the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// A parked approval request of a job (one per blocked run; it covers every step that run
@@ -180,6 +185,7 @@ impl Job {
             finished_at: None,
             approval: None,
             steps_done: BTreeMap::new(),
+            traceparent: None,
         }
     }
 

@@ -298,7 +298,7 @@ async fn run_dispatch_holding(
         saved: AtomicBool::new(checkpointed),
         max_payload,
     });
-    let (exit, result, error, usage) = match run_session(
+    let (exit, result, error, usage, in_doubt) = match run_session(
         sh,
         &task,
         &capsule,
@@ -310,8 +310,8 @@ async fn run_dispatch_holding(
     )
     .await
     {
-        Ok((exit, result, usage)) => (exit, result, None, usage),
-        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
+        Ok((exit, result, usage, in_doubt)) => (exit, result, None, usage, in_doubt),
+        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None, 0),
     };
     // A step that lost its permit (its worker stalled past the lease) stopped, or ran on
     // without one: it writes no end; another delivery runs it again once it holds a
@@ -333,6 +333,7 @@ async fn run_dispatch_holding(
                 return false;
             }
             r.usage.clone_from(&usage);
+            r.tool_calls_in_doubt = in_doubt;
             end_record(r, exit, &result, error.as_deref(), max_payload);
             true
         })

@@ -5,7 +5,7 @@
 //! ([`fleet::resolve_fanout`]: the fleet's `fanout:`, else `MUR_FLEET_FANOUT`, else 3), and
 //! the replies come back in step order.
 
-use super::{Exec, ms_after};
+use super::{Exec, StepKind, ms_after};
 use crate::fleet::machine::{Reply, Spec, Step};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
@@ -38,9 +38,10 @@ impl Exec {
         // fan-out slot does not get a longer clock.
         let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(spec.started_at));
         let time_left = fleet::inherited_deadline(spec.deadline, elapsed).min(step.time_left);
-        match self.submit(&step.member, &step.text, ms_after(SystemClock.now_ms(), time_left)).await {
-            Ok(task_id) => {
-                let (ok, text) = self.wait(&task_id, time_left).await;
+        let span = self.step_span(StepKind::Delegate, &step.member);
+        match self.delegate(span, &step.member, &step.text, ms_after(SystemClock.now_ms(), time_left), time_left).await
+        {
+            Ok((ok, text)) => {
                 let author = Author::Member(step.member.clone());
                 self.event(EventKind::Reply, author, text.clone(), Some(iteration_run_id), job).await;
                 Reply { member: step.member.clone(), ok, text }

@@ -9,7 +9,7 @@
 //! continues from there. With `hitl.mode: wait` it parks the request on the job and waits
 //! for the answer (until the loop's deadline) before the next rank.
 
-use super::{Exec, ms_after, put_record};
+use super::{Exec, StepKind, ms_after, put_record};
 use crate::fleet::machine::{Run, Spec};
 use crate::fleet::plan::{Launch, Outcome, Procedure, Rank};
 use futures::StreamExt;
@@ -53,6 +53,7 @@ impl Exec {
             }
             None => None,
         };
+        self.begin_iteration(iteration_run_id, claimed.as_ref());
         // The standing goal has no job to park a request on: one is made for it, and
         // stored only if a step is parked (its id is the one the notes name).
         let goal_job = claimed.is_none().then(|| Job::new(work, fleet::SOURCE_GOAL, SystemClock.now_ms()));
@@ -149,6 +150,11 @@ impl Exec {
             }
         }
         self.account(run, iteration_run_id, job).await;
+        self.end_iteration(match outcome {
+            Outcome::Failed if cut || self.halt.raised() => Some(JobStatus::Canceled.as_str()),
+            Outcome::Failed => Some(JobStatus::Failed.as_str()),
+            Outcome::Done | Outcome::Blocked => None,
+        });
         self.record.iterations += 1;
         self.record.updated_at = SystemClock.now_ms();
         if let Err(e) = put_record(&self.fleets, &self.record).await {
@@ -268,9 +274,13 @@ impl Exec {
             self.event(EventKind::Delegation, Author::System, text, Some(iteration_run_id), job).await;
             let elapsed = Duration::from_millis(SystemClock.now_ms().saturating_sub(spec.started_at));
             let time_left = fleet::inherited_deadline(spec.deadline, elapsed);
-            match self.submit(&launch.member, &launch.text, ms_after(SystemClock.now_ms(), time_left)).await {
-                Ok(task_id) => {
-                    last = self.wait(&task_id, time_left).await;
+            let span = self.step_span(StepKind::Delegate, &launch.member);
+            span.record("mur.step_id", launch.id.as_str());
+            span.record("mur.attempt", attempt);
+            let deadline_at = ms_after(SystemClock.now_ms(), time_left);
+            match self.delegate(span, &launch.member, &launch.text, deadline_at, time_left).await {
+                Ok(replied) => {
+                    last = replied;
                     let author = Author::Member(launch.member.clone());
                     self.event(EventKind::Reply, author, last.1.clone(), Some(iteration_run_id), job).await;
                 }
