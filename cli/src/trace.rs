@@ -108,12 +108,14 @@ async fn cluster_lines(url: &str, session: Option<&str>) -> Result<(String, Vec<
     // One pass whose consumer is deleted when it is over (issue #29 item 3).
     let mut lines = Vec::new();
     let mut bad = None;
-    mur_nats::read::messages(&stream, &mur_proto::cluster::trace_subject(&id), |m| {
-        match serde_json::from_slice(&m.payload) {
+    mur_nats::read::messages(
+        &stream,
+        &mur_proto::cluster::trace_subject(&mur_proto::SessionId::unchecked(id.as_str())),
+        |m| match serde_json::from_slice(&m.payload) {
             Ok(line) => lines.push(line),
             Err(e) => bad = bad.take().or(Some(e)),
-        }
-    })
+        },
+    )
     .await
     .context("reading the session")?;
     if let Some(e) = bad {
@@ -127,7 +129,10 @@ fn load(args: &Args) -> Result<(PathBuf, Vec<Value>)> {
         Source::Cluster(url) => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let (id, lines) = rt.block_on(cluster_lines(&url, args.session.as_deref()))?;
-            return Ok((PathBuf::from(mur_proto::cluster::trace_subject(&id)), lines));
+            return Ok((
+                PathBuf::from(mur_proto::cluster::trace_subject(&mur_proto::SessionId::unchecked(id.as_str()))),
+                lines,
+            ));
         }
         Source::Local(dir) => dir,
     };

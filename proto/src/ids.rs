@@ -260,6 +260,13 @@ impl SessionId {
     }
 }
 
+/// A session's folder is named by its id (`sessions/<session_id>/`).
+impl AsRef<std::path::Path> for SessionId {
+    fn as_ref(&self) -> &std::path::Path {
+        self.0.as_ref()
+    }
+}
+
 impl WorkerId {
     /// A fresh worker id: `wkr_` and 32 lowercase hex digits of a UUIDv7.
     pub fn generate() -> WorkerId {

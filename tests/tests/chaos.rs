@@ -2,9 +2,9 @@
 //! processes ([`Procs`]), killed with SIGKILL at chosen points; each test checks one of
 //! the design's invariants 2, 3, 4, 7, 8 on what the cluster stored.
 
-use mur_proto::TaskId;
 use mur_proto::cluster;
 use mur_proto::task::{Origin, TaskState};
+use mur_proto::{SessionId, TaskId};
 use mur_tests::capsule::{TestCapsule, idempotent_shell_capsule, shell_capsule};
 use mur_tests::procs::{Procs, proc_state, until};
 use serde_json::Value;
@@ -121,9 +121,12 @@ async fn worker_killed_mid_task(cluster: Procs) {
     // The task counts every turn; the taking-over session's `session_end` only its own,
     // as many as its `inference` lines (`mur trace show` and `steps` agree).
     let session_id = t["session_id"].as_str().unwrap();
-    let session =
-        mur_tests::nats::stream_json(&cluster.client, cluster::TRACE_STREAM, Some(cluster::trace_subject(session_id)))
-            .await;
+    let session = mur_tests::nats::stream_json(
+        &cluster.client,
+        cluster::TRACE_STREAM,
+        Some(cluster::trace_subject(&SessionId::unchecked(session_id))),
+    )
+    .await;
     let ends = of_type(&session, "session_end");
     assert_eq!(ends.len(), 1, "{session:?}");
     assert_eq!(ends[0]["total_turns"].as_u64(), Some(turns_after.len() as u64), "{:?}", ends[0]);

@@ -14,10 +14,10 @@ use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
 use mur_coordinator::service;
 use mur_nats::api;
 use mur_nats::clock::{Clock, SystemClock};
-use mur_proto::TaskId;
 use mur_proto::cluster::{self, TaskRecord};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
+use mur_proto::{SessionId, TaskId};
 use mur_tests::capsule::TestCapsule;
 use mur_tests::nats::NatsServer;
 use mur_worker::bundle;
@@ -799,7 +799,7 @@ impl SimWorker {
             .write(&dispatch.task_id, |r| {
                 r.state = TaskState::Working;
                 r.worker = Some(worker.clone());
-                r.session_id = Some(Id::generate(IdKind::Session));
+                r.session_id = Some(SessionId::generate());
                 r.started_at = Some(SystemClock.now_ms());
             })
             .await?;
@@ -1689,7 +1689,7 @@ async fn a_completion_sent_while_no_coordinator_answers_arrives_once_one_starts(
         capsule: "greeter".into(),
         task_id: Id::generate(IdKind::Task).to_string(),
         context_id: context_id.clone(),
-        session_id: Id::generate(IdKind::Session).to_string(),
+        session_id: SessionId::generate(),
         session_dir: session.path().to_path_buf(),
     };
     let (notify, notices) = tokio::sync::mpsc::unbounded_channel();

@@ -1,9 +1,9 @@
 //! The cluster end to end (issue #7): a real nats-server, a coordinator and workers in
 //! process ([`Sandbox`]), capsules pushed as bundles, tasks submitted over the NATS API.
 
-use mur_proto::TaskId;
 use mur_proto::cluster::TaskRecord;
 use mur_proto::task::{ExitStatus, Origin, TaskState};
+use mur_proto::{SessionId, TaskId};
 use mur_tests::capsule::TestCapsule;
 use mur_tests::sandbox::Sandbox;
 use std::time::Duration;
@@ -349,7 +349,7 @@ async fn a_detached_command_comes_back_as_a_completion_task_in_the_same_context(
 
 /// Every line of `mur.trace.<session>` in `MUR_TRACE`.
 async fn trace_of_session(sb: &Sandbox, session: &str) -> Vec<serde_json::Value> {
-    let subject = mur_proto::cluster::trace_subject(session);
+    let subject = mur_proto::cluster::trace_subject(&SessionId::unchecked(session));
     mur_tests::nats::stream_json(&sb.client, mur_proto::cluster::TRACE_STREAM, Some(subject)).await
 }
 

@@ -76,7 +76,7 @@ use mur_nats::fanout;
 use mur_nats::tasks::{self as task_records, read};
 use mur_nats::trace_context;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
-use mur_proto::ids::{Id, IdKind, TaskId};
+use mur_proto::ids::{SessionId, TaskId};
 use mur_proto::manifest::Conversation;
 use mur_proto::message::Message;
 use mur_proto::task::Origin;

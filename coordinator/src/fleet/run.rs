@@ -42,6 +42,7 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest, TaskRecord};
 use mur_proto::fanout::FleetStep;
 use mur_proto::fleet::{self, Fleet, JobStatus, RunFlags, Stop};
@@ -55,9 +56,6 @@ use tracing::Instrument as _;
 /// How long past a step's deadline the coordinator waits for its record before it cancels
 /// the task itself.
 const WAIT_SLACK: Duration = Duration::from_secs(10);
-
-/// The longest a step's wait goes without reading its record.
-const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// The reply of a step the kill-switch kept from starting.
 const NOT_STARTED: &str = "not started: the fleet was stopped";
@@ -749,7 +747,7 @@ impl Exec {
     ///
     /// # Errors
     /// `conflict` once the kill-switch was set (nothing is sent), else the API's refusal.
-    async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<String, ApiError> {
+    async fn submit(&self, member: &str, text: &str, deadline_at: u64) -> Result<TaskId, ApiError> {
         if halt::read(&self.fleets, &self.record.fleet, &self.halt).await {
             return Err(ApiError::new(ErrorCode::Conflict, NOT_STARTED));
         }
@@ -774,7 +772,7 @@ impl Exec {
             tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "step task not taken yet; sending it again");
         })
         .await
-        .map(|r| r.task_id.into_string())
+        .map(|r| r.task_id)
     }
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`, read each time
@@ -787,17 +785,16 @@ impl Exec {
     ///
     /// A poll alone (20, 40, 80 … ms) saw a 25 ms step end 60 ms after it was sent: most
     /// of a one-step iteration's time (issue #29 item 3's 2,000 iterations).
-    async fn wait(&self, task_id: &str, time_left: Duration) -> (bool, String) {
+    async fn wait(&self, task_id: &TaskId, time_left: Duration) -> (bool, String) {
         let mut deadline = tokio::time::Instant::now() + time_left + WAIT_SLACK;
-        let mut backoff = Duration::from_millis(20);
+        let mut polls = poll_delays();
         let mut stopped = false;
         loop {
             // Registered before the read, so an end between the read and the wait wakes it.
             let ended = self.task_ended.notified();
             let mut ended = std::pin::pin!(ended);
             ended.as_mut().enable();
-            if let Ok(Some(value)) = self.tasks.get(task_id).await
-                && let Ok(r) = serde_json::from_slice::<TaskRecord>(&value)
+            if let Ok(Some((r, _))) = mur_nats::tasks::read(&self.tasks, task_id).await
                 && r.state.is_terminal()
             {
                 self.tally.note(&r.capsule, r.usage.as_ref());
@@ -813,15 +810,15 @@ impl Exec {
             }
             if !stopped && self.halt.get() == halt::Halt::Cancel {
                 stopped = true;
-                tracing::info!(run = %self.record.run_id, task_id, "the fleet was stopped: canceling its step");
+                tracing::info!(run = %self.record.run_id, %task_id, "the fleet was stopped: canceling its step");
                 if let Err(e) =
                     mur_nats::api::call::<TaskRecord>(&self.client, cluster::api::TASK_CANCEL, task_id.to_string())
                         .await
                 {
-                    tracing::info!(run = %self.record.run_id, task_id, "canceling a step: {e}");
+                    tracing::info!(run = %self.record.run_id, %task_id, "canceling a step: {e}");
                 }
                 deadline = deadline.min(tokio::time::Instant::now() + WAIT_SLACK);
-                backoff = Duration::from_millis(20);
+                polls = poll_delays();
                 continue;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -836,10 +833,20 @@ impl Exec {
             }
             tokio::select! {
                 _ = ended => {}
-                _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(WAIT_POLL_MAX),
+                _ = tokio::time::sleep(polls.next().unwrap_or(WAIT_POLL_MAX)) => {}
             }
         }
     }
+}
+
+/// The longest pause between two reads of a step's record while `Exec::wait` waits for
+/// it to end (the jitter of [`mur_nats::backoff`] can double it: 250 ms at most).
+const WAIT_POLL_MAX: Duration = Duration::from_millis(125);
+
+/// The pauses between reads of a step's record: 20 ms, doubling, with the one backoff's
+/// jitter ([`mur_nats::backoff::delays`]).
+fn poll_delays() -> impl Iterator<Item = Duration> {
+    mur_nats::backoff::delays(Duration::from_millis(20), WAIT_POLL_MAX)
 }
 
 #[cfg(test)]

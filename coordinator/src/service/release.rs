@@ -68,22 +68,21 @@ impl Ctx {
         }
     }
 
-    /// Runs `step` until it succeeds, retrying an error after a backoff of 0.1 s doubling
-    /// to 2 s; `None` once this coordinator may no longer release (checked before each
+    /// Runs `step` until it succeeds, retrying an error after the one backoff
+    /// ([`mur_nats::backoff`]: 0.1 s doubling to 2 s, with jitter); `None` once this coordinator may no longer release (checked before each
     /// try).
     async fn retrying<T, F: Future<Output = Result<T, String>>>(
         &self,
         task_id: &TaskId,
         mut step: impl FnMut() -> F,
     ) -> Option<T> {
-        let mut backoff = Duration::from_millis(100);
+        let mut delays = mur_nats::backoff::delays(Duration::from_millis(100), Duration::from_secs(2));
         while self.may_release(task_id) {
             match step().await {
                 Ok(value) => return Some(value),
                 Err(e) => {
                     tracing::warn!(instance = %self.instance, %task_id, "release failed, retrying: {e}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
                 }
             }
         }

@@ -19,7 +19,7 @@
 use crate::fanout::FleetStep;
 use crate::manifest::is_valid_name;
 use crate::task::{ExitStatus, Lane, Origin, TaskState};
-use crate::{Id, IdKind, TaskId};
+use crate::{Id, IdKind, SessionId, TaskId};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fmt;

@@ -119,7 +119,7 @@ pub fn cancel_subject(task_id: &TaskId) -> String {
 pub const CANCEL_SUBJECT_PREFIX: &str = "mur.cancel.";
 
 /// The subject a session's trace events go to: `mur.trace.<session_id>`.
-pub fn trace_subject(session_id: &str) -> String {
+pub fn trace_subject(session_id: &SessionId) -> String {
     format!("{TRACE_SUBJECT_PREFIX}{session_id}")
 }
 
@@ -141,7 +141,7 @@ mod tests {
 
     #[test]
     fn names_and_subjects_are_the_documented_ones() {
-        assert_eq!(trace_subject("ses_1"), "mur.trace.ses_1");
+        assert_eq!(trace_subject(&SessionId::unchecked("ses_1")), "mur.trace.ses_1");
         assert_eq!(Dispatch::bare(TaskId::unchecked("tsk_1"), 2).msg_id(), "tsk_1:2");
         assert_eq!(bundle_object("hello", "ab"), "hello/ab");
         assert!(is_valid_digest(&"0f".repeat(32)));

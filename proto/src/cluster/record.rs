@@ -40,7 +40,7 @@ pub struct TaskRecord {
     pub result: Option<String>,
     /// The session running it (`ses_…`), once started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session_id: Option<String>,
+    pub session_id: Option<SessionId>,
     /// The worker running it (or that last ran it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,

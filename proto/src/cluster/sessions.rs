@@ -15,7 +15,7 @@ pub struct Checkpoint {
     /// The task (`tsk_…`).
     pub task_id: TaskId,
     /// The session that wrote it (`ses_…`).
-    pub session_id: String,
+    pub session_id: SessionId,
     /// The worker that wrote it.
     pub worker: String,
     /// Model calls made when it was written (the task's `turns` counter).
@@ -266,7 +266,7 @@ mod tests {
     fn checkpoint(turn: u32, replace: bool, texts: &[String]) -> Checkpoint {
         Checkpoint {
             task_id: TaskId::unchecked("tsk_1"),
-            session_id: "ses_1".into(),
+            session_id: SessionId::unchecked("ses_1"),
             worker: "w1".into(),
             turn,
             replace,

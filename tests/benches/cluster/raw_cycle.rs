@@ -31,10 +31,10 @@ use super::{CpuMark, MODEL_DELAY, Watcher, submit_concurrently};
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
-use mur_proto::TaskId;
 use mur_proto::cluster::{self, CapsuleIndexEntry, Dispatch, Released, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
+use mur_proto::{SessionId, TaskId};
 use mur_tests::nats::NatsServer;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -288,12 +288,12 @@ async fn run(tasks: &kv::Store, client: &async_nats::Client, worker_id: &str, ms
     let session_id = Id::generate(IdKind::Session);
     record.state = TaskState::Working;
     record.worker = Some(worker_id.to_string());
-    record.session_id = Some(session_id.to_string());
+    record.session_id = Some(SessionId::unchecked(session_id.to_string()));
     record.dispatch_seq = msg.info().ok().map(|i| i.stream_sequence);
     record.started_at = Some(SystemClock.now_ms());
     let key = record.task_id.clone();
     let revision = tasks.update(&key, serde_json::to_vec(&record).unwrap().into(), revision).await.expect("working");
-    let subject = async_nats::Subject::from(cluster::trace_subject(&session_id));
+    let subject = async_nats::Subject::from(cluster::trace_subject(&SessionId::unchecked(&session_id)));
     let trace = |event: &'static str| {
         // A trace line of the size the cluster's are (~380 bytes).
         let json = serde_json::json!({

@@ -82,7 +82,7 @@ pub(super) fn takeover_from(
 pub(super) struct KvCheckpoints {
     pub(super) sessions: kv::Store,
     pub(super) task_id: TaskId,
-    pub(super) session_id: String,
+    pub(super) session_id: SessionId,
     pub(super) worker: String,
     /// Whether the task has checkpoints or journal entries (to purge at its end).
     pub(super) saved: AtomicBool,

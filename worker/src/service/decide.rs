@@ -287,8 +287,8 @@ pub(super) fn writable(record: &TaskRecord, stream_seq: Option<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mur_proto::TaskId;
     use mur_proto::cluster::SubmitRequest;
+    use mur_proto::{SessionId, TaskId};
 
     const DELIVERY: Delivered = Delivered { number: 3, stream_seq: Some(7) };
     const NAK: Step<'static, ()> = Step::Answer(Answer::Nak(Duration::from_secs(4)));
@@ -308,7 +308,7 @@ mod tests {
     fn working(session: &str, dispatch_seq: u64) -> TaskRecord {
         with(|r| {
             r.state = TaskState::Working;
-            r.session_id = Some(session.into());
+            r.session_id = Some(SessionId::unchecked(session));
             r.dispatch_seq = Some(dispatch_seq);
         })
     }
@@ -522,7 +522,7 @@ mod tests {
         known.read(Ok::<_, ()>(Some((working("ses_b", 7), 2))));
         assert_eq!(known.takeover, Fetch::NotYet);
         assert_eq!(known.capsule, Fetch::Done(()));
-        assert_eq!(known.current().map(|(r, rev)| (r.session_id, rev)), Some((Some("ses_b".into()), 2)));
+        assert_eq!(known.current().map(|(r, rev)| (r.session_id, rev)), Some((Some(SessionId::unchecked("ses_b")), 2)));
         known.read(Ok::<_, ()>(None));
         assert_eq!(known.record, Record::Missing);
         known.read(Err(()));

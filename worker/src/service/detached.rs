@@ -17,7 +17,7 @@ use async_nats::jetstream::object_store;
 use bytes::Bytes;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_proto::cluster::{self, ApiError, ErrorCode, SubmitRequest};
-use mur_proto::ids::{Id, IdKind};
+use mur_proto::ids::{Id, IdKind, SessionId};
 use mur_proto::trace::{Event, Line};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -47,7 +47,7 @@ pub struct Host {
     /// The context the completions go back to.
     pub context_id: String,
     /// The session whose trace gets `shell_completed`.
-    pub session_id: String,
+    pub session_id: SessionId,
     /// The session folder (logs are under it; its `trace.jsonl`).
     pub session_dir: PathBuf,
 }
@@ -179,7 +179,7 @@ impl Host {
     async fn record(&self, event: Event) {
         let line = Line {
             event,
-            session_id: self.session_id.clone(),
+            session_id: self.session_id.to_string(),
             timestamp: SystemClock.now_ms(),
             event_id: Id::generate(IdKind::Event),
             parent_id: None,

@@ -156,7 +156,7 @@ async fn run_dispatch_holding(
             Step::TakeOver(record) => {
                 // The session that had the record `working` stopped answering for it (its
                 // worker died): take over from its last checkpoint (issue #8 §Takeover).
-                let previous = record.session_id.clone().unwrap_or_default();
+                let previous = record.session_id.as_ref().map(SessionId::to_string).unwrap_or_default();
                 let previous_worker = record.worker.clone().unwrap_or_default();
                 known.takeover = match read_checkpoints(&sh.sessions, key).await {
                     Ok(r) => Fetch::Done(takeover_from(r, delivery.number, previous, previous_worker)),
@@ -208,7 +208,7 @@ async fn run_dispatch_holding(
             Step::MarkWorking { record, capsule, carried } => {
                 let capsule = capsule.clone();
                 let source = format!("capsule:{}", record.capsule);
-                let session_id = Id::generate(IdKind::Session);
+                let session_id = SessionId::generate();
                 // The session folder is made on a blocking thread while the record goes to
                 // `working` (issue #9: file creation kept off the async threads and the wait).
                 let access = FleetAccess {

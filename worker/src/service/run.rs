@@ -17,8 +17,8 @@ pub(super) struct Prepared {
 impl Prepared {
     /// Starts making `<workdir>/sessions/<session_id>/` for `capsule`'s session, whose
     /// fleet tools reach the cluster with `access`.
-    pub(super) fn start(sh: &Shared, capsule: &Capsule, session_id: &str, access: FleetAccess) -> Prepared {
-        let dir = sh.config.workdir.join("sessions").join(session_id);
+    pub(super) fn start(sh: &Shared, capsule: &Capsule, session_id: &SessionId, access: FleetAccess) -> Prepared {
+        let dir = sh.config.workdir.join("sessions").join(session_id.as_str());
         // Like `mur run` without --workdir: commands run in the session folder itself.
         let layout = Layout { workdir: dir.clone(), session_dir: dir };
         let (sink, notices) = DetachSink::channel();
@@ -59,7 +59,7 @@ pub(super) async fn run_session(
     sh: &Shared,
     task: &TaskRecord,
     capsule: &Capsule,
-    session_id: &str,
+    session_id: &SessionId,
     prepared: Prepared,
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
@@ -97,7 +97,7 @@ pub(super) async fn run_session(
         capsule: task.capsule.clone(),
         task_id: task.task_id.to_string(),
         context_id: task.context_id.clone(),
-        session_id: session_id.to_string(),
+        session_id: session_id.clone(),
         session_dir: layout.session_dir.clone(),
     };
     // Done with on every way out of here, so the host does not wait past the session.
@@ -161,7 +161,7 @@ pub(super) async fn run_session(
             sink.kill_all().await;
         }
         if let Err(e) = session.end_until(None, &cancel).await {
-            tracing::warn!(session_id, error = %e, "ending the session failed");
+            tracing::warn!(%session_id, error = %e, "ending the session failed");
         }
         Ok(outcome)
     }
