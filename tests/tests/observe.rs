@@ -70,6 +70,66 @@ async fn readyz_turns_unready_when_nats_server_stops_and_ready_again_when_it_ret
     }
 }
 
+/// `mur health URL` (issue #32 §Health, for images without curl): exit 0 while a real
+/// coordinator's `/readyz` answers 200, 1 once nats-server is stopped (and when nothing
+/// listens), 0 again when it is back; 2 for a URL that is not one to ask. The URL it
+/// prints has no password or query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mur_health_exits_0_when_ready_1_when_nats_server_is_away_and_0_when_it_returns() {
+    let mut cluster = Procs::start("").await;
+    let coordinator = cluster.coordinator_with("coordinator-1", &["--metrics", "127.0.0.1:0"]);
+    let base = coordinator.metrics_url().await;
+    let url = format!("{base}/readyz");
+    readyz(&base, 200).await;
+
+    let ready = cluster.mur(&["health", &url, "--json"]).await;
+    assert_eq!(ready.code, 0, "{ready:?}");
+    let answer = ready.last_json();
+    assert_eq!((answer["ready"].as_bool(), answer["status"].as_u64()), (Some(true), Some(200)), "{answer}");
+    assert_eq!((answer["url"].as_str(), answer["body"]["nats"].as_str()), (Some(url.as_str()), Some("connected")));
+    let said = cluster.mur(&["health", &url]).await;
+    assert_eq!((said.code, said.stdout.as_str()), (0, ""), "{said:?}");
+    assert_eq!(said.stderr, format!("ready: {url} answered 200\n"));
+    let alive = cluster.mur(&["health", &format!("{base}/healthz"), "--json"]).await;
+    assert_eq!((alive.code, &alive.last_json()["body"]), (0, &Value::from("ok")), "{alive:?}");
+
+    cluster.nats.stop();
+    readyz(&base, 503).await;
+    let away = cluster.mur(&["health", &url, "--json"]).await;
+    assert_eq!(away.code, 1, "{away:?}");
+    let answer = away.last_json();
+    assert_eq!((answer["ready"].as_bool(), answer["status"].as_u64()), (Some(false), Some(503)), "{answer}");
+    assert_ne!(answer["body"]["nats"], "connected", "{answer}");
+    let said = cluster.mur(&["health", &url]).await;
+    assert_eq!(said.code, 1, "{said:?}");
+    assert!(said.stderr.starts_with(&format!("mur health: not ready: {url} answered 503: {{")), "{said:?}");
+
+    cluster.nats.resume();
+    readyz(&base, 200).await;
+    assert_eq!(cluster.mur(&["health", &url]).await.code, 0);
+
+    // Nothing listening: not ready, with the reason.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let nothing = cluster.mur(&["health", &format!("http://127.0.0.1:{port}/readyz"), "--json"]).await;
+    assert_eq!(nothing.code, 1, "{nothing:?}");
+    let answer = nothing.last_json();
+    assert_eq!(answer["ready"], false, "{answer}");
+    assert!(answer["error"].as_str().is_some_and(|e| !e.is_empty()), "{answer}");
+
+    // The secret parts of a URL are not printed.
+    let secret = base.replace("http://", "http://probe:s3cret@") + "/readyz?token=t0ken";
+    let quiet = cluster.mur(&["health", &secret, "--json"]).await;
+    assert_eq!(quiet.code, 0, "{quiet:?}");
+    assert!(!quiet.stdout.contains("s3cret") && !quiet.stdout.contains("t0ken"), "{quiet:?}");
+    assert_eq!(quiet.last_json()["url"], url.as_str());
+
+    let bad = cluster.mur(&["health", "ftp://127.0.0.1/readyz"]).await;
+    assert_eq!((bad.code, bad.stdout.as_str()), (2, ""), "{bad:?}");
+    assert!(bad.stderr.starts_with("mur health: URL: must be an http:// or https:// URL"), "{bad:?}");
+    let bad = cluster.mur(&["health", "readyz"]).await;
+    assert!(bad.code == 2 && bad.stderr.starts_with("mur health: URL: "), "{bad:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mur_dev_json_reports_its_metrics_listener() {
     let dir = tempfile::tempdir().unwrap();
