@@ -18,7 +18,8 @@ use std::process::ExitCode;
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
     /// Write DIR/nats-server.conf and one credentials file per role (coordinator, worker,
-    /// client, approver, admin); with --tls, a CA and a server certificate too.
+    /// client, approver, admin), and the coordinator's identity file (identity.creds, for
+    /// `mur coordinator --identity`); with --tls, a CA and a server certificate too.
     Init(InitArgs),
 }
 
@@ -144,8 +145,10 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
             println!("{}", path.display());
         }
         eprintln!(
-            "start the server with `nats-server -c {}`; give each process its role's file with --creds{}",
+            "start the server with `nats-server -c {}`; give each process its role's file with --creds, and the \
+             coordinator --identity {} too{}",
             args.dir.join("nats-server.conf").display(),
+            args.dir.join("identity.creds").display(),
             if args.tls { format!(" and --tls-ca {}", args.dir.join("ca.pem").display()) } else { String::new() }
         );
     }
@@ -160,6 +163,7 @@ pub fn init(dir: &Path, tls: bool, hosts: &[String], force: bool) -> Result<Vec<
     std::fs::create_dir_all(dir).with_context(|| format!("mur auth init: {}", dir.display()))?;
     let mut names: Vec<String> = vec!["nats-server.conf".into()];
     names.extend(roles().iter().map(|r| format!("{}.creds", r.name)));
+    names.push("identity.creds".into());
     if tls {
         names.extend(["ca.pem", "server-cert.pem", "server-key.pem"].map(String::from));
     }
@@ -171,8 +175,10 @@ pub fn init(dir: &Path, tls: bool, hosts: &[String], force: bool) -> Result<Vec<
     }
     let mut written = Vec::new();
     let mut users = String::new();
+    let mut identities = mur_nats::identity::Identities::default();
     for role in roles() {
         let key = nkeys::KeyPair::new_user();
+        identities.insert(key.public_key(), role.name);
         let seed = key.seed().context("an nkey seed")?;
         let creds = format!(
             "# murmur role {name}: nkey user {public}, written by `mur auth init`.\n# Keep it secret: whoever \
@@ -191,6 +197,31 @@ pub fn init(dir: &Path, tls: bool, hosts: &[String], force: bool) -> Result<Vec<
             role.permissions
         ));
     }
+    // The identity connection's user, alone in its account: the coordinator serves the API
+    // calls that record who called there, and the roles' account imports them with `share`,
+    // so nats-server states the caller of each (mur_nats::identity).
+    let identity_key = nkeys::KeyPair::new_user();
+    let identity_path = dir.join("identity.creds");
+    write_secret(
+        &identity_path,
+        &format!(
+            "# murmur identity connection: nkey user {public} of the account MUR_ID, written by `mur auth \
+             init`.\n# For `mur coordinator --identity` only: the coordinator serves approvals, fleet stop/start \
+             and\n# jobs sent on it, and records the name below of the public key nats-server states.\n# Keep it \
+             secret: whoever holds it answers those calls.\n\n-----BEGIN USER NKEY SEED-----\n{seed}\n------END \
+             USER NKEY SEED------\n\n# Who is who (add a line when you add a user to nats-server.conf).\n{block}",
+            public = identity_key.public_key(),
+            seed = identity_key.seed().context("an nkey seed")?,
+            block = identities.block()
+        ),
+    )?;
+    written.push(identity_path);
+    let subjects = mur_nats::identity::IDENTITY_SUBJECTS;
+    let imports = subjects
+        .iter()
+        .map(|s| format!("      {{ service: {{ account: MUR_ID, subject: {s:?} }}, share: true }}\n"))
+        .collect::<String>();
+    let exports = subjects.iter().map(|s| format!("      {{ service: {s:?} }}\n")).collect::<String>();
     let mut tls_block = String::new();
     if tls {
         let (ca, cert, key) = certificates(hosts)?;
@@ -218,7 +249,10 @@ pub fn init(dir: &Path, tls: bool, hosts: &[String], force: bool) -> Result<Vec<
         "# nats-server configuration written by `mur auth init`: one nkey user per murmur role, each with\n# the \
          subject permissions of its role (docs/security.md). Revoke a role: delete its user and\n# reload the \
          server (`nats-server --signal reload`).\n\njetstream {{}}\n\n{tls_block}accounts {{\n  MUR {{\n    \
-         jetstream: enabled\n    users: [\n{users}    ]\n  }}\n}}\n"
+         jetstream: enabled\n    users: [\n{users}    ]\n    # The API calls that record who called reach the \
+         coordinator\n    # through MUR_ID, so that the server states the caller.\n    imports: [\n{imports}    ]\n  \
+         }}\n  MUR_ID {{\n    users: [ {{ nkey: {identity} }} ]\n    exports: [\n{exports}    ]\n  }}\n}}\n",
+        identity = identity_key.public_key()
     );
     let path = dir.join("nats-server.conf");
     std::fs::write(&path, conf).with_context(|| format!("mur auth init: {}", path.display()))?;

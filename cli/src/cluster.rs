@@ -32,6 +32,13 @@ pub struct CoordinatorArgs {
     /// 127.0.0.1:9464, or port 0 for a free one: the bound address is said on stderr).
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) metrics: Option<String>,
+    /// The identity file `mur auth init` writes (`identity.creds`): approvals, denials,
+    /// `fleet stop`/`start` and jobs sent are then served on a second connection, as that
+    /// file's user, so that nats-server states who sent each, and the name recorded is the
+    /// caller's credential's (docs/security.md). Without it they record the name the caller
+    /// gives.
+    #[arg(long, env = "MUR_IDENTITY", value_name = "FILE")]
+    identity: Option<PathBuf>,
     #[command(flatten)]
     conn: Connection,
 }
@@ -367,9 +374,29 @@ pub fn coordinator(args: CoordinatorArgs, registry: Option<prometheus::Registry>
             }
             None => None,
         };
+        let identity = match &args.identity {
+            Some(path) => {
+                let names = mur_nats::identity::Identities::from_file(path)?;
+                let mut conn = args.conn.clone();
+                conn.creds = Some(path.clone());
+                (conn.nkey, conn.user, conn.password, conn.token) = (None, None, None, None);
+                let client = conn.connect_patiently("mur coordinator (identity)").await?;
+                Some(mur_coordinator::service::Identity { client, names })
+            }
+            None => {
+                if args.conn.options().auth().is_ok_and(|a| a != mur_nats::connect::Auth::None) {
+                    eprintln!(
+                        "warning: no --identity: approvals, fleet stop/start and jobs record the name their caller \
+                         gives, unverified (docs/security.md)"
+                    );
+                }
+                None
+            }
+        };
         let mut config = mur_coordinator::service::Config::new(settings, id);
         config.fleet = fleet;
-        let result = mur_coordinator::service::run(client, config, crate::run::shutdown_signal()).await;
+        let result =
+            mur_coordinator::service::run_with_identity(client, identity, config, crate::run::shutdown_signal()).await;
         stop.cancel();
         if let Some(task) = http {
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;

@@ -98,8 +98,8 @@ mod replay;
 mod watchers;
 
 use endpoints::*;
-pub use leadership::run;
 use leadership::*;
+pub use leadership::{run, run_with_identity};
 use release::*;
 use replay::*;
 use watchers::*;
@@ -208,11 +208,25 @@ struct Ctx {
     releasing: Mutex<HashSet<String>>,
     /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
     worker_timeout_ms: u64,
+    /// Which nkey user is which name, when this coordinator serves the endpoints that
+    /// record a name on an identity connection ([`Identity`]).
+    identities: Option<Arc<mur_nats::identity::Identities>>,
+}
+
+/// The identity connection: a connection in the account `MUR_ID` (`mur auth init`'s
+/// `identity.creds`) on which the coordinator serves [`mur_nats::identity::IDENTITY_SUBJECTS`],
+/// so that nats-server states who sent each such request, and which public key is which name.
+pub struct Identity {
+    /// The connection, authenticated as the identity user.
+    pub client: async_nats::Client,
+    /// The names of the nkey users.
+    pub names: mur_nats::identity::Identities,
 }
 
 /// What the contexts of one coordinator process share: the API's and each term's leader's.
 #[derive(Clone)]
 struct ProcessShared {
+    identities: Option<Arc<mur_nats::identity::Identities>>,
     scans: Arc<tokio::sync::Semaphore>,
     intake: Arc<IntakeOrder>,
     bundles: Arc<BundleFlags>,
@@ -245,6 +259,7 @@ impl Ctx {
             scans: shared.scans.clone(),
             intake: shared.intake.clone(),
             bundles: shared.bundles.clone(),
+            identities: shared.identities.clone(),
         }
     }
 }

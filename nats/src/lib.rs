@@ -12,6 +12,7 @@
 //! - [`backoff`]: the one backoff (exponential, capped, with jitter) of every retry loop;
 //! - [`clock`]: wall-clock time behind a trait;
 //! - [`connect`]: the connection options (server list, credentials, TLS);
+//! - [`identity`]: who called an API request, as nats-server states it (`Nats-Request-Info`);
 //! - [`health`]: a process's readiness (`/readyz`);
 //! - [`metrics`]: the metrics instruments every process records to (issue #32);
 //! - [`tls`]: the process's one rustls crypto provider.
@@ -25,6 +26,7 @@ pub mod fanout;
 pub mod fleet;
 pub mod fleet_tools;
 pub mod health;
+pub mod identity;
 pub mod metrics;
 pub mod read;
 pub mod tasks;

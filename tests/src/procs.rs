@@ -21,6 +21,9 @@ pub struct Procs {
     dir: tempfile::TempDir,
     config: PathBuf,
     env: Vec<(String, String)>,
+    /// The folder `mur auth init --tls` wrote, for a cluster started by
+    /// [`Procs::start_secured`]: each process gets its role's credentials from it.
+    roles: Option<tempfile::TempDir>,
 }
 
 /// A `mur` child process; killed (SIGKILL) when dropped.
@@ -49,7 +52,32 @@ impl Procs {
         let dir = tempfile::Builder::new().prefix("mur-procs-").tempdir().expect("temp dir");
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, config).expect("write config.yaml");
-        Procs { nats, client, dir, config: path, env: Vec::new() }
+        Procs { nats, client, dir, config: path, env: Vec::new(), roles: None }
+    }
+
+    /// [`Procs::start`] with authentication and TLS on, as an operator sets them up: `mur
+    /// auth init --tls` into the cluster's folder, nats-server with the configuration it
+    /// wrote; the coordinators get `coordinator.creds` and `--identity identity.creds`, the
+    /// workers `worker.creds`, `mur` commands `admin.creds` (unless [`Procs::set_env`] says
+    /// otherwise), every process the CA; the test's own client is admin's.
+    pub async fn start_secured(config: &str) -> Procs {
+        let roles_dir = tempfile::Builder::new().prefix("mur-roles-").tempdir().expect("temp dir");
+        let roles = roles_dir.path();
+        let out = crate::mur::mur().args(["auth", "init"]).arg(roles).arg("--tls").output().expect("mur auth init");
+        assert!(out.status.success(), "mur auth init: {}", String::from_utf8_lossy(&out.stderr));
+        let conf = std::fs::read_to_string(roles.join("nats-server.conf")).expect("nats-server.conf");
+        let nats = NatsServer::start_with_config(&conf);
+        let admin = mur_nats::connect::Options {
+            creds: Some(roles.join("admin.creds")),
+            tls_ca: Some(roles.join("ca.pem")),
+            ..mur_nats::connect::Options::default()
+        };
+        let client = nats.connect_with(&admin).await;
+        let mut procs = Self::start_on(nats, client, config);
+        procs.set_env("NATS_CA", &roles.join("ca.pem").display().to_string());
+        procs.set_env("NATS_CREDS", &roles.join("admin.creds").display().to_string());
+        procs.roles = Some(roles_dir);
+        procs
     }
 
     /// Sets `key` = `value` in the environment of every `mur` process started after this
@@ -95,6 +123,19 @@ impl Procs {
     fn spawn(&self, name: &str, args: &[&str]) -> Proc {
         let mut cmd = self.command();
         cmd.env("MUR_LOG", "info");
+        if let Some(roles) = &self.roles {
+            let roles = roles.path();
+            match args.first().copied() {
+                Some("coordinator") => {
+                    cmd.env("NATS_CREDS", roles.join("coordinator.creds"))
+                        .env("MUR_IDENTITY", roles.join("identity.creds"));
+                }
+                Some("worker") => {
+                    cmd.env("NATS_CREDS", roles.join("worker.creds"));
+                }
+                _ => {}
+            }
+        }
         self.spawn_command(name, cmd, args)
     }
 

@@ -54,8 +54,19 @@ fn of_type<'a>(lines: &'a [Value], event_type: &str) -> Vec<&'a Value> {
 /// `task_end`, one terminal record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
-    let _coordinator = cluster.coordinator("coordinator-1");
+    worker_killed_mid_task(Procs::start("jetstream:\n  ack_wait_secs: 2\n").await).await;
+}
+
+/// The same with authentication and TLS on (issue #31): `mur auth init --tls`'s server
+/// configuration, each process with its role's credentials (the coordinator with its
+/// identity connection too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_with_tls_and_role_credentials_a_killed_worker_is_taken_over_at_the_checkpoint() {
+    worker_killed_mid_task(Procs::start_secured("jetstream:\n  ack_wait_secs: 2\n").await).await;
+}
+
+async fn worker_killed_mid_task(cluster: Procs) {
+    let coordinator = cluster.coordinator("coordinator-1");
     let mut first = cluster.worker("wkr-first", 1);
     let capsule = stepper("steps", 8, "0.3");
     cluster.push(capsule.dir()).await;
@@ -74,7 +85,7 @@ async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
     assert_eq!((before.state, before.worker.as_deref()), (TaskState::Working, Some("wkr-first")));
     assert_eq!(before.attempt, 1);
 
-    let _second = cluster.worker("wkr-second", 1);
+    let second = cluster.worker("wkr-second", 1);
     let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
     assert_eq!(record.state, TaskState::Completed, "{record:?}");
     assert_eq!(record.result.as_deref(), Some("finished"));
@@ -122,6 +133,10 @@ async fn a_worker_killed_mid_task_is_taken_over_at_the_checkpointed_turn() {
     }
     // The finished task's checkpoints are gone.
     assert!(sessions.get(cluster::checkpoint_key(&task_id, 3)).await.unwrap().is_none());
+    // With credentials on, nothing the processes did was refused by the server.
+    for log in [coordinator.log(), second.log()] {
+        assert!(!log.contains("Permissions Violation"), "{log}");
+    }
 }
 
 /// Issue #8 §Cancel: `mur task cancel` of a running task stops it within one progress
@@ -459,7 +474,17 @@ async fn every_task_finishes_across_a_nats_server_restart() {
 /// terminal record, `completed`, each run once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finish_once() {
-    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\n").await;
+    standby_takes_over(Procs::start("jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\n").await).await;
+}
+
+/// The same with authentication and TLS on (issue #31), each process with its role's
+/// credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_with_tls_and_role_credentials_the_standby_takes_over_from_a_killed_leader() {
+    standby_takes_over(Procs::start_secured("jetstream:\n  ack_wait_secs: 3\n  leader_lease_secs: 2\n").await).await;
+}
+
+async fn standby_takes_over(cluster: Procs) {
     let mut first = cluster.coordinator("coordinator-1");
     let js = async_nats::jetstream::new(cluster.client.clone());
     let leader = until("coordinator-1 leads", WAIT, || async {
@@ -468,7 +493,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     })
     .await;
     assert_eq!(leader.instance, "coordinator-1");
-    let _second = cluster.coordinator("coordinator-2");
+    let second = cluster.coordinator("coordinator-2");
     let capsule = shell_capsule("many");
     cluster.push(capsule.dir()).await;
     // No worker yet: the 50 tasks queue up behind the leader.
@@ -481,8 +506,8 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
         );
     }
     first.kill9();
-    let _w1 = cluster.worker("wkr-1", 4);
-    let _w2 = cluster.worker("wkr-2", 4);
+    let w1 = cluster.worker("wkr-1", 4);
+    let w2 = cluster.worker("wkr-2", 4);
     for id in &ids {
         let r = cluster.wait_record(id, WAIT, |r| r.state.is_terminal()).await;
         assert_eq!(r.state, TaskState::Completed, "{r:?}");
@@ -495,6 +520,10 @@ async fn the_standby_takes_over_when_the_leader_is_killed_and_all_50_tasks_finis
     let mut ran = ran_turns(&capsule);
     ran.sort_unstable();
     assert_eq!(ran, (0..50).collect::<Vec<u32>>());
+    // With credentials on, nothing the processes did was refused by the server.
+    for log in [second.log(), w1.log(), w2.log()] {
+        assert!(!log.contains("Permissions Violation"), "{log}");
+    }
 }
 
 /// A task cancelled while a new leader restores (the API answers during the restore) is

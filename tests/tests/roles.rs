@@ -192,26 +192,27 @@ forbidden! {
 /// server answers nothing within a round trip of the connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approver_may_publish_an_approval() {
+    may_publish_an_approval("approver").await;
+}
+
+/// Admin may approve too (approving is the approver's and admin's permission).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_may_publish_an_approval() {
+    may_publish_an_approval("admin").await;
+}
+
+/// `role` publishes an approval on a connection subscribed to the subject: the message
+/// comes back, so the server took the publish (a permissions violation drops it).
+async fn may_publish_an_approval(role: &str) {
+    use futures::StreamExt;
     let dir = auth_init();
     let nats = server(dir.path());
-    let (client, mut rx) = connect_as(dir.path(), &nats, "approver").await;
-    client.publish("mur.api.fleet.approve", "{}".into()).await.unwrap();
-    // A forbidden publish after it: its violation arrives after any the approval caused.
-    client.publish("$KV.mur_tasks.x", "{}".into()).await.unwrap();
+    let (client, _events) = connect_as(dir.path(), &nats, role).await;
+    let mut approvals = client.subscribe("mur.api.fleet.approve").await.unwrap();
     client.flush().await.unwrap();
-    let mut seen = Vec::new();
-    tokio::time::timeout(WAIT, async {
-        while let Some(event) = rx.recv().await {
-            let done = event.contains("$KV.mur_tasks.x");
-            seen.push(event);
-            if done {
-                return;
-            }
-        }
-    })
-    .await
-    .expect("the forbidden publish is refused");
-    assert!(!seen.iter().any(|e| e.contains("mur.api.fleet.approve")), "{seen:?}");
+    client.publish("mur.api.fleet.approve", "{}".into()).await.unwrap();
+    let message = tokio::time::timeout(WAIT, approvals.next()).await.expect("the approval comes back");
+    assert_eq!(message.map(|m| m.payload), Some("{}".into()), "{role}'s approval was delivered");
 }
 
 /// `mur auth init` into a folder it wrote before refuses (new keys would lock out every
@@ -228,4 +229,77 @@ fn auth_init_does_not_overwrite_keys_without_force() {
     let forced = mur_tests::mur::mur().args(["auth", "init", "--force"]).arg(dir.path()).output().unwrap();
     assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
     assert_ne!(std::fs::read_to_string(creds(dir.path(), "worker")).unwrap(), before);
+}
+
+/// The API calls that record who called (an approval, `fleet stop`/`start`, a job's source)
+/// record the caller's credential's name, as nats-server states it, never the name the
+/// request gives, nor a `Nats-Request-Info` header the caller forges: the coordinator
+/// serves them on its identity connection (`--identity identity.creds`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_is_recorded_with_its_credentials_name_not_the_name_it_claims() {
+    use mur_proto::fleet::{Approval, Decision, Job, JobStatus};
+    use mur_proto::fleet_store::{self, Sentinel};
+    let dir = auth_init();
+    let dir = dir.path();
+    let nats = server(dir);
+    let admin = nats.connect_with(&role_options(dir, "admin")).await;
+    let mut cluster = Procs::start_on(nats, admin.clone(), "");
+    cluster.set_env("NATS_CA", &dir.join("ca.pem").display().to_string());
+    cluster.set_env("NATS_CREDS", &creds(dir, "coordinator").display().to_string());
+    cluster.set_env("MUR_IDENTITY", &dir.join("identity.creds").display().to_string());
+    let coordinator = cluster.coordinator("coordinator-1");
+    cluster.set_env("NATS_CREDS", &creds(dir, "admin").display().to_string());
+    let fleet_file = dir.join("pair.yaml");
+    std::fs::write(&fleet_file, "name: pair\ngoal: Answer the question.\nmembers: [writer, critic]\n").unwrap();
+    until("admin creates the fleet", WAIT, || async {
+        (cluster.mur(&["fleet", "create", fleet_file.to_str().unwrap()]).await.code == 0).then_some(())
+    })
+    .await;
+    let js = async_nats::jetstream::new(admin.clone());
+    let fleets = js.get_key_value(fleet_store::FLEETS_BUCKET).await.unwrap();
+    let jobs = js.get_key_value(fleet_store::JOBS_BUCKET).await.unwrap();
+
+    // `mur fleet stop --by security-officer` with the approver's credentials.
+    cluster.set_env("NATS_CREDS", &creds(dir, "approver").display().to_string());
+    let stop = cluster.mur_ok(&["fleet", "stop", "pair", "--by", "security-officer"]).await;
+    let sentinel: Sentinel =
+        serde_json::from_slice(&fleets.get(fleet_store::stopped_key("pair")).await.unwrap().unwrap()).unwrap();
+    assert_eq!(sentinel.by, "approver", "{stop:?}\n{}", coordinator.log());
+    // `fleet start` names its caller on the channel.
+    cluster.set_env("NATS_CREDS", &creds(dir, "admin").display().to_string());
+    cluster.mur_ok(&["fleet", "start", "pair"]).await;
+    let log = cluster.mur_ok(&["fleet", "log", "pair"]).await;
+    assert!(log.stdout.contains("stopped by approver") && log.stdout.contains("started by admin"), "{log:?}");
+    assert!(!log.stdout.contains("security-officer"), "{log:?}");
+
+    // A client sends a job claiming another source, with a forged header naming the admin's key.
+    let (client, _) = connect_as(dir, &cluster.nats, "client").await;
+    let admin_key = std::fs::read_to_string(dir.join("identity.creds"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_suffix(" admin").map(str::to_string))
+        .expect("identity.creds names the admin's key");
+    let mut forged = async_nats::HeaderMap::new();
+    forged.insert("Nats-Request-Info", format!(r#"{{"acc":"MUR","user":"{admin_key}"}}"#).as_str());
+    let job: Job = mur_nats::api::call_with_headers(
+        &client,
+        fleet_store::api::SEND,
+        forged.clone(),
+        r#"{"fleet":"pair","text":"ship it","source":"security-officer"}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(job.source, "client");
+
+    // A job awaiting approval; the approver answers claiming to be someone else.
+    let mut blocked = Job::new("release", "cli", 1);
+    blocked.status = JobStatus::Blocked;
+    blocked.approval = Some(Approval { steps: vec!["release".into()], decision: None, by: None, at: None });
+    jobs.create(fleet_store::job_key("pair", &blocked.id), serde_json::to_vec(&blocked).unwrap().into()).await.unwrap();
+    let (approver, _) = connect_as(dir, &cluster.nats, "approver").await;
+    let body = serde_json::json!({ "fleet": "pair", "job": blocked.id, "by": "security-officer" }).to_string();
+    let answered: Job =
+        mur_nats::api::call_with_headers(&approver, fleet_store::api::APPROVE, forged, body).await.unwrap();
+    let approval = answered.approval.unwrap();
+    assert_eq!((approval.decision, approval.by.as_deref()), (Some(Decision::Approved), Some("approver")));
 }

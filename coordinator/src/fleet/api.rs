@@ -208,8 +208,13 @@ impl Fleets {
     }
 
     /// Answers one request of `op` (its NATS `headers`, its `body`): the reply's JSON, or
-    /// the error. A `fleet.send` is answered in a `process mur.api.fleet.send` span joined
-    /// to the caller's `traceparent`, which the job keeps (issue #32 §Fleet runs traced).
+    /// the error. `caller` is who sent it as nats-server states it ([`mur_nats::identity`]),
+    /// when the coordinator has an identity connection: `approve`, `deny`, `stop`, `start`
+    /// and `send` record that name, never the one the request gives (`by`, `source`), which
+    /// is recorded only without it (local clusters without credentials: unverified, the
+    /// client sends `$USER`). A `fleet.send` is answered in a `process mur.api.fleet.send`
+    /// span joined to the caller's `traceparent`, which the job keeps (issue #32 §Fleet runs
+    /// traced).
     ///
     /// # Errors
     /// The request's [`ApiError`].
@@ -218,6 +223,7 @@ impl Fleets {
         op: Op,
         headers: Option<&async_nats::HeaderMap>,
         body: &[u8],
+        caller: Option<&str>,
     ) -> Result<Bytes, ApiError> {
         match op {
             Op::Create => self.define(request(body)?, false).await.and_then(|r| to_json(&r)),
@@ -240,7 +246,7 @@ impl Fleets {
                 let send = async {
                     let req: SendRequest = request(body)?;
                     tracing::Span::current().record("mur.fleet", req.fleet.as_str());
-                    let job = self.send(req, traceparent).await?;
+                    let job = self.send(req, caller, traceparent).await?;
                     tracing::Span::current().record("mur.job_id", job.id.as_str());
                     to_json(&job)
                 };
@@ -249,11 +255,11 @@ impl Fleets {
             Op::Jobs => self.list_jobs(request(body)?).await.and_then(|r| to_json(&r)),
             Op::Cancel => self.cancel(request(body)?).await.and_then(|r| to_json(&r)),
             Op::SetLoop => self.set_loop(request(body)?).await.and_then(|r| to_json(&r)),
-            Op::Stop => self.stop(request(body)?).await.and_then(|r| to_json(&r)),
-            Op::Start => self.start(request(body)?).await.and_then(|r| to_json(&r)),
+            Op::Stop => self.stop(request(body)?, caller).await.and_then(|r| to_json(&r)),
+            Op::Start => self.start(request(body)?, caller).await.and_then(|r| to_json(&r)),
             Op::Log => self.log(request(body)?).await.and_then(|r| to_json(&r)),
-            Op::Approve => self.answer(request(body)?, Decision::Approved).await.and_then(|r| to_json(&r)),
-            Op::Deny => self.answer(request(body)?, Decision::Denied).await.and_then(|r| to_json(&r)),
+            Op::Approve => self.answer(request(body)?, Decision::Approved, caller).await.and_then(|r| to_json(&r)),
+            Op::Deny => self.answer(request(body)?, Decision::Denied, caller).await.and_then(|r| to_json(&r)),
             Op::Trigger => self.trigger(request(body)?).await.and_then(|r| to_json(&r)),
         }
     }
@@ -631,14 +637,17 @@ impl Fleets {
     }
 
     /// `fleet.send`: queues a job; runs nothing.
-    async fn send(&self, req: SendRequest, traceparent: Option<String>) -> Result<Job, ApiError> {
+    async fn send(&self, req: SendRequest, caller: Option<&str>, traceparent: Option<String>) -> Result<Job, ApiError> {
         let (revision, _) = self.definition(&req.fleet).await?;
         // A job's text becomes its steps' task texts: the same rule, so a job a run could
         // never submit is refused now rather than fail every step later.
         if let Some(rule) = mur_proto::cluster::text_rule(&req.text, fleet_store::MAX_JOB_BYTES) {
             return Err(ApiError::invalid(format!("text: {rule}")));
         }
-        let source = req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string());
+        let source = match caller {
+            Some(name) => name.to_string(),
+            None => req.source.unwrap_or_else(|| fleet::SOURCE_CLI.to_string()),
+        };
         let mut job = Job::new(req.text, source, SystemClock.now_ms());
         job.traceparent = traceparent;
         self.jobs
@@ -703,9 +712,9 @@ impl Fleets {
 
     /// `fleet.approve` / `fleet.deny`: answers a blocked job's approval request. A job that
     /// is not blocked, or whose request is already answered, is a conflict.
-    async fn answer(&self, req: AnswerRequest, decision: Decision) -> Result<Job, ApiError> {
+    async fn answer(&self, req: AnswerRequest, decision: Decision, caller: Option<&str>) -> Result<Job, ApiError> {
         let id = self.job_id(&req.fleet, &req.job).await?;
-        let by = req.by.trim();
+        let by = caller.unwrap_or(&req.by).trim();
         if by.is_empty() {
             return Err(ApiError::invalid("by: must not be empty"));
         }
@@ -800,27 +809,28 @@ impl Fleets {
     /// `fleet.stop`: writes the sentinel. A fleet already stopped keeps its sentinel,
     /// unless it was a `--drain` stop and this one is not: the running steps are then
     /// canceled after all (issue #29 item 4).
-    async fn stop(&self, req: StopRequest) -> Result<FleetInfo, ApiError> {
+    async fn stop(&self, req: StopRequest, caller: Option<&str>) -> Result<FleetInfo, ApiError> {
         self.definition(&req.fleet).await?;
+        let by = caller.unwrap_or(&req.by);
         let write = match self.stop_state(&req.fleet).await {
             StopState::Stopped { sentinel } => sentinel.drain && !req.drain,
             _ => true,
         };
         if write {
-            let sentinel = Sentinel { at: SystemClock.now_ms(), by: req.by.clone(), drain: req.drain };
+            let sentinel = Sentinel { at: SystemClock.now_ms(), by: by.to_string(), drain: req.drain };
             self.defs
                 .put(fleet_store::stopped_key(&req.fleet), to_json(&sentinel)?)
                 .await
                 .map_err(|e| unavailable("mur_fleets: put", e))?;
-            tracing::info!(instance = %self.instance, fleet = %req.fleet, by = %req.by, "fleet stopped");
+            tracing::info!(instance = %self.instance, fleet = %req.fleet, by, "fleet stopped");
             let how = if req.drain { " (--drain: running steps finish)" } else { "" };
-            self.note(&req.fleet, EventKind::StateChange, format!("stopped by {}{how}", req.by), None).await;
+            self.note(&req.fleet, EventKind::StateChange, format!("stopped by {by}{how}"), None).await;
         }
         self.show(&req.fleet).await
     }
 
     /// `fleet.start`: clears the sentinel, and resumes a trigger paused after failures.
-    async fn start(&self, req: FleetRef) -> Result<FleetInfo, ApiError> {
+    async fn start(&self, req: FleetRef, caller: Option<&str>) -> Result<FleetInfo, ApiError> {
         self.definition(&req.fleet).await?;
         self.edit_trigger(&req.fleet, |s| s.resume().then(|| "resumed: `mur fleet start` cleared the pause".into()))
             .await?;
@@ -828,8 +838,9 @@ impl Fleets {
         let present = self.defs.get(&key).await.map_err(|e| unavailable("mur_fleets: read", e))?.is_some();
         if present {
             self.defs.purge(&key).await.map_err(|e| unavailable("mur_fleets: purge", e))?;
-            tracing::info!(instance = %self.instance, fleet = %req.fleet, "fleet started");
-            self.note(&req.fleet, EventKind::StateChange, "started: the kill-switch is cleared".to_string(), None)
+            tracing::info!(instance = %self.instance, fleet = %req.fleet, by = caller, "fleet started");
+            let by = caller.map(|name| format!(" by {name}")).unwrap_or_default();
+            self.note(&req.fleet, EventKind::StateChange, format!("started{by}: the kill-switch is cleared"), None)
                 .await;
         }
         self.show(&req.fleet).await

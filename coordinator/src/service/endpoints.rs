@@ -160,7 +160,10 @@ impl Ctx {
             Endpoint::Cancel => self.cancel(body).await.and_then(|r| to_json(&r)),
             Endpoint::Capsules => self.capsules().await.and_then(|r| to_json(&r)),
             Endpoint::Status => self.status().await.and_then(|r| to_json(&r)),
-            Endpoint::Fleet(op) => self.fleets.handle(op, request.message.headers.as_ref(), body).await,
+            Endpoint::Fleet(op) => match self.caller(kind, request.message.headers.as_ref()) {
+                Ok(caller) => self.fleets.handle(op, request.message.headers.as_ref(), body, caller.as_deref()).await,
+                Err(e) => Err(e),
+            },
         };
         let sent = match result {
             Ok(reply) => request.respond(Ok(reply)).await,
@@ -172,6 +175,20 @@ impl Ctx {
         };
         if let Err(e) = sent {
             tracing::warn!(instance = %self.instance, subject = kind.subject(), "reply failed: {e}");
+        }
+    }
+
+    /// Who called `kind`, as nats-server states it ([`mur_nats::identity`]): `Some(name)`
+    /// for the endpoints that record a name when this coordinator has an identity
+    /// connection (they reach it through that connection only), `None` otherwise (no
+    /// identity connection: the handler records the name the request gives, unverified).
+    fn caller(&self, kind: Endpoint, headers: Option<&async_nats::HeaderMap>) -> Result<Option<String>, ApiError> {
+        let subject = kind.subject();
+        match &self.identities {
+            Some(ids) if mur_nats::identity::IDENTITY_SUBJECTS.contains(&subject) => {
+                ids.caller(subject, headers).map(Some).map_err(|e| ApiError::invalid(e.to_string()))
+            }
+            _ => Ok(None),
         }
     }
 

@@ -17,6 +17,23 @@ use super::*;
 /// the service cannot start, [`Error::LoopEnded`] when a bucket watch of a leader ends on
 /// its own (the connection is gone for good).
 pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+    run_with_identity(client, None, config, shutdown).await
+}
+
+/// [`run`], serving the endpoints that record who called
+/// ([`mur_nats::identity::IDENTITY_SUBJECTS`]) on `identity`'s connection rather than
+/// `client`'s when it is given: each such request then carries nats-server's statement of
+/// its sender, and the name recorded is that sender's (issue #31). Without it they are
+/// served on `client` and record the name the request gives.
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_with_identity(
+    client: async_nats::Client,
+    identity: Option<Identity>,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), Error> {
     let instance = config.instance.clone();
     let js = jetstream::new(client.clone());
     let res = Arc::new(resources::ensure(&js, &config.settings).await?);
@@ -29,6 +46,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     // status'): several at once over a store of gigabytes outran this connection (the
     // server cut it off as a slow consumer, the lease's renewals timed out with it).
     let shared = ProcessShared {
+        identities: identity.as_ref().map(|i| Arc::new(i.names.clone())),
         scans: Arc::new(tokio::sync::Semaphore::new(1)),
         intake: Arc::new(IntakeOrder::default()),
         bundles: Arc::new(BundleFlags::default()),
@@ -41,11 +59,29 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
         .await
         .map_err(nats("service mur: start"))?;
     let group = service.group(cluster::api::PREFIX);
+    // The identity connection's service: the endpoints that record who called.
+    let identity_service = match &identity {
+        Some(identity) => Some(
+            identity
+                .client
+                .service_builder()
+                .description("murmur coordinator: the API calls that record who called")
+                .start(cluster::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+                .await
+                .map_err(nats("service mur (identity connection): start"))?,
+        ),
+        None => None,
+    };
+    let identity_group = identity_service.as_ref().map(|s| s.group(cluster::api::PREFIX));
     let mut endpoints = Vec::new();
     for kind in Endpoint::ALL.into_iter().chain(crate::fleet::api::Op::ALL.map(Endpoint::Fleet)) {
         let subject = kind.subject();
         let suffix = &subject[cluster::api::PREFIX.len() + 1..];
-        let endpoint = group
+        let on = match &identity_group {
+            Some(identity_group) if mur_nats::identity::IDENTITY_SUBJECTS.contains(&subject) => identity_group,
+            _ => &group,
+        };
+        let endpoint = on
             .endpoint_builder()
             .name(suffix.replace('.', "_"))
             .add(suffix)
@@ -87,6 +123,11 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     lease.stop_standing_by().await;
     if let Err(e) = service.stop().await {
         tracing::warn!(instance = %instance, "stopping the service: {e}");
+    }
+    if let Some(service) = identity_service
+        && let Err(e) = service.stop().await
+    {
+        tracing::warn!(instance = %instance, "stopping the identity connection's service: {e}");
     }
     outcome
 }
