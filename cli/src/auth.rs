@@ -21,6 +21,63 @@ pub enum Command {
     /// client, approver, admin), and the coordinator's identity file (identity.creds, for
     /// `mur coordinator --identity`); with --tls, a CA and a server certificate too.
     Init(InitArgs),
+    /// A2A bearer tokens for the coordinator's `--http` endpoint: create, ls, revoke.
+    #[command(subcommand)]
+    Token(Box<TokenCommand>),
+}
+
+/// `mur auth token …`
+#[derive(clap::Subcommand, Debug)]
+pub enum TokenCommand {
+    /// Make a token and print it once (only its SHA-256 is stored in the cluster).
+    Create {
+        /// The token's name (a-z, 0-9, '-', '_'): what `ls` and the logs show.
+        name: String,
+        /// A capsule the token may reach (repeatable); none = every capsule.
+        #[arg(long = "capsule", value_name = "CAPSULE")]
+        capsules: Vec<String>,
+        /// `admin` (send, cancel, get, list) or `read` (get and list only).
+        #[arg(long, value_enum, default_value = "admin")]
+        scope: ScopeArg,
+        /// Print {"name", "token", "capsules", "scope"} as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        conn: crate::nats::Connection,
+    },
+    /// List the tokens: names, capsules, scope, age (never a token or its hash).
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        conn: crate::nats::Connection,
+    },
+    /// Revoke a token: endpoints refuse it from the moment they see the change.
+    Revoke {
+        /// The token's name.
+        name: String,
+        #[command(flatten)]
+        conn: crate::nats::Connection,
+    },
+}
+
+/// A token's scope on the command line.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum ScopeArg {
+    /// Send, cancel, get, list.
+    Admin,
+    /// Get and list only.
+    Read,
+}
+
+impl From<ScopeArg> for mur_proto::cluster::Scope {
+    fn from(s: ScopeArg) -> Self {
+        match s {
+            ScopeArg::Admin => mur_proto::cluster::Scope::Admin,
+            ScopeArg::Read => mur_proto::cluster::Scope::Read,
+        }
+    }
 }
 
 /// `mur auth init DIR [--tls] [--host NAME]… [--force] [--json]`
@@ -90,6 +147,7 @@ pub fn roles() -> Vec<Role> {
         "$JS.API.STREAM.PURGE.KV_mur_fleets",
         "$JS.API.STREAM.PURGE.KV_mur_jobs",
         "$JS.API.STREAM.PURGE.KV_mur_fanout",
+        "$JS.API.STREAM.PURGE.KV_mur_tokens",
         "$JS.API.STREAM.PURGE.OBJ_mur_capsules",
         "$JS.API.STREAM.PURGE.MUR_DISPATCH",
         "$JS.API.STREAM.PURGE.MUR_TRACE",
@@ -98,6 +156,7 @@ pub fn roles() -> Vec<Role> {
         "$KV.mur_fleets.>",
         "$KV.mur_jobs.>",
         "$KV.mur_capsule_index.>",
+        "$KV.mur_tokens.>",
         "$O.mur_capsules.>",
         "mur.api.fleet.>",
         "mur.leader.>",
@@ -135,7 +194,10 @@ pub fn roles() -> Vec<Role> {
 }
 
 pub fn run(cmd: Command) -> Result<ExitCode> {
-    let Command::Init(args) = cmd;
+    let args = match cmd {
+        Command::Init(args) => args,
+        Command::Token(cmd) => return token(*cmd),
+    };
     let written = init(&args.dir, args.tls, &args.hosts, args.force)?;
     if args.json {
         let files: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
@@ -298,4 +360,85 @@ fn certificates(hosts: &[String]) -> Result<(String, String, String)> {
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     let cert = params.signed_by(&key, &issuer).context("the server certificate")?;
     Ok((ca_pem, cert.pem(), key.serialize_pem()))
+}
+
+/// Runs a `mur auth token` command.
+fn token(cmd: TokenCommand) -> Result<ExitCode> {
+    use mur_nats::clock::Clock;
+    use mur_nats::tokens;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        match cmd {
+            TokenCommand::Create { name, capsules, scope, json, conn } => {
+                if !mur_proto::cluster::is_valid_token_name(&name) {
+                    return Err(
+                        crate::Invalid(format!("NAME {name:?}: {}", mur_proto::cluster::TOKEN_NAME_RULE)).into()
+                    );
+                }
+                if let Some(bad) = capsules.iter().find(|c| !mur_proto::manifest::is_valid_name(c)) {
+                    return Err(crate::Invalid(format!("--capsule {bad:?}: not a capsule name")).into());
+                }
+                let client = conn.connect("mur auth token create").await?;
+                let store = tokens::store(&async_nats::jetstream::new(client)).await?;
+                let scope: mur_proto::cluster::Scope = scope.into();
+                let now = mur_nats::clock::SystemClock.now_ms();
+                let token = tokens::create(&store, &name, &capsules, scope, now).await?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({ "name": name, "token": token, "capsules": capsules, "scope": scope })
+                    );
+                } else {
+                    println!("{token}");
+                    eprintln!(
+                        "token {name:?} ({}, {}): shown once, keep it secret; senders pass it with --token-file FILE \
+                         or MUR_A2A_TOKEN",
+                        scope.as_str(),
+                        if capsules.is_empty() { "every capsule".to_string() } else { capsules.join(", ") }
+                    );
+                }
+                Ok(ExitCode::SUCCESS)
+            }
+            TokenCommand::Ls { json, conn } => {
+                let client = conn.connect("mur auth token ls").await?;
+                let store = tokens::store(&async_nats::jetstream::new(client)).await?;
+                let records = tokens::list(&store).await?;
+                if json {
+                    let rows: Vec<serde_json::Value> = records
+                        .iter()
+                        .map(|r| {
+                            serde_json::json!({
+                                "name": r.name, "capsules": r.capsules, "scope": r.scope, "created_at": r.created_at
+                            })
+                        })
+                        .collect();
+                    println!("{}", serde_json::Value::Array(rows));
+                } else {
+                    let now = mur_nats::clock::SystemClock.now_ms();
+                    let mut table = comfy_table::Table::new();
+                    table
+                        .load_preset(comfy_table::presets::NOTHING)
+                        .set_header(vec!["NAME", "SCOPE", "CAPSULES", "AGE"]);
+                    for r in &records {
+                        let age = std::time::Duration::from_secs(now.saturating_sub(r.created_at) / 1000);
+                        table.add_row(vec![
+                            r.name.clone(),
+                            r.scope.as_str().to_string(),
+                            if r.capsules.is_empty() { "*".to_string() } else { r.capsules.join(",") },
+                            humantime::format_duration(age).to_string(),
+                        ]);
+                    }
+                    println!("{table}");
+                }
+                Ok(ExitCode::SUCCESS)
+            }
+            TokenCommand::Revoke { name, conn } => {
+                let client = conn.connect("mur auth token revoke").await?;
+                let store = tokens::store(&async_nats::jetstream::new(client)).await?;
+                tokens::revoke(&store, &name).await?;
+                eprintln!("token {name:?} revoked");
+                Ok(ExitCode::SUCCESS)
+            }
+        }
+    })
 }

@@ -128,7 +128,7 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus, all: bool) -> String {
                         t.state.as_str().to_string()
                     };
                     vec![
-                        t.task_id.clone(),
+                        t.task_id.to_string(),
                         t.capsule.clone(),
                         t.lane.to_string(),
                         state,
@@ -148,7 +148,7 @@ fn render_status(s: &mur_proto::cluster::ClusterStatus, all: bool) -> String {
                 .iter()
                 .map(|d| {
                     vec![
-                        d.task_id.clone(),
+                        d.task_id.to_string(),
                         d.capsule.clone(),
                         d.dead_letter.deliveries.to_string(),
                         d.dead_letter.reason.clone(),
@@ -210,7 +210,7 @@ permits   {} in use, {} waiting
         for (first, h) in rows {
             t.add_row(vec![
                 first,
-                h.task_id.clone(),
+                h.task_id.to_string(),
                 h.step.fleet.clone(),
                 h.step.run_id.clone(),
                 h.step.step.clone(),

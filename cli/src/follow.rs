@@ -13,6 +13,7 @@
 //! changed (never the same line twice in a row), and one at least every
 //! [`Lines::EVERY`] (15 s, or as set) of silence, with the running members' times.
 
+use mur_proto::TaskId;
 use mur_proto::cluster::TaskRecord;
 use mur_proto::task::TaskState;
 use serde::Serialize;
@@ -101,7 +102,7 @@ pub struct Status {
 #[derive(Debug)]
 struct Step {
     submitted_at: u64,
-    task_id: String,
+    task_id: TaskId,
     state: TaskState,
     started_at: Option<u64>,
 }
@@ -114,7 +115,7 @@ pub struct Follow {
     /// Per step name: its latest task.
     latest: BTreeMap<String, Step>,
     /// Per step name: its tasks that completed.
-    done: BTreeMap<String, BTreeSet<String>>,
+    done: BTreeMap<String, BTreeSet<TaskId>>,
     blocked: bool,
     permits: usize,
     spend: Option<f64>,
@@ -272,7 +273,7 @@ mod tests {
 
     fn running_since(task: &str, step: &str, run: &str, at: u64, state: TaskState, started: Option<u64>) -> TaskRecord {
         let mut r = TaskRecord::submitted(
-            task.into(),
+            TaskId::unchecked(task),
             mur_proto::cluster::SubmitRequest {
                 fleet_step: Some(FleetStep { fleet: "f".into(), run_id: run.into(), step: step.into(), cap: 3 }),
                 ..mur_proto::cluster::SubmitRequest::new(step, "t", mur_proto::task::Origin::Peer)

@@ -7,10 +7,10 @@ use anyhow::{Context, Result, bail};
 use mur_a2a::client::{self, SendOptions};
 use mur_a2a::v1;
 use mur_nats::api::SUBMIT_PATIENCE;
+use mur_proto::TaskId;
 use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::page::Page;
 use mur_proto::task::Origin;
-use mur_proto::{Id, IdKind};
 use serde_json::json;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -158,7 +158,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
                         text.push('…');
                     }
                     t.add_row(vec![
-                        r.task_id,
+                        r.task_id.into_string(),
                         r.capsule,
                         r.lane.to_string(),
                         r.state.as_str().to_string(),
@@ -260,7 +260,7 @@ fn send_cluster(args: SendArgs) -> Result<ExitCode> {
     let mut request = SubmitRequest {
         context_id: args.context.clone(),
         // Minted here: a submission sent again (below) is the same task, run once.
-        task_id: Some(Id::generate(IdKind::Task).to_string()),
+        task_id: Some(TaskId::generate()),
         message_id: None,
         ..SubmitRequest::new(capsule.clone(), text_or_stdin(text, "the task's text")?, origin)
     };
@@ -362,7 +362,7 @@ async fn submit_until_answered(
         gen_ai.agent.name = %request.capsule,
         mur.task_id = tracing::field::Empty,
     );
-    let id = request.task_id.clone().unwrap_or_else(|| "(the coordinator's)".into());
+    let id = request.task_id.as_ref().map_or_else(|| "(the coordinator's)".to_string(), ToString::to_string);
     let reply = mur_nats::api::submit(client, request, patience, |e, delay| {
         eprintln!(
             "mur: {}; sending it again in {} ms (task {id}: it runs once however often it is sent)",

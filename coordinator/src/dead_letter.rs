@@ -20,6 +20,7 @@ use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::jetstream::{self, AckKind, kv};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, DeadLetter, Dispatch};
 use mur_proto::task::{ExitStatus, TaskState};
 use serde::Deserialize;
@@ -169,7 +170,7 @@ fn gone(e: &jetstream::stream::RawMessageError) -> bool {
 /// JSON.
 pub async fn mark(
     tasks: &kv::Store,
-    task_id: &str,
+    task_id: &TaskId,
     reason: &str,
     deliveries: u64,
 ) -> Result<(), mur_nats::tasks::Error> {

@@ -39,7 +39,7 @@ use mur_proto::cluster::{
     TaskRecord as ClusterRecord, TaskRef, api,
 };
 use mur_proto::task::TaskState;
-use mur_proto::{Id, IdKind};
+use mur_proto::{Id, IdKind, TaskId};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use std::collections::{HashMap, VecDeque};
@@ -258,7 +258,7 @@ impl ClusterBackend {
     }
 
     async fn record(&self, id: &str) -> Result<ClusterRecord, ApiError> {
-        let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
+        let body = serde_json::to_vec(&TaskRef { task_id: TaskId::unchecked(id) }).expect("a task ref serializes");
         let record: ClusterRecord = mur_nats::api::call(&self.client, api::TASK_GET, body).await?;
         if record.capsule != self.capsule {
             return Err(ApiError::new(ErrorCode::NotFound, format!("task {id} not found")));
@@ -287,7 +287,7 @@ pub fn to_intake(record: &ClusterRecord) -> TaskRecord {
         _ => None,
     };
     TaskRecord {
-        id: record.task_id.clone(),
+        id: record.task_id.to_string(),
         context_id: record.context_id.clone(),
         message_id: record.message_id.clone(),
         text: record.text.clone(),
@@ -334,7 +334,7 @@ fn updates_between(previous: TaskState, next: &ClusterRecord) -> Vec<TaskUpdate>
     let mut updates = Vec::new();
     if next.state == TaskState::Completed {
         updates.push(TaskUpdate::Artifact {
-            task_id: next.task_id.clone(),
+            task_id: next.task_id.to_string(),
             context_id: next.context_id.clone(),
             artifact_id: RESULT_ARTIFACT_ID.to_string(),
             name: RESULT_ARTIFACT_ID.to_string(),
@@ -342,7 +342,7 @@ fn updates_between(previous: TaskState, next: &ClusterRecord) -> Vec<TaskUpdate>
         });
     }
     updates.push(TaskUpdate::Status {
-        task_id: next.task_id.clone(),
+        task_id: next.task_id.to_string(),
         context_id: next.context_id.clone(),
         state: next.state,
         message: to_intake(next).status_message,
@@ -384,7 +384,7 @@ impl Backend for ClusterBackend {
     }
 
     async fn cancel(&self, id: &str) -> Result<TaskRecord, intake::Error> {
-        let body = serde_json::to_vec(&TaskRef { task_id: id.to_string() }).expect("a task ref serializes");
+        let body = serde_json::to_vec(&TaskRef { task_id: TaskId::unchecked(id) }).expect("a task ref serializes");
         let current = self.record(id).await.map_err(|_| intake::Error::NotFound(id.to_string()))?;
         match mur_nats::api::call::<ClusterRecord>(&self.client, api::TASK_CANCEL, body).await {
             Ok(record) => Ok(to_intake(&record)),

@@ -469,6 +469,13 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Reso
         "murmur: fleet jobs, key = <fleet>.<job id>",
         fleet_store::JOBS_HISTORY,
     ));
+    // A2A tokens (issue #31): `mur auth token create` makes the bucket when no coordinator
+    // did; this gives it the cluster's storage and replicas.
+    streams.push(settings.kv_stream(
+        cluster::TOKENS_BUCKET,
+        "murmur: A2A bearer tokens (SHA-256 only), key = token name",
+        1,
+    ));
     streams.push(settings.fleet_stream());
     let mut handles = Vec::with_capacity(streams.len());
     for config in &streams {

@@ -29,8 +29,8 @@
 //! records, worker heartbeats and dispatch acks into [`Input`]s, and publishes each
 //! [`Output::Release`] into `MUR_DISPATCH` with the message id `<task id>:<attempt>`.
 
-use mur_proto::Lane;
 use mur_proto::lanes::Lanes;
+use mur_proto::{Lane, TaskId};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 #[cfg(test)]
@@ -49,7 +49,7 @@ pub enum Input {
     /// A task was stored and waits to be released.
     Submitted {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
         /// The capsule the task runs in.
         capsule: String,
         /// The lane the task waits in (its origin's lane).
@@ -81,7 +81,7 @@ pub enum Input {
     /// and holds a slot.
     Started {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
         /// The worker running it.
         worker_id: String,
     },
@@ -90,19 +90,19 @@ pub enum Input {
     /// a restart; a no-op for a task already in flight.
     Released {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// The task's terminal record (completed, failed or canceled) was written. A waiting task
     /// leaves the wait; an in-flight one frees its slot and its `queue` capsule.
     Ended {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// The task was canceled while waiting: it never starts. A task already released is not
     /// taken back (it is cancelled at its worker and ends with [`Input::Ended`]).
     Canceled {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
 }
 
@@ -113,7 +113,7 @@ pub enum Output {
     /// holds a slot until its [`Input::Ended`].
     Release {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
         /// Always [`FIRST_ATTEMPT`] today; see there.
         attempt: u32,
     },
@@ -128,13 +128,13 @@ pub enum Ignored {
     #[error("task {task_id}: already submitted")]
     DuplicateSubmit {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// An input about a task that has ended here (or was canceled while waiting).
     #[error("task {task_id}: already ended")]
     AlreadyEnded {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// A `Started` or `Released` for a task never submitted here, or an `Ended` or `Canceled`
     /// before its `Submitted`. The last two still mark the task ended, so a late `Submitted`
@@ -142,14 +142,14 @@ pub enum Ignored {
     #[error("task {task_id}: not submitted to this scheduler")]
     UnknownTask {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// A `Canceled` for a task already released: a running task is never interrupted by the
     /// scheduler; the worker cancels it and it ends.
     #[error("task {task_id}: already released, cancel it at its worker")]
     AlreadyReleased {
         /// `tsk_…`.
-        task_id: String,
+        task_id: TaskId,
     },
     /// A `WorkerGone` for a worker that is not up.
     #[error("worker {worker_id}: not up")]
@@ -166,7 +166,7 @@ pub struct Snapshot {
     pub lanes: [LaneSnapshot; 3],
     /// The waiting task the next free slot goes to (the front of the highest lane, skipping
     /// tasks of busy `queue` capsules); `None` when nothing waiting can be released.
-    pub next: Option<String>,
+    pub next: Option<TaskId>,
     /// Tasks released and not ended, in arrival (`seq`) order.
     pub in_flight: Vec<InFlightTask>,
     /// Live workers and their slots, by worker id.
@@ -210,7 +210,7 @@ pub struct LaneSnapshot {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InFlightTask {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
     /// Its capsule.
     pub capsule: String,
     /// Whether the capsule is a `queue` capsule.
@@ -228,7 +228,7 @@ pub struct InFlightTask {
 struct Waiting {
     lane: Lane,
     seq: u64,
-    task_id: String,
+    task_id: TaskId,
     capsule: String,
     queue_capsule: bool,
 }
@@ -255,14 +255,14 @@ pub struct Scheduler {
     /// `unsorted` is false, which holds between calls).
     waiting: Lanes<Waiting>,
     /// The ids of the waiting tasks.
-    waiting_ids: HashSet<String>,
+    waiting_ids: HashSet<TaskId>,
     /// The largest `(seq, task_id)` pushed into each lane since it was last sorted or empty:
     /// a `Submitted` above it goes at the back, one below it marks the lanes unsorted.
-    lane_max: [Option<(u64, String)>; 3],
+    lane_max: [Option<(u64, TaskId)>; 3],
     /// Whether a `Submitted` came out of order and the lanes need sorting.
     unsorted: bool,
     /// Tasks released and not ended, by id.
-    in_flight: HashMap<String, InFlight>,
+    in_flight: HashMap<TaskId, InFlight>,
     /// Tasks in flight per capsule (only non-zero counts are kept).
     capsule_load: HashMap<String, u32>,
     /// The last [`ENDED_KEPT`] tasks that ended or were canceled here.
@@ -281,8 +281,8 @@ pub const ENDED_KEPT: usize = 100_000;
 /// forgotten when one more ends.
 #[derive(Clone, Debug, Default)]
 struct Ended {
-    ids: HashSet<String>,
-    order: VecDeque<String>,
+    ids: HashSet<TaskId>,
+    order: VecDeque<TaskId>,
 }
 
 impl Ended {
@@ -290,7 +290,7 @@ impl Ended {
         self.ids.contains(task_id)
     }
 
-    fn insert(&mut self, task_id: String) {
+    fn insert(&mut self, task_id: TaskId) {
         if self.ids.insert(task_id.clone()) {
             self.order.push_back(task_id);
         }
@@ -363,7 +363,7 @@ impl Scheduler {
     /// changes nothing: the task is submitted as usual. An admitted task whose record
     /// could not be stored is given back with [`Input::Ended`]; it is listed in flight
     /// with `seq` 0 until then (its record's revision is not known before it is stored).
-    pub fn admit(&mut self, task_id: &str, capsule: &str, lane: Lane, queue_capsule: bool) -> bool {
+    pub fn admit(&mut self, task_id: &TaskId, capsule: &str, lane: Lane, queue_capsule: bool) -> bool {
         if self.free_slots() == 0
             || self.ended.contains(task_id)
             || self.waiting_ids.contains(task_id)
@@ -371,7 +371,7 @@ impl Scheduler {
         {
             return false;
         }
-        let task = Waiting { lane, seq: 0, task_id: task_id.to_string(), capsule: capsule.to_string(), queue_capsule };
+        let task = Waiting { lane, seq: 0, task_id: task_id.clone(), capsule: capsule.to_string(), queue_capsule };
         if !releasable(&task, &self.capsule_load) {
             return false;
         }
@@ -503,7 +503,7 @@ impl Scheduler {
 
     /// Records that a task is in flight: a release by someone else takes a waiting task out
     /// of the wait; for a task already in flight a worker, if given, replaces the last one.
-    fn take_in_flight(&mut self, task_id: String, worker_id: Option<String>) -> Option<Ignored> {
+    fn take_in_flight(&mut self, task_id: TaskId, worker_id: Option<String>) -> Option<Ignored> {
         if let Some(task) = self.in_flight.get_mut(&task_id) {
             if worker_id.is_some() {
                 task.worker_id = worker_id;
@@ -521,11 +521,11 @@ impl Scheduler {
     }
 
     /// Removes a waiting task from its lane.
-    fn take_waiting(&mut self, task_id: &str) -> Option<Waiting> {
+    fn take_waiting(&mut self, task_id: &TaskId) -> Option<Waiting> {
         if !self.waiting_ids.remove(task_id) {
             return None;
         }
-        let task = self.waiting.remove(|task| task.task_id == task_id);
+        let task = self.waiting.remove(|task| &task.task_id == task_id);
         debug_assert!(task.is_some(), "waiting_ids and lanes disagree on {task_id}");
         task
     }
@@ -546,7 +546,7 @@ impl Scheduler {
     /// Marks a task ended: out of the wait, or out of flight (freeing its slot and its
     /// capsule). An unknown task is remembered as ended all the same, so that a late
     /// `Submitted` for it is ignored.
-    fn end(&mut self, task_id: String) -> Option<Ignored> {
+    fn end(&mut self, task_id: TaskId) -> Option<Ignored> {
         if self.ended.contains(&task_id) {
             return Some(Ignored::AlreadyEnded { task_id });
         }

@@ -80,7 +80,7 @@ use mur_proto::cluster::{
 };
 use mur_proto::page::{self, Page};
 use mur_proto::task::TaskState;
-use mur_proto::{ExitStatus, Id, IdKind};
+use mur_proto::{ExitStatus, Id, IdKind, TaskId};
 use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -198,14 +198,14 @@ struct Ctx {
     /// the intake or the watch: a release compare-and-sets from it without reading the
     /// record first (and reads it when the revision has moved on). Entries leave at the
     /// release or when the task ends.
-    waiting: Mutex<HashMap<String, (u64, TaskRecord)>>,
+    waiting: Mutex<HashMap<TaskId, (u64, TaskRecord)>>,
     /// Tasks released while this coordinator leads and not ended: the ones it admitted or
     /// released (noted before the record is written) and the ones its restore replayed.
     /// A released record the watch brings that is not here was written by another
     /// coordinator (one that lost its lease, or died, between the write and its dispatch):
     /// the scheduler learns of it, it is noted, and its dispatch is published again
     /// (JetStream drops the copy if it went out). Entries leave when the task ends.
-    releasing: Mutex<HashSet<String>>,
+    releasing: Mutex<HashSet<TaskId>>,
     /// [`Config::worker_timeout`] in ms: `cluster.status` marks a worker silent past it.
     worker_timeout_ms: u64,
     /// Which nkey user is which name, when this coordinator serves the endpoints that

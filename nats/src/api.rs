@@ -28,7 +28,7 @@ use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
 use async_nats::{HeaderMap, Message, RequestErrorKind};
 use bytes::Bytes;
 use mur_proto::cluster::{ApiError, ErrorCode, SubmitReply, SubmitRequest};
-use mur_proto::ids::{Id, IdKind};
+use mur_proto::ids::TaskId;
 use serde::de::DeserializeOwned;
 use std::time::Duration;
 
@@ -63,7 +63,7 @@ pub async fn submit(
     mut retrying: impl FnMut(&ApiError, Duration),
 ) -> Result<SubmitReply, ApiError> {
     if request.task_id.is_none() {
-        request.task_id = Some(Id::generate(IdKind::Task).to_string());
+        request.task_id = Some(TaskId::generate());
     }
     let give_up = tokio::time::Instant::now() + patience;
     let mut delays = crate::backoff::delays(SUBMIT_FIRST_DELAY, SUBMIT_MAX_DELAY);

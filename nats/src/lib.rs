@@ -15,7 +15,8 @@
 //! - [`identity`]: who called an API request, as nats-server states it (`Nats-Request-Info`);
 //! - [`health`]: a process's readiness (`/readyz`);
 //! - [`metrics`]: the metrics instruments every process records to (issue #32);
-//! - [`tls`]: the process's one rustls crypto provider.
+//! - [`tls`]: the process's one rustls crypto provider;
+//! - [`tokens`]: A2A bearer tokens in `mur_tokens`, and the keyring endpoints check them with.
 
 pub mod api;
 pub mod backoff;
@@ -31,4 +32,5 @@ pub mod metrics;
 pub mod read;
 pub mod tasks;
 pub mod tls;
+pub mod tokens;
 pub mod trace_context;

@@ -4,6 +4,7 @@
 //! [`update`] and [`try_update`] are the one compare-and-set loop every writer uses.
 
 use async_nats::jetstream::kv;
+use mur_proto::TaskId;
 use mur_proto::cluster::{ApiError, ErrorCode, TaskRecord};
 
 /// How many times [`update`] writes before it gives up on a record other writers keep
@@ -54,7 +55,7 @@ impl From<Error> for ApiError {
 ///
 /// # Errors
 /// [`Error::Unavailable`], [`Error::Malformed`].
-pub async fn read(tasks: &kv::Store, task_id: &str) -> Result<Option<(TaskRecord, u64)>, Error> {
+pub async fn read(tasks: &kv::Store, task_id: &TaskId) -> Result<Option<(TaskRecord, u64)>, Error> {
     let entry = tasks
         .entry(task_id)
         .await
@@ -76,7 +77,7 @@ pub async fn read(tasks: &kv::Store, task_id: &str) -> Result<Option<(TaskRecord
 /// [`Error::NotFound`], [`Error::Conflict`], [`Error::Unavailable`], [`Error::Malformed`].
 pub async fn update(
     tasks: &kv::Store,
-    task_id: &str,
+    task_id: &TaskId,
     known: Option<(TaskRecord, u64)>,
     mut change: impl FnMut(&mut TaskRecord) -> bool,
 ) -> Result<Option<(TaskRecord, u64)>, Error> {
@@ -89,7 +90,7 @@ pub async fn update(
 /// `change`'s error, or [`update`]'s.
 pub async fn try_update<E: From<Error>>(
     tasks: &kv::Store,
-    task_id: &str,
+    task_id: &TaskId,
     mut known: Option<(TaskRecord, u64)>,
     mut change: impl FnMut(&mut TaskRecord) -> Result<bool, E>,
 ) -> Result<Option<(TaskRecord, u64)>, E> {
@@ -105,7 +106,7 @@ pub async fn try_update<E: From<Error>>(
         match tasks.update(task_id, json.into(), revision).await {
             Ok(revision) => return Ok(Some((record, revision))),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                tracing::debug!(task_id, "task record compare-and-set lost; reading it again");
+                tracing::debug!(%task_id, "task record compare-and-set lost; reading it again");
             }
             Err(e) => return Err(Error::Unavailable { what: format!("update {task_id}"), source: e.into() }.into()),
         }

@@ -22,6 +22,8 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+use crate::TaskId;
+
 /// The KV bucket of the semaphore: `slot.<n>` permits and `wait.<task id>` tickets.
 pub const FANOUT_BUCKET: &str = "mur_fanout";
 
@@ -36,7 +38,7 @@ pub fn slot_key(n: u32) -> String {
 }
 
 /// The key of `task_id`'s waiting ticket (`wait.<task id>`).
-pub fn wait_key(task_id: &str) -> String {
+pub fn wait_key(task_id: &TaskId) -> String {
     format!("{WAIT_PREFIX}{task_id}")
 }
 
@@ -61,7 +63,7 @@ pub struct FleetStep {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holder {
     /// The step's task (`tsk_…`).
-    pub task_id: String,
+    pub task_id: TaskId,
     /// The worker running (or about to run) it.
     pub worker: String,
     /// The fleet, run and step, with the cap.
@@ -77,7 +79,7 @@ pub struct View {
     /// Held permits: slot number → revision of the holder's last write.
     pub held: BTreeMap<u32, u64>,
     /// Waiting tickets: task id → (revision, cap).
-    pub waiting: BTreeMap<String, (u64, u32)>,
+    pub waiting: BTreeMap<TaskId, (u64, u32)>,
 }
 
 impl View {
@@ -95,7 +97,7 @@ impl View {
             match value {
                 Some(v) => {
                     let cap = serde_json::from_slice::<Holder>(v).map_or(1, |h| h.step.cap.max(1));
-                    self.waiting.insert(task.to_string(), (revision, cap));
+                    self.waiting.insert(TaskId::unchecked(task), (revision, cap));
                 }
                 None => {
                     self.waiting.remove(task);
@@ -123,12 +125,12 @@ pub const MAX_CANDIDATES: usize = 16;
 /// The free slots are walked lazily: the work is bounded by the permits held and the
 /// waiters ahead, never by `cap`, so a hostile cap (`u32::MAX` from a submission, a huge
 /// `fanout:`) costs nothing.
-pub fn candidates(view: &View, task_id: &str, cap: u32) -> Vec<u32> {
+pub fn candidates(view: &View, task_id: &TaskId, cap: u32) -> Vec<u32> {
     let mine = view.waiting.get(task_id).map_or(u64::MAX, |&(rev, _)| rev);
     let mut ahead: Vec<(u64, &str, u32)> = view
         .waiting
         .iter()
-        .filter(|(id, (rev, _))| *rev < mine && id.as_str() != task_id)
+        .filter(|(id, (rev, _))| *rev < mine && *id != task_id)
         .map(|(id, &(rev, c))| (rev, id.as_str(), c))
         .collect();
     ahead.sort_unstable();
@@ -196,7 +198,7 @@ mod tests {
 
     fn ticket(cap: u32) -> Vec<u8> {
         serde_json::to_vec(&Holder {
-            task_id: "t".into(),
+            task_id: TaskId::unchecked("t"),
             worker: "w".into(),
             step: FleetStep { fleet: "f".into(), run_id: "r".into(), step: "s".into(), cap },
             since: 0,
@@ -209,7 +211,7 @@ mod tests {
         let mut v = View::default();
         v.apply("slot.1", 4, Some(b"{}"));
         v.apply("wait.a", 5, Some(&ticket(3)));
-        assert_eq!(candidates(&v, "a", 3), [0, 2]);
+        assert_eq!(candidates(&v, &TaskId::unchecked("a"), 3), [0, 2]);
     }
 
     #[test]
@@ -219,10 +221,14 @@ mod tests {
         v.apply("slot.1", 2, Some(b"{}"));
         v.apply("wait.late", 9, Some(&ticket(3)));
         v.apply("wait.early", 7, Some(&ticket(3)));
-        assert_eq!(candidates(&v, "early", 3), [2]);
-        assert_eq!(candidates(&v, "late", 3), Vec::<u32>::new(), "the one free slot is the earlier waiter's");
+        assert_eq!(candidates(&v, &TaskId::unchecked("early"), 3), [2]);
+        assert_eq!(
+            candidates(&v, &TaskId::unchecked("late"), 3),
+            Vec::<u32>::new(),
+            "the one free slot is the earlier waiter's"
+        );
         v.apply("slot.1", 10, None);
-        assert_eq!(candidates(&v, "late", 3), [2], "a second free slot serves the next in line");
+        assert_eq!(candidates(&v, &TaskId::unchecked("late"), 3), [2], "a second free slot serves the next in line");
     }
 
     #[test]
@@ -233,8 +239,8 @@ mod tests {
         }
         v.apply("wait.small", 5, Some(&ticket(3)));
         v.apply("wait.big", 6, Some(&ticket(5)));
-        assert_eq!(candidates(&v, "small", 3), Vec::<u32>::new());
-        assert_eq!(candidates(&v, "big", 5), [3, 4]);
+        assert_eq!(candidates(&v, &TaskId::unchecked("small"), 3), Vec::<u32>::new());
+        assert_eq!(candidates(&v, &TaskId::unchecked("big"), 5), [3, 4]);
     }
 
     #[test]
@@ -244,17 +250,21 @@ mod tests {
         v.apply("wait.huge", 2, Some(&ticket(u32::MAX)));
         v.apply("wait.me", 3, Some(&ticket(u32::MAX)));
         let started = std::time::Instant::now();
-        assert_eq!(candidates(&v, "huge", u32::MAX), (1..=16).collect::<Vec<u32>>());
-        assert_eq!(candidates(&v, "me", u32::MAX), (2..=17).collect::<Vec<u32>>(), "slot 1 is the earlier waiter's");
-        assert_eq!(candidates(&v, "me", 2), Vec::<u32>::new());
+        assert_eq!(candidates(&v, &TaskId::unchecked("huge"), u32::MAX), (1..=16).collect::<Vec<u32>>());
+        assert_eq!(
+            candidates(&v, &TaskId::unchecked("me"), u32::MAX),
+            (2..=17).collect::<Vec<u32>>(),
+            "slot 1 is the earlier waiter's"
+        );
+        assert_eq!(candidates(&v, &TaskId::unchecked("me"), 2), Vec::<u32>::new());
         assert!(started.elapsed() < std::time::Duration::from_secs(1), "took {:?}", started.elapsed());
     }
 
     #[test]
     fn a_slot_above_the_cap_is_never_a_candidate() {
         let v = View::default();
-        assert_eq!(candidates(&v, "a", 1), [0]);
-        assert_eq!(candidates(&v, "a", 3), [0, 1, 2]);
+        assert_eq!(candidates(&v, &TaskId::unchecked("a"), 1), [0]);
+        assert_eq!(candidates(&v, &TaskId::unchecked("a"), 3), [0, 1, 2]);
     }
 
     #[test]
@@ -263,15 +273,15 @@ mod tests {
         v.apply("slot.0", 1, Some(b"{}"));
         v.apply("wait.dead", 2, Some(&ticket(2)));
         v.apply("wait.me", 3, Some(&ticket(2)));
-        assert!(candidates(&v, "me", 2).is_empty());
+        assert!(candidates(&v, &TaskId::unchecked("me"), 2).is_empty());
         v.apply("wait.dead", 4, None);
-        assert_eq!(candidates(&v, "me", 2), [1]);
+        assert_eq!(candidates(&v, &TaskId::unchecked("me"), 2), [1]);
     }
 
     #[test]
     fn status_lists_holders_by_slot_and_waiters_in_ticket_order() {
         let h = |task: &str, fleet: &str| Holder {
-            task_id: task.into(),
+            task_id: TaskId::unchecked(task),
             worker: "w1".into(),
             step: FleetStep { fleet: fleet.into(), run_id: "r".into(), step: "s".into(), cap: 3 },
             since: 1,

@@ -109,6 +109,10 @@ pub enum Event {
         duration_ms: u64,
         /// `ok` or `error`.
         status: String,
+        /// The call's idempotency key, `<task>.<turn>.<index>`: the same on every attempt
+        /// of the call (issue #34), as its command got it in `MUR_TOOL_CALL_ID`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        idempotency_key: Option<String>,
     },
     /// After each shell command.
     OnShell {
@@ -128,6 +132,9 @@ pub enum Event {
         stderr_bytes: u64,
         /// Wall time, ms.
         duration_ms: u64,
+        /// The call's idempotency key (as in `on-tool-call`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        idempotency_key: Option<String>,
     },
     /// The context crossed the compaction threshold; a `replace-context` hook answers.
     OnCompaction {

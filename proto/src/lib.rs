@@ -26,7 +26,7 @@ pub fn without_bom(text: &str) -> &str {
 }
 
 pub use fleet::Fleet;
-pub use ids::{Id, IdKind};
+pub use ids::{Id, IdError, IdKind, SessionId, TaskId, WorkerId};
 pub use manifest::Manifest;
 pub use message::{Block, Message, Role};
 pub use task::{ExitStatus, Lane, Origin};

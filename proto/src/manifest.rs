@@ -265,6 +265,11 @@ pub struct Lifecycle {
 pub struct Capabilities {
     /// Binaries the built-in shell tools may run; one tool per binary, named after it.
     pub shell_allow: Vec<String>,
+    /// `capabilities.shell.idempotent` (default false): a shell command found in doubt
+    /// at a takeover (started, its worker died before it ended) runs again with the same
+    /// `MUR_TOOL_CALL_ID`; off, the model is told it may or may not have taken effect
+    /// (issue #34).
+    pub shell_idempotent: bool,
 }
 
 /// A hook's binding: which event it receives (the runtime reference, §2).
@@ -392,6 +397,11 @@ pub struct ToolDecl {
     pub parameters: Value,
     /// Deadline in seconds; default 300.
     pub timeout_secs: u64,
+    /// `idempotent` (default false): a call found in doubt at a takeover (started, its
+    /// worker died before it ended) runs again with the same `MUR_TOOL_CALL_ID`; off, the
+    /// model is told it may or may not have taken effect (issue #34). Not allowed on a
+    /// built-in tool.
+    pub idempotent: bool,
 }
 
 /// `trace.capture`: how much of tool calls the trace keeps.
@@ -512,6 +522,7 @@ struct RawCapabilities {
 #[serde(deny_unknown_fields, expecting = "a mapping")]
 struct RawShell {
     allow: Option<Vec<String>>,
+    idempotent: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -534,6 +545,7 @@ struct RawTool {
     command: Option<Argv>,
     parameters: Option<Value>,
     timeout_secs: Option<Int>,
+    idempotent: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -786,7 +798,16 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         r.fail("lifecycle.after_task", "sleep requires task_acceptance: queue");
     }
 
-    let shell_allow = raw.capabilities.and_then(|c| c.shell).and_then(|s| s.allow).unwrap_or_default();
+    let shell = raw.capabilities.and_then(|c| c.shell);
+    let shell_idempotent = shell.as_ref().and_then(|s| s.idempotent);
+    let shell_allow = shell.and_then(|s| s.allow).unwrap_or_default();
+    if shell_idempotent.is_some() && shell_allow.is_empty() {
+        r.fail(
+            "capabilities.shell.idempotent",
+            "allowed only with capabilities.shell.allow (no shell tool to apply to)",
+        );
+    }
+    let shell_idempotent = shell_idempotent.unwrap_or(false);
     let mut seen = BTreeSet::new();
     for (i, bin) in shell_allow.iter().enumerate() {
         let path = format!("capabilities.shell.allow[{i}]");
@@ -842,7 +863,7 @@ fn validate(raw: Raw, env: &dyn Fn(&str) -> Option<String>) -> Result<Manifest, 
         inference: inference.expect("inference present when no rule failed"),
         context,
         lifecycle,
-        capabilities: Capabilities { shell_allow },
+        capabilities: Capabilities { shell_allow, shell_idempotent },
         hooks,
         tools,
         trace,
@@ -1094,6 +1115,9 @@ fn validate_tool(i: usize, t: RawTool, r: &mut Rules) -> ToolDecl {
                 if t.parameters.is_some() {
                     r.fail(&path("parameters"), "a built-in tool has its own; remove it");
                 }
+                if t.idempotent.is_some() {
+                    r.fail(&path("idempotent"), "a built-in tool decides its own retries; remove it");
+                }
             }
             c
         }
@@ -1112,6 +1136,7 @@ fn validate_tool(i: usize, t: RawTool, r: &mut Rules) -> ToolDecl {
         command,
         parameters,
         timeout_secs: r.int(&path("timeout_secs"), t.timeout_secs, 1, 300) as u64,
+        idempotent: t.idempotent.unwrap_or(false),
     }
 }
 

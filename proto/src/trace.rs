@@ -199,6 +199,49 @@ pub enum Event {
         /// The MCP server that served the call, for a tool of `mcp_servers:` (issue #35).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mcp_server: Option<String>,
+        /// The call's idempotency key, `<task>.<turn>.<index>`, the same on every attempt
+        /// (issue #34; `MUR_TOOL_CALL_ID` in the command's environment).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        idempotency_key: Option<String>,
+    },
+    /// A tool call a takeover found started and never ended (issue #34): its worker died
+    /// while it ran. `action` says what was done: `rerun` (its tool is declared
+    /// idempotent: it ran again with the same key) or `reported` (not run again; the model
+    /// was told it may or may not have taken effect).
+    ToolCallInDoubt {
+        /// The task.
+        task_id: String,
+        /// Turn that asked for it.
+        turn: u32,
+        /// Tool name.
+        tool_name: String,
+        /// The provider's call id.
+        tool_call_id: String,
+        /// Its idempotency key.
+        idempotency_key: String,
+        /// The worker that started it and died.
+        previous_worker: String,
+        /// `rerun` or `reported`.
+        action: String,
+    },
+    /// A takeover reused what the task's journal held instead of doing it again (issue
+    /// #34): `what` is `model_response` (turn `turn`'s response, not asked again) or
+    /// `tool_result` (a call that had ended, not run again).
+    JournalReplay {
+        /// The task.
+        task_id: String,
+        /// The model call.
+        turn: u32,
+        /// `model_response` or `tool_result`.
+        what: String,
+        /// The tool, for a `tool_result`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_name: Option<String>,
+        /// The call's idempotency key, for a `tool_result`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        idempotency_key: Option<String>,
+        /// The worker that did it first.
+        previous_worker: String,
     },
     /// A shell command, written right after its `tool_call` line.
     Shell {
@@ -492,6 +535,8 @@ impl Event {
             Event::TaskEnd { .. } => "task_end",
             Event::TaskReopened { .. } => "task_reopened",
             Event::TaskTakeover { .. } => "task_takeover",
+            Event::ToolCallInDoubt { .. } => "tool_call_in_doubt",
+            Event::JournalReplay { .. } => "journal_replay",
             Event::ContextSeed { .. } => "context_seed",
             Event::Compaction { .. } => "compaction",
             Event::CompactionDeclined { .. } => "compaction_declined",

@@ -28,6 +28,12 @@
 //!   OpenAI server, where each task's cycle goes (`working` seen → the model's request,
 //!   the request → its answer, the answer → the terminal record seen; every prompt names
 //!   its task, so the server's timings are matched to it);
+//! - what authentication and TLS cost (issue #31): the no-op round trip p50 and the no-op
+//!   throughput (1 worker × 8 slots) on a plaintext cluster and on one with `mur auth init
+//!   --tls`'s configuration (every process on its role's credentials over TLS, the
+//!   coordinator with its identity connection), alternated twice, each round a fresh
+//!   cluster; the means and their ratios (targets: p50 ≤ 1.25×, throughput ≥ 0.85× the
+//!   plaintext figures);
 //! - the resident memory (`VmRSS`) of a `mur worker` process with 16 slots, idle and with
 //!   16 sessions running against that fake model (idle = registered, before any task);
 //! - a `mur coordinator` process restarting over a store of 3000 ended tasks with 100 KB
@@ -40,7 +46,8 @@
 //! same two cores, as it would in `mur dev`.
 //!
 //! `MUR_BENCH_PHASES` picks phases, for profiling one: any of `noop` (baseline, round
-//! trips, dispatch, no-op throughput), `slow`, `memory` and `restore`, comma-separated; all by default.
+//! trips, dispatch, no-op throughput), `metrics`, `secured`, `slow`, `memory` and `restore`,
+//! comma-separated; all by default.
 //!
 //! Sizes: a release build runs the full counts; a debug build (`cargo test --workspace`,
 //! CI's smoke run) or `MUR_BENCH_QUICK=1` runs a few dozen tasks per figure. Figures and
@@ -52,6 +59,7 @@
 
 use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt;
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, Dispatch, SubmitReply, SubmitRequest, api};
 use mur_proto::task::{Origin, TaskState};
 use mur_proto::{Id, IdKind};
@@ -150,7 +158,8 @@ fn main() {
     table.note(&format!("scratch files (nats-server's store, session folders) under {}", scratch.display()));
     // `MUR_BENCH_PHASES=noop,slow,memory,restore` (any of them; all by default) runs fewer, for
     // profiling one.
-    let phases = std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,metrics,slow,memory,restore".into());
+    let phases =
+        std::env::var("MUR_BENCH_PHASES").unwrap_or_else(|_| "noop,metrics,secured,slow,memory,restore".into());
     let phase = |name: &str| phases.split(',').any(|p| p.trim() == name);
     runtime.block_on(async {
         if phase("noop") {
@@ -158,6 +167,9 @@ fn main() {
         }
         if phase("metrics") {
             metrics_cost(&sizes, &mut table).await;
+        }
+        if phase("secured") {
+            security_cost(&sizes, &mut table).await;
         }
         if phase("slow") {
             slow_model_throughput(&sizes, &mut table).await;
@@ -340,6 +352,81 @@ async fn metrics_cost(sizes: &Sizes, table: &mut Table) {
     let _ = provider.shutdown();
 }
 
+// ---------------------------------------------------------------------------------------
+// Phase 1c: what authentication and TLS cost (issue #31: p50 within 1.25×, throughput
+// within 0.85× of plaintext).
+
+/// The no-op round trip (one task at a time, submit → terminal record seen) and the no-op
+/// throughput (1 worker × 8 slots, 8 callers) on a plaintext cluster and on a secured one
+/// ([`Sandbox::start_secured`]: TLS, each role's credentials, the coordinator's identity
+/// connection), alternated twice, each round on a fresh cluster; prints the means and the
+/// ratios. The secured cluster's configuration comes from `mur auth init`: without the
+/// `mur` binary the phase is skipped.
+async fn security_cost(sizes: &Sizes, table: &mut Table) {
+    if mur_binary().is_none() {
+        table.note("auth + TLS phase skipped: no mur binary (cargo build --release --bin mur)");
+        return;
+    }
+    let mut p50s: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+    let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for secured in [false, true, false, true] {
+        let sb = if secured { Sandbox::start_secured(1, 8).await } else { Sandbox::start(1, 8).await };
+        let noop = noop_capsule();
+        sb.push(noop.dir()).await;
+        let watcher = Watcher::start(&sb.client, false).await;
+        for _ in 0..3 {
+            let id = submit(&sb.client, "noop").await;
+            watcher.wait_ended(&id, false).await;
+        }
+        let mut trips = Vec::with_capacity(sizes.round_trips);
+        for _ in 0..sizes.round_trips {
+            let t0 = Instant::now();
+            let id = submit(&sb.client, "noop").await;
+            watcher.wait_ended(&id, false).await;
+            trips.push(t0.elapsed());
+        }
+        p50s[usize::from(secured)].push(quantiles(&trips).0);
+        let load = throughput(&sb, &watcher, "noop", sizes.noop_tasks, 8, None).await;
+        rates[usize::from(secured)].push(load.per_s);
+        drop(watcher);
+        sb.shutdown().await;
+    }
+    let mean_d = |v: &[Duration]| v.iter().sum::<Duration>() / v.len() as u32;
+    let mean_r = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (plain50, secure50) = (mean_d(&p50s[0]), mean_d(&p50s[1]));
+    let (plain_rate, secure_rate) = (mean_r(&rates[0]), mean_r(&rates[1]));
+    let n = sizes.round_trips;
+    table.value(
+        &format!("no-op round trip, plaintext (n={n} × 2)"),
+        format!("p50 {}", ms(plain50)),
+        "baseline".into(),
+        None,
+    );
+    let r50 = ratio(secure50, plain50);
+    table.value(
+        &format!("no-op round trip, auth + TLS (n={n} × 2)"),
+        format!("p50 {}", ms(secure50)),
+        format!("≤ 1.25× plaintext: {r50:.2}×"),
+        Some(r50 <= 1.25),
+    );
+    let m = sizes.noop_tasks;
+    table.rate(&format!("no-op throughput 1×8, plaintext (n={m} × 2)"), plain_rate, "baseline", None);
+    let rr = secure_rate / plain_rate;
+    table.rate(
+        &format!("no-op throughput 1×8, auth + TLS (n={m} × 2)"),
+        secure_rate,
+        &format!("≥ 0.85× plaintext: {rr:.2}×"),
+        Some(rr >= 0.85),
+    );
+    table.note(&format!(
+        "auth + TLS rounds: p50 plaintext {:?}, secured {:?}; tasks/s plaintext {:?}, secured {:?}",
+        p50s[0].iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+        p50s[1].iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+        rates[0].iter().map(|r| r.round()).collect::<Vec<_>>(),
+        rates[1].iter().map(|r| r.round()).collect::<Vec<_>>()
+    ));
+}
+
 /// Publish → pull → double ack of one dispatch-sized message at a time, on a work-queue
 /// stream like `MUR_DISPATCH`, the puller waiting on a batch-1 pull stream.
 async fn raw_round_trips(sb: &Sandbox, n: usize) -> Vec<Duration> {
@@ -397,10 +484,15 @@ async fn raw_round_trips(sb: &Sandbox, n: usize) -> Vec<Duration> {
 fn noop_dispatch() -> Dispatch {
     let task_id = Id::generate(IdKind::Task);
     let request = SubmitRequest::new("noop", "hi", Origin::User);
-    let mut record = cluster::TaskRecord::submitted(task_id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
+    let mut record =
+        cluster::TaskRecord::submitted(TaskId::unchecked(task_id.clone()), request, "0f".repeat(32), 1_700_000_000_000);
     record.attempt = 1;
     record.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
-    Dispatch { task_id, attempt: 1, released: Some(cluster::Released { revision: 12345, record }) }
+    Dispatch {
+        task_id: TaskId::unchecked(task_id),
+        attempt: 1,
+        released: Some(cluster::Released { revision: 12345, record }),
+    }
 }
 
 /// A throughput run: tasks ended per second, and where a task's time went under that load.
@@ -1002,7 +1094,7 @@ async fn submit_prompt(client: &async_nats::Client, capsule: &str, prompt: &str)
     let request = SubmitRequest::new(capsule, prompt, Origin::User);
     let reply: SubmitReply =
         mur_nats::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.expect("submit");
-    reply.task_id
+    reply.task_id.into_string()
 }
 
 #[derive(Deserialize)]
@@ -1111,7 +1203,8 @@ impl Watcher {
                     while let Some(msg) = dispatches.next().await {
                         let at = Instant::now();
                         if let Ok(dispatch) = serde_json::from_slice::<Dispatch>(&msg.payload) {
-                            seen.lock().unwrap().steps.entry(dispatch.task_id).or_default().dispatched = Some(at);
+                            seen.lock().unwrap().steps.entry(dispatch.task_id.into_string()).or_default().dispatched =
+                                Some(at);
                         }
                     }
                 }

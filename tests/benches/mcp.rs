@@ -39,8 +39,13 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     let workdir = dir.path().join("session");
     std::fs::create_dir_all(&workdir).unwrap();
-    let ctx =
-        CallContext { capsule_dir: dir.path().to_path_buf(), logs_dir: workdir.join("logs"), workdir, sandbox: None };
+    let ctx = CallContext {
+        capsule_dir: dir.path().to_path_buf(),
+        logs_dir: workdir.join("logs"),
+        workdir,
+        sandbox: None,
+        tool_call_id: None,
+    };
     let tools = Toolbox::from_manifest(&manifest);
     let t0 = Instant::now();
     tools.start(&ctx).await.expect("the MCP server starts");

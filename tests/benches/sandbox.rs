@@ -67,6 +67,7 @@ fn main() {
         workdir: workdir.clone(),
         logs_dir: workdir.join("logs"),
         sandbox: None,
+        tool_call_id: None,
     };
     let mut variants = vec![("plain", plain.clone())];
     match Confinement::prepare(&sandbox("  network: none\n  cpu_secs: 60\n"), &folders, kernel) {

@@ -257,6 +257,7 @@ async fn run_task(
             workdir: dir.to_path_buf(),
             logs_dir: dir.join("logs"),
             sandbox: None,
+            tool_call_id: None,
         },
         result_path: Some(dir.join("result.txt")),
         logs_dir: None,

@@ -40,6 +40,7 @@ pub fn mur() -> Command {
         "NATS_CA",
         "NATS_CERT",
         "NATS_KEY",
+        "MUR_IDENTITY",
     ] {
         c.env_remove(var);
     }

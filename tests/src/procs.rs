@@ -231,7 +231,7 @@ impl Procs {
             mur_nats::api::call::<SubmitReply>(&self.client, api::TASK_SUBMIT, body.clone())
                 .await
                 .ok()
-                .map(|r| r.task_id)
+                .map(|r| r.task_id.into_string())
         })
         .await
     }
@@ -362,7 +362,7 @@ pub async fn store_ended_tasks(tasks: &async_nats::jetstream::kv::Store, n: usiz
         .for_each_concurrent(16, |_| {
             let (tasks, result) = (tasks.clone(), &result);
             async move {
-                let id = mur_proto::Id::generate(mur_proto::IdKind::Task);
+                let id = mur_proto::TaskId::generate();
                 let request = SubmitRequest::new("old", "hi", Origin::User);
                 let mut record = TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000);
                 record.state = mur_proto::task::TaskState::Completed;

@@ -19,6 +19,8 @@ pub struct Sandbox {
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     dir: tempfile::TempDir,
+    /// For [`Sandbox::start_secured`]: the folder `mur auth init --tls` wrote.
+    roles: Option<tempfile::TempDir>,
 }
 
 impl Sandbox {
@@ -58,6 +60,7 @@ impl Sandbox {
             stop: CancellationToken::new(),
             tasks: Vec::new(),
             dir: tempfile::tempdir().unwrap(),
+            roles: None,
         };
         sandbox.add_coordinator().await;
         for i in 0..workers {
@@ -65,6 +68,46 @@ impl Sandbox {
         }
         sandbox.wait_ready(workers).await;
         sandbox
+    }
+
+    /// [`Sandbox::start`] with authentication and TLS on (issue #31): nats-server with the
+    /// configuration `mur auth init --tls` wrote, the coordinator on `coordinator.creds` with
+    /// its identity connection, each worker on `worker.creds`, [`Sandbox::client`] on
+    /// `client.creds`, [`Sandbox::push`] on `admin.creds`; every connection over TLS. Needs
+    /// the `mur` binary ([`crate::mur::mur`]).
+    pub async fn start_secured(workers: usize, slots: u32) -> Sandbox {
+        let roles = tempfile::Builder::new().prefix("mur-roles-").tempdir().expect("temp dir");
+        let out = crate::mur::mur().args(["auth", "init"]).arg(roles.path()).arg("--tls").output().expect("mur");
+        assert!(out.status.success(), "mur auth init: {}", String::from_utf8_lossy(&out.stderr));
+        let conf = std::fs::read_to_string(roles.path().join("nats-server.conf")).expect("nats-server.conf");
+        let nats = NatsServer::start_with_config(&conf);
+        let admin = nats.connect_with(&role_options(roles.path(), "admin")).await;
+        let js = async_nats::jetstream::new(admin);
+        mur_coordinator::ensure(&js, &mur_coordinator::Settings::default()).await.expect("resources");
+        let client = nats.connect_with(&role_options(roles.path(), "client")).await;
+        let mut sandbox = Sandbox {
+            nats,
+            client,
+            stop: CancellationToken::new(),
+            tasks: Vec::new(),
+            dir: tempfile::tempdir().unwrap(),
+            roles: Some(roles),
+        };
+        sandbox.add_coordinator().await;
+        for i in 0..workers {
+            sandbox.add_worker(&format!("wkr-test-{i}"), slots).await;
+        }
+        sandbox.wait_ready(workers).await;
+        sandbox
+    }
+
+    /// A new connection as `role` (`coordinator`, `worker`, `admin`, …): that role's
+    /// credentials over TLS in a secured sandbox, a plain one otherwise.
+    pub async fn connect_as(&self, role: &str) -> async_nats::Client {
+        match &self.roles {
+            Some(roles) => self.nats.connect_with(&role_options(roles.path(), role)).await,
+            None => self.nats.connect().await,
+        }
     }
 
     /// Waits until the coordinator answers and `workers` workers are registered.
@@ -96,11 +139,26 @@ impl Sandbox {
 
     /// Starts another coordinator on the same server.
     pub async fn add_coordinator(&mut self) {
-        let client = self.nats.connect().await;
+        let client = self.connect_as("coordinator").await;
+        let identity = match &self.roles {
+            Some(roles) => {
+                let file = roles.path().join("identity.creds");
+                let names = mur_nats::identity::Identities::from_file(&file).expect("identity.creds");
+                let options = mur_nats::connect::Options {
+                    creds: Some(file),
+                    tls_ca: Some(roles.path().join("ca.pem")),
+                    ..mur_nats::connect::Options::default()
+                };
+                let client = self.nats.connect_with(&options).await;
+                Some(mur_coordinator::service::Identity { client, names })
+            }
+            None => None,
+        };
         let stop = self.stop.clone();
         self.tasks.push(tokio::spawn(async move {
             let config = mur_coordinator::service::Config::default();
-            if let Err(e) = mur_coordinator::service::run(client, config, async move { stop.cancelled().await }).await {
+            let stopped = async move { stop.cancelled().await };
+            if let Err(e) = mur_coordinator::service::run_with_identity(client, identity, config, stopped).await {
                 panic!("coordinator: {e}");
             }
         }));
@@ -118,7 +176,7 @@ impl Sandbox {
         slots: u32,
         configure: impl FnOnce(&mut mur_worker::service::Config),
     ) {
-        let client = self.nats.connect().await;
+        let client = self.connect_as("worker").await;
         let stop = self.stop.clone();
         let mut config = mur_worker::service::Config::new(self.dir.path().join(id));
         config.worker_id = id.to_string();
@@ -133,7 +191,9 @@ impl Sandbox {
 
     /// Pushes the capsule folder `dir`.
     pub async fn push(&self, dir: &Path) {
-        let js = async_nats::jetstream::new(self.client.clone());
+        // A secured sandbox's client may not push: admin does.
+        let client = if self.roles.is_some() { self.connect_as("admin").await } else { self.client.clone() };
+        let js = async_nats::jetstream::new(client);
         let store = js.get_object_store(mur_proto::cluster::CAPSULES_STORE).await.unwrap();
         let index = js.get_key_value(mur_proto::cluster::CAPSULE_INDEX_BUCKET).await.unwrap();
         let bundle = mur_worker::bundle::pack(dir).expect("pack");
@@ -147,7 +207,7 @@ impl Sandbox {
             mur_nats::api::call(&self.client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap())
                 .await
                 .expect("submit");
-        reply.task_id
+        reply.task_id.into_string()
     }
 
     /// Every task record, newest first: one `task.list` page (its items).
@@ -199,5 +259,15 @@ impl Sandbox {
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(40), t).await;
         }
+    }
+}
+
+/// The connection options of `role` in the folder `mur auth init --tls` wrote: its
+/// credentials file and the CA.
+fn role_options(roles: &Path, role: &str) -> mur_nats::connect::Options {
+    mur_nats::connect::Options {
+        creds: Some(roles.join(format!("{role}.creds"))),
+        tls_ca: Some(roles.join("ca.pem")),
+        ..mur_nats::connect::Options::default()
     }
 }

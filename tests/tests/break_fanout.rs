@@ -6,6 +6,7 @@
 use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::TaskId;
 use mur_proto::cluster::{SubmitReply, TaskRecord, api};
 use mur_proto::fanout::{Holder, slot_key, wait_key};
 use mur_proto::task::{ExitStatus, TaskState};
@@ -46,7 +47,7 @@ async fn submit_raw(cluster: &Procs, body: serde_json::Value) -> Result<String, 
     let bytes = serde_json::to_vec(&body).unwrap();
     until("a coordinator answers the submission", Duration::from_secs(30), || async {
         match mur_nats::api::call::<SubmitReply>(&cluster.client, api::TASK_SUBMIT, bytes.clone()).await {
-            Ok(r) => Some(Ok(r.task_id)),
+            Ok(r) => Some(Ok(r.task_id.into_string())),
             Err(e) if e.code == mur_proto::cluster::ErrorCode::Unavailable => None,
             Err(e) => Some(Err(e)),
         }
@@ -97,7 +98,7 @@ async fn a_worker_stopped_past_its_lease_writes_no_end_and_its_step_still_comple
     let a = step(&cluster, "sleep 6; echo a-done", 1.into(), None).await;
     cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
     until("a holds the permit", WAIT, || async {
-        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&a)).then_some(())
+        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&TaskId::unchecked(&a))).then_some(())
     })
     .await;
     stalled.pause();
@@ -128,7 +129,10 @@ async fn cancelling_a_waiting_step_and_a_holding_step_ends_both_canceled_and_fre
     let holder = step(&cluster, "sleep 60", 1.into(), None).await;
     cluster.wait_record(&holder, WAIT, |r| r.state == TaskState::Working).await;
     let waiter = step(&cluster, "echo never", 1.into(), None).await;
-    until("the waiter's ticket", WAIT, || async { live(&kv, &wait_key(&waiter)).await.then_some(()) }).await;
+    until("the waiter's ticket", WAIT, || async {
+        live(&kv, &wait_key(&TaskId::unchecked(&waiter))).await.then_some(())
+    })
+    .await;
     let cancel = |id: &str| {
         let out = cluster.command().args(["task", "cancel", id]).output().unwrap();
         assert!(out.status.success(), "mur task cancel {id}: {}", String::from_utf8_lossy(&out.stderr));
@@ -137,7 +141,10 @@ async fn cancelling_a_waiting_step_and_a_holding_step_ends_both_canceled_and_fre
     cancel(&waiter);
     let w = cluster.wait_record(&waiter, WAIT, terminal).await;
     assert_eq!((w.state, w.exit_status), (TaskState::Canceled, Some(ExitStatus::Canceled)), "{w:?}");
-    until("the waiter's ticket is gone", WAIT, || async { (!live(&kv, &wait_key(&waiter)).await).then_some(()) }).await;
+    until("the waiter's ticket is gone", WAIT, || async {
+        (!live(&kv, &wait_key(&TaskId::unchecked(&waiter))).await).then_some(())
+    })
+    .await;
 
     assert!(live(&kv, &slot_key(0)).await, "the holder still holds its permit");
     let asked = Instant::now();
@@ -160,14 +167,20 @@ async fn a_step_whose_deadline_passes_while_it_waits_ends_deadline_exceeded_with
     let holder = step(&cluster, "sleep 60", 1.into(), None).await;
     cluster.wait_record(&holder, WAIT, |r| r.state == TaskState::Working).await;
     let late = step(&cluster, "echo never", 1.into(), Some(SystemClock.now_ms() + 3_000)).await;
-    until("the late step's ticket", WAIT, || async { live(&kv, &wait_key(&late)).await.then_some(()) }).await;
+    until("the late step's ticket", WAIT, || async {
+        live(&kv, &wait_key(&TaskId::unchecked(&late))).await.then_some(())
+    })
+    .await;
     let r = cluster.wait_record(&late, WAIT, terminal).await;
     let ended = Instant::now();
     assert_eq!((r.state, r.exit_status), (TaskState::Failed, Some(ExitStatus::DeadlineExceeded)), "{r:?}");
     assert_eq!(r.started_at, None, "it never started");
     // The ticket leaves the line with the step, not a 30 s lease later: while it stays it
     // keeps its place, and a freed permit would wait for it.
-    until("the ticket is gone", WAIT, || async { (!live(&kv, &wait_key(&late)).await).then_some(()) }).await;
+    until("the ticket is gone", WAIT, || async {
+        (!live(&kv, &wait_key(&TaskId::unchecked(&late))).await).then_some(())
+    })
+    .await;
     let gone = ended.elapsed();
     assert!(gone < Duration::from_secs(5), "the ticket stayed {gone:?} after the step ended");
 }
@@ -543,7 +556,7 @@ async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_fre
     let sem = mur_nats::fanout::Semaphore::open(&js).await.unwrap();
     let kv = res.fanout;
     let holder = |task: &str| Holder {
-        task_id: task.into(),
+        task_id: TaskId::unchecked(task),
         worker: "wkr".into(),
         step: mur_proto::fanout::FleetStep { fleet: "f".into(), run_id: "r".into(), step: task.into(), cap: 1 },
         since: 0,
@@ -554,16 +567,22 @@ async fn a_dropped_wait_leaves_the_line_at_once_and_the_next_waiter_gets_the_fre
         let (sem, h, never) = (sem.clone(), holder("dropped"), never.clone());
         async move { sem.acquire(&h, &never).await.map(|p| p.slot()) }
     });
-    until("the dropped wait's ticket", WAIT, || async { live(&kv, &wait_key("dropped")).await.then_some(()) }).await;
+    until("the dropped wait's ticket", WAIT, || async {
+        live(&kv, &wait_key(&TaskId::unchecked("dropped"))).await.then_some(())
+    })
+    .await;
     let next = tokio::spawn({
         let (sem, h, never) = (sem.clone(), holder("next"), never.clone());
         async move { sem.acquire(&h, &never).await.map(|p| p.slot()) }
     });
-    until("the next waiter's ticket", WAIT, || async { live(&kv, &wait_key("next")).await.then_some(()) }).await;
+    until("the next waiter's ticket", WAIT, || async {
+        live(&kv, &wait_key(&TaskId::unchecked("next"))).await.then_some(())
+    })
+    .await;
     dropped.abort();
     let asked = Instant::now();
     until("the dropped wait's ticket is gone", WAIT, || async {
-        (!live(&kv, &wait_key("dropped")).await).then_some(())
+        (!live(&kv, &wait_key(&TaskId::unchecked("dropped"))).await).then_some(())
     })
     .await;
     assert!(asked.elapsed() < Duration::from_secs(5), "the ticket stayed {:?}", asked.elapsed());
@@ -586,7 +605,7 @@ async fn a_step_taken_over_while_its_first_worker_is_stopped_completes_on_the_pe
     let a = step(&cluster, "sleep 5; echo a-done", 1.into(), None).await;
     cluster.wait_record(&a, WAIT, |r| r.state == TaskState::Working).await;
     until("a holds the permit", WAIT, || async {
-        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&a)).then_some(())
+        (seen.lock().unwrap().held.get("slot.0").map(|h| &h.task_id) == Some(&TaskId::unchecked(&a))).then_some(())
     })
     .await;
     stalled.pause();
@@ -612,7 +631,7 @@ async fn a_permit_dropped_without_a_release_gives_its_slot_back_at_once() {
     let sem = mur_nats::fanout::Semaphore::open(&js).await.unwrap();
     let kv = res.fanout;
     let holder = |task: &str| Holder {
-        task_id: task.into(),
+        task_id: TaskId::unchecked(task),
         worker: "wkr".into(),
         step: mur_proto::fanout::FleetStep { fleet: "f".into(), run_id: "r".into(), step: task.into(), cap: 1 },
         since: 0,

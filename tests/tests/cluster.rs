@@ -14,6 +14,7 @@ use mur_coordinator::resources::{self, Action, Error, Settings, Storage};
 use mur_coordinator::service;
 use mur_nats::api;
 use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, TaskRecord};
 use mur_proto::task::TaskState;
 use mur_proto::{ExitStatus, Id, IdKind};
@@ -117,6 +118,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
             ("OBJ_mur_capsules", Action::Created),
             ("KV_mur_fleets", Action::Created),
             ("KV_mur_jobs", Action::Created),
+            ("KV_mur_tokens", Action::Created),
             ("MUR_FLEET", Action::Created),
             ("MUR_DISPATCH/workers", Action::Created),
             ("MUR_DEAD_LETTERS/coordinators", Action::Created),
@@ -161,6 +163,7 @@ async fn ensure_creates_every_resource_with_the_configured_settings() -> Result<
         ("mur_capsule_index", 64),
         ("mur_fleets", 5),
         ("mur_jobs", 5),
+        ("mur_tokens", 1),
     ] {
         let status = js.get_key_value(bucket).await?.status().await?;
         assert_eq!(status.history(), history, "{bucket}");
@@ -427,11 +430,12 @@ mod worker_service {
         async fn submit(&self, capsule: &str, digest: &str, text: &str) -> Result<String> {
             let task_id = Id::generate(IdKind::Task);
             let request = SubmitRequest::new(capsule, text, Origin::User);
-            let mut record = TaskRecord::submitted(task_id.clone(), request, digest.into(), SystemClock.now_ms());
+            let mut record =
+                TaskRecord::submitted(TaskId::unchecked(task_id.clone()), request, digest.into(), SystemClock.now_ms());
             let revision = self.res.tasks.create(&task_id, serde_json::to_vec(&record)?.into()).await?;
             record.attempt += 1;
             self.res.tasks.update(&task_id, serde_json::to_vec(&record)?.into(), revision).await?;
-            let dispatch = Dispatch::bare(task_id.clone(), record.attempt);
+            let dispatch = Dispatch::bare(TaskId::unchecked(task_id.clone()), record.attempt);
             let msg =
                 PublishMessage::build().payload(serde_json::to_vec(&dispatch)?.into()).message_id(dispatch.msg_id());
             self.js.send_publish(cluster::DISPATCH_SUBJECT, msg).await?.await?;
@@ -850,7 +854,7 @@ async fn submit(client: &async_nats::Client, capsule: &str, text: &str, origin: 
     let body = serde_json::json!({"capsule": capsule, "text": text, "origin": origin}).to_string();
     let reply: cluster::SubmitReply = api::call(client, cluster::api::TASK_SUBMIT, body).await?;
     assert_eq!(reply.state, TaskState::Submitted);
-    Ok(reply.task_id)
+    Ok(reply.task_id.into_string())
 }
 
 async fn get(client: &async_nats::Client, task_id: &str) -> Result<TaskRecord, cluster::ApiError> {
@@ -1114,7 +1118,7 @@ async fn a_task_stored_released_by_another_coordinator_is_dispatched_and_holds_i
 
     let foreign = Id::generate(IdKind::Task);
     let mut record = cluster::TaskRecord::submitted(
-        foreign.clone(),
+        TaskId::unchecked(foreign.clone()),
         cluster::SubmitRequest::new("greeter", "from the old leader", mur_proto::task::Origin::User),
         digest,
         SystemClock.now_ms(),
@@ -1175,7 +1179,7 @@ async fn drain_in_order(
         assert!(seen.insert(dispatch.msg_id()), "dispatched twice: {dispatch:?}");
         let record = worker.start(&dispatch).await?;
         order.push(record.text.clone());
-        running = dispatch.task_id;
+        running = dispatch.task_id.into_string();
     }
     worker.finish(&running).await?;
     assert!(worker.next_dispatch(QUIET).await?.is_none(), "nothing else is dispatched");
@@ -1353,7 +1357,8 @@ async fn task_list_keeps_the_newest_matching_records_over_a_store_of_many() -> R
     for i in (0..40u64).rev() {
         let id = Id::generate(IdKind::Task);
         let request = cluster::SubmitRequest::new("greeter", "hi", mur_proto::task::Origin::User);
-        let mut record = TaskRecord::submitted(id.clone(), request, "0f".repeat(32), 1_700_000_000_000 + i);
+        let mut record =
+            TaskRecord::submitted(TaskId::unchecked(id.clone()), request, "0f".repeat(32), 1_700_000_000_000 + i);
         if i % 6 == 0 {
             record.state = TaskState::Failed;
             record.result = Some("x".repeat(if i == 36 { 10_000 } else { 10 }));
@@ -1442,7 +1447,7 @@ async fn task_get_list_and_cancel_answer_from_the_records() -> Result<()> {
     worker.register(1).await?;
     let dispatch = worker.expect_dispatch().await?;
     assert_eq!(dispatch.task_id, c, "user lane first; the canceled user task is skipped");
-    let mut notes = client.subscribe(cluster::cancel_subject(&c)).await?;
+    let mut notes = client.subscribe(cluster::cancel_subject(&TaskId::unchecked(&c))).await?;
     client.flush().await?;
     let requested: TaskRecord = api::call(&client, cluster::api::TASK_CANCEL, c.clone()).await?;
     assert_eq!((requested.state, requested.attempt), (TaskState::Submitted, 1));
@@ -1783,7 +1788,8 @@ async fn a_submission_is_sent_again_without_its_task_id_only_to_a_coordinator_ol
     let second = tokio::time::timeout(WAIT, requests.next()).await?.expect("sent again");
     let second_body: cluster::SubmitRequest = serde_json::from_slice(&second.payload)?;
     assert_eq!(second_body.task_id, None);
-    let accepted = cluster::SubmitReply { task_id: "tsk_from_the_old_one".into(), state: TaskState::Submitted };
+    let accepted =
+        cluster::SubmitReply { task_id: TaskId::unchecked("tsk_from_the_old_one"), state: TaskState::Submitted };
     stand_in.publish(second.reply.expect("a request"), serde_json::to_vec(&accepted)?.into()).await?;
     let (reply, request) = sending.await?;
     assert_eq!(reply.expect("accepted").task_id, "tsk_from_the_old_one");

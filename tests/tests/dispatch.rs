@@ -1,6 +1,7 @@
 //! The cluster end to end (issue #7): a real nats-server, a coordinator and workers in
 //! process ([`Sandbox`]), capsules pushed as bundles, tasks submitted over the NATS API.
 
+use mur_proto::TaskId;
 use mur_proto::cluster::TaskRecord;
 use mur_proto::task::{ExitStatus, Origin, TaskState};
 use mur_tests::capsule::TestCapsule;
@@ -435,7 +436,7 @@ async fn submit_in_context(client: &async_nats::Client, capsule: &str, text: &st
     let request = SubmitRequest { context_id: Some(context.into()), ..SubmitRequest::new(capsule, text, Origin::User) };
     let reply: SubmitReply =
         mur_nats::api::call(client, api::TASK_SUBMIT, serde_json::to_vec(&request).unwrap()).await.unwrap();
-    reply.task_id
+    reply.task_id.into_string()
 }
 
 /// A threaded conversation longer than one message (the server's 1 MiB `max_payload`) is
@@ -573,7 +574,7 @@ async fn a_second_dispatch_of_a_running_task_is_dropped_not_taken_over() {
         (TaskState::Submitted, None, None, None);
     let carried = cluster::Released { revision: revision - 1, record: as_released };
     for (n, released) in [Some(carried), None].into_iter().enumerate() {
-        let dispatch = Dispatch { task_id: id.clone(), attempt: first.attempt, released };
+        let dispatch = Dispatch { task_id: TaskId::unchecked(id.clone()), attempt: first.attempt, released };
         let duplicate = PublishMessage::build()
             .payload(serde_json::to_vec(&dispatch).unwrap().into())
             .message_id(format!("{}:again-{n}", dispatch.msg_id()));

@@ -6,6 +6,7 @@ use async_nats::jetstream::kv::{self, Operation};
 use futures::StreamExt;
 use mur_coordinator::{Settings, resources};
 use mur_nats::fanout::{Error as FanoutError, Semaphore};
+use mur_proto::TaskId;
 use mur_proto::fanout::{FleetStep, Holder, SLOT_PREFIX, slot_key};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::nats::NatsServer;
@@ -17,7 +18,7 @@ const WAIT: Duration = Duration::from_secs(120);
 
 fn holder(task: &str, cap: u32) -> Holder {
     Holder {
-        task_id: task.into(),
+        task_id: TaskId::unchecked(task),
         worker: format!("wkr-{task}"),
         step: FleetStep { fleet: "f".into(), run_id: "run-1".into(), step: task.into(), cap },
         since: 0,

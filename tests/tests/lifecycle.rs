@@ -146,9 +146,12 @@ fn acceptance_none_rejects_every_message_and_runs_only_the_launch_task() {
 
 #[test]
 fn acceptance_single_rejects_a_second_task_while_busy_then_exits() {
+    // The first task must still be running while four more sends (two of them `mur`
+    // processes) are made: under a loaded 2-core machine 3 s was not always enough, the
+    // first task ended, `mur run` exited and the fourth send found nothing to talk to.
     let c = TestCapsule::new(
         &manifest("single", ""),
-        &[("r.yaml", "replies:\n  - text: one\n    delay_ms: 3000\n  - text: two\n")],
+        &[("r.yaml", "replies:\n  - text: one\n    delay_ms: 15000\n  - text: two\n")],
     );
     let (mut bg, first) = start(&c, &[]);
     let url = first["url"].as_str().unwrap();

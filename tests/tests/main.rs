@@ -61,6 +61,8 @@ mod consumers;
 /// Adversarial fan-out tests: stalled holders, cancels and deadlines in line, hostile caps.
 mod break_fanout;
 
+/// A2A endpoints authenticate: bearer tokens made, checked, revoked (issue #31).
+mod a2a_auth;
 /// `mur auth init`: per-role permissions enforced by nats-server, over TLS (issue #31).
 mod roles;
 /// TLS, credentials and refused connections against a real, configured nats-server (issue #31).

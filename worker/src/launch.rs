@@ -89,6 +89,7 @@ pub fn build_session_parts(setup: Setup<'_>) -> (SessionConfig, Parts) {
             workdir: layout.workdir.clone(),
             logs_dir: layout.workdir_logs(),
             sandbox,
+            tool_call_id: None,
         },
         result_path: Some(layout.result()),
         logs_dir: Some(layout.logs_dir()),

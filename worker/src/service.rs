@@ -60,7 +60,7 @@ use crate::bundle;
 use crate::capsule::{self, Capsule};
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
-use crate::session::{Checkpoints, Durable, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
+use crate::session::{Checkpoints, Durable, Journal, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
 use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
@@ -76,7 +76,7 @@ use mur_nats::fanout;
 use mur_nats::tasks::{self as task_records, read};
 use mur_nats::trace_context;
 use mur_proto::cluster::{self, Checkpoint, CheckpointCounters, Dispatch, StoredConversation, TaskRecord, WorkerInfo};
-use mur_proto::ids::{Id, IdKind};
+use mur_proto::ids::{Id, IdKind, TaskId};
 use mur_proto::manifest::Conversation;
 use mur_proto::message::Message;
 use mur_proto::task::Origin;
@@ -253,7 +253,7 @@ struct Shared {
     hard_stop: CancellationToken,
     /// The stop of every dispatch in hand, by task id, then by a number of its own (two
     /// dispatches of one task may be in hand at once: a redelivery, a duplicate).
-    running: std::sync::Mutex<HashMap<String, HashMap<u64, CancellationToken>>>,
+    running: std::sync::Mutex<HashMap<TaskId, HashMap<u64, CancellationToken>>>,
     /// The number of the next dispatch taken in hand, for `running`.
     next_in_hand: std::sync::atomic::AtomicU64,
     /// The hosts of sessions' detached commands ([`detached::Host`]); they outlive their

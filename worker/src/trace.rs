@@ -131,7 +131,12 @@ impl Tracer {
             | Event::ShellCompleted { .. }
             | Event::ShellAbandoned { .. }
             | Event::ShellLost { .. } => self.task_event.clone().or_else(|| self.session_event.clone()),
-            Event::ToolCall { .. } | Event::Shell { .. } | Event::ShellDetached { .. } | Event::Sandbox { .. } => {
+            Event::ToolCall { .. }
+            | Event::Shell { .. }
+            | Event::ShellDetached { .. }
+            | Event::Sandbox { .. }
+            | Event::ToolCallInDoubt { .. }
+            | Event::JournalReplay { .. } => {
                 self.turn_event.clone().or_else(|| self.task_event.clone()).or_else(|| self.session_event.clone())
             }
         };
@@ -141,7 +146,9 @@ impl Tracer {
                 self.task_event = Some(event_id.clone());
                 self.turn_event = None;
             }
+            // A response replayed from the journal stands for the turn's `inference` line.
             Event::Inference { .. } => self.turn_event = Some(event_id.clone()),
+            Event::JournalReplay { what, .. } if what == "model_response" => self.turn_event = Some(event_id.clone()),
             _ => {}
         }
         let is_task_end = matches!(event, Event::TaskEnd { .. });

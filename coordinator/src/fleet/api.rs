@@ -208,13 +208,13 @@ impl Fleets {
     }
 
     /// Answers one request of `op` (its NATS `headers`, its `body`): the reply's JSON, or
-    /// the error. `caller` is who sent it as nats-server states it ([`mur_nats::identity`]),
-    /// when the coordinator has an identity connection: `approve`, `deny`, `stop`, `start`
-    /// and `send` record that name, never the one the request gives (`by`, `source`), which
-    /// is recorded only without it (local clusters without credentials: unverified, the
-    /// client sends `$USER`). A `fleet.send` is answered in a `process mur.api.fleet.send`
-    /// span joined to the caller's `traceparent`, which the job keeps (issue #32 §Fleet runs
-    /// traced).
+    /// the error. `caller` is who sent it as nats-server states it
+    /// ([`mur_nats::identity`]), when the coordinator has an identity connection:
+    /// `approve`, `deny`, `stop`, `start` and `send` record that name, never the one the
+    /// request gives (`by`, `source`), which is recorded only without it (local clusters
+    /// without credentials: unverified, the client sends `$USER`). A `fleet.send` is
+    /// answered in a `process mur.api.fleet.send` span joined to the caller's
+    /// `traceparent`, which the job keeps (issue #32 §Fleet runs traced).
     ///
     /// # Errors
     /// The request's [`ApiError`].

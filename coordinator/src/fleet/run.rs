@@ -766,7 +766,7 @@ impl Exec {
             tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "step task not taken yet; sending it again");
         })
         .await
-        .map(|r| r.task_id)
+        .map(|r| r.task_id.into_string())
     }
 
     /// Waits for `task_id`'s terminal record: `(completed, result text)`. The worker ends

@@ -6,7 +6,7 @@ use super::*;
 use mur_proto::Lane::{Bg, Peer, User};
 
 fn submit(task_id: &str, capsule: &str, lane: Lane, queue_capsule: bool, seq: u64) -> Input {
-    Input::Submitted { task_id: task_id.into(), capsule: capsule.into(), lane, queue_capsule, seq }
+    Input::Submitted { task_id: TaskId::unchecked(task_id), capsule: capsule.into(), lane, queue_capsule, seq }
 }
 
 fn up(worker_id: &str, slots: u32) -> Input {
@@ -18,19 +18,19 @@ fn gone(worker_id: &str) -> Input {
 }
 
 fn started(task_id: &str, worker_id: &str) -> Input {
-    Input::Started { task_id: task_id.into(), worker_id: worker_id.into() }
+    Input::Started { task_id: TaskId::unchecked(task_id), worker_id: worker_id.into() }
 }
 
 fn released(task_id: &str) -> Input {
-    Input::Released { task_id: task_id.into() }
+    Input::Released { task_id: TaskId::unchecked(task_id) }
 }
 
 fn ended(task_id: &str) -> Input {
-    Input::Ended { task_id: task_id.into() }
+    Input::Ended { task_id: TaskId::unchecked(task_id) }
 }
 
 fn canceled(task_id: &str) -> Input {
-    Input::Canceled { task_id: task_id.into() }
+    Input::Canceled { task_id: TaskId::unchecked(task_id) }
 }
 
 /// The ids of the releases among `out`, in order; panics on anything else.
@@ -39,7 +39,7 @@ fn releases(out: &[Output]) -> Vec<String> {
         .map(|output| match output {
             Output::Release { task_id, attempt } => {
                 assert_eq!(*attempt, FIRST_ATTEMPT);
-                task_id.clone()
+                task_id.to_string()
             }
             Output::Ignored(ignored) => panic!("expected only releases, got {ignored:?}"),
         })
@@ -197,41 +197,44 @@ fn duplicate_and_late_inputs_are_ignored() {
     scheduler.apply(up("w1", 1));
     assert_eq!(releases(&scheduler.apply(submit("a", "s", Bg, false, 1))), ["a"]);
     let dup = ignored(scheduler.apply(submit("a", "s", User, false, 1)));
-    assert_eq!(dup, Ignored::DuplicateSubmit { task_id: "a".into() });
+    assert_eq!(dup, Ignored::DuplicateSubmit { task_id: TaskId::unchecked("a") });
     assert_eq!(dup.to_string(), "task a: already submitted");
     assert!(scheduler.apply(submit("b", "s", Bg, false, 2)).is_empty());
     let before = scheduler.snapshot();
     assert_eq!(
         ignored(scheduler.apply(submit("b", "other", User, true, 0))),
-        Ignored::DuplicateSubmit { task_id: "b".into() }
+        Ignored::DuplicateSubmit { task_id: TaskId::unchecked("b") }
     );
     assert_eq!(scheduler.snapshot(), before, "a duplicate with other fields does not move the task");
 
     let running = ignored(scheduler.apply(canceled("a")));
-    assert_eq!(running, Ignored::AlreadyReleased { task_id: "a".into() });
+    assert_eq!(running, Ignored::AlreadyReleased { task_id: TaskId::unchecked("a") });
     assert_eq!(running.to_string(), "task a: already released, cancel it at its worker");
     assert_eq!(releases(&scheduler.apply(ended("a"))), ["b"]);
-    assert_eq!(ignored(scheduler.apply(ended("a"))), Ignored::AlreadyEnded { task_id: "a".into() });
-    assert_eq!(ignored(scheduler.apply(submit("a", "s", Bg, false, 1))), Ignored::AlreadyEnded { task_id: "a".into() });
-    assert_eq!(ignored(scheduler.apply(started("a", "w1"))), Ignored::AlreadyEnded { task_id: "a".into() });
+    assert_eq!(ignored(scheduler.apply(ended("a"))), Ignored::AlreadyEnded { task_id: TaskId::unchecked("a") });
+    assert_eq!(
+        ignored(scheduler.apply(submit("a", "s", Bg, false, 1))),
+        Ignored::AlreadyEnded { task_id: TaskId::unchecked("a") }
+    );
+    assert_eq!(ignored(scheduler.apply(started("a", "w1"))), Ignored::AlreadyEnded { task_id: TaskId::unchecked("a") });
     assert!(scheduler.apply(released("b")).is_empty(), "released twice is a no-op");
 
     assert!(scheduler.apply(submit("c", "s", User, false, 3)).is_empty());
     assert!(scheduler.apply(canceled("c")).is_empty());
-    assert_eq!(ignored(scheduler.apply(canceled("c"))), Ignored::AlreadyEnded { task_id: "c".into() });
-    assert_eq!(ignored(scheduler.apply(ended("c"))), Ignored::AlreadyEnded { task_id: "c".into() });
+    assert_eq!(ignored(scheduler.apply(canceled("c"))), Ignored::AlreadyEnded { task_id: TaskId::unchecked("c") });
+    assert_eq!(ignored(scheduler.apply(ended("c"))), Ignored::AlreadyEnded { task_id: TaskId::unchecked("c") });
     assert!(scheduler.apply(submit("d", "s", User, false, 4)).is_empty());
     assert!(scheduler.apply(ended("d")).is_empty(), "ended while waiting: it leaves the wait");
     assert_eq!(waiting_counts(&scheduler), [0, 0, 0]);
 
     // An end before the submit (a replay out of order): the late submit is ignored.
-    assert_eq!(ignored(scheduler.apply(ended("x"))), Ignored::UnknownTask { task_id: "x".into() });
+    assert_eq!(ignored(scheduler.apply(ended("x"))), Ignored::UnknownTask { task_id: TaskId::unchecked("x") });
     assert_eq!(
         ignored(scheduler.apply(submit("x", "s", User, false, 5))),
-        Ignored::AlreadyEnded { task_id: "x".into() }
+        Ignored::AlreadyEnded { task_id: TaskId::unchecked("x") }
     );
     let before = scheduler.snapshot();
-    assert_eq!(ignored(scheduler.apply(started("y", "w1"))), Ignored::UnknownTask { task_id: "y".into() });
+    assert_eq!(ignored(scheduler.apply(started("y", "w1"))), Ignored::UnknownTask { task_id: TaskId::unchecked("y") });
     assert_eq!(scheduler.snapshot(), before, "a start of an unknown task holds no slot");
     assert_eq!(releases(&scheduler.apply(ended("b"))), Vec::<String>::new());
     assert_eq!(scheduler.snapshot().free_slots, 1);
@@ -253,10 +256,10 @@ fn ended_tasks_are_remembered_up_to_ended_kept_and_the_oldest_is_forgotten_first
     // The second oldest and the newest are still known.
     assert_eq!(
         ignored(scheduler.apply(submit("t1", "s", User, false, 2))),
-        Ignored::AlreadyEnded { task_id: "t1".into() }
+        Ignored::AlreadyEnded { task_id: TaskId::unchecked("t1") }
     );
     let newest = format!("t{ENDED_KEPT}");
-    assert_eq!(ignored(scheduler.apply(ended(&newest))), Ignored::AlreadyEnded { task_id: newest });
+    assert_eq!(ignored(scheduler.apply(ended(&newest))), Ignored::AlreadyEnded { task_id: TaskId::unchecked(newest) });
 }
 
 /// `Submitted` inputs that arrive out of `seq` order still wait in `seq` order within their
@@ -441,7 +444,7 @@ const CAPSULES: [(&str, bool); 5] = [("q0", true), ("q1", true), ("s0", false), 
 /// A task of the model.
 #[derive(Clone, Debug)]
 struct ModelTask {
-    id: String,
+    id: TaskId,
     capsule: String,
     queue_capsule: bool,
     lane: Lane,
@@ -462,13 +465,13 @@ struct Model {
     workers: BTreeMap<String, u32>,
     /// Tasks ended or canceled that the current scheduler knows of (ordered, so that picks
     /// from it are reproducible).
-    ended: BTreeSet<String>,
+    ended: BTreeSet<TaskId>,
     /// Every task ever released (or reported in flight).
-    released: HashSet<String>,
+    released: HashSet<TaskId>,
     /// Every task accepted by a `Submitted`.
-    submitted: Vec<String>,
+    submitted: Vec<TaskId>,
     /// Tasks that left the wait without a release (ended or canceled while waiting).
-    dropped: HashSet<String>,
+    dropped: HashSet<TaskId>,
 }
 
 impl Model {
@@ -495,7 +498,7 @@ impl Model {
 
     fn release(&mut self, id: &str, worker_id: Option<String>) {
         let task = self.take_waiting(id).expect("released a task that was not waiting");
-        assert!(self.released.insert(id.to_string()), "{id} released twice");
+        assert!(self.released.insert(task.id.clone()), "{id} released twice");
         self.in_flight.push((task, worker_id));
     }
 
@@ -547,7 +550,7 @@ impl Model {
         }
     }
 
-    fn in_flight_fact(&mut self, task_id: String, worker_id: Option<String>) -> Option<Ignored> {
+    fn in_flight_fact(&mut self, task_id: TaskId, worker_id: Option<String>) -> Option<Ignored> {
         if let Some((_, worker)) = self.in_flight.iter_mut().find(|(task, _)| task.id == task_id) {
             if worker_id.is_some() {
                 *worker = worker_id;
@@ -669,9 +672,9 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
         let mut seq = 0u64;
         let mut restores = 0;
         for i in 0..400 {
-            let waiting: Vec<String> = model.waiting.iter().map(|task| task.id.clone()).collect();
-            let in_flight: Vec<String> = model.in_flight.iter().map(|(task, _)| task.id.clone()).collect();
-            let ended_ids: Vec<String> = model.ended.iter().cloned().collect();
+            let waiting: Vec<TaskId> = model.waiting.iter().map(|task| task.id.clone()).collect();
+            let in_flight: Vec<TaskId> = model.in_flight.iter().map(|(task, _)| task.id.clone()).collect();
+            let ended_ids: Vec<TaskId> = model.ended.iter().cloned().collect();
             let worker = format!("w{}", rng.below(4));
             let input = match rng.below(100) {
                 0..=29 => {
@@ -686,7 +689,7 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
                     submit(&format!("t{i}"), capsule, lane, queue, task_seq)
                 }
                 30..=34 => {
-                    let known: Vec<String> = waiting.iter().chain(&in_flight).chain(&ended_ids).cloned().collect();
+                    let known: Vec<TaskId> = waiting.iter().chain(&in_flight).chain(&ended_ids).cloned().collect();
                     let Some(task_id) = rng.pick(&known) else { continue };
                     submit(task_id, "s0", Lane::ALL[rng.below(3) as usize], false, rng.below(seq + 1))
                 }
@@ -764,17 +767,17 @@ fn random_input_sequences_keep_lane_order_capacity_and_queue_exclusivity() {
 fn a_task_is_admitted_at_submit_only_while_a_slot_is_free_and_its_queue_capsule_is_idle() {
     let mut s = Scheduler::new();
     // No worker: no free slot.
-    assert!(!s.admit("t0", "a", User, false));
+    assert!(!s.admit(&TaskId::unchecked("t0"), "a", User, false));
     assert_eq!(s.snapshot().in_flight.len(), 0);
     assert!(releases(&s.apply(up("w1", 2))).is_empty());
-    assert!(s.admit("t1", "q", Bg, true));
+    assert!(s.admit(&TaskId::unchecked("t1"), "q", Bg, true));
     // The queue capsule has a task in flight: t2 of it is not admitted, and waits.
-    assert!(!s.admit("t2", "q", User, true));
+    assert!(!s.admit(&TaskId::unchecked("t2"), "q", User, true));
     assert!(releases(&s.apply(submit("t2", "q", User, true, 5))).is_empty());
     assert_eq!(waiting_counts(&s), [1, 0, 0]);
     // One slot left: t3 takes it, and then nothing more is admitted.
-    assert!(s.admit("t3", "a", Peer, false));
-    assert!(!s.admit("t4", "a", User, false));
+    assert!(s.admit(&TaskId::unchecked("t3"), "a", Peer, false));
+    assert!(!s.admit(&TaskId::unchecked("t4"), "a", User, false));
     let snap = s.snapshot();
     assert_eq!(snap.free_slots, 0);
     assert_eq!(snap.in_flight.iter().map(|t| t.task_id.as_str()).collect::<Vec<_>>(), ["t1", "t3"]);
@@ -786,10 +789,10 @@ fn a_task_is_admitted_at_submit_only_while_a_slot_is_free_and_its_queue_capsule_
     assert_eq!(releases(&s.apply(ended("t1"))), ["t2"]);
     // An id already known is never admitted again.
     assert!(releases(&s.apply(ended("t3"))).is_empty());
-    assert!(!s.admit("t1", "a", User, false));
-    assert!(!s.admit("t2", "a", User, false));
+    assert!(!s.admit(&TaskId::unchecked("t1"), "a", User, false));
+    assert!(!s.admit(&TaskId::unchecked("t2"), "a", User, false));
     // An admitted task whose record could not be stored is given back with `Ended`.
-    assert!(s.admit("t5", "a", User, false));
+    assert!(s.admit(&TaskId::unchecked("t5"), "a", User, false));
     assert!(releases(&s.apply(ended("t5"))).is_empty());
     assert_eq!(s.snapshot().free_slots, 1);
 }

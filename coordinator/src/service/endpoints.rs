@@ -225,7 +225,7 @@ impl Ctx {
         self.bundles.learn(&latest);
         // A caller's own id makes a submission sent twice one task (see below).
         let minted_by_caller = request.task_id.is_some();
-        let task_id = request.task_id.clone().unwrap_or_else(|| Id::generate(IdKind::Task));
+        let task_id = request.task_id.clone().unwrap_or_else(TaskId::generate);
         tracing::Span::current().record("mur.task_id", task_id.as_str());
         let mut record = TaskRecord::submitted(task_id.clone(), request, latest.digest, SystemClock.now_ms());
         record.traceparent = traceparent;
@@ -239,7 +239,7 @@ impl Ctx {
         let admitted = !minted_by_caller && self.intake.may_admit() && self.admit(&record, latest.queue).await;
         if admitted {
             record.attempt = scheduler::FIRST_ATTEMPT;
-            self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
+            self.releasing.lock().expect("releasing lock").insert(task_id.clone());
         }
         let value = to_json(&record)?;
         let created = self.tasks.create(&task_id, value).await;
@@ -255,7 +255,7 @@ impl Ctx {
                 if admitted {
                     // Its slot goes back: the task was never stored.
                     self.releasing.lock().expect("releasing lock").remove(task_id.as_str());
-                    let _ = self.inputs.send(Input::Ended { task_id: task_id.to_string() });
+                    let _ = self.inputs.send(Input::Ended { task_id: task_id.clone() });
                 }
                 return Err(unavailable("mur_tasks: create", e));
             }
@@ -305,7 +305,7 @@ impl Ctx {
         }
         let (answer, admitted) = oneshot::channel();
         let asked = Admission {
-            task_id: record.task_id.to_string(),
+            task_id: record.task_id.clone(),
             capsule: record.capsule.clone(),
             lane: record.lane,
             queue_capsule,
@@ -324,7 +324,7 @@ impl Ctx {
         Ok(self.read_task(&task_id).await?.1)
     }
 
-    pub(super) async fn read_task(&self, task_id: &str) -> Result<(u64, TaskRecord), ApiError> {
+    pub(super) async fn read_task(&self, task_id: &TaskId) -> Result<(u64, TaskRecord), ApiError> {
         let entry = self.tasks.entry(task_id).await.map_err(|e| unavailable("mur_tasks: read", e))?;
         let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
             return Err(ApiError::new(ErrorCode::NotFound, format!("task: no task {task_id}")));
@@ -402,7 +402,7 @@ impl Ctx {
                 let mut newest: Vec<TaskRecord> = records.drain().map(|(_, r)| r).collect();
                 newest.sort_by(newest_first);
                 newest.truncate(limit);
-                records.extend(newest.into_iter().map(|r| (r.task_id.clone(), r)));
+                records.extend(newest.into_iter().map(|r| (r.task_id.to_string(), r)));
             }
         })
         .await?;
@@ -410,7 +410,7 @@ impl Ctx {
         records.sort_by(newest_first);
         records.truncate(limit);
         let max_payload = self.js.client().server_info().max_payload;
-        Ok(page::fit(records, max_payload, |r| clipped.contains(&r.task_id).then(|| r.task_id.clone())))
+        Ok(page::fit(records, max_payload, |r| clipped.contains(r.task_id.as_str()).then(|| r.task_id.to_string())))
     }
 
     /// `task.cancel` (issue #8 §Cancel): a task still waiting in its lane becomes
@@ -510,14 +510,14 @@ impl Ctx {
 
 /// The task id named by a `task.get` / `task.cancel` body: a [`TaskRef`] JSON object, or
 /// the bare id.
-fn task_ref(body: &[u8]) -> Result<String, ApiError> {
+fn task_ref(body: &[u8]) -> Result<TaskId, ApiError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ApiError::invalid(format!("request: invalid UTF-8 at byte {}", e.valid_up_to())))?
         .trim();
     let task_id = if text.starts_with('{') {
         serde_json::from_str::<TaskRef>(text).map_err(|e| ApiError::invalid(format!("request: {e}")))?.task_id
     } else {
-        text.to_string()
+        TaskId::unchecked(text)
     };
     if task_id.is_empty() {
         return Err(ApiError::invalid("task_id: required"));

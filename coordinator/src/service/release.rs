@@ -26,7 +26,7 @@ impl Ctx {
     }
 
     /// Takes a waiting task's record out (released, or ended while waiting).
-    pub(super) fn take_waiting(&self, task_id: &str) -> Option<(u64, TaskRecord)> {
+    pub(super) fn take_waiting(&self, task_id: &TaskId) -> Option<(u64, TaskRecord)> {
         self.waiting.lock().expect("waiting lock").remove(task_id)
     }
 
@@ -43,7 +43,7 @@ impl Ctx {
     /// its record): a record written released always gets its dispatch, so a task the
     /// scheduler released is never left waiting for a coordinator restart. Releases run
     /// concurrently, so the retries hold up no other.
-    pub(super) async fn release(&self, task_id: &str) {
+    pub(super) async fn release(&self, task_id: &TaskId) {
         if let Some(released) = self.retrying(task_id, || self.mark_released(task_id)).await.flatten() {
             self.dispatch_released(released).await;
         }
@@ -54,7 +54,7 @@ impl Ctx {
     /// try).
     async fn retrying<T, F: Future<Output = Result<T, String>>>(
         &self,
-        task_id: &str,
+        task_id: &TaskId,
         mut step: impl FnMut() -> F,
     ) -> Option<T> {
         let mut backoff = Duration::from_millis(100);
@@ -74,7 +74,7 @@ impl Ctx {
     /// Whether this coordinator may release tasks: it leads under a lease still valid.
     /// Fencing: a leader whose lease may have passed to another releases nothing; the next
     /// leader releases the task from its record.
-    fn may_release(&self, task_id: &str) -> bool {
+    fn may_release(&self, task_id: &TaskId) -> bool {
         let valid = self.lease.as_ref().is_some_and(|l| l.is_valid());
         if !valid {
             tracing::warn!(instance = %self.instance, %task_id, "not releasing: not holding a valid lease");
@@ -87,7 +87,7 @@ impl Ctx {
     /// retrying a NATS failure ([`Ctx::retrying`]). The record and its revision go along:
     /// the worker starts from them without reading the record (issue #9).
     pub(super) async fn dispatch_released(&self, released: Released) {
-        let task_id = released.record.task_id.to_string();
+        let task_id = released.record.task_id.clone();
         let traceparent = released.record.traceparent.clone();
         let dispatch =
             Dispatch { task_id: task_id.clone(), attempt: released.record.attempt, released: Some(released) };
@@ -99,7 +99,7 @@ impl Ctx {
     /// Compare-and-sets the record from `submitted`/attempt 0 to attempt 1 and returns it
     /// with its new revision; `None` when the record moved on (cancelled meanwhile, or
     /// released by another coordinator).
-    async fn mark_released(&self, task_id: &str) -> Result<Option<Released>, String> {
+    async fn mark_released(&self, task_id: &TaskId) -> Result<Option<Released>, String> {
         let mut noted = self.take_waiting(task_id);
         loop {
             let (revision, mut record) = match noted.take() {
@@ -111,13 +111,13 @@ impl Ctx {
                 if record.state.is_terminal() {
                     // Ended before its release (cancelled): its slot goes back now, whether or
                     // not the watch brings the end (a repeated end is ignored).
-                    let _ = self.inputs.send(Input::Ended { task_id: task_id.to_string() });
+                    let _ = self.inputs.send(Input::Ended { task_id: task_id.clone() });
                 }
                 return Ok(None);
             }
             record.attempt = 1;
             let value = to_json(&record).map_err(|e| e.to_string())?;
-            self.releasing.lock().expect("releasing lock").insert(task_id.to_string());
+            self.releasing.lock().expect("releasing lock").insert(task_id.clone());
             let written = self.tasks.update(task_id, value, revision).await;
             if written.is_err() {
                 self.releasing.lock().expect("releasing lock").remove(task_id);
@@ -197,7 +197,7 @@ pub(super) async fn actor(
 
 /// A request to [`Scheduler::admit`] a task about to be stored, answered on `answer`.
 pub(super) struct Admission {
-    pub(super) task_id: String,
+    pub(super) task_id: TaskId,
     pub(super) capsule: String,
     pub(super) lane: mur_proto::Lane,
     pub(super) queue_capsule: bool,

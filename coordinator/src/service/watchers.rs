@@ -135,7 +135,7 @@ pub(super) async fn watch_tasks(
             if entry.operation != kv::Operation::Put {
                 // A task record deleted by hand: it will not run here.
                 ctx.releasing.lock().expect("releasing lock").remove(entry.key.as_str());
-                let _ = ctx.inputs.send(Input::Ended { task_id: entry.key.clone() });
+                let _ = ctx.inputs.send(Input::Ended { task_id: TaskId::unchecked(entry.key.clone()) });
                 break 'entry;
             }
             let Some(record) = ctx.record_of(&entry) else { break 'entry };

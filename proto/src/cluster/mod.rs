@@ -13,28 +13,33 @@
 //! One file per concern, each re-exported here (paths stay `cluster::…`): `names`
 //! (resources, subjects, [`api`]), `record` (the task record, the dispatch), `requests`
 //! (the API's requests, replies, errors), `sessions` (checkpoints, conversations),
-//! `status`, `workers`, `capsules`.
+//! `journal` (the tool-call journal and its replay at a takeover), `status`, `workers`,
+//! `capsules`, `tokens` (A2A bearer tokens: their record and grants).
 
 use crate::fanout::FleetStep;
 use crate::manifest::is_valid_name;
 use crate::task::{ExitStatus, Lane, Origin, TaskState};
-use crate::{Id, IdKind};
+use crate::{Id, IdKind, TaskId};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fmt;
 
 mod capsules;
+mod journal;
 mod names;
 mod record;
 mod requests;
 mod sessions;
 mod status;
+mod tokens;
 mod workers;
 
 pub use capsules::*;
+pub use journal::*;
 pub use names::*;
 pub use record::*;
 pub use requests::*;
 pub use sessions::*;
 pub use status::*;
+pub use tokens::*;
 pub use workers::*;

@@ -111,7 +111,7 @@ pub mod api {
 /// `mur.cancel.<task_id>`: the core subject on which the coordinator tells workers that a
 /// task's record now has `cancel_requested_at`, so the worker running it stops at once
 /// rather than at its next progress tick (issue #8 §Cancel).
-pub fn cancel_subject(task_id: &str) -> String {
+pub fn cancel_subject(task_id: &TaskId) -> String {
     format!("{CANCEL_SUBJECT_PREFIX}{task_id}")
 }
 
@@ -142,7 +142,7 @@ mod tests {
     #[test]
     fn names_and_subjects_are_the_documented_ones() {
         assert_eq!(trace_subject("ses_1"), "mur.trace.ses_1");
-        assert_eq!(Dispatch::bare("tsk_1", 2).msg_id(), "tsk_1:2");
+        assert_eq!(Dispatch::bare(TaskId::unchecked("tsk_1"), 2).msg_id(), "tsk_1:2");
         assert_eq!(bundle_object("hello", "ab"), "hello/ab");
         assert!(is_valid_digest(&"0f".repeat(32)));
         assert!(!is_valid_digest(&"0F".repeat(32)));

@@ -16,7 +16,7 @@ pub const RESULT_ROOM: usize = 16 * 1024;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskRecord {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
     /// The capsule's name.
     pub capsule: String,
     /// The bundle the task runs: the capsule's latest digest when it was submitted, so a
@@ -101,6 +101,15 @@ pub struct TaskRecord {
     /// The A2A `messageId` it came from ([`SubmitRequest::message_id`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_id: Option<String>,
+    /// Tool calls found in doubt at its takeovers — started by a worker that died before
+    /// they ended — rerun or reported to the model (issue #34, `tool_call_in_doubt`
+    /// lines); on its terminal record, absent when none.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub tool_calls_in_doubt: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a task went to the dead letters: its dispatch was delivered the consumer's
@@ -122,7 +131,7 @@ pub struct DeadLetter {
 impl TaskRecord {
     /// A freshly accepted task in state `submitted`. A request without a context id gets a
     /// fresh `ctx_…`.
-    pub fn submitted(task_id: String, request: SubmitRequest, capsule_digest: String, now_ms: u64) -> TaskRecord {
+    pub fn submitted(task_id: TaskId, request: SubmitRequest, capsule_digest: String, now_ms: u64) -> TaskRecord {
         TaskRecord {
             task_id,
             capsule: request.capsule,
@@ -150,6 +159,7 @@ impl TaskRecord {
             traceparent: None,
             usage: None,
             message_id: request.message_id,
+            tool_calls_in_doubt: 0,
         }
     }
 
@@ -235,7 +245,7 @@ impl TaskRecord {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Dispatch {
     /// The task to run (its record is in [`TASKS_BUCKET`]).
-    pub task_id: String,
+    pub task_id: TaskId,
     /// Which dispatch of the task this is, from 1.
     pub attempt: u32,
     /// The record as the release wrote it, with its revision (issue #9: no broker round
@@ -260,8 +270,8 @@ pub struct Released {
 impl Dispatch {
     /// A dispatch of `task_id`'s attempt `attempt` carrying nothing more (the worker reads
     /// the record).
-    pub fn bare(task_id: impl Into<String>, attempt: u32) -> Dispatch {
-        Dispatch { task_id: task_id.into(), attempt, released: None }
+    pub fn bare(task_id: TaskId, attempt: u32) -> Dispatch {
+        Dispatch { task_id, attempt, released: None }
     }
 
     /// The `Nats-Msg-Id`: `<task_id>:<attempt>` (the JetStream patterns reference, §1.4).
@@ -277,7 +287,7 @@ mod tests {
     #[test]
     fn a_terminal_record_too_large_for_a_message_clips_its_result_to_fit() {
         let request = SubmitRequest::new("echo", "y".repeat(100_000), Origin::User);
-        let mut record = TaskRecord::submitted("tsk_1".into(), request, "ab".repeat(32), 5);
+        let mut record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), request, "ab".repeat(32), 5);
         let max = 1 << 20;
         // Fits already: unchanged.
         record.result = Some("short".into());
@@ -297,7 +307,7 @@ mod tests {
         assert!(result.len() > 400_000, "as much as fits is kept: {}", result.len());
         // A record whose text alone is too large is left as it is.
         let mut big = TaskRecord::submitted(
-            "tsk_2".into(),
+            TaskId::unchecked("tsk_2"),
             SubmitRequest::new("echo", "y".repeat(max), Origin::User),
             "ab".repeat(32),
             5,
@@ -309,7 +319,7 @@ mod tests {
         let err = big.check_room(max).unwrap_err();
         assert!(err.starts_with("text: at most about 10") && err.ends_with(", got 1048576"), "{err}");
         let small = TaskRecord::submitted(
-            "tsk_3".into(),
+            TaskId::unchecked("tsk_3"),
             SubmitRequest::new("echo", "y".repeat(100_000), Origin::User),
             "ab".repeat(32),
             5,
@@ -320,7 +330,7 @@ mod tests {
     #[test]
     fn a_submitted_record_takes_its_lane_from_the_origin() {
         let req = SubmitRequest::new("c", "t", Origin::Schedule);
-        let rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
+        let rec = TaskRecord::submitted(TaskId::unchecked("tsk_1"), req, "ab".repeat(32), 1_700_000_000_000);
         assert_eq!((rec.lane, rec.state, rec.attempt), (Lane::Bg, TaskState::Submitted, 0));
         assert!(Id::is_valid(IdKind::Context, &rec.context_id), "{}", rec.context_id);
         let json = serde_json::to_value(&rec).unwrap();
@@ -335,7 +345,7 @@ mod tests {
     #[test]
     fn a_record_round_trips_its_traceparent() {
         let req = SubmitRequest::new("c", "t", Origin::User);
-        let mut rec = TaskRecord::submitted("tsk_1".into(), req, "ab".repeat(32), 1_700_000_000_000);
+        let mut rec = TaskRecord::submitted(TaskId::unchecked("tsk_1"), req, "ab".repeat(32), 1_700_000_000_000);
         let json = serde_json::to_value(&rec).unwrap();
         assert!(json.get("traceparent").is_none(), "no traceparent, no field: {json}");
         assert_eq!(serde_json::from_value::<TaskRecord>(json).unwrap().traceparent, None);
@@ -349,10 +359,10 @@ mod tests {
     fn a_dispatch_carries_the_released_record_or_reads_as_before_without_it() {
         // A dispatch of an earlier version: no `released`.
         let old: Dispatch = serde_json::from_str(r#"{"task_id":"tsk_1","attempt":1}"#).unwrap();
-        assert_eq!(old, Dispatch::bare("tsk_1", 1));
+        assert_eq!(old, Dispatch::bare(TaskId::unchecked("tsk_1"), 1));
         assert_eq!(serde_json::to_string(&old).unwrap(), r#"{"task_id":"tsk_1","attempt":1}"#);
         let request = SubmitRequest::parse(br#"{"capsule":"hello","text":"hi"}"#).unwrap();
-        let mut record = TaskRecord::submitted("tsk_1".into(), request, "ab".repeat(32), 5);
+        let mut record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), request, "ab".repeat(32), 5);
         record.attempt = 1;
         let carried = Dispatch { released: Some(Released { revision: 7, record: record.clone() }), ..old };
         let json = serde_json::to_value(&carried).unwrap();

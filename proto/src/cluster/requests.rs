@@ -74,7 +74,7 @@ pub struct SubmitRequest {
     /// the coordinator mints the id. `mur task send` mints one and retries an unanswered
     /// submission with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub task_id: Option<String>,
+    pub task_id: Option<TaskId>,
     /// The A2A `messageId` of the message the task came from, kept on the record so the
     /// task's history shows the caller's message as a standalone capsule's does (issue #29
     /// item 6). At most [`MAX_MESSAGE_ID_BYTES`], no control characters.
@@ -215,7 +215,8 @@ impl SubmitRequest {
         };
         let task_id = match map.get("task_id") {
             None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s.clone()),
+            // Checked with the other rules (`rule_errors`), so one answer lists them all.
+            Some(Value::String(s)) => Some(TaskId::unchecked(s.clone())),
             Some(other) => {
                 errors.push(format!("task_id: must be a string, got {}", json_type(other)));
                 None
@@ -331,7 +332,7 @@ pub fn is_valid_context_id(id: &str) -> bool {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubmitReply {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
     /// Its state on acceptance.
     pub state: TaskState,
 }
@@ -341,7 +342,7 @@ pub struct SubmitReply {
 #[serde(deny_unknown_fields)]
 pub struct TaskRef {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
 }
 
 /// What went wrong with an API request, as a small set (the conventions, §7 item 2). Non
@@ -605,7 +606,7 @@ mod tests {
     fn a_message_id_is_kept_on_the_record_and_bounded() {
         let request = SubmitRequest::parse(br#"{"capsule":"c","text":"t","message_id":"msg-1"}"#).unwrap();
         assert_eq!(request.message_id.as_deref(), Some("msg-1"));
-        let record = TaskRecord::submitted("tsk_1".into(), request, "d".into(), 5);
+        let record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), request, "d".into(), 5);
         assert_eq!(record.message_id.as_deref(), Some("msg-1"));
         let long = format!(r#"{{"capsule":"c","text":"t","message_id":"{}"}}"#, "m".repeat(257));
         assert_eq!(
@@ -655,7 +656,7 @@ mod tests {
     fn a_deadline_is_unix_milliseconds_and_reaches_the_record() {
         let r = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":1700000000000}"#).unwrap();
         assert_eq!(r.deadline_at, Some(1_700_000_000_000));
-        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        let record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), r, "d".into(), 0);
         assert_eq!(record.deadline_at, Some(1_700_000_000_000));
         let err = SubmitRequest::parse(br#"{"capsule":"c","text":"t","deadline_at":"soon"}"#).unwrap_err();
         assert_eq!(err.message, "deadline_at: must be unix milliseconds (a whole number), got \"soon\"");
@@ -667,7 +668,7 @@ mod tests {
     fn a_fleet_step_reaches_the_record_and_a_bad_one_is_refused_by_field() {
         let body = br#"{"capsule":"c","text":"t","fleet_step":{"fleet":"f","run_id":"r-0","step":"m","cap":3}}"#;
         let r = SubmitRequest::parse(body).unwrap();
-        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        let record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), r, "d".into(), 0);
         let step = record.fleet_step.unwrap();
         assert_eq!((step.fleet.as_str(), step.run_id.as_str(), step.step.as_str(), step.cap), ("f", "r-0", "m", 3));
         let err = SubmitRequest::parse(
@@ -695,7 +696,7 @@ mod tests {
     fn needs_are_program_names_and_reach_the_record() {
         let r = SubmitRequest::parse(br#"{"capsule":"c","text":"t","needs":["cargo","/usr/bin/git"]}"#).unwrap();
         assert_eq!(r.needs, ["cargo", "/usr/bin/git"]);
-        let record = TaskRecord::submitted("tsk_1".into(), r, "d".into(), 0);
+        let record = TaskRecord::submitted(TaskId::unchecked("tsk_1"), r, "d".into(), 0);
         assert_eq!(record.needs, ["cargo", "/usr/bin/git"]);
         let json = serde_json::to_value(&record).unwrap();
         assert_eq!(json["needs"], serde_json::json!(["cargo", "/usr/bin/git"]));

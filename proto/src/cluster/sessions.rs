@@ -13,7 +13,7 @@ use super::*;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
     /// The task (`tsk_…`).
-    pub task_id: String,
+    pub task_id: TaskId,
     /// The session that wrote it (`ses_…`).
     pub session_id: String,
     /// The worker that wrote it.
@@ -229,18 +229,18 @@ impl StoredConversation {
 
 /// The [`SESSIONS_BUCKET`] key of a task's checkpoint after `turn` turns:
 /// `ckpt.<task_id>.<turn>`; all of a task's share the prefix [`checkpoint_prefix`].
-pub fn checkpoint_key(task_id: &str, turn: u32) -> String {
+pub fn checkpoint_key(task_id: &TaskId, turn: u32) -> String {
     format!("{}{turn}", checkpoint_prefix(task_id))
 }
 
 /// The key of part `part` of a checkpoint written in parts: [`checkpoint_key`] for part 0,
 /// `ckpt.<task_id>.<turn>.<part>` after it (under the same [`checkpoint_prefix`]).
-pub fn checkpoint_part_key(task_id: &str, turn: u32, part: u32) -> String {
+pub fn checkpoint_part_key(task_id: &TaskId, turn: u32, part: u32) -> String {
     if part == 0 { checkpoint_key(task_id, turn) } else { format!("{}.{part}", checkpoint_key(task_id, turn)) }
 }
 
 /// `ckpt.<task_id>.`: the prefix of every checkpoint key of a task.
-pub fn checkpoint_prefix(task_id: &str) -> String {
+pub fn checkpoint_prefix(task_id: &TaskId) -> String {
     format!("ckpt.{task_id}.")
 }
 
@@ -265,7 +265,7 @@ mod tests {
 
     fn checkpoint(turn: u32, replace: bool, texts: &[String]) -> Checkpoint {
         Checkpoint {
-            task_id: "tsk_1".into(),
+            task_id: TaskId::unchecked("tsk_1"),
             session_id: "ses_1".into(),
             worker: "w1".into(),
             turn,

@@ -45,7 +45,7 @@ pub struct LaneStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InFlight {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
     /// The capsule.
     pub capsule: String,
     /// Its lane.
@@ -66,7 +66,7 @@ pub struct InFlight {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadLetterEntry {
     /// `tsk_…`.
-    pub task_id: String,
+    pub task_id: TaskId,
     /// The capsule.
     pub capsule: String,
     /// Why, and how many deliveries.

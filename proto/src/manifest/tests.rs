@@ -401,6 +401,30 @@ fn declared_tools_need_a_command_and_unique_names() {
 }
 
 #[test]
+fn idempotent_is_off_by_default_on_tools_and_shell_and_refused_where_it_cannot_apply() {
+    let y = format!("{MINIMAL}capabilities:\n  shell:\n    allow: [sh]\ntools:\n  - name: lookup\n    command: x\n");
+    let m = load(&y).unwrap();
+    assert!(!m.tools[0].idempotent && !m.capabilities.shell_idempotent);
+    let y = format!(
+        "{MINIMAL}capabilities:\n  shell:\n    allow: [sh]\n    idempotent: true\ntools:\n  - name: lookup\n    command: x\n    idempotent: true\n"
+    );
+    let m = load(&y).unwrap();
+    assert!(m.tools[0].idempotent && m.capabilities.shell_idempotent);
+    let y = format!(
+        "{MINIMAL}capabilities:\n  shell:\n    idempotent: true\ntools:\n  - name: send\n    command: builtin:fleet_send\n    idempotent: false\n"
+    );
+    assert_eq!(
+        rules(&y),
+        [
+            "capabilities.shell.idempotent: allowed only with capabilities.shell.allow (no shell tool to apply to)",
+            "tools[0].idempotent: a built-in tool decides its own retries; remove it",
+        ]
+    );
+    let err = load(&format!("{MINIMAL}tools:\n  - name: t\n    command: x\n    idempotent: maybe\n")).unwrap_err();
+    assert!(err.to_string().starts_with("tools[0].idempotent: invalid type"), "{err}");
+}
+
+#[test]
 fn every_broken_rule_is_reported_at_once() {
     let y = "name: demo\nversion: 1\ninference:\n  driver: scripted\n  script: r.yaml\n  max_turns: 0\n  max_tokens: 0\nlifecycle:\n  queue_depth: 0\n";
     assert_eq!(rules(y).len(), 3);

@@ -31,6 +31,7 @@ use super::{CpuMark, MODEL_DELAY, Watcher, submit_concurrently};
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
+use mur_proto::TaskId;
 use mur_proto::cluster::{self, CapsuleIndexEntry, Dispatch, Released, SubmitReply, SubmitRequest, TaskRecord, api};
 use mur_proto::task::TaskState;
 use mur_proto::{Id, IdKind};
@@ -161,7 +162,8 @@ async fn coordinator(
                         }
                     };
                     let task_id = Id::generate(IdKind::Task);
-                    let mut record = TaskRecord::submitted(task_id.clone(), submit, digest, SystemClock.now_ms());
+                    let mut record =
+                        TaskRecord::submitted(TaskId::unchecked(task_id.clone()), submit, digest, SystemClock.now_ms());
                     let admitted = {
                         let mut q = queue.lock().unwrap();
                         let admit = q.free > 0 && q.waiting.is_empty();
@@ -171,7 +173,8 @@ async fn coordinator(
                     record.attempt = u32::from(admitted);
                     let revision =
                         tasks.create(&task_id, serde_json::to_vec(&record).unwrap().into()).await.expect("create");
-                    let reply = SubmitReply { task_id: task_id.clone(), state: TaskState::Submitted };
+                    let reply =
+                        SubmitReply { task_id: TaskId::unchecked(task_id.clone()), state: TaskState::Submitted };
                     if let Some(inbox) = request.reply {
                         client.publish(inbox, serde_json::to_vec(&reply).unwrap().into()).await.expect("reply");
                     }

@@ -3,20 +3,21 @@
 
 use super::*;
 
-/// Purges a finished task's checkpoints: nothing will take it over any more.
-pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &str) {
-    let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
-    if let Err(e) = sessions.stream.purge().filter(filter).await {
-        tracing::debug!(task_id, error = %e, "purging the task's checkpoints failed");
+/// Purges a finished task's checkpoints and journal: nothing will take it over any more.
+pub(super) async fn drop_checkpoints(sessions: &kv::Store, task_id: &TaskId) {
+    for prefix in [cluster::checkpoint_prefix(task_id), cluster::journal_prefix(task_id)] {
+        let filter = format!("{}{prefix}>", sessions.prefix);
+        if let Err(e) = sessions.stream.purge().filter(filter).await {
+            tracing::debug!(%task_id, error = %e, "purging the task's checkpoints failed");
+        }
     }
 }
 
-/// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]).
-/// `Ok(None)` when it has none.
-pub(super) async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Result<Option<cluster::Resume>, String> {
+/// The last value of every key under `prefix`, in write order (deleted keys left out).
+async fn read_prefix(sessions: &kv::Store, prefix: &str) -> Result<Vec<(String, bytes::Bytes)>, String> {
     use async_nats::jetstream::consumer::{DeliverPolicy, pull};
-    // One key per turn: read them all through the bucket's stream, filtered by prefix.
-    let filter = format!("{}{}>", sessions.prefix, cluster::checkpoint_prefix(task_id));
+    // One key per turn (per entry): read them all through the bucket's stream, by prefix.
+    let filter = format!("{}{prefix}>", sessions.prefix);
     let mut consumer = sessions
         .stream
         .create_consumer(pull::OrderedConfig {
@@ -27,7 +28,7 @@ pub(super) async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Res
         .await
         .map_err(|e| e.to_string())?;
     let pending = consumer.info().await.map_err(|e| e.to_string())?.num_pending;
-    let mut checkpoints = Vec::new();
+    let mut values = Vec::new();
     if pending > 0 {
         let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
         while let Some(msg) = messages.next().await {
@@ -35,20 +36,40 @@ pub(super) async fn read_checkpoints(sessions: &kv::Store, task_id: &str) -> Res
             let info = msg.info().map_err(|e| e.to_string())?;
             let left = info.pending;
             if !msg.payload.is_empty() {
-                let c: Checkpoint = serde_json::from_slice(&msg.payload)
-                    .map_err(|e| format!("checkpoint {} is not valid JSON: {e}", msg.subject))?;
-                checkpoints.push(c);
+                values.push((msg.subject.to_string(), msg.payload.clone()));
             }
             if left == 0 {
                 break;
             }
         }
     }
-    Ok(Checkpoint::fold(checkpoints))
+    Ok(values)
+}
+
+/// Reads a task's checkpoints, in write order, and folds them ([`Checkpoint::fold`]), and
+/// its tool-call journal ([`cluster::Replay`], issue #34). `Ok((None, _))` when it has no
+/// checkpoint.
+pub(super) async fn read_checkpoints(
+    sessions: &kv::Store,
+    task_id: &TaskId,
+) -> Result<(Option<cluster::Resume>, cluster::Replay), String> {
+    let mut checkpoints = Vec::new();
+    for (subject, json) in read_prefix(sessions, &cluster::checkpoint_prefix(task_id)).await? {
+        let c: Checkpoint =
+            serde_json::from_slice(&json).map_err(|e| format!("checkpoint {subject} is not valid JSON: {e}"))?;
+        checkpoints.push(c);
+    }
+    let mut entries = Vec::new();
+    for (subject, json) in read_prefix(sessions, &cluster::journal_prefix(task_id)).await? {
+        let e: cluster::Entry =
+            serde_json::from_slice(&json).map_err(|e| format!("journal entry {subject} is not valid JSON: {e}"))?;
+        entries.push(e);
+    }
+    Ok((Checkpoint::fold(checkpoints), cluster::Replay::fold(task_id, entries)))
 }
 
 pub(super) fn takeover_from(
-    r: Option<cluster::Resume>,
+    (r, replay): (Option<cluster::Resume>, cluster::Replay),
     delivery: u64,
     previous_session_id: String,
     previous_worker: String,
@@ -68,16 +89,17 @@ pub(super) fn takeover_from(
             reopens: r.last.reopens,
         }
     });
-    Takeover { checkpoint, delivery, previous_session_id, previous_worker }
+    Takeover { checkpoint, delivery, previous_session_id, previous_worker, replay }
 }
 
-/// Writes a task's per-turn checkpoints to `mur_sessions` ([`checkpoint_key`]).
+/// Writes a task's per-turn checkpoints ([`checkpoint_key`]) and its tool-call journal
+/// ([`cluster::Entry::key`]) to `mur_sessions`.
 pub(super) struct KvCheckpoints {
     pub(super) sessions: kv::Store,
-    pub(super) task_id: String,
+    pub(super) task_id: TaskId,
     pub(super) session_id: String,
     pub(super) worker: String,
-    /// Whether the task has checkpoints (to purge at its end).
+    /// Whether the task has checkpoints or journal entries (to purge at its end).
     pub(super) saved: AtomicBool,
     /// The server's `max_payload`: a checkpoint larger than one message is written in parts.
     pub(super) max_payload: usize,
@@ -114,5 +136,20 @@ impl Checkpoints for KvCheckpoints {
             self.sessions.put(key, json.into()).await.map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Journal for KvCheckpoints {
+    fn worker(&self) -> &str {
+        &self.worker
+    }
+
+    async fn append(&self, entry: cluster::Entry) -> Result<(), String> {
+        let key = entry.key();
+        let json = entry.fit(self.max_payload).map_err(|e| e.to_string())?;
+        self.saved.store(true, Ordering::Relaxed);
+        // `put` returns once JetStream has acknowledged the write: the effect may start.
+        self.sessions.put(key, json.into()).await.map(drop).map_err(|e| e.to_string())
     }
 }

@@ -287,6 +287,7 @@ pub(super) fn writable(record: &TaskRecord, stream_seq: Option<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mur_proto::TaskId;
     use mur_proto::cluster::SubmitRequest;
 
     const DELIVERY: Delivered = Delivered { number: 3, stream_seq: Some(7) };
@@ -295,7 +296,7 @@ mod tests {
     fn submitted() -> TaskRecord {
         let request: SubmitRequest =
             serde_json::from_value(serde_json::json!({ "capsule": "c", "text": "t" })).expect("a submit request");
-        TaskRecord::submitted("tsk_1".into(), request, "sha256:d".into(), 1)
+        TaskRecord::submitted(TaskId::unchecked("tsk_1"), request, "sha256:d".into(), 1)
     }
 
     fn with(change: impl FnOnce(&mut TaskRecord)) -> TaskRecord {

@@ -164,10 +164,10 @@ impl Host {
             tracing::info!(error = %e, delay_ms = delay.as_millis() as u64, "completion task not taken yet; sending it again");
         });
         if stop.is_cancelled() {
-            return sending.await.map(|r| r.task_id);
+            return sending.await.map(|r| r.task_id.into_string());
         }
         tokio::select! {
-            reply = sending => reply.map(|r| r.task_id),
+            reply = sending => reply.map(|r| r.task_id.into_string()),
             () = stop.cancelled() => Err(ApiError::new(
                 ErrorCode::Unavailable,
                 "the worker stopped before a coordinator took the completion task",

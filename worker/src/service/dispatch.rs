@@ -44,7 +44,7 @@ pub(super) async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: Owned
         Ok(i) => Delivered { number: i.delivered.max(1) as u64, stream_seq: Some(i.stream_sequence) },
         Err(_) => Delivered { number: 1, stream_seq: None },
     };
-    let span = dispatch_span(&sh, &msg, task_id.as_deref(), carried_traceparent, delivered.number).await;
+    let span = dispatch_span(&sh, &msg, task_id.as_ref(), carried_traceparent, delivered.number).await;
     let answer = run_dispatch(&sh, parsed, delivered, cancel).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
@@ -108,7 +108,7 @@ async fn run_dispatch_holding(
             return Answer::Term;
         }
     };
-    let key = dispatch.task_id.as_str();
+    let key = &dispatch.task_id;
     let stream_seq = delivery.stream_seq;
     // What a terminal record is fitted to ([`end_record`]).
     let max_payload = sh.client.server_info().max_payload;
@@ -125,7 +125,7 @@ async fn run_dispatch_holding(
                 // worker dies: that message stays unacked until the end): this one was
                 // published again after the stream's duplicate window. Dropped.
                 tracing::warn!(
-                    task_id = key,
+                    task_id = %key,
                     running = known.current().and_then(|(r, _)| r.dispatch_seq),
                     duplicate = stream_seq,
                     "a second dispatch of a task another dispatch is running: dropped"
@@ -136,8 +136,8 @@ async fn run_dispatch_holding(
                 let read = read(&sh.tasks, key).await;
                 match &read {
                     Ok(Some(_)) => {}
-                    Ok(None) => tracing::warn!(task_id = key, "a dispatch without a task record: terminated"),
-                    Err(e) => tracing::warn!(task_id = key, error = %e, "reading the task record failed"),
+                    Ok(None) => tracing::warn!(task_id = %key, "a dispatch without a task record: terminated"),
+                    Err(e) => tracing::warn!(task_id = %key, error = %e, "reading the task record failed"),
                 }
                 known.read(read);
             }
@@ -147,7 +147,7 @@ async fn run_dispatch_holding(
                     Err(Loading::Transient(reason)) => {
                         // The broker did not answer (a restart under way): another delivery,
                         // after the nak delay, fetches again; the task does not fail for it.
-                        tracing::warn!(task_id = key, "{reason}; the dispatch goes back");
+                        tracing::warn!(task_id = %key, "{reason}; the dispatch goes back");
                         Fetch::Unavailable
                     }
                     Err(Loading::Failed(reason)) => Fetch::Failed(reason),
@@ -161,7 +161,7 @@ async fn run_dispatch_holding(
                 known.takeover = match read_checkpoints(&sh.sessions, key).await {
                     Ok(r) => Fetch::Done(takeover_from(r, delivery.number, previous, previous_worker)),
                     Err(e) => {
-                        tracing::warn!(task_id = key, error = %e, "reading the task's checkpoints failed");
+                        tracing::warn!(task_id = %key, error = %e, "reading the task's checkpoints failed");
                         Fetch::Unavailable
                     }
                 };
@@ -246,7 +246,7 @@ async fn run_dispatch_holding(
                         let json = match serde_json::to_vec(&record) {
                             Ok(json) => json,
                             Err(e) => {
-                                tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                                tracing::warn!(task_id = %key, error = %e, "marking the task working failed");
                                 prepared.discard();
                                 return Answer::nak(delivery);
                             }
@@ -279,7 +279,7 @@ async fn run_dispatch_holding(
                         return Answer::Ack; // ended elsewhere meanwhile
                     }
                     Err(e) => {
-                        tracing::warn!(task_id = key, error = %e, "marking the task working failed");
+                        tracing::warn!(task_id = %key, error = %e, "marking the task working failed");
                         prepared.discard();
                         return Answer::nak(delivery);
                     }
@@ -298,7 +298,7 @@ async fn run_dispatch_holding(
         saved: AtomicBool::new(checkpointed),
         max_payload,
     });
-    let (exit, result, error, usage) = match run_session(
+    let (exit, result, error, usage, in_doubt) = match run_session(
         sh,
         &task,
         &capsule,
@@ -310,8 +310,8 @@ async fn run_dispatch_holding(
     )
     .await
     {
-        Ok((exit, result, usage)) => (exit, result, None, usage),
-        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None),
+        Ok((exit, result, usage, in_doubt)) => (exit, result, None, usage, in_doubt),
+        Err(e) => (ExitStatus::Failed, format!("error: {e}"), Some(e), None, 0),
     };
     // A step that lost its permit (its worker stalled past the lease) stopped, or ran on
     // without one: it writes no end; another delivery runs it again once it holds a
@@ -319,7 +319,7 @@ async fn run_dispatch_holding(
     if let Some(permit) = permit.as_ref()
         && !permit.still_held().await
     {
-        tracing::warn!(task_id = key, "the step's fan-out permit was lost: its end is not written; it runs again");
+        tracing::warn!(task_id = %key, "the step's fan-out permit was lost: its end is not written; it runs again");
         return Answer::nak(delivery);
     }
     // The terminal record must be written (a nak would run the task again): keep trying
@@ -333,6 +333,7 @@ async fn run_dispatch_holding(
                 return false;
             }
             r.usage.clone_from(&usage);
+            r.tool_calls_in_doubt = in_doubt;
             end_record(r, exit, &result, error.as_deref(), max_payload);
             true
         })
@@ -340,7 +341,7 @@ async fn run_dispatch_holding(
         if written.is_ok() || tokio::time::Instant::now() >= give_up {
             break written;
         }
-        tracing::warn!(task_id = key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
+        tracing::warn!(task_id = %key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
         tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
     };
     let answer = finished(written, key, delivery);
@@ -417,7 +418,7 @@ async fn hold_permit(
 async fn dispatch_span(
     sh: &Shared,
     msg: &jetstream::Message,
-    task_id: Option<&str>,
+    task_id: Option<&TaskId>,
     carried: Option<Option<String>>,
     delivery: u64,
 ) -> tracing::Span {
@@ -429,7 +430,13 @@ async fn dispatch_span(
         }
         _ => None,
     };
-    trace_context::consumer(cluster::DISPATCH_SUBJECT, headers, stored.as_deref(), task_id, delivery)
+    trace_context::consumer(
+        cluster::DISPATCH_SUBJECT,
+        headers,
+        stored.as_deref(),
+        task_id.map(TaskId::as_str),
+        delivery,
+    )
 }
 
 /// The answer after the terminal write: ack when the record is terminal (ours or not).
@@ -442,7 +449,7 @@ fn finished(written: Result<Option<(TaskRecord, u64)>, task_records::Error>, key
             Answer::Ack
         }
         Err(e) => {
-            tracing::warn!(task_id = key, error = %e, "writing the terminal record failed");
+            tracing::warn!(task_id = %key, error = %e, "writing the terminal record failed");
             Answer::nak(delivery)
         }
     }

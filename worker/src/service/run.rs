@@ -52,7 +52,8 @@ impl Prepared {
 
 /// Runs `task` in a new session `session_id` (taking it over from a checkpoint when
 /// `takeover` says so), in the folder `prepared` makes, and returns its exit status, its
-/// result and its token usage. The session stops when `cancel` fires.
+/// result, its token usage and its tool calls found in doubt (issue #34). The session
+/// stops when `cancel` fires.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn run_session(
     sh: &Shared,
@@ -63,11 +64,11 @@ pub(super) async fn run_session(
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
     cancel: CancellationToken,
-) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>), String> {
+) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>, u32), String> {
     let missing = crate::preflight::missing(&task.needs, std::env::var_os("PATH").as_deref());
     if !missing.is_empty() {
         prepared.discard();
-        return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing), None));
+        return Ok((ExitStatus::Failed, crate::preflight::refusal(&missing), None, 0));
     }
     // The task's token usage, tallied from its trace for the terminal record (issue #11).
     let tally = crate::usage::UsageTally::default();
@@ -83,7 +84,7 @@ pub(super) async fn run_session(
     };
     let sandbox = match crate::sandbox::for_session(&capsule.manifest, &folders, sh.config.require_sandbox) {
         Ok(sandbox) => sandbox,
-        Err(e) => return Ok((ExitStatus::Failed, e.to_string(), None)),
+        Err(e) => return Ok((ExitStatus::Failed, e.to_string(), None, 0)),
     };
     let driver = capsule.driver(&layout.workdir).map_err(|e| e.to_string())?;
     if task.origin == Origin::Completion {
@@ -94,7 +95,7 @@ pub(super) async fn run_session(
         client: sh.client.clone(),
         store: sh.capsules.clone(),
         capsule: task.capsule.clone(),
-        task_id: task.task_id.clone(),
+        task_id: task.task_id.to_string(),
         context_id: task.context_id.clone(),
         session_id: session_id.to_string(),
         session_dir: layout.session_dir.clone(),
@@ -132,7 +133,7 @@ pub(super) async fn run_session(
     let outcome = async {
         let mut session = Session::start(cfg, parts).await.map_err(|e| e.to_string())?;
         let spec = TaskSpec {
-            task_id: task.task_id.clone(),
+            task_id: task.task_id.to_string(),
             context_id: task.context_id.clone(),
             text: task.text.clone(),
             origin: task.origin,
@@ -143,16 +144,17 @@ pub(super) async fn run_session(
             let left = at.saturating_sub(SystemClock.now_ms());
             tokio::time::Instant::now() + Duration::from_millis(left)
         });
-        let durable = Durable { takeover, checkpoints, deadline };
+        let journal: Arc<dyn Journal> = checkpoints.clone();
+        let durable = Durable { takeover, checkpoints, journal: Some(journal), deadline };
         let report = session.run_task_durable(spec, prior, cancel.clone(), durable).await;
         let outcome = match report {
             Ok(r) => {
                 if r.outcome.exit_status == ExitStatus::Ok && continues_context(task, capsule) {
                     save_conversation(sh, task, &r.history, base.as_ref()).await;
                 }
-                (r.outcome.exit_status, r.outcome.result)
+                (r.outcome.exit_status, r.outcome.result, r.tool_calls_in_doubt)
             }
-            Err(e) => (ExitStatus::Failed, format!("error: {e}")),
+            Err(e) => (ExitStatus::Failed, format!("error: {e}"), 0),
         };
         if matches!(outcome.0, ExitStatus::Canceled | ExitStatus::DeadlineExceeded) {
             // murmur itself stops a cancelled task's commands, whole process groups.
@@ -167,5 +169,5 @@ pub(super) async fn run_session(
     session_done.cancel();
     // The session and its sink are gone: every line is queued; send them all.
     publisher.finish().await;
-    outcome.map(|(exit, result)| (exit, result, tally.usage()))
+    outcome.map(|(exit, result, in_doubt)| (exit, result, tally.usage(), in_doubt))
 }

@@ -228,6 +228,8 @@ pub struct TaskMachine {
     turn: u32,
     session_tokens: u64,
     pending: VecDeque<(String, String, Value)>,
+    /// The place in the turn's response of the call at the front of `pending` (0-based).
+    call_index: u32,
     finished: Option<Outcome>,
     /// The history's epoch and length at the last [`TaskMachine::take_delta`].
     marked: (u64, usize),
@@ -277,6 +279,7 @@ impl TaskMachine {
             turn: 0,
             session_tokens: 0,
             pending: VecDeque::new(),
+            call_index: 0,
             finished: None,
             marked: (0, 0),
         }
@@ -460,6 +463,7 @@ impl TaskMachine {
             StopReason::Error(msg) => self.finish(ExitStatus::Failed, format!("error: {msg}")),
             _ if !calls.is_empty() => {
                 self.pending.extend(calls);
+                self.call_index = 0;
                 self.next_call()
             }
             StopReason::ToolCall => self
@@ -581,11 +585,26 @@ impl TaskMachine {
         }
     }
 
+    /// The model call (0-based, as `inference.turn` counts) and the place in its response
+    /// (0-based) of the tool call [`Action::RunTool`] last asked for: what its idempotency
+    /// key is made of (issue #34).
+    pub fn call_position(&self) -> (u32, u32) {
+        (self.turn, self.call_index)
+    }
+
+    /// The idempotency key of the tool call [`Action::RunTool`] last asked for
+    /// (`mur_proto::cluster::tool_call_key`).
+    pub fn call_key(&self) -> String {
+        mur_proto::cluster::tool_call_key(&self.task.task_id, self.turn, self.call_index)
+    }
+
     /// Feeds the result of the tool call last asked for.
     pub fn on_tool_result(&mut self, outcome: ToolOutcome, duration_ms: u64) -> (Vec<Event>, Action) {
+        let key = self.call_key();
         let Some((call_id, name, input)) = self.pending.pop_front() else {
             return (Vec::new(), self.next_call());
         };
+        self.call_index += 1;
         self.counters.tool_calls += 1;
         let input_bytes = serde_json::to_string(&input).map_or(0, |s| s.len() as u64);
         let mut events = vec![Event::ToolCall {
@@ -600,6 +619,7 @@ impl TaskMachine {
             duration_ms,
             status: if outcome.is_error { CallStatus::Error } else { CallStatus::Ok },
             mcp_server: outcome.mcp_server.clone(),
+            idempotency_key: Some(key),
         }];
         if let Some(work) = outcome.detached {
             // A demoted command: `shell_detached` replaces the `shell` line and counts as the

@@ -9,4 +9,6 @@ pub mod seed;
 pub mod spend;
 
 pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
-pub use runner::{Checkpoints, Durable, Resumed, Session, SessionConfig, Takeover, TaskReport, TurnCheckpoint};
+pub use runner::{
+    Checkpoints, Durable, Journal, Resumed, Session, SessionConfig, Takeover, TaskReport, TurnCheckpoint,
+};

@@ -24,7 +24,7 @@ use super::spend::{Position, Spend};
 use crate::driver::{Driver, ModelRequest, ToolSpec};
 use crate::hooks::{Hooks, Reply};
 use crate::tokens::Estimator;
-use crate::tools::{CallContext, Tools};
+use crate::tools::{CallContext, Outcome as ToolOutcome, Tools};
 use crate::trace::{self, Tracer};
 use mur_nats::clock::Clock;
 use mur_proto::Manifest;
@@ -60,6 +60,9 @@ pub struct Takeover {
     pub previous_session_id: String,
     /// The worker that ran it.
     pub previous_worker: String,
+    /// The task's tool-call journal as the takeover read it (issue #34): responses and
+    /// results reused, calls in doubt.
+    pub replay: mur_proto::cluster::Replay,
 }
 
 /// The state a checkpoint left.
@@ -101,6 +104,23 @@ pub trait Checkpoints: Send + Sync {
     async fn save(&self, checkpoint: TurnCheckpoint) -> Result<(), String>;
 }
 
+/// Where a task's tool-call journal goes (issue #34; the cluster worker appends to
+/// `mur_sessions`): the model's response before any of its calls runs, each call's start
+/// before it starts, its result when it ends.
+#[async_trait::async_trait]
+pub trait Journal: Send + Sync {
+    /// The worker writing (entries name it: a takeover tells who died).
+    fn worker(&self) -> &str;
+
+    /// Appends `entry` and waits until the store acknowledged it.
+    ///
+    /// # Errors
+    /// Why it was not stored: a response not stored runs none of its calls, a start not
+    /// stored does not run its call (each is answered with the reason); a result not
+    /// stored leaves the call in doubt for a takeover.
+    async fn append(&self, entry: mur_proto::cluster::Entry) -> Result<(), String>;
+}
+
 /// How a cluster task runs ([`Session::run_task_durable`]): checkpointed after every turn,
 /// and possibly resumed from a checkpoint.
 pub struct Durable {
@@ -108,6 +128,9 @@ pub struct Durable {
     pub takeover: Option<Takeover>,
     /// Where checkpoints go.
     pub checkpoints: Arc<dyn Checkpoints>,
+    /// Where the tool-call journal goes; `None` journals nothing (a takeover then asks
+    /// the model again and runs the turn's calls again).
+    pub journal: Option<Arc<dyn Journal>>,
     /// When the task must be over: the deadline a fleet step inherits. Then the call under
     /// way is dropped, no further turn starts, and the task ends `deadline_exceeded`.
     pub deadline: Option<tokio::time::Instant>,
@@ -174,6 +197,19 @@ pub struct TaskReport {
     /// The session cannot go on (a compaction hook's error, a spend ceiling hit by one):
     /// no further task may run (the context seed).
     pub fatal: bool,
+    /// Tool calls found in doubt at the task's takeovers, this one's and earlier ones'
+    /// (issue #34).
+    pub tool_calls_in_doubt: u32,
+}
+
+/// The journal of the task running, with what a takeover read of it (issue #34).
+struct Journaling {
+    journal: Arc<dyn Journal>,
+    replay: mur_proto::cluster::Replay,
+    /// Calls found in doubt, earlier takeovers' included.
+    in_doubt: u32,
+    /// A turn whose response could not be journaled, and why: none of its calls runs.
+    unrecorded: Option<(u32, String)>,
 }
 
 /// Session totals, as `session_end` reports them.
@@ -554,6 +590,10 @@ impl Session {
         self.parts.driver.task_started();
         let takeover = durable.as_mut().and_then(|d| d.takeover.take());
         let resumed = takeover.as_ref().and_then(|t| t.checkpoint.clone());
+        let mut journaling = durable.as_ref().and_then(|d| d.journal.clone()).map(|journal| {
+            let replay = takeover.as_ref().map(|t| t.replay.clone()).unwrap_or_default();
+            Journaling { journal, in_doubt: replay.in_doubt_so_far(), replay, unrecorded: None }
+        });
         if let Some(t) = &takeover {
             self.emit(Event::TaskTakeover {
                 task_id: task.task_id.clone(),
@@ -693,7 +733,7 @@ impl Session {
                         tokio::select! {
                             biased;
                             () = cancel.cancelled() => Action::CallModel,
-                            next = self.call_model(&mut machine) => next?,
+                            next = self.call_model(&mut machine, journaling.as_mut()) => next?,
                         }
                     }
                 }
@@ -702,7 +742,7 @@ impl Session {
                     tokio::select! {
                         biased;
                         () = cancel.cancelled() => again,
-                        next = self.run_tool(&mut machine, call_id, name, input) => next?,
+                        next = self.run_tool(&mut machine, call_id, name, input, journaling.as_mut()) => next?,
                     }
                 }
                 Action::Compact { turn, session_tokens } => {
@@ -744,6 +784,7 @@ impl Session {
             reopen_count: machine.reopen_count(),
             history: machine.messages().to_vec(),
             fatal,
+            tool_calls_in_doubt: journaling.map_or(0, |j| j.in_doubt),
         })
     }
 
@@ -759,7 +800,44 @@ impl Session {
         }
     }
 
-    async fn call_model(&self, machine: &mut TaskMachine) -> Result<Action, trace::Error> {
+    /// Feeds the machine turn `turn`'s response as the journal held it (issue #34): no
+    /// model call, no hook; a `journal_replay` line stands for its `inference` line.
+    fn replay_response(
+        &self,
+        machine: &mut TaskMachine,
+        turn: u32,
+        r: mur_proto::cluster::JournaledResponse,
+    ) -> Result<Action, trace::Error> {
+        let reply = crate::driver::ModelResponse { content: r.content, stop: stop_reason(r.stop), usage: r.usage };
+        // A scripted model's next reply is the one after it.
+        self.parts.driver.taken_over_at(turn + 1);
+        let (events, next) = machine.on_model_reply(Ok(reply), 0);
+        for e in events {
+            if let Event::Inference { .. } = e {
+                self.emit(Event::JournalReplay {
+                    task_id: machine.task().task_id.clone(),
+                    turn,
+                    what: "model_response".into(),
+                    tool_name: None,
+                    idempotency_key: None,
+                    previous_worker: r.worker.clone(),
+                })?;
+            } else {
+                self.emit(e)?;
+            }
+        }
+        Ok(next)
+    }
+
+    async fn call_model(
+        &self,
+        machine: &mut TaskMachine,
+        journaling: Option<&mut Journaling>,
+    ) -> Result<Action, trace::Error> {
+        let turn = machine.counters().turns;
+        if let Some(r) = journaling.as_deref().and_then(|j| j.replay.response(turn)).cloned() {
+            return self.replay_response(machine, turn, r);
+        }
         let m = &self.cfg.manifest;
         // Between turns: tool lists an MCP server said changed are listed again (issue #35).
         self.parts.tools.refresh().await;
@@ -817,6 +895,23 @@ impl Session {
                 })?;
             }
         }
+        // Journaled before any of its tool calls can run (issue #34): a takeover reuses it.
+        if let (Some(j), Ok(r)) = (journaling, &reply) {
+            let entry = mur_proto::cluster::Entry::ModelResponse {
+                task_id: machine.task().task_id.clone(),
+                turn,
+                session_id: self.session_id(),
+                worker: j.journal.worker().to_string(),
+                content: r.content.clone(),
+                stop: journal_stop(&r.stop),
+                usage: r.usage.clone(),
+                at_ms: self.parts.clock.now_ms(),
+            };
+            if let Err(e) = j.journal.append(entry).await {
+                tracing::warn!(task_id = %machine.task().task_id, turn, error = %e, "the model's response was not journaled: its tool calls will not run");
+                j.unrecorded = Some((turn, e));
+            }
+        }
         let provider = self.parts.driver.kind();
         mur_nats::metrics::model_call(
             provider,
@@ -861,26 +956,159 @@ impl Session {
         Ok(next)
     }
 
+    /// Whether tool `name` is declared idempotent: a `tools:` entry's `idempotent`, the
+    /// shell tools' `capabilities.shell.idempotent`; anything else is not.
+    fn idempotent(&self, name: &str) -> bool {
+        let m = &self.cfg.manifest;
+        if m.capabilities.shell_allow.iter().any(|b| b == name) {
+            return m.capabilities.shell_idempotent;
+        }
+        m.tools.iter().find(|t| t.name == name).is_some_and(|t| t.idempotent)
+    }
+
+    /// Runs one tool call, journaled when the task is (issue #34): a call whose result a
+    /// takeover found is not run again (its result is reused); one found in doubt is
+    /// run again with the same key if its tool is idempotent, else answered with the
+    /// in-doubt text; any other call's start is journaled before it runs, its result when
+    /// it ends. The call's command gets its idempotency key as `MUR_TOOL_CALL_ID`.
     async fn run_tool(
         &self,
         machine: &mut TaskMachine,
         call_id: String,
         name: String,
         input: serde_json::Value,
+        journaling: Option<&mut Journaling>,
     ) -> Result<Action, trace::Error> {
-        let span = tracing::info_span!(
-            "execute_tool",
-            otel.name = %format!("execute_tool {name}"),
-            gen_ai.operation.name = "execute_tool",
-            gen_ai.tool.name = %name,
-            gen_ai.tool.call.id = %call_id,
-        );
+        use mur_proto::cluster::{Entry, InDoubtAction, ToolStep};
+        let (turn, index) = machine.call_position();
+        let key = machine.call_key();
+        let task_id = machine.task().task_id.clone();
         let t0 = Instant::now();
-        let outcome = self.parts.tools.call(&name, &input, &self.cfg.call_context).instrument(span).await;
-        mur_nats::metrics::tool_call(&name, t0.elapsed());
-        let (events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
+        // What the journal says of the call; `None` runs it.
+        let mut answered: Option<ToolOutcome> = None;
+        let mut reused = false;
+        let mut in_doubt = None;
+        if let Some(j) = journaling.as_deref() {
+            if let Some((t, why)) = &j.unrecorded
+                && *t == turn
+            {
+                answered = Some(ToolOutcome::error(format!(
+                    "not run: the model's response could not be journaled, so a takeover could not tell whether \
+                     this call ran ({why})"
+                )));
+            } else {
+                match j.replay.tool(turn, index, &call_id, &name, self.idempotent(&name), &key) {
+                    ToolStep::Run => {}
+                    ToolStep::Reuse { text, is_error } => {
+                        answered = Some(ToolOutcome { is_error, ..ToolOutcome::error(text) });
+                        reused = true;
+                        let previous_worker = j.replay.response(turn).map(|r| r.worker.clone()).unwrap_or_default();
+                        self.emit(Event::JournalReplay {
+                            task_id: task_id.clone(),
+                            turn,
+                            what: "tool_result".into(),
+                            tool_name: Some(name.clone()),
+                            idempotency_key: Some(key.clone()),
+                            previous_worker,
+                        })?;
+                    }
+                    ToolStep::Rerun { previous_worker } => in_doubt = Some((InDoubtAction::Rerun, previous_worker)),
+                    ToolStep::Report { previous_worker, text } => {
+                        answered = Some(ToolOutcome::error(text));
+                        in_doubt = Some((InDoubtAction::Reported, previous_worker));
+                    }
+                }
+            }
+        }
+        if let Some((action, previous_worker)) = &in_doubt {
+            self.emit(Event::ToolCallInDoubt {
+                task_id: task_id.clone(),
+                turn,
+                tool_name: name.clone(),
+                tool_call_id: call_id.clone(),
+                idempotency_key: key.clone(),
+                previous_worker: previous_worker.clone(),
+                action: action.as_str().to_string(),
+            })?;
+        }
+        let mut journaling = journaling;
+        if let Some(j) = journaling.as_deref_mut()
+            && in_doubt.is_some()
+        {
+            j.in_doubt += 1;
+        }
+        let stamp = |j: &Journaling| (self.session_id(), j.journal.worker().to_string(), self.parts.clock.now_ms());
+        // The start, journaled and acknowledged before the call runs.
+        if answered.is_none()
+            && let Some(j) = journaling.as_deref()
+        {
+            let (session_id, worker, at_ms) = stamp(j);
+            let start = Entry::ToolStart {
+                task_id: task_id.clone(),
+                turn,
+                index,
+                call_id: call_id.clone(),
+                tool: name.clone(),
+                key: key.clone(),
+                session_id,
+                worker,
+                at_ms,
+            };
+            if let Err(e) = j.journal.append(start).await {
+                tracing::warn!(task_id, turn, index, error = %e, "a tool call's start was not journaled: it does not run");
+                answered = Some(ToolOutcome::error(format!(
+                    "not run: its start could not be journaled, so a takeover could not tell whether it ran ({e})"
+                )));
+            }
+        }
+        let ran = answered.is_none();
+        let outcome = match answered {
+            Some(outcome) => outcome,
+            None => {
+                let span = tracing::info_span!(
+                    "execute_tool",
+                    otel.name = %format!("execute_tool {name}"),
+                    gen_ai.operation.name = "execute_tool",
+                    gen_ai.tool.name = %name,
+                    gen_ai.tool.call.id = %call_id,
+                );
+                let mut ctx = self.cfg.call_context.clone();
+                ctx.tool_call_id = Some(key.clone());
+                let outcome = self.parts.tools.call(&name, &input, &ctx).instrument(span).await;
+                mur_nats::metrics::tool_call(&name, t0.elapsed());
+                outcome
+            }
+        };
+        // The result (or the in-doubt answer), so a later takeover reuses it.
+        if !reused
+            && (ran || in_doubt.is_some())
+            && let Some(j) = journaling.as_deref()
+        {
+            let (session_id, worker, at_ms) = stamp(j);
+            let result = Entry::ToolResult {
+                task_id: task_id.clone(),
+                turn,
+                index,
+                call_id: call_id.clone(),
+                tool: name.clone(),
+                text: outcome.text.clone(),
+                is_error: outcome.is_error,
+                in_doubt: in_doubt.as_ref().map(|(a, _)| *a),
+                session_id,
+                worker,
+                at_ms,
+            };
+            if let Err(e) = j.journal.append(result).await {
+                tracing::warn!(task_id, turn, index, error = %e, "a tool call's result was not journaled");
+            }
+        }
+        let (mut events, next) = machine.on_tool_result(outcome, t0.elapsed().as_millis() as u64);
+        if reused {
+            // The call ran in an earlier session, whose trace has its lines.
+            events.retain(|e| !matches!(e, Event::ToolCall { .. }));
+        }
         let mut observed = Vec::new();
-        for e in &events {
+        for e in events.iter().filter(|_| ran) {
             match e {
                 Event::ToolCall { turn, tool_name, output_bytes, duration_ms, status, .. }
                     if self.wants(Binding::OnToolCall) =>
@@ -893,6 +1121,7 @@ impl Session {
                         output_bytes: *output_bytes,
                         duration_ms: *duration_ms,
                         status: if *status == mur_proto::trace::CallStatus::Ok { "ok" } else { "error" }.into(),
+                        idempotency_key: Some(key.clone()),
                     })
                 }
                 Event::Shell { turn, binary, command, exit_code, stdout_bytes, stderr_bytes, duration_ms, .. }
@@ -907,6 +1136,7 @@ impl Session {
                         stdout_bytes: *stdout_bytes,
                         stderr_bytes: *stderr_bytes,
                         duration_ms: *duration_ms,
+                        idempotency_key: Some(key.clone()),
                     })
                 }
                 _ => {}
@@ -1180,6 +1410,32 @@ fn ended(span: &tracing::Span, report: &Result<TaskReport, trace::Error>) {
     };
     span.record("otel.status_code", "ERROR");
     span.record("error.type", error);
+}
+
+/// A driver's stop reason as the journal stores it.
+fn journal_stop(stop: &crate::driver::StopReason) -> mur_proto::cluster::Stop {
+    use crate::driver::StopReason;
+    use mur_proto::cluster::Stop;
+    match stop {
+        StopReason::ToolCall => Stop::ToolCall,
+        StopReason::EndTurn => Stop::EndTurn,
+        StopReason::MaxTokens => Stop::MaxTokens,
+        StopReason::Error(e) => Stop::Error(e.clone()),
+        StopReason::Other(o) => Stop::Other(o.clone()),
+    }
+}
+
+/// A journaled stop reason back as the driver's.
+fn stop_reason(stop: mur_proto::cluster::Stop) -> crate::driver::StopReason {
+    use crate::driver::StopReason;
+    use mur_proto::cluster::Stop;
+    match stop {
+        Stop::ToolCall => StopReason::ToolCall,
+        Stop::EndTurn => StopReason::EndTurn,
+        Stop::MaxTokens => StopReason::MaxTokens,
+        Stop::Error(e) => StopReason::Error(e),
+        Stop::Other(o) => StopReason::Other(o),
+    }
 }
 
 /// `gen_ai.response.finish_reasons` of a reply: the provider-neutral stop reason

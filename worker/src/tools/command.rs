@@ -68,6 +68,9 @@ impl CommandTool {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if let Some(key) = &ctx.tool_call_id {
+            command.env(mur_proto::cluster::TOOL_CALL_ID_VAR, key);
+        }
         let (mut child, mut guard) = match GroupGuard::spawn_marked(&mut command, &mark, ctx.sandbox.as_deref()) {
             Ok(spawned) => spawned,
             Err(e) => {
@@ -191,6 +194,7 @@ mod tests {
             workdir: dir.join("workdir"),
             logs_dir: dir.join("workdir/logs"),
             sandbox: None,
+            tool_call_id: None,
         };
         std::fs::create_dir_all(&ctx.workdir).unwrap();
         std::fs::create_dir_all(ctx.capsule_dir.join("tools")).unwrap();
@@ -212,6 +216,7 @@ mod tests {
             command: command.iter().map(|s| s.to_string()).collect(),
             parameters: json!({"type": "object", "properties": {}}),
             timeout_secs,
+            idempotent: false,
         })
     }
 
@@ -267,6 +272,16 @@ mod tests {
         let out = run(&tool(&[&probe, "one", "two words"], 30), &json!({}), &ctx).await;
         let workdir = ctx.workdir.canonicalize().unwrap();
         assert_eq!(out.text, format!("{}\none|two words|", workdir.display()));
+    }
+
+    #[tokio::test]
+    async fn the_calls_idempotency_key_is_in_the_commands_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ctx = context(dir.path());
+        let probe = script(&ctx, "key.sh", r#"printf '%s' "${MUR_TOOL_CALL_ID-unset}""#);
+        assert_eq!(run(&tool(&[&probe], 30), &json!({}), &ctx).await.text, "unset");
+        ctx.tool_call_id = Some("tsk_1.2.0".into());
+        assert_eq!(run(&tool(&[&probe], 30), &json!({}), &ctx).await.text, "tsk_1.2.0");
     }
 
     #[tokio::test]

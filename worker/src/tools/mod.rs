@@ -30,6 +30,10 @@ pub struct CallContext {
     /// The session's sandbox (`sandbox:`): shell commands and command tools start confined
     /// by it; `None` runs them unconfined.
     pub sandbox: Option<std::sync::Arc<crate::sandbox::Confinement>>,
+    /// The call's idempotency key (issue #34, `mur_proto::cluster::tool_call_key`), set
+    /// per call by the loop: shell commands and command tools get it as
+    /// `MUR_TOOL_CALL_ID`. `None` outside a call.
+    pub tool_call_id: Option<String>,
 }
 
 /// What a shell command did, for the `shell` trace line.
@@ -282,7 +286,13 @@ tools:
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir, sandbox: None }
+        CallContext {
+            capsule_dir: dir.join("capsule"),
+            logs_dir: workdir.join("logs"),
+            workdir,
+            sandbox: None,
+            tool_call_id: None,
+        }
     }
 
     #[test]

@@ -127,6 +127,9 @@ impl Shell {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if let Some(key) = &ctx.tool_call_id {
+            program.env(mur_proto::cluster::TOOL_CALL_ID_VAR, key);
+        }
         // Timed from before the spawn: on a loaded machine the child can run for a while before
         // the spawn returns, and a duration taken after it came out short of the command's own
         // (a `sleep 3` measured 2,991 ms).
@@ -384,7 +387,13 @@ mod tests {
     fn context(dir: &Path) -> CallContext {
         let workdir = dir.join("workdir");
         std::fs::create_dir_all(&workdir).unwrap();
-        CallContext { capsule_dir: dir.join("capsule"), logs_dir: workdir.join("logs"), workdir, sandbox: None }
+        CallContext {
+            capsule_dir: dir.join("capsule"),
+            logs_dir: workdir.join("logs"),
+            workdir,
+            sandbox: None,
+            tool_call_id: None,
+        }
     }
 
     async fn run(binary: &str, command: &str, ctx: &CallContext) -> Outcome {
@@ -411,6 +420,15 @@ mod tests {
         assert_eq!(shell.command, "echo hello");
         assert_eq!(shell.exit_code, 0);
         assert_eq!((shell.stdout_bytes, shell.stderr_bytes), (6, 0));
+    }
+
+    #[tokio::test]
+    async fn a_shell_command_gets_the_calls_idempotency_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ctx = context(dir.path());
+        ctx.tool_call_id = Some("tsk_1.0.3".into());
+        let out = run("sh", "printf %s \"$MUR_TOOL_CALL_ID\"", &ctx).await;
+        assert_eq!(out.text, "$ printf %s \"$MUR_TOOL_CALL_ID\"\nExit code: 0\nStdout:\ntsk_1.0.3\nStderr:\n");
     }
 
     #[tokio::test]
