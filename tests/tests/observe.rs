@@ -70,6 +70,66 @@ async fn readyz_turns_unready_when_nats_server_stops_and_ready_again_when_it_ret
     }
 }
 
+/// `mur health URL` (issue #32 §Health, for images without curl): exit 0 while a real
+/// coordinator's `/readyz` answers 200, 1 once nats-server is stopped (and when nothing
+/// listens), 0 again when it is back; 2 for a URL that is not one to ask. The URL it
+/// prints has no password or query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mur_health_exits_0_when_ready_1_when_nats_server_is_away_and_0_when_it_returns() {
+    let mut cluster = Procs::start("").await;
+    let coordinator = cluster.coordinator_with("coordinator-1", &["--metrics", "127.0.0.1:0"]);
+    let base = coordinator.metrics_url().await;
+    let url = format!("{base}/readyz");
+    readyz(&base, 200).await;
+
+    let ready = cluster.mur(&["health", &url, "--json"]).await;
+    assert_eq!(ready.code, 0, "{ready:?}");
+    let answer = ready.last_json();
+    assert_eq!((answer["ready"].as_bool(), answer["status"].as_u64()), (Some(true), Some(200)), "{answer}");
+    assert_eq!((answer["url"].as_str(), answer["body"]["nats"].as_str()), (Some(url.as_str()), Some("connected")));
+    let said = cluster.mur(&["health", &url]).await;
+    assert_eq!((said.code, said.stdout.as_str()), (0, ""), "{said:?}");
+    assert_eq!(said.stderr, format!("ready: {url} answered 200\n"));
+    let alive = cluster.mur(&["health", &format!("{base}/healthz"), "--json"]).await;
+    assert_eq!((alive.code, &alive.last_json()["body"]), (0, &Value::from("ok")), "{alive:?}");
+
+    cluster.nats.stop();
+    readyz(&base, 503).await;
+    let away = cluster.mur(&["health", &url, "--json"]).await;
+    assert_eq!(away.code, 1, "{away:?}");
+    let answer = away.last_json();
+    assert_eq!((answer["ready"].as_bool(), answer["status"].as_u64()), (Some(false), Some(503)), "{answer}");
+    assert_ne!(answer["body"]["nats"], "connected", "{answer}");
+    let said = cluster.mur(&["health", &url]).await;
+    assert_eq!(said.code, 1, "{said:?}");
+    assert!(said.stderr.starts_with(&format!("mur health: not ready: {url} answered 503: {{")), "{said:?}");
+
+    cluster.nats.resume();
+    readyz(&base, 200).await;
+    assert_eq!(cluster.mur(&["health", &url]).await.code, 0);
+
+    // Nothing listening: not ready, with the reason.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let nothing = cluster.mur(&["health", &format!("http://127.0.0.1:{port}/readyz"), "--json"]).await;
+    assert_eq!(nothing.code, 1, "{nothing:?}");
+    let answer = nothing.last_json();
+    assert_eq!(answer["ready"], false, "{answer}");
+    assert!(answer["error"].as_str().is_some_and(|e| !e.is_empty()), "{answer}");
+
+    // The secret parts of a URL are not printed.
+    let secret = base.replace("http://", "http://probe:s3cret@") + "/readyz?token=t0ken";
+    let quiet = cluster.mur(&["health", &secret, "--json"]).await;
+    assert_eq!(quiet.code, 0, "{quiet:?}");
+    assert!(!quiet.stdout.contains("s3cret") && !quiet.stdout.contains("t0ken"), "{quiet:?}");
+    assert_eq!(quiet.last_json()["url"], url.as_str());
+
+    let bad = cluster.mur(&["health", "ftp://127.0.0.1/readyz"]).await;
+    assert_eq!((bad.code, bad.stdout.as_str()), (2, ""), "{bad:?}");
+    assert!(bad.stderr.starts_with("mur health: URL: must be an http:// or https:// URL"), "{bad:?}");
+    let bad = cluster.mur(&["health", "readyz"]).await;
+    assert!(bad.code == 2 && bad.stderr.starts_with("mur health: URL: "), "{bad:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mur_dev_json_reports_its_metrics_listener() {
     let dir = tempfile::tempdir().unwrap();
@@ -318,4 +378,98 @@ async fn metrics_are_exported_over_otlp_when_the_metrics_endpoint_is_set() {
     let leader = points.iter().find(|p| p.metric == "mur.leader.changes").expect("the leader change exported");
     assert_eq!((leader.service.as_str(), leader.attribute("to")), ("mur-coordinator", Some("leading")), "{leader:?}");
     assert!(collector.spans().is_empty(), "no span export without a traces endpoint");
+}
+
+/// The metric families `docs/observe.md` lists (its tables' first cells), each with whether
+/// it is a histogram, and every label name its tables name.
+fn documented_metrics() -> (std::collections::BTreeMap<String, bool>, std::collections::BTreeSet<String>) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let doc = std::fs::read_to_string(root.join("docs/observe.md")).expect("docs/observe.md");
+    let mut families = std::collections::BTreeMap::new();
+    let mut labels = std::collections::BTreeSet::new();
+    for row in doc.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let ticked = |cell: &str| -> Vec<String> { cell.split('`').skip(1).step_by(2).map(str::to_string).collect() };
+        let names = ticked(cells[0]);
+        if !names.iter().all(|n| n.starts_with("mur_") || n.starts_with("gen_ai_")) {
+            continue; // the listener's paths
+        }
+        for name in names {
+            families.insert(name, row.contains("| histogram |"));
+        }
+        for cell in &cells[1..] {
+            labels.extend(ticked(cell).into_iter().filter(|l| l.chars().all(|c| c.is_ascii_lowercase() || c == '_')));
+        }
+    }
+    (families, labels)
+}
+
+/// Issue #32 §A dashboard: `deploy/grafana/murmur.json` is a well-formed Grafana
+/// dashboard (unique panel ids, every panel placed, with queries on the dashboard's
+/// Prometheus variable) whose queries name only metrics `docs/observe.md` lists (a
+/// histogram's `_bucket`, `_sum` and `_count` series included) and group only by labels it
+/// lists, and that shows what an operator watches: lanes, throughput and outcomes,
+/// dispatch latency, permits, workers, tokens and spend.
+#[test]
+fn the_grafana_dashboard_queries_only_the_documented_metrics() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("deploy/grafana/murmur.json")).expect("deploy/grafana/murmur.json");
+    let dashboard: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let (families, labels) = documented_metrics();
+    assert!(families.len() >= 15, "{families:?}");
+    assert!(dashboard["title"].is_string() && dashboard["uid"].is_string(), "title and uid");
+    let variables = dashboard["templating"]["list"].as_array().expect("templating.list");
+    assert!(
+        variables.iter().any(|v| v["name"] == "datasource" && v["type"] == "datasource" && v["query"] == "prometheus"),
+        "a Prometheus data source variable: {variables:?}"
+    );
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let mut ids = std::collections::BTreeSet::new();
+    let mut used = std::collections::BTreeSet::new();
+    for panel in panels {
+        let title = panel["title"].as_str().expect("a panel title");
+        assert!(ids.insert(panel["id"].as_u64().expect("a panel id")), "panel ids are unique: {title}");
+        for key in ["x", "y", "w", "h"] {
+            assert!(panel["gridPos"][key].is_u64(), "{title}: gridPos.{key}");
+        }
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}");
+        let targets = panel["targets"].as_array().filter(|t| !t.is_empty()).expect("queries");
+        let ref_ids: std::collections::BTreeSet<_> = targets.iter().map(|t| t["refId"].as_str().unwrap()).collect();
+        assert_eq!(ref_ids.len(), targets.len(), "{title}: refIds are unique");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("expr");
+            let words = expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'));
+            for word in words.filter(|w| w.starts_with("mur_") || w.starts_with("gen_ai_client_")) {
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| word.strip_suffix(s).filter(|base| families.get(*base) == Some(&true)))
+                    .unwrap_or(word);
+                assert!(families.contains_key(family), "{title}: {word} is not in docs/observe.md: {expr}");
+                used.insert(family.to_string());
+            }
+            // The labels it groups by.
+            for group in expr.split("by (").skip(1) {
+                for label in group.split(')').next().unwrap().split(',').map(str::trim) {
+                    assert!(
+                        label == "le" || labels.contains(label),
+                        "{title}: label {label} is not documented: {expr}"
+                    );
+                }
+            }
+        }
+    }
+    for wanted in [
+        "mur_tasks_waiting",
+        "mur_tasks_waiting_oldest_age_seconds",
+        "mur_task_ends_total",
+        "mur_task_dispatch_latency_seconds",
+        "mur_fanout_permits_in_use",
+        "mur_fanout_permits_cap",
+        "mur_workers_alive",
+        "mur_workers_slots_free",
+        "gen_ai_client_token_usage",
+        "mur_fleet_spend_usd_total",
+    ] {
+        assert!(used.contains(wanted), "the dashboard shows {wanted}: {used:?}");
+    }
 }
