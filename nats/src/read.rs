@@ -91,36 +91,15 @@ async fn pass(
         description: Some("murmur: a one-pass read, deleted when done".into()),
         ..Default::default()
     };
-    let mut consumer = store.stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
+    let consumer = store.stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
     let reader = Reader::new(&store.stream, consumer.cached_info().name.clone(), false);
-    let mut pending = consumer.cached_info().num_pending;
-    if pending == 0 {
-        // Asked again: the info the create returned may predate the consumer's first look.
-        pending = consumer.info().await.map_err(|e| fail("read the reader")(e.into()))?.num_pending;
-    }
-    while pending > 0 {
-        let want = usize::try_from(pending).unwrap_or(BATCH).min(BATCH);
-        let mut batch = consumer
-            .fetch()
-            .max_messages(want)
-            .expires(PULL_WAIT)
-            .messages()
-            .await
-            .map_err(|e| fail("pull")(e.into()))?;
-        let mut got = 0;
-        while let Some(msg) = batch.next().await {
-            let msg = msg.map_err(fail("pull"))?;
-            let entry = entry_of(store, &msg).map_err(fail("read an entry"))?;
-            pending = entry.delta;
-            got += 1;
-            visit(entry);
-        }
-        if got == 0 {
-            return Err(fail("pull")(format!("no entry within {PULL_WAIT:?} while {pending} are pending").into()));
-        }
-    }
-    reader.delete().await;
-    Ok(())
+    drain(consumer, reader, &store.name, ("read an entry", "entry"), |msg| {
+        let entry = entry_of(store, &msg)?;
+        let pending = entry.delta;
+        visit(entry);
+        Ok(pending)
+    })
+    .await
 }
 
 /// Hands `visit` every message of `stream` on `subject` (a subject filter), oldest first,
@@ -148,9 +127,33 @@ pub async fn messages(
         description: Some("murmur: a one-pass read, deleted when done".into()),
         ..Default::default()
     };
-    let mut consumer = stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
+    let consumer = stream.create_consumer(config).await.map_err(|e| fail("create the reader")(e.into()))?;
     let reader = Reader::new(stream, consumer.cached_info().name.clone(), false);
-    let mut pending = consumer.info().await.map_err(|e| fail("read the reader")(e.into()))?.num_pending;
+    drain(consumer, reader, &name, ("read a message", "message"), |msg| {
+        let pending = msg.info().map_err(|e| async_nats::Error::from(e.to_string()))?.pending;
+        visit(msg);
+        Ok(pending)
+    })
+    .await
+}
+
+/// Pulls `consumer` until nothing is pending — the count its info gives at the start,
+/// then the count `each` returns for each message it is handed (the message's own
+/// pending count) — and deletes it. `what` names a failure of `each` in the [`Error`]
+/// and `noun` the thing a pull brought nothing of.
+async fn drain(
+    mut consumer: async_nats::jetstream::consumer::PullConsumer,
+    reader: Reader,
+    bucket: &str,
+    (what, noun): (&'static str, &str),
+    mut each: impl FnMut(async_nats::jetstream::Message) -> Result<u64, async_nats::Error>,
+) -> Result<(), Error> {
+    let fail = |what: &'static str, source: async_nats::Error| Error { bucket: bucket.to_string(), what, source };
+    let mut pending = consumer.cached_info().num_pending;
+    if pending == 0 {
+        // Asked again: the info the create returned may predate the consumer's first look.
+        pending = consumer.info().await.map_err(|e| fail("read the reader", e.into()))?.num_pending;
+    }
     while pending > 0 {
         let want = usize::try_from(pending).unwrap_or(BATCH).min(BATCH);
         let mut batch = consumer
@@ -159,16 +162,14 @@ pub async fn messages(
             .expires(PULL_WAIT)
             .messages()
             .await
-            .map_err(|e| fail("pull")(e.into()))?;
+            .map_err(|e| fail("pull", e.into()))?;
         let mut got = 0;
         while let Some(msg) = batch.next().await {
-            let msg = msg.map_err(fail("pull"))?;
-            pending = msg.info().map_err(|e| fail("read a message")(e.to_string().into()))?.pending;
+            pending = each(msg.map_err(|e| fail("pull", e))?).map_err(|e| fail(what, e))?;
             got += 1;
-            visit(msg);
         }
         if got == 0 {
-            return Err(fail("pull")(format!("no message within {PULL_WAIT:?} while {pending} are pending").into()));
+            return Err(fail("pull", format!("no {noun} within {PULL_WAIT:?} while {pending} are pending").into()));
         }
     }
     reader.delete().await;
