@@ -343,8 +343,9 @@ fn write_secret(path: &Path, text: &str) -> Result<()> {
     file.write_all(text.as_bytes()).with_context(|| format!("mur auth init: {}", path.display()))
 }
 
-/// A CA, and a server certificate it signed for `hosts`, 127.0.0.1 and localhost: the CA's
-/// PEM, the certificate's, and its key's.
+/// A CA, and a server certificate it signed for `hosts`, 127.0.0.1 and localhost, usable
+/// for serving clients and for the routes between cluster nodes (server and client auth):
+/// the CA's PEM, the certificate's, and its key's.
 fn certificates(hosts: &[String]) -> Result<(String, String, String)> {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
@@ -364,7 +365,10 @@ fn certificates(hosts: &[String]) -> Result<(String, String, String)> {
         .with_context(|| format!("--host: a name or address the certificate can carry, got {names:?}"))?;
     params.distinguished_name.push(DnType::CommonName, "murmur nats-server");
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    // ClientAuth too: in a cluster each node presents this certificate when it opens a route
+    // to another, and nats-server requires and verifies a client certificate on every route
+    // (deploy/nats.conf), which Go accepts only with the clientAuth usage.
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
     let cert = params.signed_by(&key, &issuer).context("the server certificate")?;
     Ok((ca_pem, cert.pem(), key.serialize_pem()))
 }
@@ -448,4 +452,26 @@ fn token(cmd: TokenCommand) -> Result<ExitCode> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+
+    /// The DER of an OID's content octets, as they appear inside a certificate.
+    fn oid(der: &[u8], content: &[u8]) -> bool {
+        der.windows(content.len()).any(|w| w == content)
+    }
+
+    #[test]
+    fn the_server_certificate_serves_clients_and_opens_cluster_routes() {
+        let (_, cert, _) = certificates(&["nats-1".to_string()]).unwrap();
+        let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        // id-kp-serverAuth 1.3.6.1.5.5.7.3.1 and id-kp-clientAuth 1.3.6.1.5.5.7.3.2 (RFC 5280
+        // §4.2.1.12): nats-server verifies a route's certificate as a client certificate.
+        assert!(oid(&der, &[0x06, 0x08, 0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x01]), "serverAuth");
+        assert!(oid(&der, &[0x06, 0x08, 0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x02]), "clientAuth");
+        assert!(oid(&der, b"nats-1"), "the --host name is in the certificate");
+    }
 }

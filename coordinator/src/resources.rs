@@ -244,7 +244,13 @@ impl Settings {
             allow_rollup: true,
             deny_delete: true,
             deny_purge: false,
-            allow_direct: true,
+            // Direct gets are answered by any replica, a follower that has not applied the
+            // latest write included: with several replicas a record read right after it was
+            // written (the A2A endpoint reading the task it just submitted, through the
+            // other coordinator) came back "not found" (issue #33, deploy/chaos). Without
+            // them a key's read goes to the stream's leader, which has every acknowledged
+            // write. One replica has no follower: direct gets stay, as async-nats makes them.
+            allow_direct: self.replicas == 1,
             discard: DiscardPolicy::New,
             ..Default::default()
         }
@@ -677,6 +683,26 @@ mod tests {
         assert_eq!((s.ack_wait_secs, s.max_deliver, s.storage), (30, 5, Storage::File));
         let s: Settings = serde_yaml_ng::from_str("ack_wait_secs: 45\nstorage: memory\nreplicas: 3\n").unwrap();
         assert_eq!((s.ack_wait_secs, s.storage, s.replicas), (45, Storage::Memory, 3));
+    }
+
+    #[test]
+    fn replicated_buckets_are_read_from_the_stream_leader() {
+        let one = Settings::default();
+        let three = Settings { replicas: 3, ..Settings::default() };
+        let bucket = |s: &Settings| s.kv_stream(cluster::TASKS_BUCKET, "records", 5);
+        assert_eq!((bucket(&one).num_replicas, bucket(&one).allow_direct), (1, true));
+        assert_eq!((bucket(&three).num_replicas, bucket(&three).allow_direct), (3, false));
+        // Every stream the coordinator makes carries the replicas setting.
+        for config in [
+            three.dispatch_stream(),
+            three.dead_letter_stream(),
+            three.trace_stream(),
+            three.tasks_stream(),
+            three.object_stream(cluster::CAPSULES_STORE, "bundles"),
+            three.fleet_stream(),
+        ] {
+            assert_eq!(config.num_replicas, 3, "{}", config.name);
+        }
     }
 
     #[test]
