@@ -99,6 +99,8 @@ mod replay;
 mod watchers;
 
 use endpoints::*;
+pub use endpoints::ListCursor;
+pub(crate) use endpoints::ListRequest;
 use leadership::*;
 pub use leadership::{run, run_with_identity};
 use release::*;
