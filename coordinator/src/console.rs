@@ -86,7 +86,9 @@ async fn secure_headers(mut response: Response) -> Response {
         HeaderValue::from_static("default-src 'none'; style-src 'self'; script-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
     );
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // Not `no-referrer`: under it the browser sends `Origin: null` with the console's own
+    // forms, which [`cross_site`] refuses.
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     h.entry(header::CACHE_CONTROL).or_insert(HeaderValue::from_static("no-store"));
     response
 }
@@ -123,7 +125,7 @@ fn presented(headers: &HeaderMap) -> HeaderMap {
 }
 
 impl Console {
-    fn viewer(&self, headers: &HeaderMap, access: Access) -> Result<Viewer, Response> {
+    fn viewer(&self, headers: &HeaderMap, access: Access) -> Result<Viewer, Refused> {
         admit(&self.guard, headers, access)
     }
 
@@ -132,10 +134,20 @@ impl Console {
     }
 }
 
+/// A request [`admit`] turned away: its status (401, 403) and the page saying why.
+#[derive(Debug)]
+struct Refused(StatusCode, String);
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        html(self.0, self.1)
+    }
+}
+
 /// Who is asking, if they may do `access` (a cluster-wide token; admin scope to act);
 /// otherwise the page to answer with (401: the sign-in form; 403: what the token may not
 /// do).
-fn admit(guard: &Guard, headers: &HeaderMap, access: Access) -> Result<Viewer, Response> {
+fn admit(guard: &Guard, headers: &HeaderMap, access: Access) -> Result<Viewer, Refused> {
     let grant = match guard.authenticate(&presented(headers)) {
         Ok(grant) => grant,
         Err(refusal) => {
@@ -144,7 +156,7 @@ fn admit(guard: &Guard, headers: &HeaderMap, access: Access) -> Result<Viewer, R
             } else {
                 format!("That token was not accepted ({}).", refusal.error.message)
             };
-            return Err(html(StatusCode::UNAUTHORIZED, render::login_page(&why)));
+            return Err(Refused(StatusCode::UNAUTHORIZED, render::login_page(&why)));
         }
     };
     let Some(grant) = grant else { return Ok(Viewer { token: None, can_act: true }) };
@@ -154,7 +166,7 @@ fn admit(guard: &Guard, headers: &HeaderMap, access: Access) -> Result<Viewer, R
     };
     match Guard::authorize(Some(&grant), None, access) {
         Ok(()) => Ok(viewer),
-        Err(refusal) => Err(html(
+        Err(refusal) => Err(Refused(
             StatusCode::FORBIDDEN,
             render::error_page("Not allowed", &refusal.error.message, &Viewer { can_act: false, ..viewer }),
         )),
@@ -181,7 +193,7 @@ fn unavailable(viewer: &Viewer, e: impl std::fmt::Display) -> Response {
 async fn cluster(State(c): State<Arc<Console>>, headers: HeaderMap) -> Response {
     let viewer = match c.viewer(&headers, Access::Read) {
         Ok(v) => v,
-        Err(page) => return page,
+        Err(page) => return page.into_response(),
     };
     match c.status().await {
         Ok(status) => html(StatusCode::OK, render::cluster_page(&status, SystemClock.now_ms(), &viewer)),
@@ -194,7 +206,7 @@ async fn cluster(State(c): State<Arc<Console>>, headers: HeaderMap) -> Response 
 /// subscriptions to the buckets' subjects: no consumer is made), or every [`LIVE_TICK`].
 async fn events(State(c): State<Arc<Console>>, headers: HeaderMap) -> Response {
     if let Err(page) = c.viewer(&headers, Access::Read) {
-        return page;
+        return page.into_response();
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(4);
     tokio::spawn(async move {
@@ -305,7 +317,7 @@ async fn tasks(
 ) -> Response {
     let viewer = match c.viewer(&headers, Access::Read) {
         Ok(v) => v,
-        Err(page) => return page,
+        Err(page) => return page.into_response(),
     };
     let query = match parse_query(&q) {
         Ok(query) => query,
@@ -356,7 +368,7 @@ async fn show_task(c: &Console, viewer: &Viewer, id: &str, notice: Option<&str>)
 async fn task(State(c): State<Arc<Console>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     match c.viewer(&headers, Access::Read) {
         Ok(viewer) => show_task(&c, &viewer, &id, None).await,
-        Err(page) => page,
+        Err(page) => page.into_response(),
     }
 }
 
@@ -369,7 +381,7 @@ async fn cancel(State(c): State<Arc<Console>>, headers: HeaderMap, Path(id): Pat
     }
     let viewer = match c.viewer(&headers, Access::Write) {
         Ok(v) => v,
-        Err(page) => return page,
+        Err(page) => return page.into_response(),
     };
     let body = serde_json::to_vec(&TaskRef { task_id: TaskId::unchecked(id.as_str()) }).expect("a task ref serializes");
     let notice = match mur_nats::api::call::<TaskRecord>(&c.client, api::TASK_CANCEL, body).await {
@@ -417,7 +429,7 @@ async fn login(
             }
             response
         }
-        Err(page) => page,
+        Err(page) => page.into_response(),
     }
 }
 
@@ -515,16 +527,67 @@ mod tests {
         keyring.insert(record);
         let guard = Guard::new(mur_a2a::auth::Mode::Required, keyring);
         let refused = admit(&guard, &HeaderMap::new(), Access::Read).unwrap_err();
-        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(refused.0, StatusCode::UNAUTHORIZED);
+        assert!(refused.1.contains("This console needs a token"));
         let mut h = HeaderMap::new();
         h.insert(header::COOKIE, HeaderValue::from_str(&format!("{COOKIE}={token}")).unwrap());
         let viewer = admit(&guard, &h, Access::Read).unwrap();
         assert_eq!(viewer, Viewer { token: Some("watch".into()), can_act: false });
-        assert_eq!(admit(&guard, &h, Access::Write).unwrap_err().status(), StatusCode::FORBIDDEN);
+        assert_eq!(admit(&guard, &h, Access::Write).unwrap_err().0, StatusCode::FORBIDDEN);
         // Nothing checked (a loopback `mur dev` before any token exists): open, and may act.
         assert_eq!(
             admit(&Guard::off(), &HeaderMap::new(), Access::Write).unwrap(),
             Viewer { token: None, can_act: true }
         );
+    }
+
+    /// The task list's render cost over 10,000 tasks, paged (issue #38; figures in
+    /// docs/benchmarks.md): every page of 50 rendered, against the baseline of encoding the
+    /// same records as the `task.list` reply's JSON, in the same process.
+    /// `cargo test -p mur-coordinator --release --lib console_render_figures -- --ignored --nocapture`
+    #[test]
+    #[ignore = "a benchmark: prints figures"]
+    fn console_render_figures_for_ten_thousand_tasks() {
+        use std::time::Instant;
+        let records: Vec<TaskRecord> = (0..10_000u64)
+            .map(|i| {
+                serde_json::from_value(serde_json::json!({
+                    "task_id": format!("tsk_{i:08}"), "capsule": format!("capsule-{}", i % 7), "capsule_digest": "d",
+                    "context_id": format!("ctx_{i}"), "text": format!("task {i}: <b>summarise</b> the report & reply {}", "x".repeat(200)),
+                    "origin": "user", "lane": "user", "state": "completed", "exit_status": "ok", "attempt": 1,
+                    "submitted_at": 1_700_000_000_000u64 + i, "result": "y".repeat(500),
+                }))
+                .unwrap()
+            })
+            .collect();
+        let viewer = Viewer::default();
+        let query = TaskQuery::default();
+        for round in 0..3 {
+            let (mut render_ns, mut json_ns, mut bytes) = (0u128, 0u128, 0usize);
+            for start in (0..records.len()).step_by(render::PAGE_SIZE) {
+                // One more than a page, as the console asks `task.list` for.
+                let page: Vec<TaskRecord> = records[start..records.len().min(start + render::PAGE_SIZE + 1)].to_vec();
+                let t = Instant::now();
+                let json = serde_json::to_vec(&page).unwrap();
+                json_ns += t.elapsed().as_nanos();
+                std::hint::black_box(json);
+                let t = Instant::now();
+                let (page, next) = paged(page);
+                let html = render::tasks_page(&page, &query, next.as_ref(), &viewer);
+                render_ns += t.elapsed().as_nanos();
+                bytes += html.len();
+                std::hint::black_box(html);
+            }
+            let pages = (10_000 / render::PAGE_SIZE) as u128;
+            println!(
+                "round {round}: {pages} pages of {}: render {:.1} µs/page, baseline (the page's JSON) {:.1} µs/page, \
+                 ratio {:.2}, {} KiB/page",
+                render::PAGE_SIZE,
+                render_ns as f64 / pages as f64 / 1000.0,
+                json_ns as f64 / pages as f64 / 1000.0,
+                render_ns as f64 / json_ns as f64,
+                bytes / pages as usize / 1024
+            );
+        }
     }
 }

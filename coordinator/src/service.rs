@@ -98,9 +98,9 @@ mod release;
 mod replay;
 mod watchers;
 
-use endpoints::*;
 pub use endpoints::ListCursor;
 pub(crate) use endpoints::ListRequest;
+use endpoints::*;
 use leadership::*;
 pub use leadership::{run, run_with_identity};
 use release::*;
