@@ -16,6 +16,8 @@
 //! name or the host of the base URL (rmcp's DNS-rebinding check); the sessions end when the
 //! listener shuts down.
 //!
+//! `/ui/` is the web console ([`crate::console`], issue #38), under the same guard.
+//!
 //! Authentication (issue #31): every request but `/healthz` and the agent cards passes the
 //! endpoint's [`Guard`] — a bearer token from `mur auth token create`, valid for the
 //! capsule of the path (`/mcp`: a token for every capsule, admin scope); the keyring
@@ -141,6 +143,7 @@ pub fn guarded_app(
     let mcp = Router::new()
         .nest_service(MCP_PATH, mcp_service(client.clone(), &base, mcp_stop))
         .layer(axum::middleware::from_fn_with_state(guard.clone(), cluster_wide));
+    let console = crate::console::router(client.clone(), guard.clone(), base.starts_with("https:"));
     let state = Arc::new(Endpoints { client, base, guard, routers: Mutex::new(HashMap::new()) });
     Router::new()
         .route("/healthz", axum::routing::get(healthz))
@@ -149,6 +152,7 @@ pub fn guarded_app(
         .route("/capsules/{name}/{*rest}", any(capsule_path))
         .with_state(state)
         .merge(mcp)
+        .merge(console)
 }
 
 /// `/mcp` reaches every capsule, sends included: it takes a token for every capsule, admin

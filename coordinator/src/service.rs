@@ -98,6 +98,8 @@ mod release;
 mod replay;
 mod watchers;
 
+pub use endpoints::ListCursor;
+pub(crate) use endpoints::ListRequest;
 use endpoints::*;
 use leadership::*;
 pub use leadership::{run, run_with_identity};

@@ -24,6 +24,8 @@ mod lifecycle;
 
 /// JetStream: the testkit's server, the coordinator's resources, capsule bundles.
 mod cluster;
+/// The web console in a real browser (chromium through chromedriver), issue #38.
+mod console;
 /// Detached shell commands and resume: handles, completions, abandonment, loss reports.
 mod detach;
 

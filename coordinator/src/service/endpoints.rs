@@ -2,6 +2,8 @@
 //! order, [`IntakeOrder`]), task and capsule queries, cancel, cluster status.
 
 use super::*;
+use mur_proto::task::{Lane, Origin};
+use serde::Serialize;
 
 /// How long a pass over every task record (`task.list`, `cluster.status`) may take, its
 /// wait for its turn included: a NATS client's request times out at 10 s by default, and no
@@ -102,30 +104,57 @@ impl Endpoint {
     }
 }
 
-/// `task.list`'s optional request body.
-#[derive(Debug, Default, Deserialize)]
+/// `task.list`'s optional request body (the console, issue #38, builds one too).
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-struct ListRequest {
+pub(crate) struct ListRequest {
     /// Only tasks in this state.
-    #[serde(default)]
-    state: Option<TaskState>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) state: Option<TaskState>,
     /// At most this many (the newest), 1 to [`LIST_LIMIT`]; [`LIST_LIMIT`] when absent.
-    #[serde(default)]
-    limit: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) limit: Option<usize>,
     /// Only tasks of this capsule (the A2A endpoint's `ListTasks`, issue #29 item 6).
-    #[serde(default)]
-    capsule: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) capsule: Option<String>,
     /// Only tasks of this context.
-    #[serde(default)]
-    context_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) context_id: Option<String>,
+    /// Only tasks waiting or run in this lane (issue #38).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) lane: Option<Lane>,
+    /// Only tasks of this origin (issue #38).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) origin: Option<Origin>,
+    /// Only tasks older than this one in the list's order (submitted earlier, or at the
+    /// same millisecond with a smaller id): the next page after a page ending with it
+    /// (issue #38: the console pages through any number of tasks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) before: Option<ListCursor>,
+}
+
+/// Where a page of `task.list` ends: the last task's `submitted_at` and id.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListCursor {
+    /// The task's `submitted_at`, unix ms.
+    pub submitted_at: u64,
+    /// The task's id.
+    pub task_id: String,
 }
 
 impl ListRequest {
     /// Whether `record` passes the request's filters.
-    fn matches(&self, record: &TaskRecord) -> bool {
+    pub(crate) fn matches(&self, record: &TaskRecord) -> bool {
         self.state.is_none_or(|s| s == record.state)
             && self.capsule.as_ref().is_none_or(|c| *c == record.capsule)
             && self.context_id.as_ref().is_none_or(|c| *c == record.context_id)
+            && self.lane.is_none_or(|l| l == record.lane)
+            && self.origin.is_none_or(|o| o == record.origin)
+            && self
+                .before
+                .as_ref()
+                .is_none_or(|b| (record.submitted_at, record.task_id.as_str()) < (b.submitted_at, b.task_id.as_str()))
     }
 }
 
@@ -557,5 +586,32 @@ mod tests {
         assert!(intake.may_hand_straight(11));
         assert!(!intake.may_hand_straight(12), "revision 11 may be another coordinator's submission");
         assert!(intake.may_hand_straight(5));
+    }
+
+    fn listed(id: &str, submitted_at: u64, origin: Origin) -> TaskRecord {
+        let mut r: TaskRecord = serde_json::from_value(serde_json::json!({
+            "task_id": id, "capsule": "c", "capsule_digest": "d", "context_id": "ctx_1", "text": "t",
+            "origin": "user", "lane": "user", "state": "submitted", "attempt": 0, "submitted_at": submitted_at,
+        }))
+        .unwrap();
+        r.origin = origin;
+        r.lane = origin.lane();
+        r
+    }
+
+    #[test]
+    fn a_list_request_filters_by_lane_and_origin_and_pages_after_its_cursor() {
+        let request: ListRequest =
+            serde_json::from_str(r#"{"lane": "bg", "before": {"submitted_at": 20, "task_id": "tsk_b"}}"#).unwrap();
+        assert!(request.matches(&listed("tsk_a", 20, Origin::Event)), "same ms, smaller id");
+        assert!(!request.matches(&listed("tsk_b", 20, Origin::Event)), "the cursor's own task");
+        assert!(!request.matches(&listed("tsk_c", 20, Origin::Event)), "same ms, larger id");
+        assert!(request.matches(&listed("tsk_z", 19, Origin::Schedule)));
+        assert!(!request.matches(&listed("tsk_z", 19, Origin::User)), "lane user");
+        let by_origin: ListRequest = serde_json::from_str(r#"{"origin": "schedule"}"#).unwrap();
+        assert!(by_origin.matches(&listed("tsk_z", 1, Origin::Schedule)));
+        assert!(!by_origin.matches(&listed("tsk_z", 1, Origin::Event)));
+        let bad = serde_json::from_str::<ListRequest>(r#"{"lane": "fast"}"#).unwrap_err().to_string();
+        assert!(bad.contains("unknown variant `fast`"), "{bad}");
     }
 }
