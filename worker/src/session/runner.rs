@@ -858,7 +858,7 @@ impl Session {
         self.parts.driver.taken_over_at(turn + 1);
         let (events, next) = machine.on_model_reply(Ok(reply), 0);
         for e in events {
-            if let Event::Inference { .. } = e {
+            if let Event::Inference { input_tokens, output_tokens, usage, .. } = e {
                 self.emit(Event::JournalReplay {
                     task_id: machine.task().task_id.clone(),
                     turn,
@@ -866,6 +866,8 @@ impl Session {
                     tool_name: None,
                     idempotency_key: None,
                     previous_worker: r.worker.clone(),
+                    // Billed once, by the worker that died: the task's usage counts it here.
+                    tokens: Some(mur_proto::trace::ReplayedTokens { input_tokens, output_tokens, usage }),
                 })?;
             } else {
                 self.emit(e)?;
@@ -1057,6 +1059,7 @@ impl Session {
                             tool_name: Some(name.clone()),
                             idempotency_key: Some(key.clone()),
                             previous_worker,
+                            tokens: None,
                         })?;
                     }
                     ToolStep::Rerun { previous_worker } => in_doubt = Some((InDoubtAction::Rerun, previous_worker)),
@@ -1705,6 +1708,68 @@ mod journal_tests {
             .collect();
         let seen = journal.seen.lock().unwrap().clone();
         (seen, results, sink.lines())
+    }
+
+    #[tokio::test]
+    async fn a_response_reused_at_a_takeover_brings_its_tokens_to_the_tasks_usage() {
+        use mur_proto::cluster::{Entry, Replay, Stop};
+        use mur_proto::trace::{ProviderUsage, ReplayedTokens};
+        let billed =
+            ProviderUsage { input_tokens_actual: Some(123), output_tokens_actual: Some(9), ..Default::default() };
+        let call = mur_proto::message::Block::ToolCall { id: "call_0_0".into(), name: "pay".into(), input: json!({}) };
+        let entries = [
+            Entry::ModelResponse {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                content: vec![call],
+                stop: Stop::ToolCall,
+                usage: billed.clone(),
+                at_ms: 1,
+            },
+            Entry::ToolResult {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                index: 0,
+                call_id: "call_0_0".into(),
+                tool: "pay".into(),
+                text: "paid before".into(),
+                is_error: false,
+                in_doubt: None,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                at_ms: 2,
+            },
+        ];
+        let (seen, results, trace) = run_taken_over(1, 1, &[], Some(Replay::fold("tsk_1", entries))).await;
+        // Nothing ran again, and the model was not asked turn 0 again.
+        assert!(!seen.iter().any(|s| matches!(s, Seen::Effect(_))), "{seen:?}");
+        assert_eq!(results, ["paid before"]);
+        let replayed: Vec<&Option<ReplayedTokens>> = trace
+            .iter()
+            .filter_map(|l| match &l.event {
+                Event::JournalReplay { what, tokens, .. } if what == "model_response" => Some(tokens),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(replayed.len(), 1);
+        assert_eq!(replayed[0].as_ref().map(|t| &t.usage), Some(&billed));
+        // The task's usage: the reused response's 123 + 9, and the one call made here.
+        let tally = crate::usage::UsageTally::default();
+        for l in &trace {
+            crate::trace::Sink::write(&mut tally.clone(), l).unwrap();
+        }
+        let made: Vec<(u64, u64)> = trace
+            .iter()
+            .filter_map(|l| match &l.event {
+                Event::Inference { input_tokens, output_tokens, .. } => Some((*input_tokens, *output_tokens)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(made.len(), 1);
+        let u = tally.usage().unwrap();
+        assert_eq!((u.input_tokens, u.output_tokens), (123 + made[0].0, 9 + made[0].1));
     }
 
     #[tokio::test]
