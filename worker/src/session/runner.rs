@@ -1006,11 +1006,17 @@ impl Session {
     }
 
     /// Whether tool `name` is declared idempotent: a `tools:` entry's `idempotent`, the
-    /// shell tools' `capabilities.shell.idempotent`; anything else is not.
+    /// shell tools' `capabilities.shell.idempotent`, an MCP server's tool listed in its
+    /// `mcp_servers[].idempotent` (`mcp__<server>__<tool>`); anything else is not.
     fn idempotent(&self, name: &str) -> bool {
         let m = &self.cfg.manifest;
         if m.capabilities.shell_allow.iter().any(|b| b == name) {
             return m.capabilities.shell_idempotent;
+        }
+        if let Some((server, tool)) =
+            name.strip_prefix(mur_proto::manifest::MCP_TOOL_PREFIX).and_then(|n| n.split_once("__"))
+        {
+            return m.mcp_servers.iter().any(|s| s.name == server && s.idempotent.iter().any(|t| t == tool));
         }
         m.tools.iter().find(|t| t.name == name).is_some_and(|t| t.idempotent)
     }
@@ -1599,8 +1605,23 @@ mod journal_tests {
         (seen, results)
     }
 
+    const MANIFEST: &str =
+        "name: ledger\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 50\n";
+
     /// [`run`], as a takeover with `replay` when given; also returns the trace.
     async fn run_taken_over(
+        turns: usize,
+        calls: usize,
+        refuse: &[&str],
+        replay: Option<mur_proto::cluster::Replay>,
+    ) -> (Vec<Seen>, Vec<String>, Vec<mur_proto::trace::Line>) {
+        run_with(MANIFEST, "pay", turns, calls, refuse, replay).await
+    }
+
+    /// [`run_taken_over`] with `manifest`, the model calling `tool`.
+    async fn run_with(
+        manifest: &str,
+        tool: &str,
         turns: usize,
         calls: usize,
         refuse: &[&str],
@@ -1621,16 +1642,12 @@ mod journal_tests {
             .map(|_| {
                 reply(
                     None,
-                    (0..calls).map(|_| ScriptedCall { name: "pay".into(), input: json!({}), id: None }).collect(),
+                    (0..calls).map(|_| ScriptedCall { name: tool.into(), input: json!({}), id: None }).collect(),
                 )
             })
             .collect();
         replies.push(reply(Some("done"), vec![]));
-        let manifest = Manifest::from_yaml(
-            "name: ledger\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 50\n",
-            &|_| None,
-        )
-        .unwrap();
+        let manifest = Manifest::from_yaml(manifest, &|_| None).unwrap();
         let cfg = SessionConfig {
             manifest: Arc::new(manifest),
             model: String::new(),
@@ -1650,7 +1667,7 @@ mod journal_tests {
             resumed_from: None,
         };
         let specs: Arc<[ToolSpec]> = Arc::new([ToolSpec {
-            name: "pay".into(),
+            name: tool.into(),
             description: "pays".into(),
             parameters: json!({"type": "object", "properties": {}}),
         }]);
@@ -1708,6 +1725,56 @@ mod journal_tests {
             .collect();
         let seen = journal.seen.lock().unwrap().clone();
         (seen, results, sink.lines())
+    }
+
+    /// A takeover finds `tool`'s call of turn 0 started and never ended; what was done.
+    async fn in_doubt_after_takeover(manifest: &str, tool: &str) -> (Vec<Seen>, Vec<String>) {
+        use mur_proto::cluster::{Entry, Replay, Stop};
+        let call = mur_proto::message::Block::ToolCall { id: "call_0_0".into(), name: tool.into(), input: json!({}) };
+        let entries = [
+            Entry::ModelResponse {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                content: vec![call],
+                stop: Stop::ToolCall,
+                usage: Default::default(),
+                at_ms: 1,
+            },
+            Entry::ToolStart {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                index: 0,
+                call_id: "call_0_0".into(),
+                tool: tool.into(),
+                key: "tsk_1.0.0".into(),
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                at_ms: 2,
+            },
+        ];
+        let (seen, results, _) = run_with(manifest, tool, 1, 1, &[], Some(Replay::fold("tsk_1", entries))).await;
+        (seen, results)
+    }
+
+    #[tokio::test]
+    async fn an_mcp_tool_in_doubt_runs_again_only_when_its_server_lists_it_idempotent() {
+        let with = |server: &str| {
+            format!(
+                "{MANIFEST}mcp_servers:\n  - name: {server}\n    command: [bank-server]\n    idempotent: [set_limit]\n"
+            )
+        };
+        // Listed: run again, with the same key.
+        let (seen, results) = in_doubt_after_takeover(&with("bank"), "mcp__bank__set_limit").await;
+        assert_eq!(results, ["paid"]);
+        assert!(seen.contains(&Seen::Effect("tsk_1.0.0".into())), "{seen:?}");
+        // Another tool of the same server, and the same tool name on another server: reported.
+        for (manifest, tool) in [(with("bank"), "mcp__bank__transfer"), (with("other"), "mcp__bank__set_limit")] {
+            let (seen, results) = in_doubt_after_takeover(&manifest, tool).await;
+            assert!(!seen.iter().any(|s| matches!(s, Seen::Effect(_))), "{tool}: {seen:?}");
+            assert_eq!(results, [mur_proto::cluster::in_doubt_text(tool, "tsk_1.0.0", "wkr-a")], "{tool}");
+        }
     }
 
     #[tokio::test]
