@@ -46,6 +46,19 @@ pub struct ProviderUsage {
     pub cache_write_tokens: Option<u64>,
 }
 
+/// The tokens of a model response reused from the tool-call journal (a `journal_replay`
+/// line's `tokens`): the fields of the `inference` line it stands for.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayedTokens {
+    /// The runtime's estimate of the request's input tokens.
+    pub input_tokens: u64,
+    /// The runtime's estimate of the response's output tokens.
+    pub output_tokens: u64,
+    /// The provider's own counts, where it reported them.
+    #[serde(default)]
+    pub usage: ProviderUsage,
+}
+
 /// What a model response decided, as the `inference` line records it:
 /// `tool_call` → `tool_call`, `end_turn` → `end_turn`, anything else (`max_tokens`
 /// included) → `text` (the runtime reference, §4).
@@ -242,6 +255,11 @@ pub enum Event {
         idempotency_key: Option<String>,
         /// The worker that did it first.
         previous_worker: String,
+        /// For a `model_response`: its tokens, as its `inference` line would have counted
+        /// them. The worker that was billed for the call died before it could report it,
+        /// so the task's usage counts them here, once.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokens: Option<ReplayedTokens>,
     },
     /// A shell command, written right after its `tool_call` line.
     Shell {

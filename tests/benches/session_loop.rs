@@ -17,9 +17,9 @@
 //!   and for the driver's cached encoder;
 //! - (f) the tool-call journal's cost (issue #34): task (a) as a cluster task
 //!   (`run_task_durable`) with its journal appended to a KV bucket of a real nats-server
-//!   started here (three acknowledged appends per turn: the response, the call's start, its
-//!   result), beside the same task durable with no journal, interleaved; and each append's
-//!   own round trip.
+//!   started here (three entries per turn: the response, the call's start, its result,
+//!   acknowledged together by one sync before the call runs), beside the same task durable
+//!   with no journal, interleaved; and each sync's own round trip.
 //!
 //! Runtime overhead per turn is measured by wrapping the driver: the gap between the
 //! starts of two consecutive model calls, minus the time spent inside the first of them.
@@ -49,7 +49,7 @@ use mur_worker::driver::{Driver, Error, ModelRequest, ModelResponse, ToolSpec};
 use mur_worker::hooks::NoHooks;
 use mur_worker::session::runner::Parts;
 use mur_worker::session::spend::{Position, Spend};
-use mur_worker::session::{Checkpoints, Durable, Journal, Session, SessionConfig, TaskSpec, TurnCheckpoint};
+use mur_worker::session::{Checkpoints, Durable, Journal, Session, SessionConfig, TaskSpec, TurnCheckpoint, Unstored};
 use mur_worker::tokens::{self, Estimator};
 use mur_worker::tools::{CallContext, Outcome, Tools};
 use mur_worker::trace::{FileSink, Tracer};
@@ -239,9 +239,13 @@ fn manifest(driver: &str, model: Option<&str>, max_turns: usize) -> Arc<Manifest
 
 /// Runs one task of `turns` model calls through a real [`Session`] with `driver` wrapped in
 /// [`Timed`], writing the trace to `dir/trace.jsonl`; returns the calls as seen.
-/// A journal appended to a KV bucket, as the worker's adapter does, timing each append.
+/// A journal appended to a KV bucket, as the worker's adapter does (entries published
+/// without waiting, their acknowledgements awaited together at each sync), timing each
+/// sync: one round trip.
 struct KvJournal {
     kv: async_nats::jetstream::kv::Store,
+    js: async_nats::jetstream::Context,
+    pending: Mutex<Vec<(String, async_nats::jetstream::context::PublishAckFuture)>>,
     times: Mutex<Vec<Duration>>,
 }
 
@@ -251,12 +255,26 @@ impl Journal for KvJournal {
         "wkr-bench"
     }
 
-    async fn append(&self, entry: Entry) -> Result<(), String> {
-        let t = Instant::now();
-        let json = entry.clone().fit(1 << 20).map_err(|e| e.to_string())?;
-        self.kv.put(entry.key(), json.into()).await.map_err(|e| e.to_string())?;
-        self.times.lock().unwrap().push(t.elapsed());
+    async fn post(&self, entry: Entry) -> Result<(), String> {
+        let key = entry.key();
+        let json = entry.fit(1 << 20).map_err(|e| e.to_string())?;
+        let ack = self.js.publish(format!("{}{key}", self.kv.prefix), json.into()).await.map_err(|e| e.to_string())?;
+        self.pending.lock().unwrap().push((key, ack));
         Ok(())
+    }
+
+    async fn sync(&self) -> Vec<Unstored> {
+        let t = Instant::now();
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap());
+        let mut unstored = Vec::new();
+        let acks = futures::future::join_all(pending.into_iter().map(|(key, ack)| async move { (key, ack.await) }));
+        for (key, ack) in acks.await {
+            if let Err(e) = ack {
+                unstored.push(Unstored { key, why: e.to_string() });
+            }
+        }
+        self.times.lock().unwrap().push(t.elapsed());
+        unstored
     }
 }
 
@@ -717,18 +735,20 @@ fn main() {
 
     // (f) the tool-call journal (issue #34).
     let nats = mur_tests::nats::NatsServer::start();
-    let kv = runtime.block_on(async {
+    let (kv, js) = runtime.block_on(async {
         let client = async_nats::connect(nats.url()).await.expect("connect to nats-server");
         let js = async_nats::jetstream::new(client);
-        js.create_key_value(async_nats::jetstream::kv::Config {
-            bucket: "bench_sessions".into(),
-            history: 1,
-            ..Default::default()
-        })
-        .await
-        .expect("create the bucket")
+        let kv = js
+            .create_key_value(async_nats::jetstream::kv::Config {
+                bucket: "bench_sessions".into(),
+                history: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("create the bucket");
+        (kv, js)
     });
-    let journal = Arc::new(KvJournal { kv, times: Mutex::new(Vec::new()) });
+    let journal = Arc::new(KvJournal { kv, js, pending: Mutex::new(Vec::new()), times: Mutex::new(Vec::new()) });
     let (mut with, mut without) = (Vec::new(), Vec::new());
     for i in 0..runs {
         for journaled in [false, true] {
@@ -760,9 +780,13 @@ fn main() {
     println!("\n(f) the tool-call journal, task (a) durable, to a real nats-server (one tool call per turn)");
     println!("  overhead per turn p50, no journal   {}", us(without_p50));
     println!("  overhead per turn p50, journaled    {}", us(with_p50));
-    println!("  journaling per tool call, p50       {} (3 appends: response, start, result)", us(per_call));
     println!(
-        "  one append's round trip            p50 {}  p90 {}  ({} appends)",
+        "  journaling per tool call, p50       {} (3 entries: response, start, result; one sync)  ratio to no journal {:.2}",
+        us(per_call),
+        ratio(with_p50, without_p50)
+    );
+    println!(
+        "  one sync's round trip              p50 {}  p90 {}  ({} syncs)",
         us(p50(&appends)),
         us({
             let mut a = appends.clone();

@@ -1287,6 +1287,10 @@ async fn journal_chaos(calls: u32, kills: u32) -> JournalCounts {
     let replays = of_type(&trace, "journal_replay");
     counts.replayed_responses = replays.iter().filter(|l| l["what"] == "model_response").count();
     counts.replayed_results = replays.iter().filter(|l| l["what"] == "tool_result").count();
+    // A reused response brings its tokens (billed once, by the worker that died).
+    for l in replays.iter().filter(|l| l["what"] == "model_response") {
+        assert!(l["tokens"]["input_tokens"].as_u64().is_some_and(|n| n > 0), "{l}");
+    }
     // (a), (b), (c) each leave the turn's response journaled; (c) its result too.
     assert!(counts.replayed_responses >= (counts.kills[0] + counts.kills[1] + counts.kills[2]) as usize, "{counts:?}");
     assert!(counts.replayed_results >= counts.kills[2] as usize, "{counts:?}");

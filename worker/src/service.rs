@@ -60,7 +60,7 @@ use crate::bundle;
 use crate::capsule::{self, Capsule};
 use crate::launch::{Setup, build_session_parts};
 use crate::session::machine::Counters;
-use crate::session::{Checkpoints, Durable, Journal, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint};
+use crate::session::{Checkpoints, Durable, Journal, Resumed, Session, Takeover, TaskSpec, TurnCheckpoint, Unstored};
 use crate::tools::background::DetachSink;
 use crate::tools::fleet::FleetAccess;
 use crate::tools::{Toolbox, Tools};
@@ -242,6 +242,9 @@ async fn open_resources(js: &jetstream::Context) -> Result<Opened, Error> {
 /// What every task handler shares.
 struct Shared {
     client: async_nats::Client,
+    /// The JetStream context the buckets were opened with: journal entries are published
+    /// through it and their acknowledgements awaited together ([`KvCheckpoints`]).
+    js: jetstream::Context,
     tasks: kv::Store,
     /// `mur_sessions`: per-turn checkpoints and threaded conversations.
     sessions: kv::Store,
@@ -333,7 +336,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     let heartbeat_stop = CancellationToken::new();
     let heartbeat = tokio::spawn(registration.clone().beat(heartbeat_stop.clone()));
 
-    let mut puller = Puller::start(&client, js, consumer).await.map_err(open(cluster::DISPATCH_CONSUMER))?;
+    let mut puller = Puller::start(&client, js.clone(), consumer).await.map_err(open(cluster::DISPATCH_CONSUMER))?;
     // Cancel notes (`mur.cancel.<task_id>`) stop the named task at once if it runs here.
     let cancels = client
         .subscribe(format!("{}*", cluster::CANCEL_SUBJECT_PREFIX))
@@ -350,6 +353,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: impl Futu
     }
     let shared = Arc::new(Shared {
         client,
+        js,
         tasks,
         sessions,
         capsules,

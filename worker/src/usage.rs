@@ -1,7 +1,8 @@
 //! A task's token usage, tallied from its session's trace (issue #11 §Cost): a trace
 //! [`Sink`] that adds up every `inference` line — the provider's counts where it reported
 //! them, the runtime's estimates where it did not ([`Usage::estimated`]) — so the worker
-//! can put the total on the task's terminal record. Hooks' own model calls count too.
+//! can put the total on the task's terminal record. Hooks' own model calls count too, and
+//! responses a takeover reused from the tool-call journal (`journal_replay` lines).
 
 use crate::trace::{Error, Sink};
 use mur_proto::cost::Usage;
@@ -38,7 +39,12 @@ impl Sink for UsageTally {
                 t.usage.model = Some(model.clone());
                 t.input_excludes_cached = driver == "anthropic";
             }
-            Event::Inference { input_tokens, output_tokens, usage, .. } => {
+            Event::Inference { input_tokens, output_tokens, usage, .. }
+            // A response reused from the journal (issue #34): billed once, by a worker
+            // that died before reporting it; counted here, once.
+            | Event::JournalReplay {
+                tokens: Some(mur_proto::trace::ReplayedTokens { input_tokens, output_tokens, usage }), ..
+            } => {
                 let excludes = t.input_excludes_cached;
                 t.usage.add_call(*input_tokens, *output_tokens, usage, excludes);
                 t.calls += 1;
@@ -98,5 +104,34 @@ mod tests {
         sink.write(&line(inference(30, 7, ProviderUsage::default()))).unwrap();
         let u = tally.usage().unwrap();
         assert_eq!((u.input_tokens, u.output_tokens, u.cached_tokens, u.estimated), (1030, 57, 400, true));
+    }
+
+    #[test]
+    fn a_response_reused_from_the_journal_counts_once_and_a_reused_result_not_at_all() {
+        let tally = UsageTally::default();
+        let mut sink = tally.clone();
+        let replay = |what: &str, tokens| Event::JournalReplay {
+            task_id: "tsk_1".into(),
+            turn: 0,
+            what: what.into(),
+            tool_name: None,
+            idempotency_key: None,
+            previous_worker: "wkr-a".into(),
+            tokens,
+        };
+        let reported =
+            ProviderUsage { input_tokens_actual: Some(700), output_tokens_actual: Some(20), ..Default::default() };
+        sink.write(&line(replay(
+            "model_response",
+            Some(mur_proto::trace::ReplayedTokens { input_tokens: 650, output_tokens: 18, usage: reported }),
+        )))
+        .unwrap();
+        sink.write(&line(replay("tool_result", None))).unwrap();
+        let u = tally.usage().unwrap();
+        assert_eq!((u.input_tokens, u.output_tokens, u.estimated), (700, 20, false));
+        // The next call, made by this worker, adds to it.
+        sink.write(&line(inference(30, 7, ProviderUsage::default()))).unwrap();
+        let u = tally.usage().unwrap();
+        assert_eq!((u.input_tokens, u.output_tokens, u.estimated), (730, 27, true));
     }
 }

@@ -310,7 +310,15 @@ impl Replay {
     /// What to do with call `index` (`call_id`, of `tool`) of turn `turn`, whose tool is
     /// `idempotent` or not. An entry recorded for another call id or tool (never expected:
     /// a replayed response asks for the same calls) is in doubt, never reused or ignored.
+    ///
+    /// Entries of a turn whose response is not journaled are ignored: no call runs before
+    /// its response is acknowledged, so a start found there (sent with the response, which
+    /// the store then refused) is of a call that never ran. Once a later attempt journals
+    /// the turn's new response, such a start counts again (in doubt: never run twice).
     pub fn tool(&self, turn: u32, index: u32, call_id: &str, tool: &str, idempotent: bool, key: &str) -> ToolStep {
+        if !self.responses.contains_key(&turn) {
+            return ToolStep::Run;
+        }
         let in_doubt = |worker: &str| {
             if idempotent {
                 ToolStep::Rerun { previous_worker: worker.to_string() }
@@ -449,6 +457,18 @@ mod tests {
             assert_eq!(replay.response(1), None, "row {i}");
             assert_eq!(replay.tool(0, 1, "c0", "pay", false, &key), Run, "row {i}");
         }
+    }
+
+    #[test]
+    fn a_start_without_its_turns_response_is_of_a_call_that_never_ran() {
+        // The response and the start were sent together; the store kept only the start.
+        let replay = Replay::fold(TASK, [start(0, 0, "wkr-a")]);
+        let key = tool_call_key(TASK, 0, 0);
+        assert_eq!(replay.response(0), None);
+        assert_eq!(replay.tool(0, 0, "c0", "pay", false, &key), ToolStep::Run);
+        // Once a response of the turn is journaled, the start is in doubt again.
+        let replay = Replay::fold(TASK, [start(0, 0, "wkr-a"), response(0)]);
+        assert!(matches!(replay.tool(0, 0, "c0", "pay", false, &key), ToolStep::Report { .. }));
     }
 
     #[test]

@@ -25,6 +25,10 @@ pub struct McpServer {
     pub tools: Option<Vec<String>>,
     /// Deadline of one tool call, seconds; default [`DEFAULT_MCP_TIMEOUT_SECS`].
     pub timeout_secs: u64,
+    /// The tools declared idempotent (by the server's own tool names; default none): a
+    /// call of one found in doubt at a takeover runs again; any other is reported to the
+    /// model (issue #34).
+    pub idempotent: Vec<String>,
 }
 
 /// How an MCP server is reached.
@@ -58,11 +62,13 @@ pub(super) struct RawMcpServer {
     headers: Option<BTreeMap<String, String>>,
     tools: Option<Vec<String>>,
     timeout_secs: Option<Int>,
+    idempotent: Option<Vec<String>>,
 }
 
 /// Checks every entry (`mcp_servers[i].<field>: <rule>`): a valid, unique name; exactly one
 /// of `command` (with `env`) and `url` (with `headers`); `${VAR}` in `env`, `url` and
-/// `headers` resolved by `env_var`; `timeout_secs` at least 1.
+/// `headers` resolved by `env_var`; `timeout_secs` at least 1; `idempotent` names tools
+/// once each, among `tools` when that is given.
 pub(super) fn validate(
     raw: Vec<RawMcpServer>,
     env_var: &dyn Fn(&str) -> Option<String>,
@@ -133,9 +139,21 @@ pub(super) fn validate(
                 }
             }
         }
+        let idempotent = s.idempotent.unwrap_or_default();
+        let mut seen = BTreeSet::new();
+        for (j, t) in idempotent.iter().enumerate() {
+            let at = format!("mcp_servers[{i}].idempotent[{j}]");
+            if t.is_empty() {
+                r.fail(&at, "must be a tool name, got \"\"");
+            } else if !seen.insert(t) {
+                r.fail(&at, format_args!("duplicate tool {t:?}"));
+            } else if s.tools.as_ref().is_some_and(|offered| !offered.contains(t)) {
+                r.fail(&at, format_args!("must be one of the tools offered (mcp_servers[{i}].tools), got {t:?}"));
+            }
+        }
         let timeout_secs = r.int(&path("timeout_secs"), s.timeout_secs, 1, DEFAULT_MCP_TIMEOUT_SECS as i64) as u64;
         if let Some(transport) = transport {
-            out.push(McpServer { name, transport, tools: s.tools, timeout_secs });
+            out.push(McpServer { name, transport, tools: s.tools, timeout_secs, idempotent });
         }
     }
     out

@@ -591,7 +591,7 @@ fn sandbox_rules_name_the_field() {
 #[test]
 fn an_mcp_servers_block_is_read_with_its_transports_and_defaults() {
     let y = format!(
-        "{MINIMAL}mcp_servers:\n  - name: git\n    command: [uvx, mcp-server-git, --repository, .]\n    env: {{ GIT_AUTHOR_NAME: murmur, KEY: \"${{TEST_KEY}}\" }}\n    tools: [git_status, git_diff]\n    timeout_secs: 60\n  - name: docs\n    url: https://mcp.example.com/mcp\n    headers: {{ Authorization: \"Bearer ${{TEST_KEY}}\" }}\n"
+        "{MINIMAL}mcp_servers:\n  - name: git\n    command: [uvx, mcp-server-git, --repository, .]\n    env: {{ GIT_AUTHOR_NAME: murmur, KEY: \"${{TEST_KEY}}\" }}\n    tools: [git_status, git_diff]\n    timeout_secs: 60\n    idempotent: [git_status]\n  - name: docs\n    url: https://mcp.example.com/mcp\n    headers: {{ Authorization: \"Bearer ${{TEST_KEY}}\" }}\n"
     );
     let m = load(&y).unwrap();
     assert_eq!(
@@ -607,6 +607,7 @@ fn an_mcp_servers_block_is_read_with_its_transports_and_defaults() {
                 },
                 tools: Some(vec!["git_status".into(), "git_diff".into()]),
                 timeout_secs: 60,
+                idempotent: vec!["git_status".into()],
             },
             McpServer {
                 name: "docs".into(),
@@ -616,6 +617,7 @@ fn an_mcp_servers_block_is_read_with_its_transports_and_defaults() {
                 },
                 tools: None,
                 timeout_secs: 300,
+                idempotent: vec![],
             },
         ]
     );
@@ -632,7 +634,7 @@ fn mcp_server_rules_name_the_field() {
         "{MINIMAL}mcp_servers:\n  - name: git\n    command: [a]\n  - name: git\n    command: [b]\n  - name: both\n    \
          command: [c]\n    url: https://x.example/mcp\n  - name: neither\n  - name: Bad.Name\n    command: [d]\n  - \
          name: web\n    url: http://example.com/mcp\n    env: {{A: b}}\n  - name: t\n    command: [e]\n    headers: {{A: \
-         b}}\n    timeout_secs: 0\n    tools: [x, x]\n  - name: u\n    url: https://x.example/mcp\n    headers: {{A: \
+         b}}\n    timeout_secs: 0\n    tools: [x, x]\n    idempotent: [x, \"\", y, x]\n  - name: u\n    url: https://x.example/mcp\n    headers: {{A: \
          \"${{NOPE}}\"}}\n"
     );
     assert_eq!(
@@ -647,6 +649,9 @@ fn mcp_server_rules_name_the_field() {
             "mcp_servers[5].url: plain http is allowed only for loopback hosts, use https: \"http://example.com/mcp\"",
             "mcp_servers[6].headers: allowed only with url",
             "mcp_servers[6].tools[1]: duplicate tool \"x\"",
+            "mcp_servers[6].idempotent[1]: must be a tool name, got \"\"",
+            "mcp_servers[6].idempotent[2]: must be one of the tools offered (mcp_servers[6].tools), got \"y\"",
+            "mcp_servers[6].idempotent[3]: duplicate tool \"x\"",
             "mcp_servers[6].timeout_secs: must be at least 1, got 0",
             "mcp_servers[7].headers.A: environment variable NOPE is not set",
         ]

@@ -81,6 +81,10 @@ pub(super) fn takeover_from(
 /// ([`cluster::Entry::key`]) to `mur_sessions`.
 pub(super) struct KvCheckpoints {
     pub(super) sessions: kv::Store,
+    /// The context `sessions` was opened with: journal entries are published through it.
+    pub(super) js: jetstream::Context,
+    /// Journal entries sent and not yet acknowledged, by key ([`Journal::sync`]).
+    pub(super) pending: std::sync::Mutex<Vec<(String, jetstream::context::PublishAckFuture)>>,
     pub(super) task_id: TaskId,
     pub(super) session_id: SessionId,
     pub(super) worker: String,
@@ -130,11 +134,26 @@ impl Journal for KvCheckpoints {
         &self.worker
     }
 
-    async fn append(&self, entry: cluster::Entry) -> Result<(), String> {
+    async fn post(&self, entry: cluster::Entry) -> Result<(), String> {
         let key = entry.key();
         let json = entry.fit(self.max_payload).map_err(|e| e.to_string())?;
         self.saved.store(true, Ordering::Relaxed);
-        // `put` returns once JetStream has acknowledged the write: the effect may start.
-        self.sessions.put(key, json.into()).await.map(drop).map_err(|e| e.to_string())
+        // The subject `kv::Store::put` writes to (the worker's context has no domain
+        // prefix), published without waiting: `sync` awaits the acknowledgements together.
+        let subject = format!("{}{key}", self.sessions.put_prefix.as_deref().unwrap_or(&self.sessions.prefix));
+        let ack = self.js.publish(subject, json.into()).await.map_err(|e| e.to_string())?;
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((key, ack));
+        Ok(())
+    }
+
+    async fn sync(&self) -> Vec<Unstored> {
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let (keys, acks): (Vec<String>, Vec<_>) = pending.into_iter().unzip();
+        // Once JetStream has acknowledged them all, the effect they guard may start.
+        let acked = futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await;
+        keys.into_iter()
+            .zip(acked)
+            .filter_map(|(key, ack)| ack.err().map(|e| Unstored { key, why: e.to_string() }))
+            .collect()
     }
 }

@@ -292,6 +292,8 @@ async fn run_dispatch_holding(
     mur_nats::metrics::task_started(&task, delivery.number, checkpointed, SystemClock.now_ms());
     let checkpoints = Arc::new(KvCheckpoints {
         sessions: sh.sessions.clone(),
+        js: sh.js.clone(),
+        pending: std::sync::Mutex::new(Vec::new()),
         task_id: task.task_id.clone(),
         session_id: session_id.clone(),
         worker: worker_id.clone(),
@@ -346,6 +348,8 @@ async fn run_dispatch_holding(
     };
     let answer = finished(written, key, delivery);
     if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
+        // Entries still in flight land before the purge, not after it.
+        checkpoints.sync().await;
         drop_checkpoints(&sh.sessions, key).await;
     }
     answer

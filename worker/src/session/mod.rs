@@ -10,5 +10,5 @@ pub mod spend;
 
 pub use machine::{Action, Outcome, TaskMachine, TaskSpec};
 pub use runner::{
-    Checkpoints, Durable, Journal, Resumed, Session, SessionConfig, Takeover, TaskReport, TurnCheckpoint,
+    Checkpoints, Durable, Journal, Resumed, Session, SessionConfig, Takeover, TaskReport, TurnCheckpoint, Unstored,
 };

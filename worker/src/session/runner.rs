@@ -107,18 +107,38 @@ pub trait Checkpoints: Send + Sync {
 /// Where a task's tool-call journal goes (issue #34; the cluster worker appends to
 /// `mur_sessions`): the model's response before any of its calls runs, each call's start
 /// before it starts, its result when it ends.
+///
+/// Entries are sent with [`Journal::post`] and acknowledged together by
+/// [`Journal::sync`], so that the appends which need not be awaited one by one share one
+/// round trip: the session syncs before every effect (a tool call runs only once its
+/// response and its start are acknowledged), and a result's acknowledgement is awaited
+/// with the next call's start.
 #[async_trait::async_trait]
 pub trait Journal: Send + Sync {
     /// The worker writing (entries name it: a takeover tells who died).
     fn worker(&self) -> &str;
 
-    /// Appends `entry` and waits until the store acknowledged it.
+    /// Sends `entry` to the store without waiting for its acknowledgement (the next
+    /// [`Journal::sync`] waits for it). Entries are sent in the order posted.
     ///
     /// # Errors
-    /// Why it was not stored: a response not stored runs none of its calls, a start not
-    /// stored does not run its call (each is answered with the reason); a result not
-    /// stored leaves the call in doubt for a takeover.
-    async fn append(&self, entry: mur_proto::cluster::Entry) -> Result<(), String>;
+    /// Why it could not be sent (it is then not stored): a response not stored runs none
+    /// of its calls, a start not stored does not run its call (each is answered with the
+    /// reason); a result not stored leaves the call in doubt for a takeover.
+    async fn post(&self, entry: mur_proto::cluster::Entry) -> Result<(), String>;
+
+    /// Waits until the store acknowledged every entry posted since the last sync, all
+    /// together, and returns those it did not store (none when all are durable).
+    async fn sync(&self) -> Vec<Unstored>;
+}
+
+/// A journal entry the store did not acknowledge ([`Journal::sync`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unstored {
+    /// Its key ([`mur_proto::cluster::Entry::key`]).
+    pub key: String,
+    /// Why, for the log and the model.
+    pub why: String,
 }
 
 /// How a cluster task runs ([`Session::run_task_durable`]): checkpointed after every turn,
@@ -210,6 +230,31 @@ struct Journaling {
     in_doubt: u32,
     /// A turn whose response could not be journaled, and why: none of its calls runs.
     unrecorded: Option<(u32, String)>,
+}
+
+impl Journaling {
+    /// Waits for every entry posted ([`Journal::sync`]): a response among those not
+    /// stored makes its turn unrecorded, a result is logged (its call will be in doubt for
+    /// a takeover). Returns why `key` was not stored, if it is among them.
+    async fn sync(&mut self, task_id: &str, key: Option<&str>) -> Option<String> {
+        let mut own = None;
+        for u in self.journal.sync().await {
+            if key == Some(u.key.as_str()) {
+                own = Some(u.why);
+            } else if let Some(turn) = response_turn(task_id, &u.key) {
+                tracing::warn!(task_id, turn, error = %u.why, "the model's response was not journaled: its tool calls will not run");
+                self.unrecorded = Some((turn, u.why));
+            } else {
+                tracing::warn!(task_id, key = %u.key, error = %u.why, "a journal entry was not stored");
+            }
+        }
+        own
+    }
+}
+
+/// The turn of a response's journal key (`jrnl.<task>.<turn>.m`), `None` for any other key.
+fn response_turn(task_id: &str, key: &str) -> Option<u32> {
+    key.strip_prefix(&mur_proto::cluster::journal_prefix(task_id))?.strip_suffix(".m")?.parse().ok()
 }
 
 /// Session totals, as `session_end` reports them.
@@ -813,7 +858,7 @@ impl Session {
         self.parts.driver.taken_over_at(turn + 1);
         let (events, next) = machine.on_model_reply(Ok(reply), 0);
         for e in events {
-            if let Event::Inference { .. } = e {
+            if let Event::Inference { input_tokens, output_tokens, usage, .. } = e {
                 self.emit(Event::JournalReplay {
                     task_id: machine.task().task_id.clone(),
                     turn,
@@ -821,6 +866,8 @@ impl Session {
                     tool_name: None,
                     idempotency_key: None,
                     previous_worker: r.worker.clone(),
+                    // Billed once, by the worker that died: the task's usage counts it here.
+                    tokens: Some(mur_proto::trace::ReplayedTokens { input_tokens, output_tokens, usage }),
                 })?;
             } else {
                 self.emit(e)?;
@@ -907,7 +954,9 @@ impl Session {
                 usage: r.usage.clone(),
                 at_ms: self.parts.clock.now_ms(),
             };
-            if let Err(e) = j.journal.append(entry).await {
+            // Acknowledged with the first call's start, before that call runs: a call runs
+            // only once its response is durable.
+            if let Err(e) = j.journal.post(entry).await {
                 tracing::warn!(task_id = %machine.task().task_id, turn, error = %e, "the model's response was not journaled: its tool calls will not run");
                 j.unrecorded = Some((turn, e));
             }
@@ -957,11 +1006,17 @@ impl Session {
     }
 
     /// Whether tool `name` is declared idempotent: a `tools:` entry's `idempotent`, the
-    /// shell tools' `capabilities.shell.idempotent`; anything else is not.
+    /// shell tools' `capabilities.shell.idempotent`, an MCP server's tool listed in its
+    /// `mcp_servers[].idempotent` (`mcp__<server>__<tool>`); anything else is not.
     fn idempotent(&self, name: &str) -> bool {
         let m = &self.cfg.manifest;
         if m.capabilities.shell_allow.iter().any(|b| b == name) {
             return m.capabilities.shell_idempotent;
+        }
+        if let Some((server, tool)) =
+            name.strip_prefix(mur_proto::manifest::MCP_TOOL_PREFIX).and_then(|n| n.split_once("__"))
+        {
+            return m.mcp_servers.iter().any(|s| s.name == server && s.idempotent.iter().any(|t| t == tool));
         }
         m.tools.iter().find(|t| t.name == name).is_some_and(|t| t.idempotent)
     }
@@ -1010,6 +1065,7 @@ impl Session {
                             tool_name: Some(name.clone()),
                             idempotency_key: Some(key.clone()),
                             previous_worker,
+                            tokens: None,
                         })?;
                     }
                     ToolStep::Rerun { previous_worker } => in_doubt = Some((InDoubtAction::Rerun, previous_worker)),
@@ -1038,9 +1094,10 @@ impl Session {
             j.in_doubt += 1;
         }
         let stamp = |j: &Journaling| (self.session_id(), j.journal.worker().to_string(), self.parts.clock.now_ms());
-        // The start, journaled and acknowledged before the call runs.
+        // The start, journaled and acknowledged before the call runs, together with what
+        // was posted before it (the turn's response, the previous call's result).
         if answered.is_none()
-            && let Some(j) = journaling.as_deref()
+            && let Some(j) = journaling.as_deref_mut()
         {
             let (session_id, worker, at_ms) = stamp(j);
             let start = Entry::ToolStart {
@@ -1054,7 +1111,19 @@ impl Session {
                 worker,
                 at_ms,
             };
-            if let Err(e) = j.journal.append(start).await {
+            let start_key = start.key();
+            let unstored = match j.journal.post(start).await {
+                Ok(()) => j.sync(&task_id, Some(&start_key)).await,
+                Err(e) => j.sync(&task_id, None).await.or(Some(e)),
+            };
+            if let Some((t, why)) = &j.unrecorded
+                && *t == turn
+            {
+                answered = Some(ToolOutcome::error(format!(
+                    "not run: the model's response could not be journaled, so a takeover could not tell whether \
+                     this call ran ({why})"
+                )));
+            } else if let Some(e) = unstored {
                 tracing::warn!(task_id, turn, index, error = %e, "a tool call's start was not journaled: it does not run");
                 answered = Some(ToolOutcome::error(format!(
                     "not run: its start could not be journaled, so a takeover could not tell whether it ran ({e})"
@@ -1098,7 +1167,9 @@ impl Session {
                 worker,
                 at_ms,
             };
-            if let Err(e) = j.journal.append(result).await {
+            // Acknowledged with the next call's start (or at the next sync): nothing
+            // waits for it before then.
+            if let Err(e) = j.journal.post(result).await {
                 tracing::warn!(task_id, turn, index, error = %e, "a tool call's result was not journaled");
             }
         }
@@ -1449,5 +1520,384 @@ fn finish_reason(stop: &crate::driver::StopReason) -> String {
         StopReason::MaxTokens => "max_tokens".into(),
         StopReason::Error(_) => "error".into(),
         StopReason::Other(other) => other.chars().take(40).collect(),
+    }
+}
+
+#[cfg(test)]
+mod journal_tests {
+    //! The session's use of the journal (issue #34): a tool call runs only once its
+    //! response and its start are acknowledged, and the appends that need not be awaited
+    //! one by one share one round trip.
+    use super::*;
+    use crate::driver::scripted::{Reply as ScriptedReply, Script, Scripted, ScriptedCall};
+    use crate::hooks::NoHooks;
+    use crate::trace::MemorySink;
+    use mur_nats::clock::SystemClock;
+    use mur_proto::cluster::Entry;
+    use mur_proto::task::Origin;
+    use serde_json::{Value, json};
+
+    /// What the journal and the tools saw, in order.
+    #[derive(Clone, Debug, PartialEq)]
+    enum Seen {
+        /// An entry posted (its key).
+        Post(String),
+        /// A sync: the keys it acknowledged.
+        Sync(Vec<String>),
+        /// A tool call's effect (its idempotency key).
+        Effect(String),
+    }
+
+    /// A journal in memory that refuses the keys in `refuse` at their sync.
+    #[derive(Default)]
+    struct Recorder {
+        seen: Mutex<Vec<Seen>>,
+        pending: Mutex<Vec<String>>,
+        refuse: Vec<String>,
+    }
+
+    #[async_trait::async_trait]
+    impl Journal for Recorder {
+        fn worker(&self) -> &str {
+            "wkr-test"
+        }
+
+        async fn post(&self, entry: Entry) -> Result<(), String> {
+            self.seen.lock().unwrap().push(Seen::Post(entry.key()));
+            self.pending.lock().unwrap().push(entry.key());
+            Ok(())
+        }
+
+        async fn sync(&self) -> Vec<Unstored> {
+            let keys = std::mem::take(&mut *self.pending.lock().unwrap());
+            let (refused, acked): (Vec<String>, Vec<String>) = keys.into_iter().partition(|k| self.refuse.contains(k));
+            self.seen.lock().unwrap().push(Seen::Sync(acked));
+            refused.into_iter().map(|key| Unstored { key, why: "refused".into() }).collect()
+        }
+    }
+
+    /// A tool that records its effect in the journal's log.
+    struct Effects(Arc<Recorder>, Arc<[ToolSpec]>);
+
+    #[async_trait::async_trait]
+    impl Tools for Effects {
+        fn specs(&self) -> Arc<[ToolSpec]> {
+            self.1.clone()
+        }
+
+        async fn call(&self, _name: &str, _input: &Value, ctx: &CallContext) -> ToolOutcome {
+            self.0.seen.lock().unwrap().push(Seen::Effect(ctx.tool_call_id.clone().unwrap_or_default()));
+            ToolOutcome {
+                text: "paid".into(),
+                is_error: false,
+                shell: None,
+                detached: None,
+                sandbox: None,
+                mcp_server: None,
+            }
+        }
+    }
+
+    /// Runs a task whose model asks for `calls` tool calls per turn for `turns` turns, then
+    /// ends; returns the journal's log and the tool results the model was given.
+    async fn run(turns: usize, calls: usize, refuse: &[&str]) -> (Vec<Seen>, Vec<String>) {
+        let (seen, results, _) = run_taken_over(turns, calls, refuse, None).await;
+        (seen, results)
+    }
+
+    const MANIFEST: &str =
+        "name: ledger\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: replies.yaml\n  max_turns: 50\n";
+
+    /// [`run`], as a takeover with `replay` when given; also returns the trace.
+    async fn run_taken_over(
+        turns: usize,
+        calls: usize,
+        refuse: &[&str],
+        replay: Option<mur_proto::cluster::Replay>,
+    ) -> (Vec<Seen>, Vec<String>, Vec<mur_proto::trace::Line>) {
+        run_with(MANIFEST, "pay", turns, calls, refuse, replay).await
+    }
+
+    /// [`run_taken_over`] with `manifest`, the model calling `tool`.
+    async fn run_with(
+        manifest: &str,
+        tool: &str,
+        turns: usize,
+        calls: usize,
+        refuse: &[&str],
+        replay: Option<mur_proto::cluster::Replay>,
+    ) -> (Vec<Seen>, Vec<String>, Vec<mur_proto::trace::Line>) {
+        let dir = tempfile::tempdir().unwrap();
+        let journal =
+            Arc::new(Recorder { refuse: refuse.iter().map(|k| k.to_string()).collect(), ..Default::default() });
+        let reply = |text: Option<&str>, tool_calls| ScriptedReply {
+            text: text.map(str::to_string),
+            tool_calls,
+            stop_reason: None,
+            error: None,
+            usage: None,
+            delay_ms: None,
+        };
+        let mut replies: Vec<ScriptedReply> = (0..turns)
+            .map(|_| {
+                reply(
+                    None,
+                    (0..calls).map(|_| ScriptedCall { name: tool.into(), input: json!({}), id: None }).collect(),
+                )
+            })
+            .collect();
+        replies.push(reply(Some("done"), vec![]));
+        let manifest = Manifest::from_yaml(manifest, &|_| None).unwrap();
+        let cfg = SessionConfig {
+            manifest: Arc::new(manifest),
+            model: String::new(),
+            model_label: "scripted".into(),
+            system_prompt: "Pay.".into(),
+            system_prompt_source: "manifest",
+            system_prompt_sha256: None,
+            call_context: CallContext {
+                capsule_dir: dir.path().to_path_buf(),
+                workdir: dir.path().to_path_buf(),
+                logs_dir: dir.path().join("logs"),
+                sandbox: None,
+                tool_call_id: None,
+            },
+            result_path: None,
+            logs_dir: None,
+            resumed_from: None,
+        };
+        let specs: Arc<[ToolSpec]> = Arc::new([ToolSpec {
+            name: tool.into(),
+            description: "pays".into(),
+            parameters: json!({"type": "object", "properties": {}}),
+        }]);
+        let sink = MemorySink::default();
+        let clock = Arc::new(SystemClock);
+        let parts = Parts {
+            driver: Arc::new(Scripted::new(Script { replies, repeat: false })),
+            tools: Arc::new(Effects(journal.clone(), specs)),
+            hooks: Arc::new(NoHooks),
+            tracer: Arc::new(Mutex::new(Tracer::new("ses_test".into(), Box::new(sink.clone()), clock.clone()))),
+            clock,
+            estimator: crate::tokens::for_model("scripted", None),
+            spend: Arc::new(Spend::new(None)),
+            position: Arc::new(Position::default()),
+        };
+        let mut session = Session::start(cfg, parts).await.unwrap();
+        let task = TaskSpec {
+            task_id: "tsk_1".into(),
+            context_id: "ctx_1".into(),
+            text: "pay".into(),
+            origin: Origin::User,
+            source: "cli".into(),
+        };
+        struct Nowhere;
+        #[async_trait::async_trait]
+        impl Checkpoints for Nowhere {
+            async fn save(&self, _: TurnCheckpoint) -> Result<(), String> {
+                Ok(())
+            }
+        }
+        let takeover = replay.map(|replay| Takeover {
+            checkpoint: None,
+            delivery: 2,
+            previous_session_id: "ses_a".into(),
+            previous_worker: "wkr-a".into(),
+            replay,
+        });
+        let durable = Durable {
+            takeover,
+            checkpoints: Arc::new(Nowhere),
+            journal: Some(journal.clone() as Arc<dyn Journal>),
+            deadline: None,
+        };
+        let report = session.run_task_durable(task, Vec::new(), CancellationToken::new(), durable).await.unwrap();
+        assert_eq!(report.outcome.exit_status, ExitStatus::Ok, "{}", report.outcome.result);
+        let results = report
+            .history
+            .iter()
+            .filter(|m| m.tool_call_id.is_some())
+            .flat_map(|m| m.content.iter())
+            .filter_map(|b| match b {
+                mur_proto::message::Block::Text { text } => Some(text.clone()),
+                mur_proto::message::Block::ToolCall { .. } => None,
+            })
+            .collect();
+        let seen = journal.seen.lock().unwrap().clone();
+        (seen, results, sink.lines())
+    }
+
+    /// A takeover finds `tool`'s call of turn 0 started and never ended; what was done.
+    async fn in_doubt_after_takeover(manifest: &str, tool: &str) -> (Vec<Seen>, Vec<String>) {
+        use mur_proto::cluster::{Entry, Replay, Stop};
+        let call = mur_proto::message::Block::ToolCall { id: "call_0_0".into(), name: tool.into(), input: json!({}) };
+        let entries = [
+            Entry::ModelResponse {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                content: vec![call],
+                stop: Stop::ToolCall,
+                usage: Default::default(),
+                at_ms: 1,
+            },
+            Entry::ToolStart {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                index: 0,
+                call_id: "call_0_0".into(),
+                tool: tool.into(),
+                key: "tsk_1.0.0".into(),
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                at_ms: 2,
+            },
+        ];
+        let (seen, results, _) = run_with(manifest, tool, 1, 1, &[], Some(Replay::fold("tsk_1", entries))).await;
+        (seen, results)
+    }
+
+    #[tokio::test]
+    async fn an_mcp_tool_in_doubt_runs_again_only_when_its_server_lists_it_idempotent() {
+        let with = |server: &str| {
+            format!(
+                "{MANIFEST}mcp_servers:\n  - name: {server}\n    command: [bank-server]\n    idempotent: [set_limit]\n"
+            )
+        };
+        // Listed: run again, with the same key.
+        let (seen, results) = in_doubt_after_takeover(&with("bank"), "mcp__bank__set_limit").await;
+        assert_eq!(results, ["paid"]);
+        assert!(seen.contains(&Seen::Effect("tsk_1.0.0".into())), "{seen:?}");
+        // Another tool of the same server, and the same tool name on another server: reported.
+        for (manifest, tool) in [(with("bank"), "mcp__bank__transfer"), (with("other"), "mcp__bank__set_limit")] {
+            let (seen, results) = in_doubt_after_takeover(&manifest, tool).await;
+            assert!(!seen.iter().any(|s| matches!(s, Seen::Effect(_))), "{tool}: {seen:?}");
+            assert_eq!(results, [mur_proto::cluster::in_doubt_text(tool, "tsk_1.0.0", "wkr-a")], "{tool}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_reused_at_a_takeover_brings_its_tokens_to_the_tasks_usage() {
+        use mur_proto::cluster::{Entry, Replay, Stop};
+        use mur_proto::trace::{ProviderUsage, ReplayedTokens};
+        let billed =
+            ProviderUsage { input_tokens_actual: Some(123), output_tokens_actual: Some(9), ..Default::default() };
+        let call = mur_proto::message::Block::ToolCall { id: "call_0_0".into(), name: "pay".into(), input: json!({}) };
+        let entries = [
+            Entry::ModelResponse {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                content: vec![call],
+                stop: Stop::ToolCall,
+                usage: billed.clone(),
+                at_ms: 1,
+            },
+            Entry::ToolResult {
+                task_id: "tsk_1".into(),
+                turn: 0,
+                index: 0,
+                call_id: "call_0_0".into(),
+                tool: "pay".into(),
+                text: "paid before".into(),
+                is_error: false,
+                in_doubt: None,
+                session_id: "ses_a".into(),
+                worker: "wkr-a".into(),
+                at_ms: 2,
+            },
+        ];
+        let (seen, results, trace) = run_taken_over(1, 1, &[], Some(Replay::fold("tsk_1", entries))).await;
+        // Nothing ran again, and the model was not asked turn 0 again.
+        assert!(!seen.iter().any(|s| matches!(s, Seen::Effect(_))), "{seen:?}");
+        assert_eq!(results, ["paid before"]);
+        let replayed: Vec<&Option<ReplayedTokens>> = trace
+            .iter()
+            .filter_map(|l| match &l.event {
+                Event::JournalReplay { what, tokens, .. } if what == "model_response" => Some(tokens),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(replayed.len(), 1);
+        assert_eq!(replayed[0].as_ref().map(|t| &t.usage), Some(&billed));
+        // The task's usage: the reused response's 123 + 9, and the one call made here.
+        let tally = crate::usage::UsageTally::default();
+        for l in &trace {
+            crate::trace::Sink::write(&mut tally.clone(), l).unwrap();
+        }
+        let made: Vec<(u64, u64)> = trace
+            .iter()
+            .filter_map(|l| match &l.event {
+                Event::Inference { input_tokens, output_tokens, .. } => Some((*input_tokens, *output_tokens)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(made.len(), 1);
+        let u = tally.usage().unwrap();
+        assert_eq!((u.input_tokens, u.output_tokens), (123 + made[0].0, 9 + made[0].1));
+    }
+
+    #[tokio::test]
+    async fn a_call_runs_only_once_its_response_and_start_are_acknowledged_in_one_round_trip_per_call() {
+        let (seen, results) = run(2, 2, &[]).await;
+        assert_eq!(results, ["paid"; 4]);
+        let post = |k: &str| Seen::Post(format!("jrnl.tsk_1.{k}"));
+        let sync = |ks: &[&str]| Seen::Sync(ks.iter().map(|k| format!("jrnl.tsk_1.{k}")).collect());
+        let effect = |k: &str| Seen::Effect(format!("tsk_1.{k}"));
+        assert_eq!(
+            seen,
+            [
+                // Turn 0: the response and the first start, acknowledged together.
+                post("0.m"),
+                post("0.0.s"),
+                sync(&["0.m", "0.0.s"]),
+                effect("0.0"),
+                // The first result, acknowledged with the second start.
+                post("0.0.r"),
+                post("0.1.s"),
+                sync(&["0.0.r", "0.1.s"]),
+                effect("0.1"),
+                // The last result, with the next turn's response and first start.
+                post("0.1.r"),
+                post("1.m"),
+                post("1.0.s"),
+                sync(&["0.1.r", "1.m", "1.0.s"]),
+                effect("1.0"),
+                post("1.0.r"),
+                post("1.1.s"),
+                sync(&["1.0.r", "1.1.s"]),
+                effect("1.1"),
+                post("1.1.r"),
+                // The final response: nothing waits for it (the task's end does).
+                post("2.m"),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn no_call_runs_when_its_response_was_not_stored() {
+        let (seen, results) = run(1, 2, &["jrnl.tsk_1.0.m"]).await;
+        assert!(!seen.iter().any(|s| matches!(s, Seen::Effect(_))), "{seen:?}");
+        assert_eq!(results.len(), 2);
+        for r in &results {
+            assert!(r.starts_with("not run: the model's response could not be journaled"), "{r}");
+            assert!(r.ends_with("(refused)"), "{r}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_start_was_not_stored_does_not_run() {
+        let (seen, results) = run(1, 2, &["jrnl.tsk_1.0.0.s"]).await;
+        let effects: Vec<&Seen> = seen.iter().filter(|s| matches!(s, Seen::Effect(_))).collect();
+        assert_eq!(effects, [&Seen::Effect("tsk_1.0.1".into())]);
+        assert_eq!(
+            results,
+            [
+                "not run: its start could not be journaled, so a takeover could not tell whether it ran (refused)",
+                "paid"
+            ]
+        );
     }
 }
