@@ -293,3 +293,98 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     stop.cancel();
     sb.shutdown().await;
 }
+
+/// A fleet whose first step is `destructive`: a run parks it and the job goes `blocked`
+/// (as in `fleet_procedure.rs`).
+const GATE: &str = "\
+name: gate
+members: [writer, critic]
+procedure:
+  - id: deploy
+    member: writer
+    task: Deploy it.
+    tier: destructive
+  - id: check
+    member: critic
+    task: Check it.
+";
+
+/// A scripted capsule answering every task with `reply`.
+fn replying(name: &str, reply: &str) -> mur_tests::capsule::TestCapsule {
+    mur_tests::capsule::TestCapsule::new(
+        &format!("name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n"),
+        &[("r.yaml", format!("replies:\n  - text: {reply:?}\n").as_str())],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_approval_granted_from_the_page_is_recorded_with_who_answered_and_the_next_run_continues() {
+    let sb = Sandbox::start(1, 4).await;
+    for c in [replying("writer", "Deployed."), replying("critic", "Checked.")] {
+        sb.push(c.dir()).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fleet.yaml");
+    std::fs::write(&path, GATE).unwrap();
+    sb.fleet_ok(&["apply", path.to_str().unwrap()]);
+    let job = sb.fleet_ok(&["send", "gate", "Ship <b>v2</b>."]).sent_job_id();
+    let parked = sb.fleet_blocking(&["run", "gate"]).await;
+    assert_eq!(parked.code, 1, "{parked:?}");
+
+    let token = mur_nats::tokens::generate().unwrap();
+    let stop = CancellationToken::new();
+    let base = serve(&sb, Guard::new(Mode::Required, Keyring::of_token("ops", &token)), stop.clone()).await;
+    let driver = Driver::start();
+    let browser = driver.browser().await;
+    browser.goto(&format!("{base}/ui/login")).await.unwrap();
+    browser.find(Locator::Id("token")).await.unwrap().send_keys(&token).await.unwrap();
+    browser.find(Locator::Css("form.login button")).await.unwrap().click().await.unwrap();
+    until(&browser, "signed in", async |b| text(b, "header .who span").await, |w| w.is_some()).await;
+
+    browser.goto(&format!("{base}/ui/approvals")).await.unwrap();
+    let heading = text(&browser, "article.approval h2").await;
+    assert_eq!(heading.as_deref(), Some(format!("Fleet gate, job {job}").as_str()));
+    let facts = text(&browser, "article.approval dl").await.unwrap();
+    assert!(facts.contains("Steps parked\tdeploy") || facts.contains("Steps parked\ndeploy"), "{facts:?}");
+    assert_eq!(text(&browser, "article.approval pre").await.as_deref(), Some("Ship <b>v2</b>."));
+    shot(&browser, "approvals").await;
+
+    browser
+        .find(Locator::Css("article.approval form[action$='/approve'] button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let notice = until(&browser, "the answer", async |b| text(b, "[role=status]").await, |n| n.is_some()).await;
+    assert_eq!(
+        notice.as_deref(),
+        Some(
+            format!(
+                "approved job {job} of fleet gate (step deploy) as console:ops; the next run of the fleet takes it"
+            )
+            .as_str()
+        )
+    );
+    assert_eq!(
+        text(&browser, "article.approval p.answer").await.map(|a| a.split(" at ").next().unwrap_or("").to_string()),
+        Some("approved by console:ops".to_string())
+    );
+    assert!(browser.find(Locator::Css("article.approval form")).await.is_err(), "answered twice");
+    let jobs: serde_json::Value =
+        serde_json::from_str(sb.fleet_ok(&["jobs", "gate", "--all", "--json"]).stdout.trim()).unwrap();
+    assert_eq!(jobs[0]["approval"]["decision"], "approved");
+    assert_eq!(jobs[0]["approval"]["by"], "console:ops");
+
+    // The next run takes the job and runs the approved step.
+    let next = sb.fleet_blocking(&["run", "gate"]).await;
+    assert_eq!(next.code, 0, "{next:?}");
+    let jobs: serde_json::Value =
+        serde_json::from_str(sb.fleet_ok(&["jobs", "gate", "--all", "--json"]).stdout.trim()).unwrap();
+    assert_eq!(jobs[0]["status"], "done", "{jobs}");
+
+    browser.close().await.unwrap();
+    drop(driver);
+    stop.cancel();
+    sb.shutdown().await;
+}
