@@ -11,13 +11,16 @@ use mur_nats::tokens::Keyring;
 use mur_proto::task::{Origin, TaskState};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::sandbox::Sandbox;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// `chromedriver` on a free loopback port, killed by its pid when dropped.
+/// `chromedriver` on a free loopback port, in a process group of its own: killed with
+/// the browsers it started (by that group's id, the driver's pid) when dropped, so a
+/// failing test leaves no chromium behind.
 struct Driver {
     child: Child,
     url: String,
@@ -28,6 +31,7 @@ impl Driver {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let child = Command::new("chromedriver")
             .arg(format!("--port={port}"))
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -61,8 +65,10 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        // By pid: only the process this test started.
-        let _ = self.child.kill();
+        // By the group this test started (its id is the driver's pid): the driver and its
+        // browsers, nothing else.
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is touched.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
     }
 }
@@ -178,7 +184,18 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     assert_eq!(heading.as_deref(), Some("Workers 1 live, 0 of 1 slots free"));
     shot(&browser, "cluster").await;
 
+    // A third task, waiting in the peer lane, canceled from its page (no token checked: may act).
+    let doomed = sb.submit("console", "echo never", Origin::Peer).await;
+    browser.goto(&format!("{open}/ui/tasks/{doomed}")).await.unwrap();
+    browser.find(Locator::Css("form[action$='/cancel'] button")).await.unwrap().click().await.unwrap();
+    let notice = until(&browser, "the cancel", async |b| text(b, "[role=status]").await, |n| n.is_some()).await;
+    assert_eq!(notice.as_deref(), Some("Cancel asked: the task is canceled."));
+    assert!(browser.find(Locator::Css("form[action$='/cancel']")).await.is_err(), "offered again");
+    assert_eq!(sb.record(&doomed).await.state, TaskState::Canceled);
+
     // Released, both tasks run; the open page follows over server-sent events, unreloaded.
+    browser.goto(&format!("{open}/ui/")).await.unwrap();
+    until(&browser, "the page before the release", async |b| rows(b, "h-lanes").await, |r| r.len() == 1).await;
     std::fs::write(&release, "").unwrap();
     sb.wait_all(&[blocker.clone(), waiting.clone()], WAIT).await;
     until(
@@ -197,16 +214,22 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     // The task list: both tasks, newest first, the script in the text shown as text.
     browser.goto(&format!("{open}/ui/tasks")).await.unwrap();
     let list = rows_at(&browser, "main table tbody tr").await;
-    assert_eq!(list.len(), 2, "{list:?}");
-    assert_eq!(list[0][..6], [waiting.as_str(), "console", "completed", "user", "user", "ok"]);
-    assert_eq!(list[0][7], "echo '<script>window.pwned=1</script>'");
-    assert_eq!(list[1][0], blocker);
+    assert_eq!(list.len(), 3, "{list:?}");
+    assert_eq!(list[0][..6], [doomed.as_str(), "console", "canceled", "peer", "peer", "canceled"]);
+    assert_eq!(list[1][..6], [waiting.as_str(), "console", "completed", "user", "user", "ok"]);
+    assert_eq!(list[1][7], "echo '<script>window.pwned=1</script>'");
+    assert_eq!(list[2][0], blocker);
     let pwned = browser.execute("return window.pwned === undefined", vec![]).await.unwrap();
     assert_eq!(pwned, serde_json::json!(true), "the task's script ran");
     // Filtered to the `bg` lane: nothing.
     browser.goto(&format!("{open}/ui/tasks?lane=bg")).await.unwrap();
     let empty = browser.find(Locator::Css("main p.empty")).await.unwrap().text().await.unwrap();
     assert_eq!(empty, "No task matches.");
+    // Filtered to the `peer` lane: the canceled one, the filter form showing the choice.
+    browser.goto(&format!("{open}/ui/tasks?lane=peer")).await.unwrap();
+    let peer = rows_at(&browser, "main table tbody tr").await;
+    assert_eq!(peer.iter().map(|r| r[0].as_str()).collect::<Vec<_>>(), [doomed.as_str()]);
+    assert_eq!(text(&browser, "#f-lane option:checked").await.as_deref(), Some("peer"));
     browser.goto(&format!("{open}/ui/tasks")).await.unwrap();
     shot(&browser, "tasks").await;
 
