@@ -1,10 +1,13 @@
 //! The web console at `/ui/` (issue #38), served by the coordinator's `--http` endpoint
 //! (and so by `mur dev --http`): the cluster page (`/ui/`, kept current over server-sent
 //! events from `/ui/events`), the task list (`/ui/tasks`, filtered and paged) and a task's
-//! page (`/ui/tasks/<id>`: record, turn-by-turn timeline, result; cancel).
+//! page (`/ui/tasks/<id>`: record, turn-by-turn timeline, result; cancel), and the fleets'
+//! blocked jobs (`/ui/approvals`: approve or deny, recorded as answered by
+//! `console:<token name>`, or `console` where no token is checked).
 //!
 //! Everything is read through the cluster's NATS API, as the CLI reads it
-//! (`cluster.status`, `task.list`, `task.get`, `task.cancel`), and the session's lines
+//! (`cluster.status`, `task.list`, `task.get`, `task.cancel`, `fleet.ls`, `fleet.jobs`,
+//! `fleet.approve`, `fleet.deny`), and the session's lines
 //! from the trace stream; [`render`] makes the HTML (pure) and [`timeline`] groups a
 //! task's trace lines.
 //!
@@ -71,6 +74,8 @@ pub fn router(client: async_nats::Client, guard: Guard, secure: bool) -> Router 
         .route("/ui/tasks", get(tasks))
         .route("/ui/tasks/{id}", get(task))
         .route("/ui/tasks/{id}/cancel", post(cancel))
+        .route("/ui/approvals", get(approvals))
+        .route("/ui/approvals/{fleet}/{job}/{answer}", post(answer))
         .route("/ui/login", get(login_form).post(login))
         .route("/ui/logout", post(logout))
         .route("/ui/style.css", get(|| async { asset("text/css; charset=utf-8", render::STYLE) }))
@@ -392,6 +397,89 @@ async fn cancel(State(c): State<Arc<Console>>, headers: HeaderMap, Path(id): Pat
     show_task(&c, &viewer, &id, Some(&notice)).await
 }
 
+/// Every blocked job of every fleet, by fleet name.
+async fn parked(
+    client: &async_nats::Client,
+) -> Result<Vec<(String, mur_proto::fleet::Job)>, mur_proto::cluster::ApiError> {
+    use mur_proto::fleet::JobStatus;
+    use mur_proto::fleet_store::{FleetSummary, JobsRequest, api as fleet_api};
+    let fleets: Vec<FleetSummary> = mur_nats::api::call(client, fleet_api::LIST, Vec::new()).await?;
+    let mut out = Vec::new();
+    for fleet in fleets.into_iter().filter(|f| f.blocked > 0) {
+        let request =
+            JobsRequest { fleet: fleet.name.clone(), status: Some(JobStatus::Blocked), ..JobsRequest::default() };
+        let body = serde_json::to_vec(&request).expect("a jobs request serializes");
+        let jobs: Page<mur_proto::fleet::Job> = mur_nats::api::call(client, fleet_api::JOBS, body).await?;
+        out.extend(jobs.items.into_iter().map(|j| (fleet.name.clone(), j)));
+    }
+    Ok(out)
+}
+
+async fn show_approvals(c: &Console, viewer: &Viewer, notice: Option<&str>) -> Response {
+    match parked(&c.client).await {
+        Ok(parked) => html(StatusCode::OK, render::approvals_page(&parked, viewer, notice)),
+        Err(e) => unavailable(viewer, e),
+    }
+}
+
+async fn approvals(State(c): State<Arc<Console>>, headers: HeaderMap) -> Response {
+    match c.viewer(&headers, Access::Read) {
+        Ok(viewer) => show_approvals(&c, &viewer, None).await,
+        Err(page) => page.into_response(),
+    }
+}
+
+/// Who an answer given from the console is recorded as: `console:<token name>`, or
+/// `console` where no token is checked.
+pub fn answered_by(viewer: &Viewer) -> String {
+    viewer.token.as_deref().map_or_else(|| "console".to_string(), |name| format!("console:{name}"))
+}
+
+/// `POST /ui/approvals/<fleet>/<job>/<approve|deny>`: the same `fleet.approve` and
+/// `fleet.deny` `mur fleet approve|deny` send; admin scope.
+async fn answer(
+    State(c): State<Arc<Console>>,
+    headers: HeaderMap,
+    Path((fleet, job, answer)): Path<(String, String, String)>,
+) -> Response {
+    use mur_proto::fleet_store::{AnswerRequest, api as fleet_api};
+    if cross_site(&headers) {
+        return html(
+            StatusCode::FORBIDDEN,
+            render::error_page("Not allowed", "a request from another site", &Viewer::default()),
+        );
+    }
+    let viewer = match c.viewer(&headers, Access::Write) {
+        Ok(v) => v,
+        Err(page) => return page.into_response(),
+    };
+    let subject = match answer.as_str() {
+        "approve" => fleet_api::APPROVE,
+        "deny" => fleet_api::DENY,
+        other => {
+            let message = format!("answer: must be approve or deny, got {other:?}");
+            return html(StatusCode::NOT_FOUND, render::error_page("No such answer", &message, &viewer));
+        }
+    };
+    let by = answered_by(&viewer);
+    let request = AnswerRequest { fleet: fleet.clone(), job: job.clone(), by: by.clone() };
+    let body = serde_json::to_vec(&request).expect("an answer serializes");
+    let notice = match mur_nats::api::call::<mur_proto::fleet::Job>(&c.client, subject, body).await {
+        Ok(j) => {
+            let approval = j.approval.as_ref();
+            let decision = approval.and_then(|a| a.decision).map_or("answered", |d| d.as_str());
+            let steps = approval.map(|a| a.steps.join(", ")).unwrap_or_default();
+            format!(
+                "{decision} job {} of fleet {fleet} (step {steps}) as {by}; the next run of the fleet takes it",
+                j.id
+            )
+        }
+        Err(e) => format!("Not answered: {}", e.message),
+    };
+    tracing::info!(%fleet, %job, %by, %notice, "console approval answer");
+    show_approvals(&c, &viewer, Some(&notice)).await
+}
+
 async fn login_form(State(c): State<Arc<Console>>, headers: HeaderMap) -> Response {
     match c.viewer(&headers, Access::Read) {
         Ok(_) => Redirect::to("/ui/").into_response(),
@@ -539,6 +627,12 @@ mod tests {
             admit(&Guard::off(), &HeaderMap::new(), Access::Write).unwrap(),
             Viewer { token: None, can_act: true }
         );
+    }
+
+    #[test]
+    fn an_answer_is_recorded_as_the_console_and_the_tokens_name() {
+        assert_eq!(answered_by(&Viewer { token: Some("ops".into()), can_act: true }), "console:ops");
+        assert_eq!(answered_by(&Viewer { token: None, can_act: true }), "console");
     }
 
     /// The task list's render cost over 10,000 tasks, paged (issue #38; figures in

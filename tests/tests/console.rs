@@ -11,13 +11,16 @@ use mur_nats::tokens::Keyring;
 use mur_proto::task::{Origin, TaskState};
 use mur_tests::capsule::shell_capsule;
 use mur_tests::sandbox::Sandbox;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// `chromedriver` on a free loopback port, killed by its pid when dropped.
+/// `chromedriver` on a free loopback port, in a process group of its own: killed with
+/// the browsers it started (by that group's id, the driver's pid) when dropped, so a
+/// failing test leaves no chromium behind.
 struct Driver {
     child: Child,
     url: String,
@@ -28,6 +31,7 @@ impl Driver {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let child = Command::new("chromedriver")
             .arg(format!("--port={port}"))
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -61,8 +65,10 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        // By pid: only the process this test started.
-        let _ = self.child.kill();
+        // By the group this test started (its id is the driver's pid): the driver and its
+        // browsers, nothing else.
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is touched.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
     }
 }
@@ -178,7 +184,18 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     assert_eq!(heading.as_deref(), Some("Workers 1 live, 0 of 1 slots free"));
     shot(&browser, "cluster").await;
 
+    // A third task, waiting in the peer lane, canceled from its page (no token checked: may act).
+    let doomed = sb.submit("console", "echo never", Origin::Peer).await;
+    browser.goto(&format!("{open}/ui/tasks/{doomed}")).await.unwrap();
+    browser.find(Locator::Css("form[action$='/cancel'] button")).await.unwrap().click().await.unwrap();
+    let notice = until(&browser, "the cancel", async |b| text(b, "[role=status]").await, |n| n.is_some()).await;
+    assert_eq!(notice.as_deref(), Some("Cancel asked: the task is canceled."));
+    assert!(browser.find(Locator::Css("form[action$='/cancel']")).await.is_err(), "offered again");
+    assert_eq!(sb.record(&doomed).await.state, TaskState::Canceled);
+
     // Released, both tasks run; the open page follows over server-sent events, unreloaded.
+    browser.goto(&format!("{open}/ui/")).await.unwrap();
+    until(&browser, "the page before the release", async |b| rows(b, "h-lanes").await, |r| r.len() == 1).await;
     std::fs::write(&release, "").unwrap();
     sb.wait_all(&[blocker.clone(), waiting.clone()], WAIT).await;
     until(
@@ -197,16 +214,22 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     // The task list: both tasks, newest first, the script in the text shown as text.
     browser.goto(&format!("{open}/ui/tasks")).await.unwrap();
     let list = rows_at(&browser, "main table tbody tr").await;
-    assert_eq!(list.len(), 2, "{list:?}");
-    assert_eq!(list[0][..6], [waiting.as_str(), "console", "completed", "user", "user", "ok"]);
-    assert_eq!(list[0][7], "echo '<script>window.pwned=1</script>'");
-    assert_eq!(list[1][0], blocker);
+    assert_eq!(list.len(), 3, "{list:?}");
+    assert_eq!(list[0][..6], [doomed.as_str(), "console", "canceled", "peer", "peer", "canceled"]);
+    assert_eq!(list[1][..6], [waiting.as_str(), "console", "completed", "user", "user", "ok"]);
+    assert_eq!(list[1][7], "echo '<script>window.pwned=1</script>'");
+    assert_eq!(list[2][0], blocker);
     let pwned = browser.execute("return window.pwned === undefined", vec![]).await.unwrap();
     assert_eq!(pwned, serde_json::json!(true), "the task's script ran");
     // Filtered to the `bg` lane: nothing.
     browser.goto(&format!("{open}/ui/tasks?lane=bg")).await.unwrap();
     let empty = browser.find(Locator::Css("main p.empty")).await.unwrap().text().await.unwrap();
     assert_eq!(empty, "No task matches.");
+    // Filtered to the `peer` lane: the canceled one, the filter form showing the choice.
+    browser.goto(&format!("{open}/ui/tasks?lane=peer")).await.unwrap();
+    let peer = rows_at(&browser, "main table tbody tr").await;
+    assert_eq!(peer.iter().map(|r| r[0].as_str()).collect::<Vec<_>>(), [doomed.as_str()]);
+    assert_eq!(text(&browser, "#f-lane option:checked").await.as_deref(), Some("peer"));
     browser.goto(&format!("{open}/ui/tasks")).await.unwrap();
     shot(&browser, "tasks").await;
 
@@ -287,6 +310,101 @@ async fn the_console_shows_a_waiting_user_task_live_a_timeline_of_turns_and_asks
     assert_eq!(who, "token ops (admin)");
     assert!(browser.find(Locator::Css("#h-lanes")).await.is_ok());
     assert!(!browser.source().await.unwrap().contains(&token), "the token is in the page");
+
+    browser.close().await.unwrap();
+    drop(driver);
+    stop.cancel();
+    sb.shutdown().await;
+}
+
+/// A fleet whose first step is `destructive`: a run parks it and the job goes `blocked`
+/// (as in `fleet_procedure.rs`).
+const GATE: &str = "\
+name: gate
+members: [writer, critic]
+procedure:
+  - id: deploy
+    member: writer
+    task: Deploy it.
+    tier: destructive
+  - id: check
+    member: critic
+    task: Check it.
+";
+
+/// A scripted capsule answering every task with `reply`.
+fn replying(name: &str, reply: &str) -> mur_tests::capsule::TestCapsule {
+    mur_tests::capsule::TestCapsule::new(
+        &format!("name: {name}\nversion: 1.0.0\ninference:\n  driver: scripted\n  script: r.yaml\n"),
+        &[("r.yaml", format!("replies:\n  - text: {reply:?}\n").as_str())],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_approval_granted_from_the_page_is_recorded_with_who_answered_and_the_next_run_continues() {
+    let sb = Sandbox::start(1, 4).await;
+    for c in [replying("writer", "Deployed."), replying("critic", "Checked.")] {
+        sb.push(c.dir()).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fleet.yaml");
+    std::fs::write(&path, GATE).unwrap();
+    sb.fleet_ok(&["apply", path.to_str().unwrap()]);
+    let job = sb.fleet_ok(&["send", "gate", "Ship <b>v2</b>."]).sent_job_id();
+    let parked = sb.fleet_blocking(&["run", "gate"]).await;
+    assert_eq!(parked.code, 1, "{parked:?}");
+
+    let token = mur_nats::tokens::generate().unwrap();
+    let stop = CancellationToken::new();
+    let base = serve(&sb, Guard::new(Mode::Required, Keyring::of_token("ops", &token)), stop.clone()).await;
+    let driver = Driver::start();
+    let browser = driver.browser().await;
+    browser.goto(&format!("{base}/ui/login")).await.unwrap();
+    browser.find(Locator::Id("token")).await.unwrap().send_keys(&token).await.unwrap();
+    browser.find(Locator::Css("form.login button")).await.unwrap().click().await.unwrap();
+    until(&browser, "signed in", async |b| text(b, "header .who span").await, |w| w.is_some()).await;
+
+    browser.goto(&format!("{base}/ui/approvals")).await.unwrap();
+    let heading = text(&browser, "article.approval h2").await;
+    assert_eq!(heading.as_deref(), Some(format!("Fleet gate, job {job}").as_str()));
+    let facts = text(&browser, "article.approval dl").await.unwrap();
+    assert!(facts.contains("Steps parked\tdeploy") || facts.contains("Steps parked\ndeploy"), "{facts:?}");
+    assert_eq!(text(&browser, "article.approval pre").await.as_deref(), Some("Ship <b>v2</b>."));
+    shot(&browser, "approvals").await;
+
+    browser
+        .find(Locator::Css("article.approval form[action$='/approve'] button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let notice = until(&browser, "the answer", async |b| text(b, "[role=status]").await, |n| n.is_some()).await;
+    assert_eq!(
+        notice.as_deref(),
+        Some(
+            format!(
+                "approved job {job} of fleet gate (step deploy) as console:ops; the next run of the fleet takes it"
+            )
+            .as_str()
+        )
+    );
+    assert_eq!(
+        text(&browser, "article.approval p.answer").await.map(|a| a.split(" at ").next().unwrap_or("").to_string()),
+        Some("approved by console:ops".to_string())
+    );
+    assert!(browser.find(Locator::Css("article.approval form")).await.is_err(), "answered twice");
+    let jobs: serde_json::Value =
+        serde_json::from_str(sb.fleet_ok(&["jobs", "gate", "--all", "--json"]).stdout.trim()).unwrap();
+    assert_eq!(jobs[0]["approval"]["decision"], "approved");
+    assert_eq!(jobs[0]["approval"]["by"], "console:ops");
+
+    // The next run takes the job and runs the approved step.
+    let next = sb.fleet_blocking(&["run", "gate"]).await;
+    assert_eq!(next.code, 0, "{next:?}");
+    let jobs: serde_json::Value =
+        serde_json::from_str(sb.fleet_ok(&["jobs", "gate", "--all", "--json"]).stdout.trim()).unwrap();
+    assert_eq!(jobs[0]["status"], "done", "{jobs}");
 
     browser.close().await.unwrap();
     drop(driver);

@@ -108,7 +108,7 @@ fn page(title: &str, current: &str, viewer: &Viewer, body: &str) -> String {
     out.push_str(" · murmur</title>\n<link rel=\"stylesheet\" href=\"/ui/style.css\">\n</head>\n<body>\n");
     out.push_str("<a class=\"skip\" href=\"#main\">Skip to content</a>\n<header>\n<nav aria-label=\"Console\">\n");
     out.push_str("<span class=\"brand\">murmur</span>\n<ul>\n");
-    for (href, label) in [("/ui/", "Cluster"), ("/ui/tasks", "Tasks")] {
+    for (href, label) in [("/ui/", "Cluster"), ("/ui/tasks", "Tasks"), ("/ui/approvals", "Approvals")] {
         let mark = if label == current { " aria-current=\"page\"" } else { "" };
         let _ = writeln!(out, "<li><a href=\"{href}\"{mark}>{label}</a></li>");
     }
@@ -566,6 +566,70 @@ fn timeline_list(out: &mut String, t: &Timeline) {
     out.push_str("</ol>\n");
 }
 
+/// The approvals page: every blocked job of every fleet (`fleet`, job) with what it asks
+/// (the job's text), the steps its run parked and what the run said so far; approve and
+/// deny buttons for a viewer who may act while it is unanswered, the answer (who, when)
+/// once given, until the next run takes the job. `notice` is a line shown first (what an answer
+/// did).
+pub fn approvals_page(parked: &[(String, mur_proto::fleet::Job)], viewer: &Viewer, notice: Option<&str>) -> String {
+    let mut out = String::with_capacity(1024 + parked.len() * 600);
+    out.push_str("<h1>Approvals</h1>\n");
+    if let Some(notice) = notice {
+        let _ = writeln!(out, "<p role=\"status\" class=\"notice\">{}</p>", escape(notice));
+    }
+    if parked.is_empty() {
+        out.push_str("<p class=\"empty\">No job waits for an approval.</p>\n");
+    }
+    for (fleet, job) in parked {
+        let steps = job.approval.as_ref().map(|a| a.steps.join(", ")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "<article class=\"approval\" aria-label=\"job {id}\">\n<h2>Fleet {fleet}, job <code>{id}</code></h2>\n\
+             <dl class=\"facts\">\n<dt>Steps parked</dt><dd>{steps}</dd>\n<dt>Queued by</dt><dd>{source}</dd>\n\
+             <dt>Queued</dt><dd>{queued}</dd>\n<dt>Run</dt><dd>{run}</dd>\n</dl>",
+            fleet = escape(fleet),
+            id = escape(&job.id),
+            steps = escape(&steps),
+            source = escape(&job.source),
+            queued = time(job.created_at),
+            run = escape(job.run_id.as_deref().unwrap_or("–")),
+        );
+        let answer = job.approval.as_ref().and_then(|a| a.decision.map(|d| (d, a.by.as_deref(), a.at)));
+        if let Some((decision, by, at)) = answer {
+            let _ = writeln!(
+                out,
+                "<p class=\"answer\">{} by {}{}; the next run of the fleet takes it.</p>",
+                decision.as_str(),
+                escape(by.unwrap_or("?")),
+                at.map(|at| format!(" at {}", time(at))).unwrap_or_default()
+            );
+        }
+        out.push_str("<h3>Asked</h3>\n<pre class=\"text\">");
+        escape_into(&mut out, &job.text);
+        out.push_str("</pre>\n");
+        if let Some(result) = &job.result {
+            out.push_str("<h3>The run so far</h3>\n<pre class=\"text\">");
+            escape_into(&mut out, result);
+            out.push_str("</pre>\n");
+        }
+        if viewer.can_act && answer.is_none() {
+            let base = format!(
+                "/ui/approvals/{}/{}",
+                percent_encoding::utf8_percent_encode(fleet, SEGMENT),
+                percent_encoding::utf8_percent_encode(&job.id, SEGMENT)
+            );
+            let _ = writeln!(
+                out,
+                "<div class=\"answers\"><form method=\"post\" action=\"{b}/approve\"><button type=\"submit\">Approve</button></form>\n\
+                 <form method=\"post\" action=\"{b}/deny\"><button type=\"submit\" class=\"danger\">Deny</button></form></div>",
+                b = escape(&base)
+            );
+        }
+        out.push_str("</article>\n");
+    }
+    page("Approvals", "Approvals", viewer, &out)
+}
+
 /// The sign-in page: a form taking a token (a password field, never filled in again);
 /// `message` says why it is shown.
 pub fn login_page(message: &str) -> String {
@@ -687,5 +751,37 @@ mod tests {
         assert_eq!(duration(185_000), "3 min 05 s");
         assert_eq!(duration(7_620_000), "2 h 07 min");
         assert_eq!(time(1_700_000_000_000), "2023-11-14T22:13:20Z");
+    }
+
+    #[test]
+    fn a_blocked_job_is_listed_with_its_parked_steps_and_answers_only_for_an_admin() {
+        let job: mur_proto::fleet::Job = serde_json::from_value(json!({
+            "id": "0190-ab", "status": "blocked", "text": "Ship <v2>", "source": "cli", "created_at": 0,
+            "run_id": "run_1", "result": "[deploy] awaits approval",
+            "approval": {"steps": ["deploy"], "decision": null, "by": null, "at": null},
+        }))
+        .unwrap();
+        let parked = [("gate".to_string(), job)];
+        let admin = Viewer { token: Some("ops".into()), can_act: true };
+        let html = approvals_page(&parked, &admin, Some("approved"));
+        assert!(html.contains("<h2>Fleet gate, job <code>0190-ab</code></h2>"), "{html}");
+        assert!(html.contains("<dt>Steps parked</dt><dd>deploy</dd>"));
+        assert!(html.contains("<pre class=\"text\">Ship &lt;v2&gt;</pre>"));
+        assert!(html.contains("action=\"/ui/approvals/gate/0190-ab/approve\""));
+        assert!(html.contains("action=\"/ui/approvals/gate/0190-ab/deny\""));
+        let reader = Viewer { token: Some("watch".into()), can_act: false };
+        assert!(!approvals_page(&parked, &reader, None).contains("<form method=\"post\" action=\"/ui/approvals"));
+        assert!(approvals_page(&[], &reader, None).contains("No job waits for an approval."));
+        let mut answered = parked.clone();
+        let approval = answered[0].1.approval.as_mut().unwrap();
+        approval.decision = Some(mur_proto::fleet::Decision::Approved);
+        approval.by = Some("console:<ops>".into());
+        approval.at = Some(1_700_000_000_000);
+        let html = approvals_page(&answered, &admin, None);
+        assert!(
+            html.contains("<p class=\"answer\">approved by console:&lt;ops&gt; at 2023-11-14T22:13:20Z; the next run"),
+            "{html}"
+        );
+        assert!(!html.contains("/approve\""), "an answered job is not answered again");
     }
 }
