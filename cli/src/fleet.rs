@@ -858,6 +858,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
                 let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
                 let mut our_permits = std::collections::BTreeSet::new();
                 let key = fleet_store::run_key(&started.run_id);
+                // When the stream store last answered: a follower cut off from the cluster
+                // for longer than a sender waits ends instead of following nothing forever.
+                let mut answered_at = tokio::time::Instant::now();
                 let mut tick = tokio::time::interval(std::time::Duration::from_millis(200));
                 // A tick that overran (a slow coordinator) is not made up in a burst: the watches
                 // are read between ticks, and must keep up (unread entries hold whole read
@@ -918,12 +921,20 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
                     let blocked = !jobs.is_empty();
                     let changed = view.follow.set_blocked(blocked);
                     view.changed(changed)?;
-                    let record = defs
-                        .get(&key)
-                        .await
-                        .ok()
-                        .flatten()
-                        .and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
+                    let read = defs.get(&key).await;
+                    if read.is_ok() {
+                        answered_at = tokio::time::Instant::now();
+                    } else if answered_at.elapsed() >= FOLLOW_PATIENCE {
+                        view.finish();
+                        return Ok(crate::refused(
+                            common.json,
+                            None,
+                            "mur fleet run: ",
+                            &unreachable_text(&started.run_id, &started.fleet),
+                        ));
+                    }
+                    let record =
+                        read.ok().flatten().and_then(|v| serde_json::from_slice::<fleet_store::RunRecord>(&v).ok());
                     if let Some(r) = &record {
                         let changed = view.follow.set_spend(spend_of(r));
                         view.changed(changed)?;
@@ -976,6 +987,23 @@ async fn milestones(
         view.milestone(e)?;
     }
     Ok(events.last().map_or(seen, |last| last.seq))
+}
+
+/// How long `mur fleet run` follows a run while the cluster's stream store does not answer
+/// (its server is down or unreachable) before it gives up with exit status 2: as long as
+/// `mur task send` resends a task the cluster does not answer, 30 s. The run itself is
+/// the coordinator's and goes on if the cluster does. Before, the follower waited forever,
+/// past the run's own deadline (issue #29, found on a fresh machine: a follower outlived
+/// its server by 20 minutes and kept its test binary from ending).
+const FOLLOW_PATIENCE: std::time::Duration = mur_nats::api::SUBMIT_PATIENCE;
+
+/// What `mur fleet run` says when it gives up following (see [`FOLLOW_PATIENCE`]).
+fn unreachable_text(run_id: &str, fleet: &str) -> String {
+    format!(
+        "the cluster has not answered for {} s; stopped following run {run_id}, which goes on if the cluster does \
+         (mur fleet status {fleet})",
+        FOLLOW_PATIENCE.as_secs()
+    )
 }
 
 /// `1 iteration`, `2 iterations`.

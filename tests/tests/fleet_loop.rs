@@ -340,3 +340,35 @@ async fn a_followed_loop_says_its_bounds_and_notices_once_and_never_falls_silent
     assert!(err.last().unwrap().starts_with(&format!("run {id} done (queue-drained) after ")), "{}", run.stderr);
     sb.shutdown().await;
 }
+
+/// A follower whose cluster goes away (its nats-server killed) gives up after 30 s
+/// without an answer — exit 2, saying so and naming the run — instead of following
+/// nothing past the run's deadline (issue #29: on a fresh machine a `mur fleet run --loop
+/// --deadline 10m` outlived its server by 20 minutes and kept its test binary running).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_follower_whose_cluster_is_gone_gives_up_after_30_s_with_exit_2() {
+    let mut sb = Sandbox::start(1, 2).await;
+    sb.push(echo_member("spinner", "0").dir()).await;
+    define(&sb, "name: spin\ngoal: Spin.\nmembers: [spinner]\nloop:\n  done_when: \"marker:NEVER\"\n");
+    let mut follower = mur_tests::mur::Background::spawn(
+        mur()
+            .args(["fleet", "run", "spin", "--loop", "--deadline", "10m", "--run-id", "gone", "--json"])
+            .env("NATS_URL", sb.nats.url())
+            .env("USER", "tester"),
+    );
+    let started = follower.next_json(Duration::from_secs(60));
+    assert_eq!((started["type"].as_str(), started["run_id"].as_str()), (Some("run"), Some("gone")), "{started}");
+    sb.nats.kill();
+    let killed = std::time::Instant::now();
+    let (code, stderr) = tokio::task::spawn_blocking(move || follower.wait(Duration::from_secs(150))).await.unwrap();
+    let waited = killed.elapsed();
+    assert_eq!(code, Some(2), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    let said: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("not JSON ({e}): {last}"));
+    assert_eq!(
+        said["error"],
+        "the cluster has not answered for 30 s; stopped following run gone, which goes on if the cluster does (mur fleet status spin)",
+        "{stderr}"
+    );
+    assert!(waited >= Duration::from_secs(30), "gave up after {waited:?}, before 30 s without an answer");
+}
