@@ -423,6 +423,17 @@ pub enum Event {
         /// The worker that ran that session.
         previous_worker: String,
     },
+    /// This session stopped because the task is no longer its own (issue #33): while its
+    /// worker was cut off, the task was taken over by another session, which runs it or
+    /// has ended it (or the task was dead-lettered). In place of `task_end`, which the
+    /// task's holder writes once: this session writes no `task_end`, no result and no
+    /// terminal record. Its `session_end` follows (exit `canceled`).
+    SessionSuperseded {
+        /// The task.
+        task_id: String,
+        /// Turns this session's task had made when it stopped.
+        turns: u32,
+    },
     /// A seed proposal's fate (the session-loop seed, §Context seeding).
     ContextSeed {
         /// The task.
@@ -553,6 +564,7 @@ impl Event {
             Event::TaskEnd { .. } => "task_end",
             Event::TaskReopened { .. } => "task_reopened",
             Event::TaskTakeover { .. } => "task_takeover",
+            Event::SessionSuperseded { .. } => "session_superseded",
             Event::ToolCallInDoubt { .. } => "tool_call_in_doubt",
             Event::JournalReplay { .. } => "journal_replay",
             Event::ContextSeed { .. } => "context_seed",

@@ -758,6 +758,7 @@ fn main() {
                 checkpoints: Arc::new(NoCheckpoints),
                 journal: journaled.then(|| journal.clone() as Arc<dyn Journal>),
                 deadline: None,
+                superseded: None,
             };
             let t = Instant::now();
             let calls = runtime.block_on(run_task_with(

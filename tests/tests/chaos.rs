@@ -148,6 +148,105 @@ async fn worker_killed_mid_task(cluster: Procs) {
     }
 }
 
+/// Issue #33 (the design's invariant 4; deploy/chaos step 5, a partitioned worker): a
+/// worker stopped (SIGSTOP) past its ack wait mid-task; the task is taken over by another
+/// worker and finished there. Woken (SIGCONT), the first worker finds its session
+/// superseded: it stops it with a `session_superseded` line and writes no `task_end` and
+/// no terminal record. Exactly one `task_end` (the taker's, `ok`) is published on the
+/// trace subjects, as a live follower (`mur trace tail`) sees them, and stored in
+/// MUR_TRACE; the record is the taker's: `completed`, attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_woken_after_its_task_was_taken_over_and_finished_publishes_no_second_task_end() {
+    let cluster = Procs::start("jetstream:\n  ack_wait_secs: 2\n").await;
+    let _coordinator = cluster.coordinator("coordinator-1");
+    let cut = cluster.worker("wkr-cut", 1);
+    let capsule = stepper("steps", 14, "0.3");
+    cluster.push(capsule.dir()).await;
+    cluster.wait_workers(1).await;
+    // Every trace line as published (the core subjects, not only what MUR_TRACE keeps:
+    // the stream drops a second `task_end` only within its duplicate window).
+    let published = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
+    let mut sub = cluster.client.subscribe(cluster::TRACE_SUBJECTS).await.unwrap();
+    cluster.client.flush().await.unwrap();
+    let follower = tokio::spawn({
+        let published = published.clone();
+        async move {
+            use futures::StreamExt;
+            while let Some(m) = sub.next().await {
+                if let Ok(line) = serde_json::from_slice::<Value>(&m.payload) {
+                    published.lock().unwrap().push(line);
+                }
+            }
+        }
+    });
+    let task_id = cluster.submit("steps", "go", Origin::User).await;
+
+    let js = async_nats::jetstream::new(cluster.client.clone());
+    let sessions = js.get_key_value(cluster::SESSIONS_BUCKET).await.unwrap();
+    until("the checkpoint after turn 2", WAIT, || async {
+        sessions.get(cluster::checkpoint_key(&TaskId::unchecked(&task_id), 2)).await.ok().flatten()
+    })
+    .await;
+    cut.pause();
+    let before = cluster.record(&task_id).await.unwrap();
+    assert_eq!((before.state, before.worker.as_deref()), (TaskState::Working, Some("wkr-cut")));
+    let cut_session = before.session_id.clone().unwrap().to_string();
+
+    let _taker = cluster.worker("wkr-taker", 1);
+    let record = cluster.wait_record(&task_id, WAIT, |r| r.state.is_terminal()).await;
+    assert_eq!((record.state, record.worker.as_deref()), (TaskState::Completed, Some("wkr-taker")), "{record:?}");
+    cut.resume();
+
+    // The woken worker's session ends (its `session_end`, on its own subject).
+    let of_session = |event_type: &str| {
+        published
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l["session_id"] == cut_session.as_str() && l["event_type"] == event_type)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    until("the woken worker's session to end", WAIT, || async {
+        (!of_session("session_end").is_empty()).then_some(())
+    })
+    .await;
+    let superseded = of_session("session_superseded");
+    assert_eq!(superseded.len(), 1, "{}", cut.log());
+    assert_eq!(superseded[0]["task_id"], task_id.as_str());
+    assert_eq!(of_session("session_end")[0]["exit_status"], "canceled");
+    assert!(of_session("task_end").is_empty(), "{:?}", of_session("task_end"));
+    // The worker is done with the dispatch (its slot is free) before the counts.
+    until("the woken worker to let the dispatch go", WAIT, || async {
+        cut.log().contains("a superseded session stopped").then_some(())
+    })
+    .await;
+
+    let ends: Vec<Value> = published
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l["event_type"] == "task_end" && l["task_id"] == task_id.as_str())
+        .cloned()
+        .collect();
+    assert_eq!(ends.len(), 1, "task_end published: {ends:?}");
+    assert_eq!(ends[0]["exit_status"], "ok");
+    assert_eq!(ends[0]["session_id"].as_str(), record.session_id.as_deref());
+    let stored = cluster.trace_of(&task_id).await;
+    let stored_ends = of_type(&stored, "task_end");
+    assert_eq!(stored_ends.len(), 1, "{stored_ends:?}");
+    assert_eq!(stored_ends[0]["exit_status"], "ok");
+    // The record is the taker's, unchanged by the woken worker.
+    let after = cluster.record(&task_id).await.unwrap();
+    assert_eq!(
+        (after.state, after.exit_status, after.worker.as_deref(), after.attempt, after.result.as_deref()),
+        (TaskState::Completed, Some(mur_proto::task::ExitStatus::Ok), Some("wkr-taker"), 2, Some("finished")),
+        "{after:?}"
+    );
+    assert_eq!(after.session_id, record.session_id);
+    follower.abort();
+}
+
 /// Issue #8 §Cancel: `mur task cancel` of a running task stops it within one progress
 /// interval (a third of the 3 s ack wait here); no tool call starts after the cancel, and
 /// it ends `canceled` with one `task_end`. A task cancelled while waiting never starts.

@@ -69,7 +69,9 @@ use crate::workdir::Layout;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv, object_store};
 use bytes::Bytes;
-use decide::{Answer, Delivered, Fetch, Known, Permit, PermitWait, Record, Step, decide, writable};
+use decide::{
+    Answer, Delivered, Fetch, Hold, Known, Permit, PermitWait, Record, Step, decide, ends_for, hold, writable,
+};
 use futures::StreamExt;
 use mur_nats::clock::{Clock, SystemClock};
 use mur_nats::fanout;

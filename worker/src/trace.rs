@@ -123,6 +123,7 @@ impl Tracer {
             | Event::ModelAttempt { .. }
             | Event::TaskReopened { .. }
             | Event::TaskTakeover { .. }
+            | Event::SessionSuperseded { .. }
             | Event::ContextSeed { .. }
             | Event::Compaction { .. }
             | Event::CompactionDeclined { .. }
@@ -151,7 +152,7 @@ impl Tracer {
             Event::JournalReplay { what, .. } if what == "model_response" => self.turn_event = Some(event_id.clone()),
             _ => {}
         }
-        let is_task_end = matches!(event, Event::TaskEnd { .. });
+        let is_task_end = matches!(event, Event::TaskEnd { .. } | Event::SessionSuperseded { .. });
         let line = Line {
             event,
             session_id: self.session_id.clone(),

@@ -6,6 +6,7 @@
 //! the task runs (the module docs of `service`, steps 1–3; issue #8 §Takeover; issue #11
 //! §The fan-out cap).
 
+use mur_proto::SessionId;
 use mur_proto::cluster::TaskRecord;
 use mur_proto::fanout::FleetStep;
 use mur_proto::task::{ExitStatus, TaskState};
@@ -30,6 +31,10 @@ pub(super) enum Answer {
     Term,
     /// A transient failure: redeliver after this delay ([`nak_delay`]).
     Nak(Duration),
+    /// No answer: the message's delivery under way is another session's (this one was
+    /// superseded, [`Hold::Superseded`]); an answer from here would ack, or send back, the
+    /// dispatch that session runs under.
+    Leave,
 }
 
 impl Answer {
@@ -278,6 +283,48 @@ pub(super) fn run_elsewhere(record: &TaskRecord, stream_seq: Option<u64>) -> boo
         && matches!((record.dispatch_seq, stream_seq), (Some(running), Some(this)) if running != this)
 }
 
+/// What the record read at a progress tick says of the session running the task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Hold {
+    /// The session goes on.
+    GoOn,
+    /// The task was cancelled (`cancel_requested_at`): the session stops, ends the task
+    /// `canceled` with its `task_end`, and writes the terminal record.
+    CancelRequested,
+    /// The session is no longer the task's: the record ended elsewhere (taken over and
+    /// finished by another session, or dead-lettered), or it is `working` under another
+    /// session (taken over while this one's worker was cut off). The session stops and
+    /// writes nothing of the task's end: no `task_end`, no terminal record (the design's
+    /// invariant 4: `task_end` is written once; a partitioned worker's late writes are
+    /// refused, not applied).
+    Superseded,
+}
+
+/// [`Hold`] for `record` read while the dispatch runs; `session` is the session this
+/// delivery marked `working`, `None` before it has (a record `working` under another
+/// session is then one this delivery is about to take over, not a loss).
+pub(super) fn hold(record: &TaskRecord, session: Option<&SessionId>) -> Hold {
+    if record.state.is_terminal() {
+        return Hold::Superseded;
+    }
+    if let Some(ours) = session
+        && record.state == TaskState::Working
+        && record.session_id.as_ref() != Some(ours)
+    {
+        return Hold::Superseded;
+    }
+    if record.cancel_requested_at.is_some() {
+        return Hold::CancelRequested;
+    }
+    Hold::GoOn
+}
+
+/// Whether the terminal write of `session` may end `record`: not when it ended, nor when
+/// another session holds it (taken over; [`Hold::Superseded`]).
+pub(super) fn ends_for(record: &TaskRecord, session: &SessionId) -> bool {
+    !record.state.is_terminal() && record.session_id.as_ref() == Some(session)
+}
+
 /// Whether a compare-and-set may write `record` for the delivery with `stream_seq`: not
 /// when it ended, or runs under another dispatch message, meanwhile.
 pub(super) fn writable(record: &TaskRecord, stream_seq: Option<u64>) -> bool {
@@ -500,6 +547,58 @@ mod tests {
         for (case, known, stopping, expected) in &cases {
             assert_eq!(&decide(known, DELIVERY, *stopping), expected, "{case}");
         }
+    }
+
+    #[test]
+    fn a_progress_tick_tells_a_cancel_from_a_session_superseded() {
+        let ours = SessionId::unchecked("ses_a");
+        let cancel = |mut r: TaskRecord| {
+            r.cancel_requested_at = Some(5);
+            r
+        };
+        let ended = |state: TaskState| with(|r| r.state = state);
+        let table: Vec<(&str, TaskRecord, Option<&SessionId>, Hold)> = vec![
+            ("ours, working", working("ses_a", 7), Some(&ours), Hold::GoOn),
+            ("ours, cancel requested", cancel(working("ses_a", 7)), Some(&ours), Hold::CancelRequested),
+            ("taken over by another session", working("ses_b", 7), Some(&ours), Hold::Superseded),
+            ("taken over, and a cancel requested", cancel(working("ses_b", 7)), Some(&ours), Hold::Superseded),
+            ("ended elsewhere", ended(TaskState::Completed), Some(&ours), Hold::Superseded),
+            ("ended canceled elsewhere", cancel(ended(TaskState::Canceled)), Some(&ours), Hold::Superseded),
+            ("dead-lettered", ended(TaskState::Failed), Some(&ours), Hold::Superseded),
+            ("not marked yet: another session's, to take over", working("ses_b", 7), None, Hold::GoOn),
+            ("not marked yet: released", submitted(), None, Hold::GoOn),
+            ("not marked yet: cancel requested", cancel(submitted()), None, Hold::CancelRequested),
+            ("not marked yet: ended", ended(TaskState::Completed), None, Hold::Superseded),
+        ];
+        for (case, record, session, want) in table {
+            assert_eq!(hold(&record, session), want, "{case}");
+        }
+    }
+
+    #[test]
+    fn only_the_session_holding_the_record_writes_its_end() {
+        let ours = SessionId::unchecked("ses_a");
+        assert!(ends_for(&working("ses_a", 7), &ours));
+        assert!(ends_for(
+            &with(|r| {
+                r.state = TaskState::Working;
+                r.session_id = Some(ours.clone());
+                r.cancel_requested_at = Some(1)
+            }),
+            &ours
+        ));
+        assert!(!ends_for(&working("ses_b", 7), &ours), "taken over");
+        assert!(
+            !ends_for(
+                &with(|r| {
+                    r.state = TaskState::Completed;
+                    r.session_id = Some(ours.clone())
+                }),
+                &ours
+            ),
+            "ended"
+        );
+        assert!(!ends_for(&submitted(), &ours), "never marked by this session");
     }
 
     #[test]

@@ -18,12 +18,16 @@ pub(super) async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: Owned
     if let Some(id) = &task_id {
         sh.running.lock().expect("running lock").entry(id.clone()).or_default().insert(in_hand, cancel.clone());
     }
+    // The session this delivery marked `working`, once it has; and the stop that says the
+    // session was superseded ([`Hold::Superseded`]), fired before `cancel`.
+    let session = Arc::new(std::sync::OnceLock::new());
+    let superseded = CancellationToken::new();
     let progress = tokio::spawn({
         let msg = msg.clone();
         let every = sh.config.progress_every.unwrap_or(Duration::from_secs(10));
         let tasks = sh.tasks.clone();
         let task_id = task_id.clone();
-        let cancel = cancel.clone();
+        let (cancel, session, superseded) = (cancel.clone(), session.clone(), superseded.clone());
         async move {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
@@ -31,11 +35,23 @@ pub(super) async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: Owned
                 if let Err(e) = msg.ack_with(AckKind::Progress).await {
                     tracing::debug!(error = %e, "in-progress ack failed");
                 }
-                if let Some(id) = &task_id
-                    && let Ok(Some((record, _))) = read(&tasks, id).await
-                    && (record.cancel_requested_at.is_some() || record.state.is_terminal())
-                {
-                    cancel.cancel();
+                let Some(id) = &task_id else { continue };
+                let Ok(Some((record, _))) = read(&tasks, id).await else { continue };
+                match hold(&record, session.get()) {
+                    Hold::GoOn => {}
+                    Hold::CancelRequested => cancel.cancel(),
+                    Hold::Superseded => {
+                        if !superseded.is_cancelled() {
+                            tracing::warn!(
+                                task_id = %id,
+                                state = record.state.as_str(),
+                                holder = ?record.session_id,
+                                "the task ended or runs elsewhere (taken over): this session stops and writes nothing of its end"
+                            );
+                        }
+                        superseded.cancel();
+                        cancel.cancel();
+                    }
                 }
             }
         }
@@ -45,7 +61,7 @@ pub(super) async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: Owned
         Err(_) => Delivered { number: 1, stream_seq: None },
     };
     let span = dispatch_span(&sh, &msg, task_id.as_ref(), carried_traceparent, delivered.number).await;
-    let answer = run_dispatch(&sh, parsed, delivered, cancel).instrument(span).await;
+    let answer = run_dispatch(&sh, parsed, delivered, cancel, Claim { session, superseded }).instrument(span).await;
     progress.abort();
     if let Some(id) = &task_id {
         let mut running = sh.running.lock().expect("running lock");
@@ -65,10 +81,18 @@ pub(super) async fn handle(sh: Arc<Shared>, msg: jetstream::Message, slot: Owned
         Answer::Ack => msg.double_ack().await,
         Answer::Term => msg.ack_with(AckKind::Term).await,
         Answer::Nak(delay) => msg.ack_with(AckKind::Nak(Some(delay))).await,
+        Answer::Leave => Ok(()),
     };
     if let Err(e) = acked {
         tracing::warn!(error = %e, ?answer, "answering a dispatch failed; it will be redelivered");
     }
+}
+
+/// What a delivery shares with its progress ticks: the session it marked `working`, and
+/// the stop fired when the ticks find that session superseded ([`Hold::Superseded`]).
+struct Claim {
+    session: Arc<std::sync::OnceLock<SessionId>>,
+    superseded: CancellationToken,
 }
 
 async fn run_dispatch(
@@ -76,10 +100,11 @@ async fn run_dispatch(
     parsed: Result<Dispatch, serde_json::Error>,
     delivery: Delivered,
     cancel: CancellationToken,
+    claim: Claim,
 ) -> Answer {
     // A fleet step's fan-out permit, once it holds one; given back whatever happened.
     let mut permit = None;
-    let answer = run_dispatch_holding(sh, parsed, delivery, cancel, &mut permit).await;
+    let answer = run_dispatch_holding(sh, parsed, delivery, cancel, claim, &mut permit).await;
     if let Some(permit) = permit {
         permit.release().await;
     }
@@ -94,6 +119,7 @@ async fn run_dispatch_holding(
     parsed: Result<Dispatch, serde_json::Error>,
     delivery: Delivered,
     cancel: CancellationToken,
+    claim: Claim,
     permit: &mut Option<Arc<fanout::StepPermit>>,
 ) -> Answer {
     // The session's stop: the task's, or the loss of its fan-out permit (watched until the
@@ -268,6 +294,7 @@ async fn run_dispatch_holding(
                 };
                 match working {
                     Ok(Some(c)) => {
+                        let _ = claim.session.set(session_id.clone());
                         let takeover = match std::mem::replace(&mut known.takeover, Fetch::NotYet) {
                             Fetch::Done(takeover) => Some(takeover),
                             _ => None,
@@ -309,6 +336,7 @@ async fn run_dispatch_holding(
         takeover,
         checkpoints.clone(),
         session_cancel.clone(),
+        claim.superseded.clone(),
     )
     .await
     {
@@ -324,14 +352,25 @@ async fn run_dispatch_holding(
         tracing::warn!(task_id = %key, "the step's fan-out permit was lost: its end is not written; it runs again");
         return Answer::nak(delivery);
     }
+    // Superseded: the task's end is the other session's to write (or written already).
+    // This delivery writes nothing, purges no checkpoint (the other session's, if it
+    // runs) and leaves the message alone (its delivery under way is the other session's).
+    if claim.superseded.is_cancelled() {
+        tracing::info!(task_id = %key, %session_id, "a superseded session stopped: no task_end, no terminal write");
+        return Answer::Leave;
+    }
     // The terminal record must be written (a nak would run the task again): keep trying
     // through a broker outage, with in-progress acks still going out, for up to a minute.
     let mut delays = mur_nats::backoff::delays(Duration::from_millis(100), Duration::from_secs(2));
     let give_up = tokio::time::Instant::now() + TERMINAL_WRITE_PATIENCE;
     let mut known = Some(current);
+    // Set when the write finds the record `working` under another session: superseded
+    // after the session's last look (it was taken over while this one ran to its end).
+    let mut taken_over = false;
     let written = loop {
         let written = task_records::update(&sh.tasks, key, known.take(), |r| {
-            if r.state.is_terminal() {
+            if !ends_for(r, &session_id) {
+                taken_over = !r.state.is_terminal();
                 return false;
             }
             r.usage.clone_from(&usage);
@@ -346,6 +385,10 @@ async fn run_dispatch_holding(
         tracing::warn!(task_id = %key, error = ?written.as_ref().err(), "writing the terminal record failed; retrying");
         tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
     };
+    if taken_over && written.is_ok() {
+        tracing::warn!(task_id = %key, %session_id, "the task was taken over by another session: its end is that session's to write");
+        return Answer::Leave;
+    }
     let answer = finished(written, key, delivery);
     if answer == Answer::Ack && checkpoints.saved.load(Ordering::Relaxed) {
         // Entries still in flight land before the purge, not after it.

@@ -53,7 +53,8 @@ impl Prepared {
 /// Runs `task` in a new session `session_id` (taking it over from a checkpoint when
 /// `takeover` says so), in the folder `prepared` makes, and returns its exit status, its
 /// result, its token usage and its tool calls found in doubt (issue #34). The session
-/// stops when `cancel` fires.
+/// stops when `cancel` fires; when `superseded` fired first, it stops without `task_end`
+/// ([`Durable::superseded`]): the task is another session's.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn run_session(
     sh: &Shared,
@@ -64,6 +65,7 @@ pub(super) async fn run_session(
     takeover: Option<Takeover>,
     checkpoints: Arc<KvCheckpoints>,
     cancel: CancellationToken,
+    superseded: CancellationToken,
 ) -> Result<(ExitStatus, String, Option<mur_proto::cost::Usage>, u32), String> {
     let missing = crate::preflight::missing(&task.needs, std::env::var_os("PATH").as_deref());
     if !missing.is_empty() {
@@ -145,11 +147,11 @@ pub(super) async fn run_session(
             tokio::time::Instant::now() + Duration::from_millis(left)
         });
         let journal: Arc<dyn Journal> = checkpoints.clone();
-        let durable = Durable { takeover, checkpoints, journal: Some(journal), deadline };
+        let durable = Durable { takeover, checkpoints, journal: Some(journal), deadline, superseded: Some(superseded) };
         let report = session.run_task_durable(spec, prior, cancel.clone(), durable).await;
         let outcome = match report {
             Ok(r) => {
-                if r.outcome.exit_status == ExitStatus::Ok && continues_context(task, capsule) {
+                if r.outcome.exit_status == ExitStatus::Ok && !r.superseded && continues_context(task, capsule) {
                     save_conversation(sh, task, &r.history, base.as_ref()).await;
                 }
                 (r.outcome.exit_status, r.outcome.result, r.tool_calls_in_doubt)

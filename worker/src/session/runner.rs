@@ -154,6 +154,11 @@ pub struct Durable {
     /// When the task must be over: the deadline a fleet step inherits. Then the call under
     /// way is dropped, no further turn starts, and the task ends `deadline_exceeded`.
     pub deadline: Option<tokio::time::Instant>,
+    /// Fired (before the task's stop) when the task is found to be another session's:
+    /// taken over while this one's worker was cut off, or ended elsewhere (issue #33). The
+    /// task then stops as on a cancel, but writes `session_superseded` instead of
+    /// `task_end` and no result file: `task_end` is its holder's to write, once.
+    pub superseded: Option<CancellationToken>,
 }
 
 /// What a session needs besides its collaborators.
@@ -220,6 +225,9 @@ pub struct TaskReport {
     /// Tool calls found in doubt at the task's takeovers, this one's and earlier ones'
     /// (issue #34).
     pub tool_calls_in_doubt: u32,
+    /// The session was superseded ([`Durable::superseded`]): it wrote no `task_end`, and
+    /// the outcome is no end of the task's.
+    pub superseded: bool,
 }
 
 /// The journal of the task running, with what a takeover read of it (issue #34).
@@ -690,6 +698,7 @@ impl Session {
             self.parts.driver.taken_over_at(t.counters.turns);
             machine = machine.resumed(t.history, t.counters, t.session_tokens, t.reopens);
         }
+        let superseded = durable.as_ref().and_then(|d| d.superseded.clone());
         let checkpoints = durable.map(|d| d.checkpoints);
         let mut fatal = false;
         let mut canceled = false;
@@ -812,8 +821,17 @@ impl Session {
         };
         // The task's stop reaches no hook of a later task (`mur run` sessions take several).
         self.task_stop = CancellationToken::new();
-        self.write_result(&outcome.result);
-        self.emit(machine.task_end(started.elapsed().as_millis() as u64))?;
+        let superseded = superseded.is_some_and(|s| s.is_cancelled());
+        if superseded {
+            // Not this session's end to write: the task's holder writes its one `task_end`.
+            self.emit(Event::SessionSuperseded {
+                task_id: machine.task().task_id.clone(),
+                turns: machine.counters().turns,
+            })?;
+        } else {
+            self.write_result(&outcome.result);
+            self.emit(machine.task_end(started.elapsed().as_millis() as u64))?;
+        }
         let c = machine.counters();
         self.totals.turns += c.turns.saturating_sub(earlier.turns);
         self.totals.input_tokens += c.input_tokens.saturating_sub(earlier.input_tokens);
@@ -830,6 +848,7 @@ impl Session {
             history: machine.messages().to_vec(),
             fatal,
             tool_calls_in_doubt: journaling.map_or(0, |j| j.in_doubt),
+            superseded,
         })
     }
 
