@@ -1729,6 +1729,7 @@ mod journal_tests {
             checkpoints: Arc::new(Nowhere),
             journal: Some(journal.clone() as Arc<dyn Journal>),
             deadline: None,
+            superseded: None,
         };
         let report = session.run_task_durable(task, Vec::new(), CancellationToken::new(), durable).await.unwrap();
         assert_eq!(report.outcome.exit_status, ExitStatus::Ok, "{}", report.outcome.result);
