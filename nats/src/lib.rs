@@ -15,6 +15,7 @@
 //! - [`identity`]: who called an API request, as nats-server states it (`Nats-Request-Info`);
 //! - [`health`]: a process's readiness (`/readyz`);
 //! - [`metrics`]: the metrics instruments every process records to (issue #32);
+//! - [`server_bin`]: where the `nats-server` binary is found (`mur dev`, the testkit);
 //! - [`tls`]: the process's one rustls crypto provider;
 //! - [`tokens`]: A2A bearer tokens in `mur_tokens`, and the keyring endpoints check them with.
 
@@ -30,6 +31,7 @@ pub mod health;
 pub mod identity;
 pub mod metrics;
 pub mod read;
+pub mod server_bin;
 pub mod tasks;
 pub mod tls;
 pub mod tokens;

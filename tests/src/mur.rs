@@ -159,9 +159,11 @@ impl Background {
         self.child.id()
     }
 
-    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process; panics on an error other than
+    /// the process being gone already.
     pub fn signal(&self, signal: i32) {
-        let _ = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status();
+        mur_worker::signal::signal_pid(self.child.id(), signal)
+            .unwrap_or_else(|e| panic!("signal {signal} to pid {}: {e}", self.child.id()));
     }
 
     /// Waits for the exit, at most `timeout`; returns the exit code and stderr.

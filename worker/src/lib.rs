@@ -15,6 +15,7 @@ pub mod preflight;
 pub mod sandbox;
 pub mod service;
 pub mod session;
+pub mod signal;
 pub mod timer;
 pub mod tokens;
 pub mod tools;
