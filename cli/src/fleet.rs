@@ -813,6 +813,9 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
                     Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.last_sequence),
                     Err(_) => 0,
                 };
+                // The run records' bucket, opened before the run starts: once the run line is
+                // printed the follower needs nothing more from the cluster to follow it.
+                let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
                 let body = serde_json::to_vec(request)?;
                 if futures::FutureExt::now_or_never(&mut ctrl_c).is_some() {
                     eprintln!("mur fleet run: interrupted; no run was started");
@@ -855,7 +858,6 @@ fn follow_run(common: &Common, request: &fleet_store::RunRequest, notice: Option
                 let mut said = vec![fleet_store::run_started_text(&started.run_id, &started.bounds)];
                 said.extend(started.notices.iter().map(|n| fleet_store::notice_text(n)));
                 let mut view = Live::new(common.json, follow, said, follow_every()?);
-                let defs = js.get_key_value(fleet_store::FLEETS_BUCKET).await?;
                 let mut our_permits = std::collections::BTreeSet::new();
                 let key = fleet_store::run_key(&started.run_id);
                 // When the stream store last answered: a follower cut off from the cluster
